@@ -1,0 +1,118 @@
+"""Tree-builder benchmark: the jit builder vs a plain-XLA builder vs the reference heap.
+
+Shapes from the issue: L = 15 draft depths, V = 151936 (Qwen3 vocabulary), bf16 drafter logits;
+budget 64 and 256 at B = 1, budget 64 at B = 32 (targets: 50 us, 100 us, 500 us on an H200).
+
+Variants (same inputs, one run):
+  jit/prefilter   build_tree, top-K by the exact chunk-max prefilter (the default on large vocabularies)
+  jit/xla-topk    build_tree with lax.top_k over the full row per depth (the "plain XLA builder")
+  reference       jax.device_get(logits) + the numpy/heapq heap per row (what a host builder costs)
+Two timings per jit variant:
+  call   one jitted call + block_until_ready (includes Python dispatch, ~10-20 us)
+  step   per tree inside one jit that builds 8 trees back to back (lax.map): the cost inside a decode step
+Stage split (step timing): the top-K stage alone, for each selection method.
+Roofline: reading the logits once at the measured ~3.1 TB/s XLA copy rate (the floor of any builder).
+
+Usage: python benchmarks/bench_tree.py --commit $(git rev-parse --short HEAD) [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.common import device_description, markdown_table, time_call, write_result  # noqa: E402
+from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs  # noqa: E402
+from ddtree_jax.tree.build import _build_tree_jit  # noqa: E402
+from ddtree_jax.tree.synthetic import synthetic_draft_logits  # noqa: E402
+
+COPY_BW = 3.1e12  # bytes/s, measured XLA device-to-device copy on the H200 (performance_notes.md)
+
+
+def _inputs(batch, depth, vocab, dtype, count, seed=0):
+    keys = jax.random.split(jax.random.key(seed), count)
+    return [synthetic_draft_logits(k, batch, depth, vocab, dtype=dtype) for k in keys]
+
+
+def _check_against_reference(logits, budget, impl, rows=2):
+    """Exactness on this device: rows that equal the heap bit for bit (near-ties aside)."""
+    tree = build_tree(logits, budget, topk_impl=impl)
+    host = np.asarray(jax.device_get(logits).astype(np.float32))
+    exact = 0
+    for b in range(min(rows, logits.shape[0])):
+        ref = build_tree_reference(host[b], budget)
+        n = ref.num_nodes
+        exact += bool(
+            int(tree.num_nodes[b]) == n
+            and (np.asarray(tree.tokens[b, :n]) == ref.tokens).all()
+            and (np.asarray(tree.parents[b, :n]) == ref.parents).all()
+        )
+    return exact, min(rows, logits.shape[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--quick", action="store_true", help="small shapes, few reps (CPU smoke run)")
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+
+    depth, vocab = (15, 151936) if not args.quick else (4, 4096)
+    cases = [(1, 16), (1, 64), (1, 256), (32, 64), (1, 1024)] if not args.quick else [(1, 16), (2, 32)]
+    reps = args.reps if not args.quick else 3
+    print(f"device: {device_description()}; L = {depth}, V = {vocab}, bf16 logits", flush=True)
+    rows, records = [], []
+    for batch, budget in cases:
+        inputs = _inputs(batch, depth, vocab, jnp.bfloat16, 4)
+        floor_us = batch * depth * vocab * 2 / COPY_BW * 1e6
+        rec = {"batch": batch, "budget": budget, "depth": depth, "vocab": vocab, "roofline_us": floor_us}
+        for impl in ("prefilter", "xla"):
+            call = functools.partial(_build_tree_jit, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl)
+            t0 = time.perf_counter()
+            jax.block_until_ready(call(inputs[0]))
+            rec[f"{impl}_compile_s"] = time.perf_counter() - t0
+            rec[f"{impl}_call"] = time_call(call, inputs, reps=reps)
+            stacked = jnp.stack(inputs + inputs)  # 8 trees per jit call
+            step = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: _build_tree_jit(
+                x, jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl).tokens, xs))
+            rec[f"{impl}_step"] = {k: (v / 8 if k.endswith("_us") else v) for k, v in time_call(step, [stacked], reps=max(5, reps // 5)).items()}
+            k = min(budget, vocab)
+            topk = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: top_k_log_probs(x, k, impl=impl)[1], xs))
+            rec[f"{impl}_topk_step"] = {kk: (v / 8 if kk.endswith("_us") else v) for kk, v in time_call(topk, [stacked], reps=max(5, reps // 5)).items()}
+            rec[f"{impl}_exact_rows"] = _check_against_reference(inputs[1], budget, impl)
+        if batch * budget <= 32 * 64:
+            def host(x):
+                arr = np.asarray(jax.device_get(x).astype(np.float32))
+                return [build_tree_reference(arr[b], budget) for b in range(batch)]
+
+            t = time.perf_counter()
+            for x in inputs:
+                host(x)
+            rec["reference_us"] = (time.perf_counter() - t) / len(inputs) * 1e6
+        records.append(rec)
+        rows.append([
+            batch, budget,
+            rec["prefilter_step"]["median_us"], rec["prefilter_call"]["median_us"], rec["prefilter_topk_step"]["median_us"],
+            rec["xla_step"]["median_us"], rec["xla_call"]["median_us"], rec["xla_topk_step"]["median_us"],
+            rec.get("reference_us", float("nan")), floor_us,
+            f"{rec['prefilter_exact_rows'][0]}/{rec['prefilter_exact_rows'][1]}",
+        ])
+        print(f"  done B={batch} budget={budget}", flush=True)
+    header = ["B", "budget", "prefilter step us", "prefilter call us", "prefilter top-K us",
+              "xla step us", "xla call us", "xla top-K us", "reference heap us", "read-once floor us", "exact rows"]
+    table = markdown_table(header, rows)
+    path = write_result("bench_tree", {"cases": records, "table": table}, args.commit)
+    print(table)
+    print(f"written {path}")
+
+
+if __name__ == "__main__":
+    main()

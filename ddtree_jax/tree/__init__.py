@@ -1,0 +1,20 @@
+"""Draft trees: the best-first DDTree builder (jit and reference), the DFlash chain, derived structures."""
+
+from ddtree_jax.tree.build import build_chain, build_tree
+from ddtree_jax.tree.draft_tree import DraftTree
+from ddtree_jax.tree.reference import ReferenceTree, build_tree_reference
+from ddtree_jax.tree.select import top_k_log_probs
+from ddtree_jax.tree.structure import ORDER_POLICIES, ancestor_mask, positions, verification_order
+
+__all__ = [
+    "DraftTree",
+    "ReferenceTree",
+    "build_tree",
+    "build_chain",
+    "build_tree_reference",
+    "top_k_log_probs",
+    "positions",
+    "ancestor_mask",
+    "verification_order",
+    "ORDER_POLICIES",
+]

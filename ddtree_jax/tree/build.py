@@ -1,0 +1,252 @@
+"""The jit-compiled DDTree builder: the best-first heap's tree without a sequential loop.
+
+Parallel formulation (exact). The heap pops prefixes in the total order
+    key(p) = (-logw(p), ranks tuple of p)          (lexicographic; a prefix sorts before its extensions)
+because every prefix's heap predecessor (its parent, or its previous sibling) has a strictly smaller
+key, and float32 rounding of `logw + lp` is monotone. The tree S is therefore the `budget` smallest
+keys over all prefixes, in key order. We find it level by level:
+
+1. top-K per depth (K = min(budget, V)) of the float32 log-softmax, equal values -> lower token id.
+2. C_1 = the K depth-1 prefixes. C_{l+1} = the `budget` best keys among C_l x {ranks}, where only the
+   pairs (i, r) with (i + 1) * (r + 1) <= budget can qualify (every (i', r') <= (i, r) precedes (i, r),
+   and all of them would have to be in S). Every node of S at length l + 1 has its parent in S, hence
+   in C_l, so S is contained in the union of the C_l.
+3. One sort of the union by the full key gives S in pop order.
+
+The ranks-tuple tie-break is carried as per-level lexicographic ranks: within a level, a child's
+tuple order is (parent's lexicographic rank, own rank); across levels we compare the ancestors'
+lexicographic ranks column by column (`-1` for "no ancestor at this length", which sorts first).
+The only divergence from the heap is where float32 rounding makes two different real sums equal
+(|delta logw| ~ 1 ulp), the near-ties the spec allows to swap.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
+from ddtree_jax.tree.select import top_k_log_probs
+
+
+def _check_inputs(draft_logits, budget: int) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if draft_logits.ndim != 3:
+        raise ValueError(f"draft_logits must have shape [B, L, V], got shape {tuple(draft_logits.shape)}")
+    if not jnp.issubdtype(draft_logits.dtype, jnp.floating):
+        raise ValueError(f"draft_logits must be a float array (float32 or bfloat16), got {draft_logits.dtype}")
+    if 0 in draft_logits.shape:
+        raise ValueError(f"draft_logits must be non-empty, got shape {tuple(draft_logits.shape)}")
+
+
+def _check_finite(draft_logits) -> None:
+    """Eager NaN/inf check (one device->host sync); skipped when traced."""
+    if isinstance(draft_logits, jax.core.Tracer):
+        return
+    finite = np.asarray(jnp.isfinite(draft_logits))
+    if not finite.all():
+        row, depth, token = np.argwhere(~finite)[0]
+        raise ValueError(
+            f"draft_logits contain NaN/inf (first at row {row}, depth index {depth}, token {token}); "
+            "under jit such a row yields a root-only tree instead"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static (parent position, rank) pairs with (i + 1) * (r + 1) <= budget, r < k, i < budget."""
+    parent_pos, rank = [], []
+    for i in range(budget):
+        for r in range(min(k, budget // (i + 1))):
+            parent_pos.append(i)
+            rank.append(r)
+    return np.array(parent_pos, dtype=np.int32), np.array(rank, dtype=np.int32)
+
+
+def _sort_key(logw: jax.Array) -> jax.Array:
+    # Ascending sort key for descending logw; `+ 0.0` maps -0.0 to +0.0 so both compare equal in
+    # lax.sort's total order. -inf (padding) becomes +inf and sorts last.
+    return -logw + 0.0
+
+
+def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
+    """One row. lp: float32 [L, K] per-depth top-K log-probs (rank order).
+
+    Returns, for the `budget` draft slots in pop order: level (depth - 1) int32, rank int32,
+    parent slot int32 (0 = root), logw float32 (-inf = padding).
+    """
+    depth_limit, k = lp.shape
+    pair_parent, pair_rank = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
+    lex_width = k  # lexicographic key of a child = parent lexrank * k + rank
+
+    # Level 1 (depth 1): the top-K tokens; padded to `budget` entries.
+    pad = budget - k
+    logw = jnp.concatenate([lp[0], jnp.full((pad,), -jnp.inf, jnp.float32)])
+    rank = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
+    parent = jnp.full((budget,), -1, jnp.int32)
+    lexrank = jnp.arange(budget, dtype=jnp.int32)
+    levels = [(logw, rank, parent, lexrank)]
+
+    for level in range(1, depth_limit):
+        prev_logw, _, _, prev_lexrank = levels[-1]
+        parent_logw = prev_logw[pair_parent]
+        cand_logw = jnp.where(jnp.isfinite(parent_logw), parent_logw + lp[level, pair_rank], -jnp.inf)
+        cand_lex = prev_lexrank[pair_parent] * lex_width + pair_rank
+        _, lex_sorted, parent_sorted, rank_sorted = lax.sort(
+            (_sort_key(cand_logw), cand_lex, pair_parent, pair_rank), num_keys=2
+        )
+        parent = parent_sorted[:budget]
+        rank = rank_sorted[:budget]
+        logw = prev_logw[parent] + lp[level, rank]
+        logw = jnp.where(jnp.isfinite(prev_logw[parent]), logw, -jnp.inf)
+        lex_key = lex_sorted[:budget]
+        # lexicographic rank of each kept entry within its level (keys are distinct)
+        order = jnp.argsort(lex_key)
+        lexrank = jnp.zeros((budget,), jnp.int32).at[order].set(jnp.arange(budget, dtype=jnp.int32))
+        levels.append((logw, rank, parent, lexrank))
+
+    # Global merge. Column c of `ancestry` holds the lexicographic rank of the entry's ancestor of
+    # length c + 1 (the entry itself at its own length), -1 beyond its length.
+    num_levels = len(levels)
+    pool_logw, pool_rank, pool_level, pool_parent, ancestry = [], [], [], [], []
+    for level, (logw, rank, parent, lexrank) in enumerate(levels):
+        cols = [None] * num_levels
+        pos = jnp.arange(budget, dtype=jnp.int32)
+        for up in range(level, -1, -1):
+            cols[up] = levels[up][3][pos]
+            if up > 0:
+                pos = levels[up][2][pos]
+        for c in range(level + 1, num_levels):
+            cols[c] = jnp.full((budget,), -1, jnp.int32)
+        pool_logw.append(logw)
+        pool_rank.append(rank)
+        pool_level.append(jnp.full((budget,), level, jnp.int32))
+        pool_parent.append(parent + (level - 1) * budget if level > 0 else parent)  # pool index
+        ancestry.append(jnp.stack(cols))
+    pool_logw = jnp.concatenate(pool_logw)
+    ancestry = jnp.concatenate(ancestry, axis=1)  # [num_levels, pool]
+    pool_index = jnp.arange(pool_logw.shape[0], dtype=jnp.int32)
+    sorted_ops = lax.sort(
+        (_sort_key(pool_logw), *[ancestry[c] for c in range(num_levels)], pool_index),
+        num_keys=1 + num_levels,
+    )
+    chosen = sorted_ops[-1][:budget]  # pool indices of slots 1..budget
+    slot_logw = pool_logw[chosen]
+    slot_level = jnp.concatenate(pool_level)[chosen]
+    slot_rank = jnp.concatenate(pool_rank)[chosen]
+    parent_pool = jnp.concatenate(pool_parent)[chosen]
+    slot_of_pool = jnp.zeros(pool_logw.shape, jnp.int32).at[chosen].set(
+        jnp.arange(1, budget + 1, dtype=jnp.int32)
+    )
+    slot_parent = jnp.where(slot_level > 0, slot_of_pool[jnp.maximum(parent_pool, 0)], 0)
+    return slot_level, slot_rank, slot_parent, slot_logw
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "topk_impl"))
+def _build_tree_jit(draft_logits, root_tokens, *, budget: int, topk_impl: str) -> DraftTree:
+    batch, depth_limit, vocab = draft_logits.shape
+    k = min(budget, vocab)
+    lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
+    level, rank, parent, logw = jax.vmap(functools.partial(_build_row, budget=budget))(lp)
+
+    # A row with NaN/inf logits gets a root-only tree (documented; the eager path raises instead).
+    row_finite = jnp.isfinite(draft_logits).all(axis=(1, 2))
+    real = jnp.isfinite(logw) & row_finite[:, None]  # [B, budget]
+    token = jnp.take_along_axis(ids.reshape(batch, depth_limit * k), level * k + rank, axis=1)
+
+    def with_root(root_value, slots, pad_value):
+        slots = jnp.where(real, slots, pad_value)
+        return jnp.concatenate([jnp.broadcast_to(root_value, (batch, 1)).astype(slots.dtype), slots], axis=1)
+
+    return DraftTree(
+        tokens=with_root(root_tokens[:, None], token, PAD_TOKEN),
+        parents=with_root(PAD_PARENT, parent, PAD_PARENT),
+        depths=with_root(0, level + 1, PAD_DEPTH),
+        ranks=with_root(-1, rank, PAD_RANK),
+        logw=with_root(0.0, logw, -jnp.inf),
+        num_nodes=1 + real.sum(axis=1, dtype=jnp.int32),
+        max_depth=depth_limit,
+    )
+
+
+def build_tree(
+    draft_logits: jax.Array,
+    budget: int,
+    root_tokens: jax.Array | None = None,
+    *,
+    topk_impl: str = "auto",
+    check_finite: bool = True,
+) -> DraftTree:
+    """Builds the DDTree draft tree of N = budget + 1 slots for each row.
+
+    Args:
+      draft_logits: float32 or bfloat16 [B, L, V], the drafter's logits for depths 1..L (no temperature).
+      budget: static number of draft nodes (root not counted), >= 1; any V and L are allowed
+        (fewer reachable nodes than `budget` leave padding slots).
+      root_tokens: int32 [B] tokens for slot 0 (the bonus tokens), or None for 0.
+      topk_impl: per-depth top-K selection, see `ddtree_jax.tree.select.top_k_log_probs`.
+      check_finite: when called eagerly, raise ValueError on NaN/inf logits (costs one host sync).
+        Under an outer jit the check cannot raise; a non-finite row yields a root-only tree.
+
+    Returns:
+      DraftTree with tokens/parents/depths/ranks int32 [B, N], logw float32 [B, N], num_nodes int32 [B].
+    """
+    _check_inputs(draft_logits, budget)
+    draft_logits = jnp.asarray(draft_logits)
+    if check_finite:
+        _check_finite(draft_logits)
+    batch = draft_logits.shape[0]
+    if root_tokens is None:
+        root_tokens = jnp.zeros((batch,), jnp.int32)
+    root_tokens = jnp.asarray(root_tokens, jnp.int32)
+    if root_tokens.shape != (batch,):
+        raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
+    return _build_tree_jit(draft_logits, root_tokens, budget=int(budget), topk_impl=topk_impl)
+
+
+@jax.jit
+def _build_chain_jit(draft_logits, root_tokens) -> DraftTree:
+    batch, depth_limit, _ = draft_logits.shape
+    lp_full = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    top_token = jnp.argmax(lp_full, axis=-1).astype(jnp.int32)  # ties -> lowest id
+    top_lp = jnp.max(lp_full, axis=-1)  # [B, L]
+    logw = [top_lp[:, 0]]
+    for level in range(1, depth_limit):  # left-to-right float32 sum, like the heap
+        logw.append(logw[-1] + top_lp[:, level])
+    slots = depth_limit + 1
+    real = jnp.broadcast_to(jnp.isfinite(draft_logits).all(axis=(1, 2))[:, None], (batch, slots))
+    real = real.at[:, 0].set(True)
+
+    def per_slot(values, pad_value):
+        return jnp.where(real, jnp.broadcast_to(values, (batch, slots)), pad_value)
+
+    return DraftTree(
+        tokens=per_slot(jnp.concatenate([root_tokens[:, None], top_token], axis=1), PAD_TOKEN),
+        parents=per_slot(jnp.arange(-1, depth_limit, dtype=jnp.int32), PAD_PARENT),
+        depths=per_slot(jnp.arange(slots, dtype=jnp.int32), PAD_DEPTH),
+        ranks=per_slot(jnp.where(jnp.arange(slots) == 0, -1, 0).astype(jnp.int32), PAD_RANK),
+        logw=per_slot(jnp.concatenate([jnp.zeros((batch, 1), jnp.float32), jnp.stack(logw, axis=1)], axis=1), -jnp.inf),
+        num_nodes=real.sum(axis=1, dtype=jnp.int32),
+        max_depth=depth_limit,
+    )
+
+
+def build_chain(draft_logits: jax.Array, root_tokens: jax.Array | None = None, *, check_finite: bool = True) -> DraftTree:
+    """The linear DFlash chain: the root plus the top-1 token at each depth (L + 1 slots).
+
+    Not `build_tree(budget=L)`, which branches. Same `DraftTree` form; all slots are real.
+    """
+    _check_inputs(draft_logits, 1)
+    draft_logits = jnp.asarray(draft_logits)
+    if check_finite:
+        _check_finite(draft_logits)
+    batch = draft_logits.shape[0]
+    root_tokens = jnp.zeros((batch,), jnp.int32) if root_tokens is None else jnp.asarray(root_tokens, jnp.int32)
+    if root_tokens.shape != (batch,):
+        raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
+    return _build_chain_jit(draft_logits, root_tokens)
