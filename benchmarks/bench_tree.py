@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     depth, vocab = (15, 151936) if not args.quick else (4, 4096)
-    cases = [(1, 16), (1, 64), (1, 256), (32, 64), (1, 1024)] if not args.quick else [(1, 16), (2, 32)]
+    cases = [(1, 64), (1, 256), (32, 64), (1, 16), (1, 1024)] if not args.quick else [(1, 16), (2, 32)]
     reps = args.reps if not args.quick else 3
     print(f"device: {device_description()}; L = {depth}, V = {vocab}, bf16 logits", flush=True)
     rows, records = [], []
@@ -79,6 +79,7 @@ def main() -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(call(inputs[0]))
             rec[f"{impl}_compile_s"] = time.perf_counter() - t0
+            print(f"  B={batch} budget={budget} {impl}: compile + first run {rec[f'{impl}_compile_s']:.1f} s", flush=True)
             rec[f"{impl}_call"] = time_call(call, inputs, reps=reps)
             stacked = jnp.stack(inputs + inputs)  # 8 trees per jit call
             step = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: _build_tree_jit(
@@ -98,6 +99,7 @@ def main() -> None:
                 host(x)
             rec["reference_us"] = (time.perf_counter() - t) / len(inputs) * 1e6
         records.append(rec)
+        write_result("bench_tree", {"cases": records}, args.commit)  # partial results survive a timeout
         rows.append([
             batch, budget,
             rec["prefilter_step"]["median_us"], rec["prefilter_call"]["median_us"], rec["prefilter_topk_step"]["median_us"],

@@ -11,11 +11,11 @@ keys over all prefixes, in key order. We find it level by level:
    pairs (i, r) with (i + 1) * (r + 1) <= budget can qualify (every (i', r') <= (i, r) precedes (i, r),
    and all of them would have to be in S). Every node of S at length l + 1 has its parent in S, hence
    in C_l, so S is contained in the union of the C_l.
-3. One sort of the union by the full key gives S in pop order.
+3. The union, laid out in lexicographic (DFS preorder) order of the ranks tuples, goes through one
+   `lax.top_k`, whose lower-index-first tie-break is then exactly the heap's tie-break.
 
-The ranks-tuple tie-break is carried as per-level lexicographic ranks: within a level, a child's
-tuple order is (parent's lexicographic rank, own rank); across levels we compare the ancestors'
-lexicographic ranks column by column (`-1` for "no ancestor at this length", which sorts first).
+Within a level the ranks-tuple order of a child is (parent's lexicographic rank, own rank), so each
+level's selection is one two-key sort; the global preorder comes from subtree sizes.
 The only divergence from the heap is where float32 rounding makes two different real sums equal
 (|delta logw| ~ 1 ulp), the near-ties the spec allows to swap.
 """
@@ -74,6 +74,10 @@ def _sort_key(logw: jax.Array) -> jax.Array:
     return -logw + 0.0
 
 
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x) - x
+
+
 def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
     """One row. lp: float32 [L, K] per-depth top-K log-probs (rank order).
 
@@ -82,67 +86,64 @@ def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
     """
     depth_limit, k = lp.shape
     pair_parent, pair_rank = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
-    lex_width = k  # lexicographic key of a child = parent lexrank * k + rank
+    positions = jnp.arange(budget, dtype=jnp.int32)
 
-    # Level 1 (depth 1): the top-K tokens; padded to `budget` entries.
+    # Each level l holds `budget` entries in key order: logw, rank, parent (position in level l - 1),
+    # lexrank (position in the level's lexicographic order) and lex_order (its inverse permutation).
     pad = budget - k
-    logw = jnp.concatenate([lp[0], jnp.full((pad,), -jnp.inf, jnp.float32)])
+    logw = jnp.concatenate([lp[0], jnp.full((pad,), -jnp.inf, jnp.float32)]) + 0.0
     rank = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
-    parent = jnp.full((budget,), -1, jnp.int32)
-    lexrank = jnp.arange(budget, dtype=jnp.int32)
-    levels = [(logw, rank, parent, lexrank)]
+    parent = jnp.zeros((budget,), jnp.int32)
+    levels = [(logw, rank, parent, positions, positions)]  # level 1: lex order = rank order
 
     for level in range(1, depth_limit):
-        prev_logw, _, _, prev_lexrank = levels[-1]
+        prev_logw, _, _, prev_lexrank, _ = levels[-1]
         parent_logw = prev_logw[pair_parent]
         cand_logw = jnp.where(jnp.isfinite(parent_logw), parent_logw + lp[level, pair_rank], -jnp.inf)
-        cand_lex = prev_lexrank[pair_parent] * lex_width + pair_rank
-        _, lex_sorted, parent_sorted, rank_sorted = lax.sort(
+        cand_lex = prev_lexrank[pair_parent] * k + pair_rank  # (parent lexrank, rank): distinct
+        key_sorted, lex_sorted, parent_sorted, rank_sorted = lax.sort(
             (_sort_key(cand_logw), cand_lex, pair_parent, pair_rank), num_keys=2
         )
-        parent = parent_sorted[:budget]
-        rank = rank_sorted[:budget]
-        logw = prev_logw[parent] + lp[level, rank]
-        logw = jnp.where(jnp.isfinite(prev_logw[parent]), logw, -jnp.inf)
+        logw = -key_sorted[:budget] + 0.0  # the exact candidate sums, no recomputation
         lex_key = lex_sorted[:budget]
-        # lexicographic rank of each kept entry within its level (keys are distinct)
-        order = jnp.argsort(lex_key)
-        lexrank = jnp.zeros((budget,), jnp.int32).at[order].set(jnp.arange(budget, dtype=jnp.int32))
-        levels.append((logw, rank, parent, lexrank))
+        lex_order = jnp.argsort(lex_key).astype(jnp.int32)
+        lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(positions)
+        # materialise each level: keeps XLA from re-deriving (and duplicating) earlier levels
+        levels.append(lax.optimization_barrier((logw, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order)))
 
-    # Global merge. Column c of `ancestry` holds the lexicographic rank of the entry's ancestor of
-    # length c + 1 (the entry itself at its own length), -1 beyond its length.
+    # Global lexicographic (DFS preorder) index of every entry, from subtree sizes: an entry's
+    # preorder = its parent's + 1 + the sizes of the siblings before it (siblings are contiguous in
+    # the level's lex order, by rank).
     num_levels = len(levels)
-    pool_logw, pool_rank, pool_level, pool_parent, ancestry = [], [], [], [], []
-    for level, (logw, rank, parent, lexrank) in enumerate(levels):
-        cols = [None] * num_levels
-        pos = jnp.arange(budget, dtype=jnp.int32)
-        for up in range(level, -1, -1):
-            cols[up] = levels[up][3][pos]
-            if up > 0:
-                pos = levels[up][2][pos]
-        for c in range(level + 1, num_levels):
-            cols[c] = jnp.full((budget,), -1, jnp.int32)
-        pool_logw.append(logw)
-        pool_rank.append(rank)
-        pool_level.append(jnp.full((budget,), level, jnp.int32))
-        pool_parent.append(parent + (level - 1) * budget if level > 0 else parent)  # pool index
-        ancestry.append(jnp.stack(cols))
-    pool_logw = jnp.concatenate(pool_logw)
-    ancestry = jnp.concatenate(ancestry, axis=1)  # [num_levels, pool]
-    pool_index = jnp.arange(pool_logw.shape[0], dtype=jnp.int32)
-    sorted_ops = lax.sort(
-        (_sort_key(pool_logw), *[ancestry[c] for c in range(num_levels)], pool_index),
-        num_keys=1 + num_levels,
-    )
-    chosen = sorted_ops[-1][:budget]  # pool indices of slots 1..budget
-    slot_logw = pool_logw[chosen]
-    slot_level = jnp.concatenate(pool_level)[chosen]
-    slot_rank = jnp.concatenate(pool_rank)[chosen]
-    parent_pool = jnp.concatenate(pool_parent)[chosen]
-    slot_of_pool = jnp.zeros(pool_logw.shape, jnp.int32).at[chosen].set(
-        jnp.arange(1, budget + 1, dtype=jnp.int32)
-    )
+    sizes = [None] * num_levels
+    sizes[-1] = jnp.ones((budget,), jnp.int32)
+    for level in range(num_levels - 2, -1, -1):
+        child_parent = levels[level + 1][2]
+        sizes[level] = 1 + jax.ops.segment_sum(sizes[level + 1], child_parent, num_segments=budget)
+    preorder = [_exclusive_cumsum(sizes[0])]  # level 1 in lex (= rank) order, root excluded
+    for level in range(1, num_levels):
+        _, _, parent, _, lex_order = levels[level]
+        size_lex = sizes[level][lex_order]
+        parent_lex = parent[lex_order]
+        before = _exclusive_cumsum(size_lex)
+        first = jnp.concatenate([jnp.ones((1,), bool), parent_lex[1:] != parent_lex[:-1]])
+        group_base = lax.cummax(jnp.where(first, before, 0))
+        pre_lex = preorder[level - 1][parent_lex] + 1 + before - group_base
+        preorder.append(jnp.zeros((budget,), jnp.int32).at[lex_order].set(pre_lex))
+
+    # Lay the pool out in preorder: lax.top_k's lower-index-first tie-break is then the ranks-tuple
+    # tie-break of the heap, and top_k returns the `budget` best keys in pop order.
+    pool_logw = jnp.concatenate([lv[0] for lv in levels])
+    pool_pre = jnp.concatenate(preorder)
+    pool_size = pool_logw.shape[0]
+    by_pre_logw = jnp.full((pool_size,), -jnp.inf, jnp.float32).at[pool_pre].set(pool_logw)
+    by_pre_pool = jnp.zeros((pool_size,), jnp.int32).at[pool_pre].set(jnp.arange(pool_size, dtype=jnp.int32))
+    slot_logw, chosen_pre = lax.top_k(by_pre_logw, budget)  # -inf entries (padding) come last
+    chosen = by_pre_pool[chosen_pre]  # pool index (= level * budget + position) of slots 1..budget
+    slot_level = chosen // budget
+    slot_rank = jnp.concatenate([lv[1] for lv in levels])[chosen]
+    parent_pool = jnp.concatenate([lv[2] + (lvl - 1) * budget for lvl, lv in enumerate(levels)])[chosen]
+    slot_of_pool = jnp.zeros((pool_size,), jnp.int32).at[chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
     slot_parent = jnp.where(slot_level > 0, slot_of_pool[jnp.maximum(parent_pool, 0)], 0)
     return slot_level, slot_rank, slot_parent, slot_logw
 

@@ -31,7 +31,10 @@ def check_invariants(tree: DraftTree, b: int, top_lp: np.ndarray, top_ids: np.nd
         assert d == row["depths"][p] + 1 and 1 <= d <= tree.max_depth
         assert row["tokens"][i] == top_ids[d - 1, r]
         expected = np.float32(row["logw"][p] + top_lp[d - 1, r])
-        assert row["logw"][i] == expected, f"slot {i}: logw {row['logw'][i]} != parent + lp = {expected}"
+        # top_lp comes from a separate compilation, whose log-softmax may round differently (GPU)
+        assert abs(row["logw"][i] - expected) <= 1e-6 + 2e-6 * abs(expected), (
+            f"slot {i}: logw {row['logw'][i]} != parent + lp = {expected}"
+        )
         assert row["logw"][i] <= row["logw"][i - 1], "logw must be non-increasing in slot order"
         seen_children.setdefault(int(p), []).append(int(r))
     for p, rs in seen_children.items():
