@@ -35,13 +35,16 @@ def _prefilter_pays(vocab: int, k: int) -> bool:
     return vocab // chunk + k * chunk < vocab // 2
 
 
-def top_k_log_probs(draft_logits: jax.Array, k: int, *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+def top_k_log_probs(
+    draft_logits: jax.Array, k: int, *, impl: str = "auto", chunk: int | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Top-k float32 log-probabilities per row.
 
     Args:
       draft_logits: float [..., V] (float32 or bfloat16).
       k: static, 1 <= k <= V.
       impl: one of TOPK_IMPLS.
+      chunk: prefilter chunk length (default: a power of two near sqrt(V / k)).
 
     Returns:
       (log_probs float32 [..., k] descending, token_ids int32 [..., k]).
@@ -57,12 +60,13 @@ def top_k_log_probs(draft_logits: jax.Array, k: int, *, impl: str = "auto") -> t
     if impl == "xla":
         values, ids = lax.top_k(log_probs, k)
         return values, ids.astype(jnp.int32)
-    return _top_k_prefilter(log_probs, k)
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return _top_k_prefilter(log_probs, k, chunk or _chunk_size(vocab, k))
 
 
-def _top_k_prefilter(log_probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def _top_k_prefilter(log_probs: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
     *lead, vocab = log_probs.shape
-    chunk = _chunk_size(vocab, k)
     num_chunks = -(-vocab // chunk)
     padded = jnp.pad(
         log_probs, [(0, 0)] * len(lead) + [(0, num_chunks * chunk - vocab)], constant_values=-jnp.inf

@@ -191,3 +191,19 @@ def test_chain_is_top1_per_depth():
     # the chain is not build_tree(budget = L), which branches where siblings beat deep nodes
     tree = build_tree(logits, 7)
     assert (np.asarray(tree.depths) != np.asarray(chain.depths)).any()
+
+
+def test_compare_to_reference_catches_a_wrong_tree():
+    """The comparison the tests rely on must fail on a real difference (no near-tie in this input)."""
+    from ddtree_jax.tree.compare import compare_to_reference
+
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((1, 4, 100)) * 3).astype(np.float32)
+    tree = build_tree(logits, 12)
+    ref = build_tree_reference(logits[0], 12)
+    assert compare_to_reference(tree, 0, ref) == "exact"
+    wrong = tree.tokens.at[0, 5].set((tree.tokens[0, 5] + 1) % 100)
+    assert compare_to_reference(jax.tree.map(lambda x: x, tree.__class__(
+        wrong, tree.parents, tree.depths, tree.ranks, tree.logw, tree.num_nodes, tree.max_depth)), 0, ref) == "mismatch"
+    short = build_tree(logits, 11)
+    assert compare_to_reference(short, 0, ref) == "mismatch"
