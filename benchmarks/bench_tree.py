@@ -55,18 +55,24 @@ def main() -> None:
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--quick", action="store_true", help="small shapes, few reps (CPU smoke run)")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--cases", help="comma-separated BxBUDGET list, e.g. 1x64,32x64 (default: the full set)")
+    parser.add_argument("--impls", default="prefilter,xla", help="top-K impls to time")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the prefilter chunk sweep")
     args = parser.parse_args()
 
     depth, vocab = (15, 151936) if not args.quick else (4, 4096)
     cases = [(1, 64), (1, 256), (32, 64), (1, 16), (1, 1024)] if not args.quick else [(1, 16), (2, 32)]
     reps = args.reps if not args.quick else 3
+    if args.cases:
+        cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
+    impls = args.impls.split(",")
     print(f"device: {device_description()}; L = {depth}, V = {vocab}, bf16 logits", flush=True)
     rows, records = [], []
     for batch, budget in cases:
         inputs = _inputs(batch, depth, vocab, jnp.bfloat16, 4)
         floor_us = batch * depth * vocab * 2 / COPY_BW * 1e6
         rec = {"batch": batch, "budget": budget, "depth": depth, "vocab": vocab, "roofline_us": floor_us}
-        for impl in ("prefilter", "xla"):
+        for impl in impls:
             call = functools.partial(_build_tree_jit, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl)
             t0 = time.perf_counter()
             jax.block_until_ready(call(inputs[0]))
@@ -92,16 +98,22 @@ def main() -> None:
             rec["reference_us"] = (time.perf_counter() - t) / len(inputs) * 1e6
         records.append(rec)
         write_result("bench_tree", {"cases": records}, args.commit)  # partial results survive a timeout
+        nan = {"median_us": float("nan")}
         rows.append([
             batch, budget,
-            rec["prefilter_step"]["median_us"], rec["prefilter_call"]["median_us"], rec["prefilter_topk_step"]["median_us"],
-            rec["xla_step"]["median_us"], rec["xla_call"]["median_us"], rec["xla_topk_step"]["median_us"],
+            rec.get("prefilter_step", nan)["median_us"], rec.get("prefilter_call", nan)["median_us"],
+            rec.get("prefilter_topk_step", nan)["median_us"],
+            rec.get("xla_step", nan)["median_us"], rec.get("xla_call", nan)["median_us"], rec.get("xla_topk_step", nan)["median_us"],
             rec.get("reference_us", float("nan")), floor_us,
-            ",".join(rec["prefilter_exact_rows"]),
+            ",".join(rec.get("prefilter_exact_rows", [])),
         ])
         print(f"  done B={batch} budget={budget}", flush=True)
     # top-K stage: prefilter chunk-length sweep (B = 1, budget 64 and 256)
     sweep = []
+    if args.no_sweep:
+        for rec in records:
+            print({k: (v["median_us"] if isinstance(v, dict) else v) for k, v in rec.items()})
+        return
     inputs = _inputs(1, depth, vocab, jnp.bfloat16, 4)
     stacked = jnp.stack(inputs + inputs)
     for k in (64, 256):

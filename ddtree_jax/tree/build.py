@@ -116,7 +116,9 @@ def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
             cols[b] = lexranks[b][pos]
             pos = parents[b][pos]
         anc_lex.append(jnp.stack([c if c is not None else jnp.zeros((budget,), jnp.int32) for c in cols]))
-    anc_lex = jnp.stack(anc_lex)  # [levels, levels, budget]; entries with b > a unused
+    # [levels, levels, budget]; entries with b > a unused. Materialised: fused into the count below,
+    # the gather chains made GPU compilation take minutes.
+    anc_lex = lax.optimization_barrier(jnp.stack(anc_lex))
 
     # Global lexicographic (DFS preorder) index of entry x at level a: the number of entries whose
     # ranks tuple is smaller. Shorter levels b < a: anc_lex[a, b, x] + 1 entries (those lexically <=
