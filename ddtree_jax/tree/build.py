@@ -15,8 +15,7 @@ keys over all prefixes, in key order. We find it level by level:
    `lax.top_k`, whose lower-index-first tie-break is then exactly the heap's tie-break.
 
 Within a level the ranks-tuple order of a child is (parent's lexicographic rank, own rank), so each
-level's selection is one two-key sort; the global preorder index of an entry is a count over the
-ancestors' lexicographic ranks (no sort).
+level's selection is one two-key sort; the global preorder comes from subtree sizes.
 The only divergence from the heap is where float32 rounding makes two different real sums equal
 (|delta logw| ~ 1 ulp), the near-ties the spec allows to swap.
 """
@@ -75,6 +74,10 @@ def _sort_key(logw: jax.Array) -> jax.Array:
     return -logw + 0.0
 
 
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x) - x
+
+
 def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
     """One row. lp: float32 [L, K] per-depth top-K log-probs (rank order).
 
@@ -83,68 +86,63 @@ def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
     """
     depth_limit, k = lp.shape
     pair_parent, pair_rank = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
+    positions = jnp.arange(budget, dtype=jnp.int32)
 
-    # Level l holds `budget` entries in key order: logw, rank, parent (position in level l - 1) and
-    # lexrank (position in the level's lexicographic order of ranks tuples).
+    # Each level l holds `budget` entries in key order: logw, rank, parent (position in level l - 1),
+    # lexrank (position in the level's lexicographic order) and lex_order (its inverse permutation).
     pad = budget - k
     logw = jnp.concatenate([lp[0], jnp.full((pad,), -jnp.inf, jnp.float32)]) + 0.0
     rank = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
     parent = jnp.zeros((budget,), jnp.int32)
-    lexrank = jnp.arange(budget, dtype=jnp.int32)  # level 1: lex order = rank order
-    logws, ranks, parents, lexranks = [logw], [rank], [parent], [lexrank]
+    levels = [(logw, rank, parent, positions, positions)]  # level 1: lex order = rank order
 
     for level in range(1, depth_limit):
-        parent_logw = logws[-1][pair_parent]
+        prev_logw, _, _, prev_lexrank, _ = levels[-1]
+        parent_logw = prev_logw[pair_parent]
         cand_logw = jnp.where(jnp.isfinite(parent_logw), parent_logw + lp[level, pair_rank], -jnp.inf)
-        cand_lex = lexranks[-1][pair_parent] * k + pair_rank  # (parent lexrank, rank): distinct
+        cand_lex = prev_lexrank[pair_parent] * k + pair_rank  # (parent lexrank, rank): distinct
         key_sorted, lex_sorted, parent_sorted, rank_sorted = lax.sort(
             (_sort_key(cand_logw), cand_lex, pair_parent, pair_rank), num_keys=2
         )
+        logw = -key_sorted[:budget] + 0.0  # the exact candidate sums, no recomputation
         lex_key = lex_sorted[:budget]
-        lexrank = (lex_key[None, :] < lex_key[:, None]).sum(axis=1, dtype=jnp.int32)  # keys are distinct
+        lex_order = jnp.argsort(lex_key).astype(jnp.int32)
+        lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(positions)
         # materialise each level: keeps XLA from re-deriving (and duplicating) earlier levels
-        level_arrays = (-key_sorted[:budget] + 0.0, rank_sorted[:budget], parent_sorted[:budget], lexrank)
-        for store, value in zip((logws, ranks, parents, lexranks), lax.optimization_barrier(level_arrays)):
-            store.append(value)
+        levels.append(lax.optimization_barrier((logw, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order)))
 
-    # anc_lex[a, b, x]: lexrank at level b of the ancestor (at level b <= a) of entry x of level a.
-    num_levels = len(logws)
-    anc_lex = []
-    for a in range(num_levels):
-        pos, cols = jnp.arange(budget, dtype=jnp.int32), [None] * num_levels
-        for b in range(a, -1, -1):
-            cols[b] = lexranks[b][pos]
-            pos = parents[b][pos]
-        anc_lex.append(jnp.stack([c if c is not None else jnp.zeros((budget,), jnp.int32) for c in cols]))
-    # [levels, levels, budget]; entries with b > a unused. Materialised: fused into the count below,
-    # the gather chains made GPU compilation take minutes.
-    anc_lex = lax.optimization_barrier(jnp.stack(anc_lex))
-
-    # Global lexicographic (DFS preorder) index of entry x at level a: the number of entries whose
-    # ranks tuple is smaller. Shorter levels b < a: anc_lex[a, b, x] + 1 entries (those lexically <=
-    # x's ancestor, the ancestor included); its own level: anc_lex[a, a, x]; longer levels b > a:
-    # entries whose level-a ancestor is lexically smaller than x.
-    own = jnp.diagonal(anc_lex, axis1=0, axis2=1).T  # [levels, budget]: lexrank of x at its level
-    level_ids = jnp.arange(num_levels)
-    shorter = jnp.where(level_ids[None, :, None] < level_ids[:, None, None], anc_lex + 1, 0).sum(axis=1)
-    # longer[a, x] = sum over b > a, y at level b of [anc_lex[b, a, y] < own[a, x]]
-    below = anc_lex[:, :, :, None] < own[None, :, None, :]  # [b, a, y, x]
-    longer = jnp.where((level_ids[:, None] > level_ids[None, :])[:, :, None, None], below, False).sum(
-        axis=(0, 2), dtype=jnp.int32
-    )
-    pool_pre = (shorter + own + longer).reshape(-1)  # [levels * budget], a permutation
+    # Global lexicographic (DFS preorder) index of every entry, from subtree sizes: an entry's
+    # preorder = its parent's + 1 + the sizes of the siblings before it (siblings are contiguous in
+    # the level's lex order, by rank).
+    num_levels = len(levels)
+    sizes = [None] * num_levels
+    sizes[-1] = jnp.ones((budget,), jnp.int32)
+    for level in range(num_levels - 2, -1, -1):
+        child_parent = levels[level + 1][2]
+        sizes[level] = 1 + jax.ops.segment_sum(sizes[level + 1], child_parent, num_segments=budget)
+    preorder = [_exclusive_cumsum(sizes[0])]  # level 1 in lex (= rank) order, root excluded
+    for level in range(1, num_levels):
+        _, _, parent, _, lex_order = levels[level]
+        size_lex = sizes[level][lex_order]
+        parent_lex = parent[lex_order]
+        before = _exclusive_cumsum(size_lex)
+        first = jnp.concatenate([jnp.ones((1,), bool), parent_lex[1:] != parent_lex[:-1]])
+        group_base = lax.cummax(jnp.where(first, before, 0))
+        pre_lex = preorder[level - 1][parent_lex] + 1 + before - group_base
+        preorder.append(jnp.zeros((budget,), jnp.int32).at[lex_order].set(pre_lex))
 
     # Lay the pool out in preorder: lax.top_k's lower-index-first tie-break is then the ranks-tuple
     # tie-break of the heap, and top_k returns the `budget` best keys in pop order.
-    pool_logw = jnp.concatenate(logws)
+    pool_logw = jnp.concatenate([lv[0] for lv in levels])
+    pool_pre = jnp.concatenate(preorder)
     pool_size = pool_logw.shape[0]
     by_pre_logw = jnp.full((pool_size,), -jnp.inf, jnp.float32).at[pool_pre].set(pool_logw)
     by_pre_pool = jnp.zeros((pool_size,), jnp.int32).at[pool_pre].set(jnp.arange(pool_size, dtype=jnp.int32))
     slot_logw, chosen_pre = lax.top_k(by_pre_logw, budget)  # -inf entries (padding) come last
     chosen = by_pre_pool[chosen_pre]  # pool index (= level * budget + position) of slots 1..budget
     slot_level = chosen // budget
-    slot_rank = jnp.concatenate(ranks)[chosen]
-    parent_pool = jnp.concatenate([p + (lvl - 1) * budget for lvl, p in enumerate(parents)])[chosen]
+    slot_rank = jnp.concatenate([lv[1] for lv in levels])[chosen]
+    parent_pool = jnp.concatenate([lv[2] + (lvl - 1) * budget for lvl, lv in enumerate(levels)])[chosen]
     slot_of_pool = jnp.zeros((pool_size,), jnp.int32).at[chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
     slot_parent = jnp.where(slot_level > 0, slot_of_pool[jnp.maximum(parent_pool, 0)], 0)
     return slot_level, slot_rank, slot_parent, slot_logw
