@@ -42,8 +42,9 @@ def verification_order(
     Args:
       tree: the draft tree.
       order: "draft" (descending draft log-probability = rank order), "reverse" (ascending), or
-        "random" (a keyed random permutation of each sibling group; `key` required; each row's
-        permutation comes from `fold_in(key, row)`, so it does not depend on the other rows).
+        "random" (a keyed random permutation of each sibling group). `key`: one typed key, from
+        which row b uses `fold_in(key, b)`, or keys [B], one per row; either way a row's permutation
+        does not depend on the other rows.
 
     Returns:
       (next_token, next_sibling), int32 [B, N] each, -1 = none. next_token[i] is the first child of
@@ -60,7 +61,12 @@ def verification_order(
     elif order == "reverse":
         within = -tree.ranks
     else:
-        row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
+        if key.ndim == 1:
+            if key.shape != (batch,):
+                raise ValueError(f"per-row keys must have shape ({batch},), got {key.shape}")
+            row_keys = key
+        else:
+            row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
         within = jax.vmap(lambda k: jax.random.randint(k, (slots,), 0, jnp.iinfo(jnp.int32).max))(row_keys)
     return _sibling_lists(tree.parents, within)
 

@@ -1,0 +1,82 @@
+"""Per-row sampling parameters: temperature, top-k, top-p, min-p (a batch may mix greedy and sampled rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Arrays of shape [B]; row b samples from `processed_probs` with these settings.
+
+    Attributes:
+      temperature: float32 [B], >= 0; 0 means greedy (one-hot on the argmax, ties to the lowest id).
+      top_k: int32 [B], >= 0; 0 (or >= V) means off.
+      top_p: float32 [B], in (0, 1]; 1 means off.
+      min_p: float32 [B], in [0, 1); 0 means off.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+    @classmethod
+    def create(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *, validate: bool = True):
+        """Broadcasts scalars or [B] sequences to [B] arrays, then validates (eagerly)."""
+
+        def as_row(name, value, dtype):
+            arr = np.asarray(value, dtype=np.float64)
+            if arr.ndim == 0:
+                arr = np.full((batch,), arr)
+            if arr.shape != (batch,):
+                raise ValueError(f"{name} must be a scalar or have shape [B] = ({batch},), got shape {arr.shape}")
+            if dtype == np.int32 and not np.array_equal(arr, np.round(arr)):
+                raise ValueError(f"top_k must be integers, got {arr.tolist()}")
+            return arr.astype(dtype)
+
+        params = cls(
+            temperature=jnp.asarray(as_row("temperature", temperature, np.float32)),
+            top_k=jnp.asarray(as_row("top_k", top_k, np.int32)),
+            top_p=jnp.asarray(as_row("top_p", top_p, np.float32)),
+            min_p=jnp.asarray(as_row("min_p", min_p, np.float32)),
+        )
+        if validate:
+            params.validate()
+        return params
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def is_greedy(self) -> jax.Array:
+        """bool [B]: rows decoded greedily (temperature 0)."""
+        return self.temperature == 0
+
+    def validate(self) -> "SamplingParams":
+        """Raises ValueError naming the first bad row and value; returns self."""
+        t, k, p, m = (np.asarray(x) for x in (self.temperature, self.top_k, self.top_p, self.min_p))
+        checks = [
+            ("temperature", t, ~np.isfinite(t) | (t < 0), "must be finite and >= 0 (0 = greedy)"),
+            ("top_k", k, k < 0, "must be >= 0 (0 = off)"),
+            ("top_p", p, ~np.isfinite(p) | (p <= 0) | (p > 1), "must be in (0, 1] (1 = off)"),
+            ("min_p", m, ~np.isfinite(m) | (m < 0) | (m >= 1), "must be in [0, 1) (0 = off)"),
+        ]
+        shapes = {a.shape for a in (t, k, p, m)}
+        if len(shapes) != 1 or len(shapes.pop()) != 1:
+            raise ValueError(f"all sampling params must have one shape [B], got {[a.shape for a in (t, k, p, m)]}")
+        for name, values, bad, rule in checks:
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise ValueError(f"{name}[{row}] = {values[row]!r} {rule}")
+        return self
+
+
+jax.tree_util.register_dataclass(
+    SamplingParams, data_fields=["temperature", "top_k", "top_p", "min_p"], meta_fields=[]
+)

@@ -1,0 +1,162 @@
+"""Target-only tree rejection sampling: `verify_sampling`, the contract of `shared/spec/tree_sampling.md`
+implemented literally in JAX (one row at a time under vmap; a bounded loop over the nodes)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ddtree_jax.sampling.sample import inverse_cdf
+from ddtree_jax.verify.result import VerifyResult
+
+
+def check_tree_lists(candidates, next_token, next_sibling) -> None:
+    """Eager checks of the tree lists (numpy; skipped for traced inputs).
+
+    Raises ValueError on shape mismatches, indices out of [-1, N), and duplicate sibling tokens
+    (duplicates would double-count target mass: spec fact 2).
+    """
+    if any(isinstance(a, jax.core.Tracer) for a in (candidates, next_token, next_sibling)):
+        return
+    cand, first, sib = (np.asarray(a) for a in (candidates, next_token, next_sibling))
+    if not (cand.shape == first.shape == sib.shape) or cand.ndim != 2:
+        raise ValueError(
+            f"candidates, next_token, next_sibling must share one shape [B, N]; got {cand.shape}, {first.shape}, {sib.shape}"
+        )
+    slots = cand.shape[1]
+    for name, arr in (("next_token", first), ("next_sibling", sib)):
+        if ((arr < -1) | (arr >= slots)).any():
+            b, i = np.argwhere((arr < -1) | (arr >= slots))[0]
+            raise ValueError(f"{name}[{b}, {i}] = {arr[b, i]} is not a slot index in [-1, {slots})")
+    for b in range(cand.shape[0]):
+        for parent in range(slots):
+            seen: dict[int, int] = {}
+            cur, steps = first[b, parent], 0
+            while cur != -1 and steps <= slots:
+                tok = int(cand[b, cur])
+                if tok in seen:
+                    raise ValueError(
+                        f"row {b}: slots {seen[tok]} and {cur} are siblings (children of slot {parent}) "
+                        f"with the same token {tok}"
+                    )
+                seen[tok] = int(cur)
+                cur, steps = sib[b, cur], steps + 1
+
+
+def _walk_row(candidates, next_token, next_sibling, probs, coins, final_coin, *, max_accept, threshold_single, threshold_acc):
+    """One row. candidates/next_token/next_sibling/coins [N], probs [N, V], final_coin []."""
+    slots, vocab = probs.shape
+    steps = max_accept + 1
+
+    def body(_, state):
+        cur, row, prob_acc, n_acc, done, accept, excluded, last_rejected = state
+        active = ~done & (cur >= 0)
+        node = jnp.maximum(cur, 0)
+        tok = candidates[node]
+        p = probs[row, tok]
+        acc = prob_acc + p
+        take = active & (p > 0) & ((coins[row] < acc / max(threshold_acc, 1e-9)) | (p >= threshold_single))
+        reject = active & ~take
+        n_acc = n_acc + take
+        accept = jnp.where(take, accept.at[n_acc].set(node), accept)
+        excluded = jnp.where(reject, excluded.at[node].set(True), jnp.where(take, False, excluded))
+        last_rejected = jnp.where(take, -1, jnp.where(reject & (p > 0), tok, last_rejected))
+        prob_acc = jnp.where(take, 0.0, jnp.where(reject, acc, prob_acc))
+        new_row = jnp.where(take, node, row)
+        done = done | (~done & (cur < 0)) | (take & (n_acc == steps - 1))
+        cur = jnp.where(take, next_token[node], jnp.where(reject, next_sibling[node], cur))
+        return cur, new_row, prob_acc, n_acc, done, accept, excluded, last_rejected
+
+    init = (
+        next_token[0],
+        jnp.int32(0),
+        jnp.float32(0.0),
+        jnp.int32(0),
+        jnp.bool_(steps == 1),
+        jnp.full((steps,), -1, jnp.int32).at[0].set(0),
+        jnp.zeros((slots,), bool),
+        jnp.int32(-1),
+    )
+    # every iteration tests one node or ends the walk: N + 1 iterations always suffice
+    _, row, _, n_acc, _, accept, excluded, last_rejected = lax.fori_loop(0, slots + 1, body, init)
+
+    residual = probs[row]
+    if steps > 1:  # a bonus sample (all steps accepted) excludes nothing
+        drop = jnp.where(excluded & (n_acc < steps - 1), candidates, vocab)
+        residual = residual.at[drop].set(0.0, mode="drop")
+    final, has_mass = inverse_cdf(residual, final_coin)
+    final = jnp.where(has_mass, final, jnp.where(last_rejected >= 0, last_rejected, vocab - 1))
+
+    positions = jnp.arange(steps)
+    accepted_tokens = candidates[jnp.maximum(accept, 0)]
+    tokens = jnp.where(positions < n_acc, accepted_tokens[jnp.minimum(positions + 1, steps - 1)], -1)
+    tokens = jnp.where(positions == n_acc, final, tokens)
+    return accept, n_acc, tokens.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc"))
+def _verify_sampling_jit(candidates, next_token, next_sibling, target_probs, coins, final_coins, *, max_accept, threshold_single, threshold_acc):
+    walk = functools.partial(
+        _walk_row, max_accept=max_accept, threshold_single=threshold_single, threshold_acc=threshold_acc
+    )
+    accept, n_acc, tokens = jax.vmap(walk)(candidates, next_token, next_sibling, target_probs, coins, final_coins)
+    return VerifyResult(accept_index=accept, num_accepted=n_acc, tokens=tokens)
+
+
+def verify_sampling(
+    candidates: jax.Array,
+    next_token: jax.Array,
+    next_sibling: jax.Array,
+    target_probs: jax.Array,
+    coins: jax.Array,
+    final_coins: jax.Array,
+    *,
+    max_accept: int,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    check: bool = True,
+) -> VerifyResult:
+    """Target-only tree rejection sampling, exactly the spec's walk (coin for coin).
+
+    Args:
+      candidates: int32 [B, N] token of each slot (slot 0 = root, its value unused).
+      next_token, next_sibling: int32 [B, N] first child / next sibling in verification order, -1 = none.
+      target_probs: float32 [B, N, V] processed target distribution at each slot (`processed_probs`).
+      coins: float32 [B, N] in [tiny, 1 - 2^-24]; coin i decides among slot i's children.
+      final_coins: float32 [B], the coin of the final (correction or bonus) sample.
+      max_accept: static; at most this many draft tokens are accepted (the engine passes L).
+      threshold_single, threshold_acc: 1.0 / 1.0 is exact; lower values are a LOSSY mode (biased,
+        sibling-order dependent) kept for ablations.
+      check: when inputs are concrete, validate the lists and reject duplicate sibling tokens
+        (ValueError). Traced inputs skip the check: trees from `build_tree` have distinct siblings by
+        construction (distinct top-K tokens).
+
+    Returns:
+      VerifyResult with S = max_accept + 1.
+    """
+    if isinstance(max_accept, bool) or not isinstance(max_accept, (int, np.integer)) or max_accept < 0:
+        raise ValueError(f"max_accept must be an integer >= 0, got {max_accept!r}")
+    for name, value in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
+        if not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+    if target_probs.ndim != 3 or target_probs.shape[:2] != candidates.shape:
+        raise ValueError(f"target_probs must have shape [B, N, V] with [B, N] = {tuple(candidates.shape)}, got {tuple(target_probs.shape)}")
+    if coins.shape != candidates.shape or final_coins.shape != candidates.shape[:1]:
+        raise ValueError(f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}")
+    if check:
+        check_tree_lists(candidates, next_token, next_sibling)
+    return _verify_sampling_jit(
+        jnp.asarray(candidates, jnp.int32),
+        jnp.asarray(next_token, jnp.int32),
+        jnp.asarray(next_sibling, jnp.int32),
+        jnp.asarray(target_probs, jnp.float32),
+        jnp.asarray(coins, jnp.float32),
+        jnp.asarray(final_coins, jnp.float32),
+        max_accept=int(max_accept),
+        threshold_single=float(threshold_single),
+        threshold_acc=float(threshold_acc),
+    )

@@ -1,0 +1,71 @@
+"""`verify_step`: processed_probs + verification order + coins + verification, for one DraftTree."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.sampling.coins import draw_coins
+from ddtree_jax.sampling.params import SamplingParams
+from ddtree_jax.sampling.probs import INVALID_TOKEN, processed_probs, valid_rows
+from ddtree_jax.tree.draft_tree import DraftTree
+from ddtree_jax.tree.structure import verification_order
+from ddtree_jax.verify.greedy import verify_sample_then_walk
+from ddtree_jax.verify.result import VerifyResult
+from ddtree_jax.verify.sampling import verify_sampling
+
+METHODS = ("sampling", "sample_then_walk")
+
+
+def verify_step(
+    tree: DraftTree,
+    target_logits: jax.Array,
+    params: SamplingParams,
+    keys: jax.Array,
+    *,
+    order: str = "draft",
+    method: str = "sampling",
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> VerifyResult:
+    """Verifies a batch of trees against the target's logits at their slots.
+
+    Args:
+      tree: DraftTree [B, N] (max_accept = tree.max_depth, so results are [B, L + 1]).
+      target_logits: [B, N, V] float32/bfloat16, the target's logits at every slot.
+      params: per-row SamplingParams [B]; greedy rows (T = 0) get one-hot targets, which makes the
+        walk the argmax walk (equal to `verify_greedy`), so one batch mixes greedy and sampled rows.
+      keys: typed PRNG keys [B], one per row and step (fold the request id and step in upstream);
+        split into (sibling order, node coins, final coin).
+      order: sibling order policy ("draft", "reverse", "random").
+      method: "sampling" (coin buckets, the spec) or "sample_then_walk" (the paper's verifier).
+
+    Rows whose logits are invalid at a real slot (NaN, +inf, all -inf) return num_accepted 0 and
+    tokens INVALID_TOKEN (-1).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    batch, slots = tree.tokens.shape
+    if target_logits.shape[:2] != (batch, slots):
+        raise ValueError(f"target_logits must be [B, N, V] with [B, N] = ({batch}, {slots}), got {tuple(target_logits.shape)}")
+    if keys.shape != (batch,):
+        raise ValueError(f"keys must be one typed PRNG key per row, shape ({batch},), got {keys.shape}")
+    split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)  # [B, 3]
+    next_token, next_sibling = verification_order(tree, order, split[:, 0])
+    probs = processed_probs(target_logits, params)
+    coins = draw_coins(split[:, 1], (slots,))
+    if method == "sampling":
+        final_coins = draw_coins(split[:, 2], ())
+        result = verify_sampling(
+            tree.tokens, next_token, next_sibling, probs, coins, final_coins,
+            max_accept=tree.max_depth, threshold_single=threshold_single, threshold_acc=threshold_acc, check=False,
+        )
+    else:
+        result = verify_sample_then_walk(tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False)
+    row_ok = (valid_rows(target_logits) | ~tree.is_real).all(axis=1)
+    steps = tree.max_depth + 1
+    return VerifyResult(
+        accept_index=jnp.where(row_ok[:, None], result.accept_index, jnp.where(jnp.arange(steps) == 0, 0, -1)),
+        num_accepted=jnp.where(row_ok, result.num_accepted, 0),
+        tokens=jnp.where(row_ok[:, None], result.tokens, INVALID_TOKEN),
+    )
