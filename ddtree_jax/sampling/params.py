@@ -73,7 +73,7 @@ class SamplingParams:
         for name, values, bad, rule in checks:
             if bad.any():
                 row = int(np.argmax(bad))
-                raise ValueError(f"{name}[{row}] = {values[row]!r} {rule}")
+                raise ValueError(f"{name}[{row}] = {values[row].item()!r} {rule}")
         return self
 
 

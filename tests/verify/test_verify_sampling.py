@@ -1,0 +1,176 @@
+"""verify_sampling: the spec's worked example and boundary cases, coin-for-coin agreement with the
+line-by-line twin on random trees, duplicate siblings, large vocabularies, greedy equivalence."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.sampling import COIN_MAX, COIN_MIN, SamplingParams, processed_probs
+from ddtree_jax.tree import build_tree, verification_order
+from ddtree_jax.verify import verify_greedy, verify_sample_then_walk, verify_sampling
+from tests.verify.walk_reference import walk_reference
+
+# the worked example of shared/spec/tree_sampling.md: 0 -> {1, 3}, 1 -> 2, 3 -> 4 -> 5
+EX_CAND = np.arange(6, dtype=np.int32)[None]
+EX_NEXT = np.array([[1, 2, -1, 4, 5, -1]], np.int32)
+EX_SIB = np.array([[-1, 3, -1, -1, -1, -1]], np.int32)
+
+
+def _worked_example_probs(vocab=20):
+    probs = np.zeros((1, 6, vocab), np.float32)
+    probs[0, :, 18] = 1
+    for row, tok in ((0, 3), (3, 4), (4, 5)):
+        probs[0, row] = 0
+        probs[0, row, tok] = 1
+    return probs
+
+
+@pytest.mark.parametrize("coin", [COIN_MIN, 0.3, 0.999, COIN_MAX])
+def test_worked_example(coin):
+    res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), np.full((1, 6), coin, np.float32),
+                          np.array([coin], np.float32), max_accept=3)
+    assert np.asarray(res.accept_index).tolist() == [[0, 3, 4, 5]]
+    assert np.asarray(res.num_accepted).tolist() == [3]
+    assert np.asarray(res.tokens).tolist() == [[3, 4, 5, 18]]
+
+
+def _fan(probs_row, coin, final_coin=0.5, max_accept=1):
+    """Root with children = tokens 0..C-1 in order; returns (n_acc, tokens)."""
+    c = len(probs_row)
+    cand = np.arange(c + 1, dtype=np.int32)[None] - 1
+    cand[0, 0] = 0
+    nxt = np.full((1, c + 1), -1, np.int32)
+    nxt[0, 0] = 1
+    sib = np.full((1, c + 1), -1, np.int32)
+    sib[0, 1:c] = np.arange(2, c + 1)
+    probs = np.zeros((1, c + 1, c), np.float32)
+    probs[0, 0] = probs_row
+    probs[0, 1:] = 1.0 / c
+    res = verify_sampling(cand, nxt, sib, probs, np.full((1, c + 1), coin, np.float32),
+                          np.array([final_coin], np.float32), max_accept=max_accept)
+    return int(res.num_accepted[0]), np.asarray(res.tokens[0]).tolist()
+
+
+def test_coin_on_an_interior_boundary_goes_to_the_next_bucket():
+    n_acc, tokens = _fan(np.array([0.25, 0.75], np.float32), coin=0.25)
+    assert (n_acc, tokens[0]) == (1, 1)  # not token 0: 0.25 < 0.25 is false
+    n_acc, tokens = _fan(np.array([0.25, 0.75], np.float32), coin=np.nextafter(np.float32(0.25), np.float32(0)))
+    assert (n_acc, tokens[0]) == (1, 0)
+
+
+def test_zero_probability_candidates_are_never_accepted_or_emitted():
+    assert _fan(np.array([0.0, 1.0, 0.0], np.float32), coin=COIN_MIN)[1][0] == 1
+    n_acc, tokens = _fan(np.array([0.0, 0.0, 1.0], np.float32), coin=COIN_MAX)
+    assert tokens[0] == 2
+    # no candidate has mass: every child rejected; the final sample avoids the zero-probability tokens
+    cand = np.array([[0, 0, 1]], np.int32)
+    probs = np.zeros((1, 3, 4), np.float32)
+    probs[0, 0, 3] = 1.0
+    res = verify_sampling(cand, np.array([[1, -1, -1]], np.int32), np.array([[-1, 2, -1]], np.int32), probs,
+                          np.full((1, 3), COIN_MAX, np.float32), np.array([COIN_MAX], np.float32), max_accept=2)
+    assert int(res.num_accepted[0]) == 0 and int(res.tokens[0, 0]) == 3
+
+
+def test_siblings_covering_the_support_fall_back_within_the_vocab():
+    third = np.float32(0.3333333)  # three of these sum to 0.9999999 < the largest coin
+    n_acc, tokens = _fan(np.array([third, third, third], np.float32), coin=COIN_MAX, final_coin=COIN_MAX)
+    assert n_acc == 0 and tokens[0] == 2  # residual is empty: the last rejected token, never an id >= V
+    res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, np.zeros((1, 6, 7), np.float32), np.full((1, 6), 0.5, np.float32),
+                          np.array([0.5], np.float32), max_accept=3)
+    assert int(res.tokens[0, 0]) == 6  # nothing has mass anywhere: V - 1
+
+
+def _random_tree_inputs(seed, batch, depth, vocab, budget, order="draft"):
+    rng = np.random.default_rng(seed)
+    tree = build_tree((rng.standard_normal((batch, depth, vocab)) * 2).astype(np.float32), budget,
+                      rng.integers(0, vocab, batch).astype(np.int32))
+    nxt, sib = verification_order(tree, order, jax.random.key(seed))
+    target = jnp.asarray(rng.standard_normal((batch, budget + 1, vocab)) * 2, jnp.float32)
+    t = rng.choice([0.0, 0.6, 1.0, 1.5], batch)
+    params = SamplingParams.create(batch, temperature=t, top_k=rng.choice([0, 3, 10], batch),
+                                   top_p=rng.choice([1.0, 0.9], batch), min_p=rng.choice([0.0, 0.05], batch))
+    probs = processed_probs(target, params)
+    coins = np.clip(rng.random((batch, budget + 1)).astype(np.float32), COIN_MIN, COIN_MAX)
+    final = np.clip(rng.random(batch).astype(np.float32), COIN_MIN, COIN_MAX)
+    return tree, nxt, sib, probs, coins, final, target
+
+
+@pytest.mark.parametrize("order", ["draft", "reverse", "random"])
+@pytest.mark.parametrize("vocab", [7, 8193])
+def test_agrees_coin_for_coin_with_the_spec_twin(order, vocab):
+    batch, depth, budget = 24, 4, 20
+    tree, nxt, sib, probs, coins, final, target = _random_tree_inputs(vocab, batch, depth, vocab, budget, order)
+    rng = np.random.default_rng(vocab)
+    target = _follow_some_children(tree, nxt, sib, target, rng)
+    params = SamplingParams.create(batch, temperature=rng.choice([0.0, 0.7, 1.0], batch), top_k=rng.choice([0, 5], batch))
+    probs = processed_probs(target, params)
+    res = verify_sampling(tree.tokens, nxt, sib, probs, coins, final, max_accept=depth)
+    assert float(np.asarray(res.num_accepted).mean()) > 0.5  # acceptance paths are exercised
+    args = [np.asarray(a) for a in (tree.tokens, nxt, sib, probs)]
+    for b in range(batch):
+        accept, n_acc, tokens, (u, cdf) = walk_reference(args[0][b], args[1][b], args[2][b], args[3][b], coins[b], final[b], depth)
+        assert np.asarray(res.accept_index[b]).tolist() == accept
+        assert int(res.num_accepted[b]) == n_acc
+        got = np.asarray(res.tokens[b]).tolist()
+        if got != tokens:  # only the final draw may differ, and only where u sits on a CDF step (cumsum order)
+            assert got[:n_acc] == tokens[:n_acc]
+            assert np.min(np.abs(cdf.astype(np.float64) - u)) < 1e-6 * max(1.0, float(cdf[-1]))
+
+
+def test_large_vocabularies_emit_tokens_with_mass():
+    for vocab in (151936, 163840):
+        tree, nxt, sib, probs, coins, final, _ = _random_tree_inputs(3, 4, 3, vocab, 8)
+        res = verify_sampling(tree.tokens, nxt, sib, probs, coins, final, max_accept=3)
+        tokens, n_acc, accept = (np.asarray(a) for a in (res.tokens, res.num_accepted, res.accept_index))
+        probs = np.asarray(probs)
+        for b in range(4):
+            rows = accept[b, : n_acc[b] + 1]  # the slot whose row decided each emitted token
+            for j, row in enumerate(rows):
+                assert 0 <= tokens[b, j] < vocab and probs[b, row, tokens[b, j]] > 0
+
+
+def _follow_some_children(tree, nxt, sib, target, rng, share=0.7):
+    """Raise, at a `share` of the slots, the target logit of one of the slot's children to the top,
+    so that walks go deep (otherwise random targets reject almost everything)."""
+    target = np.asarray(target).copy()
+    tokens, nxt, sib = (np.asarray(a) for a in (tree.tokens, nxt, sib))
+    for b in range(target.shape[0]):
+        for i in range(target.shape[1]):
+            kids, cur = [], nxt[b, i]
+            while cur != -1:
+                kids.append(cur)
+                cur = sib[b, cur]
+            if kids and rng.random() < share:
+                target[b, i, tokens[b, rng.choice(kids)]] = target[b, i].max() + 3.0
+    return jnp.asarray(target)
+
+
+def test_greedy_equals_sampling_on_one_hot_targets_and_sample_then_walk():
+    batch, depth, vocab, budget = 16, 4, 9, 24
+    tree, nxt, sib, _, coins, final, target = _random_tree_inputs(11, batch, depth, vocab, budget)
+    target = _follow_some_children(tree, nxt, sib, target, np.random.default_rng(0))
+    one_hot = processed_probs(target, SamplingParams.create(batch, temperature=0.0))
+    a = verify_sampling(tree.tokens, nxt, sib, one_hot, coins, final, max_accept=depth)
+    b = verify_greedy(tree.tokens, nxt, sib, target, max_accept=depth)
+    c = verify_sample_then_walk(tree.tokens, nxt, sib, one_hot, coins, max_accept=depth)
+    for x in (b, c):
+        for name in ("accept_index", "num_accepted", "tokens"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(x, name)))
+    assert float(np.asarray(a.num_accepted).mean()) >= 1.0  # the walks really descend
+
+
+def test_duplicate_siblings_and_bad_lists_are_rejected():
+    cand = np.array([[0, 5, 5]], np.int32)
+    nxt = np.array([[1, -1, -1]], np.int32)
+    sib = np.array([[-1, 2, -1]], np.int32)
+    probs = np.full((1, 3, 8), 1 / 8, np.float32)
+    coins = np.full((1, 3), 0.5, np.float32)
+    with pytest.raises(ValueError, match="slots 1 and 2 are siblings.*same token 5"):
+        verify_sampling(cand, nxt, sib, probs, coins, np.array([0.5], np.float32), max_accept=2)
+    with pytest.raises(ValueError, match=r"next_sibling\[0, 1\] = 7"):
+        verify_sampling(cand, nxt, np.array([[-1, 7, -1]], np.int32), probs, coins, np.array([0.5], np.float32), max_accept=2)
+    with pytest.raises(ValueError, match="max_accept"):
+        verify_sampling(cand, nxt, sib, probs, coins, np.array([0.5], np.float32), max_accept=-1)
+    with pytest.raises(ValueError, match="threshold_acc"):
+        verify_sampling(cand, nxt, sib, probs, coins, np.array([0.5], np.float32), max_accept=2, threshold_acc=1.5)
