@@ -54,6 +54,8 @@ class Config:
     order: str = "draft"
     method: str = "sampling"
     threshold_acc: float = 1.0
+    budget: int = 10
+    depth: int = 3
 
     @property
     def lossy(self) -> bool:
@@ -87,6 +89,7 @@ def chi_square(counts: np.ndarray, law: np.ndarray, min_expected: float = 5.0) -
 
 
 def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed: int) -> dict:
+    problem = dataclasses.replace(problem, budget=config.budget, depth=config.depth)
     transition, draft = problem.tables()
     filter_kwargs = FILTERS[config.filter]
     probs = transition_probs(transition, SamplingParams.create(1, temperature=config.temperature, **filter_kwargs))
@@ -127,7 +130,16 @@ def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed:
     }
 
 
-def default_grid(quick: bool, filters: tuple[str, ...] | None = None) -> list[Config]:
+def default_grid(quick: bool, filters: tuple[str, ...] | None = None, shapes: tuple[tuple[int, int], ...] = ((10, 3),)) -> list[Config]:
+    """temperatures x filters x sibling orders (+ sample-then-walk, + the lossy contrast), per tree
+    shape (budget, depth)."""
+    grid = []
+    for budget, depth in shapes:
+        grid += [dataclasses.replace(c, budget=budget, depth=depth) for c in _grid_one_shape(quick, filters)]
+    return grid
+
+
+def _grid_one_shape(quick: bool, filters: tuple[str, ...] | None) -> list[Config]:
     temps = (0.7, 1.0) if quick else (0.3, 0.7, 1.0, 1.5)
     filters = filters or (("none", "top-k 3") if quick else tuple(FILTERS))
     unknown = [f for f in filters if f not in FILTERS]
@@ -151,11 +163,11 @@ def run_grid(configs: list[Config], samples: int, chunk: int, seed: int = 1, pro
 
 
 def format_table(rows: list[dict]) -> str:
-    head = "| T | filter | order | method | thr_acc | TV | TV floor | chi2 p | tau analytic | tau empirical | z |"
-    lines = [head, "|" + "---|" * 11]
+    head = "| tree | T | filter | order | method | thr_acc | TV | TV floor | chi2 p | tau analytic | tau empirical | z |"
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         lines.append(
-            f"| {r['temperature']} | {r['filter']} | {r['order']} | {r['method']} | {r['threshold_acc']} | "
+            f"| b{r.get('budget', 10)} d{r.get('depth', 3)} | {r['temperature']} | {r['filter']} | {r['order']} | {r['method']} | {r['threshold_acc']} | "
             f"{r['tv']:.5f} | {r['tv_noise_floor']:.5f} | {r['chi2_p']:.3g} | {r['tau_analytic']:.4f} | "
             f"{r['tau_empirical']:.4f} | {r['tau_z']:+.2f} |"
         )
@@ -168,17 +180,20 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=None, help="chains per device batch (bounds memory)")
     parser.add_argument("--quick", action="store_true", help="a small grid with few samples (CPU)")
     parser.add_argument("--filters", default=None, help="comma-separated subset of: " + ", ".join(FILTERS))
+    parser.add_argument("--shapes", default="10x3", help="tree shapes BUDGETxDEPTH, comma-separated (default 10x3)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--commit", default="unknown", help="the commit being measured (recorded in the output)")
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs"), help="directory for the JSON and CSV")
     args = parser.parse_args(argv)
     samples = args.samples or (20_000 if args.quick else 1_000_000)
     chunk = args.chunk or min(samples, 1_000_000)
-    configs = default_grid(args.quick, tuple(args.filters.split(",")) if args.filters else None)
+    shapes = tuple(tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(","))
+    configs = default_grid(args.quick, tuple(args.filters.split(",")) if args.filters else None, shapes)
     print(f"{len(configs)} configurations x {samples} chains on {jax.devices()[0].platform}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": str(jax.devices()[0]), "commit": args.commit, "problem": dataclasses.asdict(Problem())}
+            "device": str(jax.devices()[0]), "commit": args.commit, "problem": dataclasses.asdict(Problem()),
+            "samples": samples}
 
     def save(rows, table=None):
         with open(os.path.join(args.out, "sampling_correctness.json"), "w") as f:
