@@ -29,14 +29,19 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import stats
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddtree_jax.sampling import SamplingParams  # noqa: E402
 from ddtree_jax.tree import build_tree  # noqa: E402
-from ddtree_jax.verify.markov import exact_law, expected_accepted, simulate, transition_probs  # noqa: E402
+from ddtree_jax.verify.markov import (  # noqa: E402
+    chi_square_pvalue,
+    exact_law,
+    expected_accepted,
+    simulate,
+    transition_probs,
+)
 
 FILTERS = {
     "none": dict(),
@@ -77,17 +82,6 @@ class Problem:
         return jnp.asarray(transition, jnp.float32), jnp.asarray(draft, jnp.float32)
 
 
-def chi_square(counts: np.ndarray, law: np.ndarray, min_expected: float = 5.0) -> float:
-    counts, law = counts.ravel().astype(np.float64), law.ravel() / law.sum()
-    if (counts[law == 0] > 0).any():
-        return 0.0
-    expected = law * counts.sum()
-    big = expected >= min_expected
-    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
-
-
 def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed: int) -> dict:
     problem = dataclasses.replace(problem, budget=config.budget, depth=config.depth)
     transition, draft = problem.tables()
@@ -122,7 +116,7 @@ def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed:
         "samples": samples,
         "tv": float(tv),
         "tv_noise_floor": float(floor),
-        "chi2_p": chi_square(counts, law),
+        "chi2_p": chi_square_pvalue(counts, law),
         "tau_analytic": analytic,
         "tau_empirical": mean,
         "tau_z": float((mean - analytic) / stderr) if stderr > 0 else 0.0,

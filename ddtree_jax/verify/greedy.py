@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax.sampling.sample import inverse_cdf
-from ddtree_jax.verify.result import VerifyResult
+from ddtree_jax.verify.result import VerifyResult, emitted_tokens
 from ddtree_jax.verify.sampling import check_tree_lists
 
 
@@ -38,11 +38,7 @@ def _follow_row(candidates, next_token, next_sibling, chosen, *, max_accept):
 
     init = (next_token[0], jnp.int32(0), jnp.int32(0), jnp.bool_(steps == 1), jnp.full((steps,), -1, jnp.int32).at[0].set(0))
     _, row, n_acc, _, accept = lax.fori_loop(0, slots + 1, body, init)
-    positions = jnp.arange(steps)
-    accepted_tokens = candidates[jnp.maximum(accept, 0)]
-    tokens = jnp.where(positions < n_acc, accepted_tokens[jnp.minimum(positions + 1, steps - 1)], -1)
-    tokens = jnp.where(positions == n_acc, chosen[row], tokens)
-    return accept, n_acc, tokens.astype(jnp.int32)
+    return accept, n_acc, emitted_tokens(candidates, accept, n_acc, chosen[row])
 
 
 @functools.partial(jax.jit, static_argnames=("max_accept",))

@@ -93,3 +93,24 @@ def simulate(
         roots = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
         accepted.append(result.num_accepted)
     return emitted, jnp.stack(accepted, axis=1)
+
+
+def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Goodness of fit of `counts` to `probs` (any shape, flattened; needs scipy, a dev dependency).
+
+    Cells with expected counts under `min_expected` are pooled into one cell; a count in a
+    zero-probability cell gives p = 0.
+    """
+    from scipy import stats
+
+    counts = np.asarray(counts, np.float64).ravel()
+    probs = np.asarray(probs, np.float64).ravel()
+    probs = probs / probs.sum()
+    if (counts[probs == 0] > 0).any():
+        return 0.0
+    expected = probs * counts.sum()
+    big = expected >= min_expected
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)

@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax.sampling.sample import inverse_cdf
-from ddtree_jax.verify.result import VerifyResult
+from ddtree_jax.verify.result import VerifyResult, emitted_tokens
 
 
 def check_tree_lists(candidates, next_token, next_sibling) -> None:
@@ -91,11 +91,7 @@ def _walk_row(candidates, next_token, next_sibling, probs, coins, final_coin, *,
     final, has_mass = inverse_cdf(residual, final_coin)
     final = jnp.where(has_mass, final, jnp.where(last_rejected >= 0, last_rejected, vocab - 1))
 
-    positions = jnp.arange(steps)
-    accepted_tokens = candidates[jnp.maximum(accept, 0)]
-    tokens = jnp.where(positions < n_acc, accepted_tokens[jnp.minimum(positions + 1, steps - 1)], -1)
-    tokens = jnp.where(positions == n_acc, final, tokens)
-    return accept, n_acc, tokens.astype(jnp.int32)
+    return accept, n_acc, emitted_tokens(candidates, accept, n_acc, final)
 
 
 @functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc"))
