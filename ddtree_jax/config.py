@@ -1,0 +1,48 @@
+"""Frozen model configurations. Parsing of HF config.json files lives in `ddtree_jax.checkpoint`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """A Qwen3 dense decoder (the targets of the public DFlash drafters; facts: shared/spec/models.md).
+
+    `tapped_layers` are the decoder layers whose outputs feed the DFlash drafter (HF
+    `hidden_states[l + 1]`); the target returns them concatenated for the verified slots.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    tapped_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        bad = [l for l in self.tapped_layers if not 0 <= l < self.num_layers]
+        if bad:
+            raise ValueError(f"tapped_layers {bad} are outside [0, num_layers = {self.num_layers})")
+
+    @property
+    def num_tapped(self) -> int:
+        return len(self.tapped_layers)
+
+
+def default_tapped_layers(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """DFlash's default target layers: round(1 + i * (N - 4) / (F - 1)), i = 0..F-1 (models.md)."""
+    if num_features == 1:
+        return (1,)
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features))

@@ -1,0 +1,82 @@
+"""Contiguous per-row KV caches and the commit that moves accepted tree slots into place.
+
+Layout: k, v [layers, B, S_max, kv_heads, head_dim]; lengths int32 [B] = committed tokens per row.
+Entries at positions >= lengths[b] are scratch (tree slots of the current step, stale data) and are
+never attended: every mask is built from `lengths`. `commit` is the one place lengths advance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def create(cls, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16) -> "KVCache":
+        shape = (num_layers, batch, capacity, kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @staticmethod
+    def logical_axes() -> dict:
+        return {"k": CACHE_AXES, "v": CACHE_AXES, "lengths": ("batch",)}
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "lengths"], meta_fields=[])
+
+
+def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buffer [B, S, ...] with new [B, T, ...] written at rows start[b] .. start[b] + T - 1."""
+
+    def one(buf, upd, s):
+        return jax.lax.dynamic_update_slice_in_dim(buf, upd.astype(buf.dtype), s, axis=0)
+
+    return jax.vmap(one)(buffer, new, start)
+
+
+def commit(cache: KVCache, accept_index: jax.Array, num_accepted: jax.Array) -> KVCache:
+    """Moves the accepted tree slots down and advances the lengths.
+
+    The N tree slots of the last verify sit at cache rows lengths .. lengths + N - 1 (slot i at row
+    lengths + i). Accepted slots accept_index[0..n] (root first, increasing) move to rows
+    lengths .. lengths + n, in place; rows past that are left as scratch. Returns the cache with
+    lengths += num_accepted + 1 (the root / bonus token and the accepted draft tokens).
+
+    accept_index: int32 [B, S] (-1 past the end, never gathered); num_accepted: int32 [B].
+    """
+    steps = accept_index.shape[1]
+    keep = jnp.arange(steps)[None, :] <= num_accepted[:, None]  # [B, S]
+
+    def move(buffer):  # [layers, B, S_max, ...]
+        capacity = buffer.shape[2]
+
+        def per_row(rows, start, accept, keep_row):  # rows [layers, S_max, ...]
+            source = start + jnp.where(keep_row, accept, 0)
+            target = jnp.where(keep_row, start + jnp.arange(steps), capacity)  # out of range: dropped
+            return rows.at[:, target].set(rows[:, source], mode="drop")
+
+        return jax.vmap(per_row, in_axes=(1, 0, 0, 0), out_axes=1)(buffer, cache.lengths, accept_index, keep)
+
+    return KVCache(move(cache.k), move(cache.v), cache.lengths + num_accepted + 1)
+
+
+def gather_accepted(values: jax.Array, accept_index: jax.Array, num_accepted: jax.Array) -> jax.Array:
+    """values [B, N, ...] at the accepted slots -> [B, S, ...], zero past num_accepted (never
+    gathered with -1). Used for the drafter's new context features (the tapped target hidden states)."""
+    steps = accept_index.shape[1]
+    keep = jnp.arange(steps)[None, :] <= num_accepted[:, None]
+    picked = jnp.take_along_axis(values, jnp.where(keep, accept_index, 0).reshape(keep.shape + (1,) * (values.ndim - 2)), axis=1)
+    return jnp.where(keep.reshape(keep.shape + (1,) * (values.ndim - 2)), picked, 0)

@@ -1,0 +1,159 @@
+"""The Qwen3 dense target: parameters, a plain causal forward, and the cached prefill / verify passes.
+
+Parameters are a dict pytree with layers stacked on a leading axis; `param_axes` gives the logical
+axis names of every array (one rule table maps them to mesh axes). HF tensor names map 1:1 (see
+`ddtree_jax.checkpoint`). Weights are [out, in] as in HF.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.config import Qwen3Config
+from ddtree_jax.models.attention import attention
+from ddtree_jax.models.cache import KVCache, write_rows
+from ddtree_jax.models.layers import apply_rope, linear, rms_norm, rope_tables, swiglu
+
+
+def param_shapes(config: Qwen3Config) -> dict:
+    """{name: (shape, logical axes)} for every parameter; layer weights carry a leading "layers" axis."""
+    c = config
+    layer = {
+        "input_norm": ((c.hidden_size,), ("embed",)),
+        "q_proj": ((c.num_heads * c.head_dim, c.hidden_size), ("q_heads", "embed")),
+        "k_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
+        "v_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
+        "o_proj": ((c.hidden_size, c.num_heads * c.head_dim), ("embed", "q_heads")),
+        "q_norm": ((c.head_dim,), ("head_dim",)),
+        "k_norm": ((c.head_dim,), ("head_dim",)),
+        "post_norm": ((c.hidden_size,), ("embed",)),
+        "gate_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
+        "up_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
+        "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp")),
+    }
+    shapes = {
+        "embed": ((c.vocab_size, c.hidden_size), ("vocab", "embed")),
+        "layers": {k: ((c.num_layers,) + s, ("layers",) + a) for k, (s, a) in layer.items()},
+        "final_norm": ((c.hidden_size,), ("embed",)),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = ((c.vocab_size, c.hidden_size), ("vocab", "embed"))
+    return shapes
+
+
+def param_axes(config: Qwen3Config) -> dict:
+    """The logical axis names of every parameter (same tree as the params)."""
+    return jax.tree.map(lambda leaf: leaf[1], param_shapes(config), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+
+
+def init_params(config: Qwen3Config, key: jax.Array, dtype=jnp.float32, norm_jitter: float = 0.0) -> dict:
+    """Random parameters (normal(0, 0.02) matrices; norms 1, or 1 + jitter * normal for tests)."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (shape, axes), k in zip(leaves, keys):
+        if axes[-1] in ("embed", "head_dim") and len(shape) - (axes[0] == "layers") == 1:  # a norm weight
+            out.append((1.0 + norm_jitter * jax.random.normal(k, shape)).astype(dtype))
+        else:
+            out.append((0.02 * jax.random.normal(k, shape)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl):
+    """One decoder layer. kv_update(k, v) -> (keys, values) to attend (writes the cache if any)."""
+    c = config
+    batch, steps, _ = h.shape
+    x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+    q = linear(x, p["q_proj"]).reshape(batch, steps, c.num_heads, c.head_dim)
+    k = linear(x, p["k_proj"]).reshape(batch, steps, c.num_kv_heads, c.head_dim)
+    v = linear(x, p["v_proj"]).reshape(batch, steps, c.num_kv_heads, c.head_dim)
+    q = apply_rope(rms_norm(q, p["q_norm"], c.rms_norm_eps), cos, sin)
+    k = apply_rope(rms_norm(k, p["k_norm"], c.rms_norm_eps), cos, sin)
+    keys, values = kv_update(k, v)
+    out = attention(q, keys, values, mask, impl=attn_impl).reshape(batch, steps, c.num_heads * c.head_dim)
+    h = h + linear(out, p["o_proj"])
+    x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
+    return h + swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
+
+
+def _head(config: Qwen3Config, params: dict, h) -> jax.Array:
+    h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    return linear(h, head).astype(jnp.float32)
+
+
+def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl):
+    """Shared body: embeds, runs every layer (unrolled), returns (logits f32, tapped [B, T, F*D], cache)."""
+    h = params["embed"][tokens]
+    cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
+    tapped = []
+    new_k, new_v = [], []
+    for layer in range(config.num_layers):
+        p = jax.tree.map(lambda w: w[layer], params["layers"])
+        if cache is None:
+            kv_update = lambda k, v: (k, v)  # noqa: E731
+        else:
+            def kv_update(k, v, layer=layer):
+                ck = write_rows(cache.k[layer], k, write_start)
+                cv = write_rows(cache.v[layer], v, write_start)
+                new_k.append(ck)
+                new_v.append(cv)
+                return ck, cv
+        h = _layer(config, p, h, cos, sin, kv_update, mask, attn_impl)
+        if layer in config.tapped_layers:
+            tapped.append(h)
+    if cache is not None:
+        cache = KVCache(jnp.stack(new_k), jnp.stack(new_v), cache.lengths)
+    features = jnp.concatenate(tapped, axis=-1) if tapped else jnp.zeros(h.shape[:2] + (0,), h.dtype)
+    return _head(config, params, h), features, cache
+
+
+def forward_logits(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla") -> jax.Array:
+    """Plain causal forward, no cache: input_ids int32 [B, T] -> logits float32 [B, T, V]."""
+    steps = input_ids.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), input_ids.shape)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (input_ids.shape[0], steps, steps))
+    logits, _, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl)
+    return logits
+
+
+def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *, attn_impl: str = "xla"):
+    """Causal pass over new tokens appended at each row's length.
+
+    Args:
+      input_ids: int32 [B, T], row b's first num_new[b] entries are real (the rest padding).
+      num_new: int32 [B].
+    Returns:
+      (logits float32 [B, T, V], tapped hidden [B, T, F*D], cache with lengths += num_new).
+    """
+    batch, steps = input_ids.shape
+    start = cache.lengths
+    positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(cache.capacity, dtype=jnp.int32)
+    mask = rows[None, None, :] <= positions[:, :, None]  # causal over the committed prefix + new tokens
+    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, attn_impl)
+    return logits, features, KVCache(cache.k, cache.v, start + num_new)
+
+
+def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array, tree_mask: jax.Array, *, attn_impl: str = "xla"):
+    """The tree-verify pass: N slots at positions lengths + depth.
+
+    Slot i's K/V are written at cache row lengths + i; slot i attends the committed prefix and the
+    slots j with tree_mask[i, j] (itself and its ancestors). Lengths do not change (see `commit`).
+
+    Args:
+      tokens, depths: int32 [B, N] (a DraftTree's tokens and depths); tree_mask: bool [B, N, N].
+    Returns:
+      (logits float32 [B, N, V], tapped hidden [B, N, F*D], cache with the tree K/V written).
+    """
+    batch, slots = tokens.shape
+    start = cache.lengths
+    positions = start[:, None] + depths
+    rows = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :]
+    rel = rows - start[:, None, None]  # row index relative to the tree window
+    in_tree = (rel >= 0) & (rel < slots)
+    tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
+    mask = (rel < 0) | (in_tree & tree_part)
+    return _run(config, params, tokens, positions, mask, cache, start, attn_impl)

@@ -1,0 +1,154 @@
+"""Qwen3 target: cached passes against the plain causal forward (prefill / decode, tree verify, commit)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.config import Qwen3Config, default_tapped_layers
+from ddtree_jax.models import qwen3
+from ddtree_jax.models.cache import KVCache, commit, gather_accepted
+from ddtree_jax.tree import ancestor_mask, build_tree
+
+CONFIG = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, rope_theta=10_000.0, tapped_layers=(0, 2))
+TOL = 2e-5  # float32 throughout; differences are reduction order only
+
+
+@pytest.fixture(scope="module")
+def params():
+    return qwen3.init_params(CONFIG, jax.random.key(0), norm_jitter=0.2)
+
+
+def _cache(batch, capacity=48):
+    return KVCache.create(CONFIG.num_layers, batch, capacity, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
+
+
+PAD = 24  # reference sequences are padded to one length: one compilation (causal, so padding is inert)
+
+
+@jax.jit
+def _causal_at(params, seq, last):
+    """Logits and tapped features of the causal forward at position `last` of a padded sequence."""
+    logits = qwen3.forward_logits(CONFIG, params, seq[None])[0, last]
+    cache = KVCache.create(CONFIG.num_layers, 1, PAD, CONFIG.num_kv_heads, CONFIG.head_dim, jnp.float32)
+    _, features, _ = qwen3.prefill(CONFIG, params, cache, seq[None], jnp.array([PAD], jnp.int32))
+    return logits, features[0, last]
+
+
+def _reference(params, seq):
+    padded = np.zeros(PAD, np.int32)
+    padded[: len(seq)] = seq
+    return _causal_at(params, jnp.asarray(padded), len(seq) - 1)
+
+
+def _relerr(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+
+
+def _prefill_ragged(params, tokens, lengths, capacity=48):
+    cache = _cache(tokens.shape[0], capacity)
+    return qwen3.prefill(CONFIG, params, cache, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32))
+
+
+def test_prefill_then_decode_equals_full_forward(params):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, CONFIG.vocab_size, (3, 12)).astype(np.int32)
+    full = qwen3.forward_logits(CONFIG, params, jnp.asarray(tokens))
+    lengths = np.array([5, 1, 9])
+    logits, _, cache = _prefill_ragged(params, tokens, lengths)
+    for b in range(3):
+        assert _relerr(logits[b, : lengths[b]], full[b, : lengths[b]]) < TOL
+    # decode one token at a time from each row's own length
+    for step in range(12 - lengths.max()):
+        pos = lengths + step
+        step_logits, _, cache = qwen3.prefill(CONFIG, params, cache, jnp.asarray(tokens[np.arange(3), pos][:, None]), jnp.ones(3, jnp.int32))
+        for b in range(3):
+            assert _relerr(step_logits[b, 0], full[b, pos[b]]) < TOL
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + 12 - lengths.max())
+
+
+def _tree_case(seed, batch, budget, depth=4):
+    rng = np.random.default_rng(seed)
+    draft = (rng.standard_normal((batch, depth, CONFIG.vocab_size)) * 2).astype(np.float32)
+    roots = rng.integers(0, CONFIG.vocab_size, batch).astype(np.int32)
+    tree = build_tree(draft, budget, roots)
+    prefix = rng.integers(0, CONFIG.vocab_size, (batch, 10)).astype(np.int32)
+    lengths = rng.integers(0, 11, batch)
+    lengths[0] = 0  # an empty prefix
+    return tree, prefix, lengths
+
+
+def _path_tokens(tree, b, i):
+    parents, tokens = np.asarray(tree.parents[b]), np.asarray(tree.tokens[b])
+    path = []
+    while i >= 0:
+        path.append(int(tokens[i]))
+        i = parents[i]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("budget", [1, 6, 21])
+def test_verify_logits_equal_the_causal_path(params, budget):
+    batch = 3
+    tree, prefix, lengths = _tree_case(budget, batch, budget)
+    _, _, cache = _prefill_ragged(params, prefix, lengths)
+    logits, features, cache = qwen3.verify(CONFIG, params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)  # verify never moves lengths
+    for b in range(batch):
+        for i in range(int(tree.num_nodes[b])):
+            seq = np.concatenate([prefix[b, : lengths[b]], _path_tokens(tree, b, i)]).astype(np.int32)
+            ref_logits, ref_features = _reference(params, seq)
+            assert _relerr(logits[b, i], ref_logits) < TOL, (b, i)
+            assert _relerr(features[b, i], ref_features) < TOL  # the tapped layers' outputs there
+
+
+def test_commit_then_continue_equals_uninterrupted_decoding(params):
+    batch, budget = 3, 12
+    tree, prefix, lengths = _tree_case(7, batch, budget)
+    _, _, cache = _prefill_ragged(params, prefix, lengths)
+    _, features, cache = qwen3.verify(CONFIG, params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
+    # accept a root-to-leaf path of varying length in each row (deepest node, its parent, root only)
+    accept = np.full((batch, tree.max_depth + 1), -1, np.int32)
+    num_accepted = np.zeros(batch, np.int32)
+    for b, kind in enumerate(["deepest", "parent of deepest", "root"]):
+        deepest = int(np.argmax(np.asarray(tree.depths[b])))
+        target = {"deepest": deepest, "parent of deepest": int(tree.parents[b, deepest]), "root": 0}[kind]
+        path, i = [], target
+        while i >= 0:
+            path.append(i)
+            i = int(tree.parents[b, i])
+        path = path[::-1]
+        accept[b, : len(path)] = path
+        num_accepted[b] = len(path) - 1
+    cache = commit(cache, jnp.asarray(accept), jnp.asarray(num_accepted))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + num_accepted + 1)
+    # continue with 3 new tokens; compare with one causal forward over prefix + accepted + new
+    rng = np.random.default_rng(8)
+    new = rng.integers(0, CONFIG.vocab_size, (batch, 3)).astype(np.int32)
+    cont, _, _ = qwen3.prefill(CONFIG, params, cache, jnp.asarray(new), jnp.full(batch, 3, jnp.int32))
+    for b in range(batch):
+        accepted_tokens = [int(tree.tokens[b, s]) for s in accept[b, : num_accepted[b] + 1]]
+        seq = np.concatenate([prefix[b, : lengths[b]], accepted_tokens, new[b]]).astype(np.int32)
+        for j in range(3):
+            assert _relerr(cont[b, j], _reference(params, seq[: len(seq) - 2 + j])[0]) < TOL
+    picked = np.asarray(gather_accepted(features, jnp.asarray(accept), jnp.asarray(num_accepted)))
+    for b in range(batch):
+        n = num_accepted[b]
+        np.testing.assert_array_equal(picked[b, : n + 1], np.asarray(features)[b, accept[b, : n + 1]])
+        assert (picked[b, n + 1 :] == 0).all()
+
+
+def test_param_axes_cover_every_parameter_and_config_validation(params):
+    axes = qwen3.param_axes(CONFIG)
+    assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(params)
+    for arr, names in zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        assert arr.ndim == len(names)
+    tied = Qwen3Config(**{**CONFIG.__dict__, "tie_word_embeddings": True})
+    assert "lm_head" not in qwen3.init_params(tied, jax.random.key(1))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        Qwen3Config(**{**CONFIG.__dict__, "num_kv_heads": 3})
+    with pytest.raises(ValueError, match=r"tapped_layers \[5\]"):
+        Qwen3Config(**{**CONFIG.__dict__, "tapped_layers": (0, 5)})
+    assert default_tapped_layers(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B-DFlash (models.md)
+    assert default_tapped_layers(61, 6) == (1, 12, 24, 35, 47, 58)  # Kimi drafters (models.md)
