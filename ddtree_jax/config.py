@@ -46,3 +46,38 @@ def default_tapped_layers(num_target_layers: int, num_features: int) -> tuple[in
     if num_features == 1:
         return (1,)
     return tuple(int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash block-diffusion drafter (arXiv 2602.06036; facts: shared/spec/models.md).
+
+    It shares the target's embedding and LM head (so `hidden_size` equals the target's), fuses the
+    outputs of `target_layers` of the target into context features, and predicts block_size - 1
+    draft marginals per pass.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layers: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (one bonus token + at least one mask), got {self.block_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not self.target_layers:
+            raise ValueError("target_layers must name at least one target layer")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """L = block_size - 1: the depth limit of the trees it feeds."""
+        return self.block_size - 1

@@ -1,0 +1,128 @@
+"""The DFlash drafter: KV injection of fused target features, non-causal attention within a block.
+
+One draft pass takes the block [bonus, MASK x (block_size - 1)] at positions ctx_len .. ctx_len +
+block_size - 1 and returns the logits at block positions 1 .. block_size - 1: the L draft marginals
+(same-position prediction). Every layer attends the cached context K/V (its own k_proj / v_proj of the
+fused target features, appended per committed token) and the block's own K/V, which are discarded.
+The drafter has no embedding or LM head: it uses the target's (frozen).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.config import DFlashConfig
+from ddtree_jax.models.attention import attention
+from ddtree_jax.models.cache import KVCache, write_rows
+from ddtree_jax.models.layers import apply_rope, linear, rms_norm, rope_tables, swiglu
+
+
+def param_shapes(config: DFlashConfig, target_hidden: int) -> dict:
+    c = config
+    if target_hidden != c.hidden_size:
+        raise ValueError(f"the drafter's hidden_size ({c.hidden_size}) must equal the target's ({target_hidden})")
+    features = len(c.target_layers) * target_hidden
+    layer = {
+        "input_norm": ((c.hidden_size,), ("embed",)),
+        "q_proj": ((c.num_heads * c.head_dim, c.hidden_size), ("q_heads", "embed")),
+        "k_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
+        "v_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
+        "o_proj": ((c.hidden_size, c.num_heads * c.head_dim), ("embed", "q_heads")),
+        "q_norm": ((c.head_dim,), ("head_dim",)),
+        "k_norm": ((c.head_dim,), ("head_dim",)),
+        "post_norm": ((c.hidden_size,), ("embed",)),
+        "gate_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
+        "up_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
+        "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp")),
+    }
+    return {
+        "fc": ((c.hidden_size, features), ("embed", "features")),
+        "hidden_norm": ((c.hidden_size,), ("embed",)),
+        "layers": {k: ((c.num_layers,) + s, ("layers",) + a) for k, (s, a) in layer.items()},
+        "final_norm": ((c.hidden_size,), ("embed",)),
+    }
+
+
+def _is_leaf(x):
+    return isinstance(x, tuple) and isinstance(x[0], tuple)
+
+
+def param_axes(config: DFlashConfig, target_hidden: int) -> dict:
+    return jax.tree.map(lambda leaf: leaf[1], param_shapes(config, target_hidden), is_leaf=_is_leaf)
+
+
+def init_params(config: DFlashConfig, target_hidden: int, key: jax.Array, dtype=jnp.float32, norm_jitter: float = 0.0) -> dict:
+    leaves, treedef = jax.tree.flatten(param_shapes(config, target_hidden), is_leaf=_is_leaf)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (shape, axes), k in zip(leaves, keys):
+        is_norm = len(shape) - (axes[0] == "layers") == 1
+        scale = norm_jitter if is_norm else 0.02
+        out.append(((1.0 if is_norm else 0.0) + scale * jax.random.normal(k, shape)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def create_context_cache(config: DFlashConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
+    """Per-layer context K/V (capacity >= the longest sequence); lengths = context tokens per row."""
+    return KVCache.create(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)
+
+
+def fuse_features(config: DFlashConfig, params: dict, features: jax.Array) -> jax.Array:
+    """ctx = hidden_norm(fc(concat of the tapped target hidden states)): [B, T, F*D] -> [B, T, D]."""
+    return rms_norm(linear(features, params["fc"]), params["hidden_norm"], config.rms_norm_eps)
+
+
+def _project_kv(config: DFlashConfig, p: dict, x, positions):
+    batch, steps, _ = x.shape
+    cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
+    k = linear(x, p["k_proj"]).reshape(batch, steps, config.num_kv_heads, config.head_dim)
+    v = linear(x, p["v_proj"]).reshape(batch, steps, config.num_kv_heads, config.head_dim)
+    return apply_rope(rms_norm(k, p["k_norm"], config.rms_norm_eps), cos, sin), v
+
+
+def append_context(config: DFlashConfig, params: dict, cache: KVCache, features: jax.Array, num_new: jax.Array) -> KVCache:
+    """Appends committed tokens' context K/V: features [B, T, F*D] (row b's first num_new[b] real),
+    at positions lengths .. lengths + T - 1. Returns the cache with lengths += num_new."""
+    steps = features.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    ctx = fuse_features(config, params, features)
+    ks, vs = [], []
+    for layer in range(config.num_layers):
+        p = jax.tree.map(lambda w: w[layer], params["layers"])
+        k, v = _project_kv(config, p, ctx, positions)
+        ks.append(write_rows(cache.k[layer], k, cache.lengths))
+        vs.append(write_rows(cache.v[layer], v, cache.lengths))
+    return KVCache(jnp.stack(ks), jnp.stack(vs), cache.lengths + num_new)
+
+
+def draft(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Array, cache: KVCache, bonus: jax.Array, *,
+          block_size: int | None = None, attn_impl: str = "xla") -> jax.Array:
+    """One draft pass: float32 draft logits [B, block_size - 1, V] for the tokens after `bonus` [B].
+
+    embed [V, D] and lm_head [V, D] are the target's. `block_size` may be smaller than the drafter's
+    (fewer masks, a shallower tree); the context cache is read, not written.
+    """
+    size = block_size or config.block_size
+    if not 2 <= size <= config.block_size:
+        raise ValueError(f"block_size must be in [2, {config.block_size}], got {size}")
+    batch = bonus.shape[0]
+    tokens = jnp.concatenate([bonus[:, None], jnp.full((batch, size - 1), config.mask_token_id, bonus.dtype)], axis=1)
+    positions = cache.lengths[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+    cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
+    context_rows = jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None]  # [B, 1, C]
+    mask = jnp.concatenate([jnp.broadcast_to(context_rows, (batch, size, cache.capacity)), jnp.ones((batch, size, size), bool)], axis=2)
+    h = embed[tokens].astype(params["fc"].dtype)
+    for layer in range(config.num_layers):
+        p = jax.tree.map(lambda w: w[layer], params["layers"])
+        x = rms_norm(h, p["input_norm"], config.rms_norm_eps)
+        q = linear(x, p["q_proj"]).reshape(batch, size, config.num_heads, config.head_dim)
+        q = apply_rope(rms_norm(q, p["q_norm"], config.rms_norm_eps), cos, sin)
+        k, v = _project_kv(config, p, x, positions)
+        keys = jnp.concatenate([cache.k[layer].astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([cache.v[layer].astype(v.dtype), v], axis=1)
+        out = attention(q, keys, values, mask, impl=attn_impl).reshape(batch, size, -1)
+        h = h + linear(out, p["o_proj"])
+        h = h + swiglu(rms_norm(h, p["post_norm"], config.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
+    h = rms_norm(h[:, 1:], params["final_norm"], config.rms_norm_eps)
+    return linear(h, lm_head).astype(jnp.float32)
