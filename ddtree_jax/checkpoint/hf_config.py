@@ -1,0 +1,111 @@
+"""HF config.json -> frozen configs. Both rope layouts (older `rope_theta` + `rope_scaling`, newer
+`rope_parameters`) and DFlash drafter configs (`dflash_config`: block_size, mask_token_id,
+target_layer_ids; `num_target_layers` for the default layer choice)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ddtree_jax.config import DFlashConfig, Qwen3Config, default_tapped_layers
+
+SUPPORTED_TARGETS = ("qwen3",)
+PLANNED = ("deepseek_v3", "kimi_k2", "kimi_k25")  # the Kimi K2.6 target (Models II)
+
+
+def read_config(path: str) -> dict:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(file) as f:
+        return json.load(f)
+
+
+def _rope(cfg: dict) -> float:
+    params = cfg.get("rope_parameters")
+    if params is not None:  # newer layout
+        kind, theta = params.get("rope_type", "default"), params.get("rope_theta")
+    else:  # older layout
+        scaling = cfg.get("rope_scaling") or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        theta = cfg.get("rope_theta")
+    if kind != "default":
+        raise ValueError(f"rope type {kind!r} is not supported for this model family (only 'default')")
+    if theta is None:
+        raise ValueError("config has no rope_theta (neither top-level nor in rope_parameters)")
+    return float(theta)
+
+
+def _common(cfg: dict) -> dict:
+    if cfg.get("attention_bias", False):
+        raise ValueError("attention_bias = true is not supported (Qwen3 has no attention biases)")
+    num_heads = cfg["num_attention_heads"]
+    return dict(
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope(cfg),
+    )
+
+
+def is_dflash(cfg: dict) -> bool:
+    return "dflash_config" in cfg or any("DFlash" in a for a in cfg.get("architectures", []))
+
+
+def parse_config(cfg: dict) -> Qwen3Config | DFlashConfig:
+    """A target (Qwen3Config) or a DFlash drafter (DFlashConfig) from a config.json dict."""
+    model_type = cfg.get("model_type")
+    if is_dflash(cfg):
+        if model_type != "qwen3":
+            raise ValueError(f"DFlash drafters with model_type {model_type!r} are not supported (only Qwen3-style layers)")
+        extra = cfg.get("dflash_config", {})
+        if any(k in extra for k in ("conv_kernel_size", "selector_top_k")):
+            raise ValueError("this DFlash variant (convolutions / candidate selector) is not supported")
+        common = _common(cfg)
+        layers = extra.get("target_layer_ids")
+        if layers is None:
+            if "num_target_layers" not in cfg:
+                raise ValueError("DFlash config needs dflash_config.target_layer_ids or num_target_layers")
+            layers = default_tapped_layers(cfg["num_target_layers"], common["num_layers"])
+        block = extra.get("block_size", cfg.get("block_size"))
+        mask = extra.get("mask_token_id", cfg.get("mask_token_id"))
+        if block is None or mask is None:
+            raise ValueError("DFlash config needs block_size and mask_token_id (in dflash_config or top level)")
+        return DFlashConfig(**common, block_size=int(block), mask_token_id=int(mask), target_layers=tuple(int(l) for l in layers))
+    if model_type in SUPPORTED_TARGETS:
+        return Qwen3Config(
+            vocab_size=cfg["vocab_size"],
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            **_common(cfg),
+        )
+    if model_type in PLANNED:
+        raise ValueError(f"model_type {model_type!r} (Kimi K2 / DeepSeek-V3) is not supported yet")
+    raise ValueError(f"unknown model_type {model_type!r}; supported: {SUPPORTED_TARGETS} and DFlash drafters")
+
+
+def to_hf_dict(config: Qwen3Config | DFlashConfig, vocab_size: int | None = None) -> dict:
+    """The inverse of parse_config (newer rope layout), for writing HF directories."""
+    base = {
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": False,
+        "hidden_act": "silu",
+    }
+    if isinstance(config, DFlashConfig):
+        return {**base, "architectures": ["DFlashDraftModel"], "vocab_size": vocab_size,
+                "dflash_config": {"block_size": config.block_size, "mask_token_id": config.mask_token_id,
+                                  "target_layer_ids": list(config.target_layers)}}
+    return {**base, "architectures": ["Qwen3ForCausalLM"], "vocab_size": config.vocab_size,
+            "tie_word_embeddings": config.tie_word_embeddings, "max_position_embeddings": config.max_position_embeddings}

@@ -1,0 +1,137 @@
+"""HF safetensors <-> our parameter trees, for the Qwen3 target and the DFlash drafter.
+
+HF keeps one tensor per layer ("model.layers.3.self_attn.q_proj.weight"); we stack layers on a
+leading axis. Every tensor is checked: missing, unexpected and mis-shaped tensors raise errors that
+name the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ddtree_jax.config import DFlashConfig, Qwen3Config
+from ddtree_jax.models import dflash, qwen3
+
+_LAYER_NAMES = {  # our name -> HF suffix within a layer
+    "input_norm": "input_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+
+
+def _layout(config) -> tuple[dict, dict, str]:
+    """(top-level name map, expected shapes, layer prefix) for a target or drafter config."""
+    if isinstance(config, DFlashConfig):
+        shapes = dflash.param_shapes(config, config.hidden_size)
+        top = {"fc": "fc.weight", "hidden_norm": "hidden_norm.weight", "final_norm": "norm.weight"}
+        return top, shapes, "layers"
+    shapes = qwen3.param_shapes(config)
+    top = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        top["lm_head"] = "lm_head.weight"
+    return top, shapes, "model.layers"
+
+
+def hf_tensor_names(config) -> list[str]:
+    top, shapes, prefix = _layout(config)
+    names = list(top.values())
+    for layer in range(config.num_layers):
+        names += [f"{prefix}.{layer}.{suffix}" for suffix in _LAYER_NAMES.values()]
+    return names
+
+
+class TensorSource:
+    """Reads tensors from a single model.safetensors or a sharded set with model.safetensors.index.json."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+        elif os.path.exists(single):
+            with safe_open(single, framework="numpy") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        for file in set(self.files.values()):
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"shard {file} named in the index does not exist")
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> np.ndarray:
+        with safe_open(self.files[name], framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
+    """Our param tree from the safetensors in `path` (dtype: the device dtype of every array)."""
+    source = TensorSource(path)
+    top, shapes, prefix = _layout(config)
+    expected = set(hf_tensor_names(config))
+    available = source.names()
+    missing = sorted(expected - available)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[0]!r}")
+    unexpected = sorted(n for n in available - expected if not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}")
+
+    def fetch(name, shape):
+        arr = source.get(name)
+        if tuple(arr.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+        return arr
+
+    params = {ours: jnp.asarray(fetch(hf, shapes[ours][0]), dtype) for ours, hf in top.items()}
+    params["layers"] = {}
+    for ours, suffix in _LAYER_NAMES.items():
+        layer_shape = shapes["layers"][ours][0][1:]
+        stacked = [fetch(f"{prefix}.{layer}.{suffix}", layer_shape) for layer in range(config.num_layers)]
+        params["layers"][ours] = jnp.asarray(np.stack(stacked), dtype)
+    return params
+
+
+def save_weights(path: str, config, params: dict, dtype=np.float32, max_shard_bytes: int | None = None) -> None:
+    """Writes `params` as HF safetensors (sharded with an index when max_shard_bytes is given)."""
+    top, _, prefix = _layout(config)
+    tensors = {hf: np.asarray(params[ours]).astype(dtype) for ours, hf in top.items()}
+    for ours, suffix in _LAYER_NAMES.items():
+        for layer in range(config.num_layers):
+            tensors[f"{prefix}.{layer}.{suffix}"] = np.asarray(params["layers"][ours][layer]).astype(dtype)
+    os.makedirs(path, exist_ok=True)
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards, current, size = [], {}, 0
+    for name, arr in tensors.items():
+        if current and size + arr.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = arr
+        size += arr.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}, f, indent=1)

@@ -1,0 +1,109 @@
+"""load_hf / save_hf round trips (single and sharded), config layouts, errors that name the tensor, Orbax."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from ddtree_jax.checkpoint import load_hf, parse_config, restore_orbax, save_hf, save_orbax
+from ddtree_jax.config import DFlashConfig, Qwen3Config
+from ddtree_jax.models import dflash, qwen3
+
+TARGET = Qwen3Config(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=4, rope_theta=10_000.0)
+DRAFTER = DFlashConfig(hidden_size=16, intermediate_size=20, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4,
+                       block_size=4, mask_token_id=39, target_layers=(0, 1), rope_theta=10_000.0)
+
+
+def _assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+
+
+@pytest.mark.parametrize("shard", [None, 2000])
+def test_target_round_trip(tmp_path, shard):
+    params = qwen3.init_params(TARGET, jax.random.key(0), norm_jitter=0.1)
+    save_hf(str(tmp_path), TARGET, params, max_shard_bytes=shard)
+    if shard:
+        assert os.path.exists(tmp_path / "model.safetensors.index.json")
+        assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    config, loaded = load_hf(str(tmp_path), dtype=jnp.float32)
+    assert config == TARGET
+    _assert_same(params, loaded)
+    ids = jnp.array([[1, 5, 7, 2]])
+    np.testing.assert_array_equal(qwen3.forward_logits(TARGET, params, ids), qwen3.forward_logits(config, loaded, ids))
+
+
+def test_drafter_round_trip(tmp_path):
+    params = dflash.init_params(DRAFTER, 16, jax.random.key(1), norm_jitter=0.1)
+    save_hf(str(tmp_path), DRAFTER, params, vocab_size=40)
+    config, loaded = load_hf(str(tmp_path), dtype=jnp.float32)
+    assert config == DRAFTER
+    _assert_same(params, loaded)
+
+
+def _hf_dict(**over):
+    cfg = {"model_type": "qwen3", "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "rms_norm_eps": 1e-6}
+    cfg.update(over)
+    return cfg
+
+
+def test_both_rope_layouts_and_drafter_defaults():
+    old = parse_config(_hf_dict(rope_theta=10000.0, rope_scaling=None))
+    new = parse_config(_hf_dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    assert old == new == TARGET
+    drafter = parse_config(_hf_dict(rope_theta=1e6, num_hidden_layers=5, num_target_layers=36,
+                                    dflash_config={"mask_token_id": 151669}, block_size=16, architectures=["DFlashDraftModel"]))
+    assert drafter.target_layers == (1, 9, 17, 25, 33) and drafter.block_size == 16 and drafter.mask_token_id == 151669
+
+
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        (dict(model_type="llama", rope_theta=1.0), "unknown model_type 'llama'"),
+        (dict(model_type="kimi_k2", rope_theta=1.0), "not supported yet"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), "rope type 'yarn'"),
+        (dict(rope_theta=1.0, attention_bias=True), "attention_bias"),
+        (dict(rope_theta=1.0, dflash_config={"block_size": 16, "target_layer_ids": [0]}), "mask_token_id"),
+        (dict(rope_theta=1.0, dflash_config={"block_size": 16, "mask_token_id": 3}), "target_layer_ids or num_target_layers"),
+    ],
+)
+def test_config_errors(over, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(_hf_dict(**over))
+
+
+def test_bad_tensors_are_named(tmp_path):
+    params = qwen3.init_params(TARGET, jax.random.key(2))
+    save_hf(str(tmp_path), TARGET, params)
+    file = str(tmp_path / "model.safetensors")
+    tensors = load_file(file)
+
+    def rewrite(mutate):
+        t = dict(tensors)
+        mutate(t)
+        save_file(t, file)
+
+    rewrite(lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load_hf(str(tmp_path))
+    rewrite(lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", np.zeros((3, 16), np.float32)))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(3, 16\), expected \(8, 16\)"):
+        load_hf(str(tmp_path))
+    rewrite(lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", np.zeros((16,), np.float32)))
+    with pytest.raises(ValueError, match="does not use.*q_proj.bias"):
+        load_hf(str(tmp_path))
+    os.remove(file)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_hf(str(tmp_path))
+
+
+def test_orbax_round_trip(tmp_path):
+    params = qwen3.init_params(TARGET, jax.random.key(3), dtype=jnp.bfloat16)
+    save_orbax(str(tmp_path / "ckpt"), params)
+    _assert_same(params, restore_orbax(str(tmp_path / "ckpt"), like=params))
