@@ -39,6 +39,8 @@ def _rope(cfg: dict) -> float:
 def _common(cfg: dict) -> dict:
     if cfg.get("attention_bias", False):
         raise ValueError("attention_bias = true is not supported (Qwen3 has no attention biases)")
+    if cfg.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window = true is not supported (full attention only)")
     num_heads = cfg["num_attention_heads"]
     return dict(
         hidden_size=cfg["hidden_size"],

@@ -38,6 +38,19 @@ class KVCache:
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "lengths"], meta_fields=[])
 
 
+def check_room(cache: KVCache, steps: int) -> None:
+    """Eager guard (skipped under jit): rows lengths .. lengths + steps - 1 must fit in the cache.
+
+    A write past the end would be clamped by dynamic_update_slice onto committed rows, so callers
+    size the cache for prompt + new tokens + one tree (the engine does) and eager callers get an error.
+    """
+    if isinstance(cache.lengths, jax.core.Tracer):
+        return
+    need = int(jnp.max(cache.lengths)) + steps
+    if need > cache.capacity:
+        raise ValueError(f"KV cache too small: a row needs {need} rows, capacity is {cache.capacity}")
+
+
 def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """buffer [B, S, ...] with new [B, T, ...] written at rows start[b] .. start[b] + T - 1."""
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.attention import attention
-from ddtree_jax.models.cache import KVCache, write_rows
+from ddtree_jax.models.cache import KVCache, check_room, write_rows
 from ddtree_jax.models.layers import apply_rope, linear, rms_norm, rope_tables, swiglu
 
 
@@ -85,6 +85,7 @@ def append_context(config: DFlashConfig, params: dict, cache: KVCache, features:
     """Appends committed tokens' context K/V: features [B, T, F*D] (row b's first num_new[b] real),
     at positions lengths .. lengths + T - 1. Returns the cache with lengths += num_new."""
     steps = features.shape[1]
+    check_room(cache, steps)
     positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     ctx = fuse_features(config, params, features)
     ks, vs = [], []

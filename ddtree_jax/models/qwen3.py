@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.attention import attention
-from ddtree_jax.models.cache import KVCache, write_rows
+from ddtree_jax.models.cache import KVCache, check_room, write_rows
 from ddtree_jax.models.layers import apply_rope, linear, rms_norm, rope_tables, swiglu
 
 
@@ -129,6 +129,7 @@ def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Ar
       (logits float32 [B, T, V], tapped hidden [B, T, F*D], cache with lengths += num_new).
     """
     batch, steps = input_ids.shape
+    check_room(cache, steps)
     start = cache.lengths
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     rows = jnp.arange(cache.capacity, dtype=jnp.int32)
@@ -149,6 +150,7 @@ def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array,
       (logits float32 [B, N, V], tapped hidden [B, N, F*D], cache with the tree K/V written).
     """
     batch, slots = tokens.shape
+    check_room(cache, slots)
     start = cache.lengths
     positions = start[:, None] + depths
     rows = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :]

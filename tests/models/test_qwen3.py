@@ -152,3 +152,9 @@ def test_param_axes_cover_every_parameter_and_config_validation(params):
         Qwen3Config(**{**CONFIG.__dict__, "tapped_layers": (0, 5)})
     assert default_tapped_layers(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B-DFlash (models.md)
     assert default_tapped_layers(61, 6) == (1, 12, 24, 35, 47, 58)  # Kimi drafters (models.md)
+
+
+def test_a_write_past_the_cache_end_is_an_error(params):
+    cache = _cache(1, capacity=8)
+    with pytest.raises(ValueError, match="KV cache too small: a row needs 9 rows, capacity is 8"):
+        qwen3.prefill(CONFIG, params, cache, jnp.zeros((1, 9), jnp.int32), jnp.array([9], jnp.int32))

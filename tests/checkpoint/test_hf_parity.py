@@ -1,0 +1,30 @@
+"""Parity with HF transformers, the reference implementation of Qwen3.
+
+The fixtures in tests/fixtures/qwen3_tiny* were written by scripts/make_parity_fixture.py with
+transformers (float32, random weights, norms perturbed away from 1): the HF directory plus the
+logits of transformers' forward for fixed input ids.
+"""
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.checkpoint import load_hf
+from ddtree_jax.models import qwen3
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_tiny_tied"])
+def test_forward_logits_match_transformers(name):
+    path = FIXTURES / name
+    config, params = load_hf(str(path), dtype=jnp.float32)
+    assert config.tie_word_embeddings == ("tied" in name)
+    ref = np.load(path / "reference.npz")
+    logits = np.asarray(qwen3.forward_logits(config, params, jnp.asarray(ref["input_ids"])))
+    err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
+    provenance = json.loads((path / "provenance.json").read_text())
+    assert err <= 1e-4, f"max |ours - ref| / max |ref| = {err:.2e} vs transformers {provenance['transformers']}"
