@@ -80,8 +80,7 @@ def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl
 
 def _head(config: Qwen3Config, params: dict, h) -> jax.Array:
     h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    return linear(h, head).astype(jnp.float32)
+    return linear(h, head(config, params)).astype(jnp.float32)
 
 
 def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl):
@@ -159,3 +158,17 @@ def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array,
     tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
     mask = (rel < 0) | (in_tree & tree_part)
     return _run(config, params, tokens, positions, mask, cache, start, attn_impl)
+
+
+def embedding(params: dict) -> jax.Array:
+    """[V, D] token embedding (shared with the DFlash drafter)."""
+    return params["embed"]
+
+
+def head(config: Qwen3Config, params: dict) -> jax.Array:
+    """[V, D] LM head (the embedding when tied; shared with the DFlash drafter)."""
+    return params["embed"] if config.tie_word_embeddings else params["lm_head"]
+
+
+def create_cache(config: Qwen3Config, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
+    return KVCache.create(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)

@@ -1,0 +1,106 @@
+"""Prefill hand-over and the generation loop (an on-device while_loop over decode steps)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.engine.step import METHODS, DecodeState, decode_step, steps_per_token
+from ddtree_jax.models import qwen3
+from ddtree_jax.sampling import SamplingParams, sample
+
+PREFILL_SALT = 2**31 - 1  # the first token's coin: a fold-in no decode step uses
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """tokens int32 [B, max_new] (-1 padded); num_generated, steps, accepted int32 [B]
+    (steps: decode steps the row was active, excluding the prefill token; accepted: draft tokens accepted)."""
+
+    tokens: jax.Array
+    num_generated: jax.Array
+    steps: jax.Array
+    accepted: jax.Array
+
+    @property
+    def tau(self) -> jax.Array:
+        """float [B]: mean tokens per decode step (acceptance length; 1.0 for AR)."""
+        return (self.accepted + self.steps) / jnp.maximum(self.steps, 1)
+
+
+jax.tree_util.register_dataclass(GenerationResult, data_fields=["tokens", "num_generated", "steps", "accepted"], meta_fields=[])
+
+
+def cache_capacity(prompt_len: int, max_new_tokens: int, method: str, budget: int, block_size: int) -> int:
+    """Rows a KV cache needs: prompt + generated tokens + one step's scratch slots."""
+    slots = {"ddtree": budget + 1, "chain": block_size, "ar": 1}[method]
+    return prompt_len + max_new_tokens + max(slots, block_size) + 1
+
+
+def prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, *,
+            max_new_tokens: int, method: str, budget: int, block_size: int, cache_dtype=jnp.float32,
+            attn_impl: str = "xla") -> DecodeState:
+    """Target prefill; the first token from the plain sampler; the drafter's context from the prompt's
+    tapped hidden states (shared/spec/pipeline.md step 0)."""
+    batch, prompt_len = prompts.shape
+    capacity = cache_capacity(prompt_len, max_new_tokens, method, budget, block_size)
+    cache = qwen3.create_cache(target_config, batch, capacity, cache_dtype)
+    logits, features, cache = qwen3.prefill(target_config, target_params, cache, prompts, prompt_lengths, attn_impl=attn_impl)
+    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    first_keys = jax.vmap(lambda k: jax.random.fold_in(k, PREFILL_SALT))(keys)  # steps fold in 0, 1, ...
+    bonus = sample(last, sampling, first_keys)
+    width = steps_per_token(method, block_size)
+    if method == "ar":
+        draft_state = jnp.zeros((), jnp.int32)
+    else:
+        draft_state = drafter.append(drafter.init_state(batch, capacity, cache_dtype), features, prompt_lengths)
+    output = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(bonus)
+    return DecodeState(
+        target_cache=cache,
+        draft_state=draft_state,
+        bonus=bonus,
+        ctx_features=jnp.zeros((batch, width, features.shape[-1]), features.dtype),
+        ctx_count=jnp.zeros((batch,), jnp.int32),
+        output=output,
+        num_generated=jnp.ones((batch,), jnp.int32),
+        steps=jnp.zeros((batch,), jnp.int32),
+        accepted=jnp.zeros((batch,), jnp.int32),
+        done=bonus < 0,
+        step=jnp.zeros((), jnp.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("target_config", "max_new_tokens", "method", "budget", "block_size",
+                                             "order", "verify_method", "cache_dtype", "attn_impl"))
+def generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
+             max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
+             order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32, attn_impl: str = "xla"):
+    """Generates up to max_new[b] <= max_new_tokens tokens per row, as one compiled program.
+
+    Args:
+      prompts int32 [B, T] (row b's first prompt_lengths[b] real); sampling: SamplingParams [B];
+      keys: typed PRNG keys [B], one per request; stop_tokens int32 [B, K] (-1 = unused); max_new int32 [B].
+    Returns:
+      GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys,
+                    max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
+                    cache_dtype=cache_dtype, attn_impl=attn_impl)
+    first_stop = (state.bonus[:, None] == stop_tokens).any(1)
+    state = dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
+
+    def cond(s):
+        return ~jnp.all(s.done) & (s.step < max_new_tokens)
+
+    def body(s):
+        return decode_step(target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new,
+                           method=method, budget=budget, block_size=block_size, order=order,
+                           verify_method=verify_method, attn_impl=attn_impl)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)

@@ -1,0 +1,144 @@
+"""The engine: greedy DDTree / chain equal AR greedy, deep acceptance with an oracle drafter, stop tokens,
+batch independence, and the exact output law at T = 1 against enumeration (chi-square, ALPHA = 1e-3)."""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.config import DFlashConfig, Qwen3Config
+from ddtree_jax.engine import DFlashDrafter, generate
+from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.sampling import SamplingParams, row_keys
+from tests.stats_helpers import ALPHA, chi_square_pvalue
+
+V = 24
+TARGET = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=8, rope_theta=10_000.0, tapped_layers=(0, 1))
+DRAFTER = DFlashConfig(hidden_size=32, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                       block_size=5, mask_token_id=V - 1, target_layers=(0, 1), rope_theta=10_000.0)
+T_PARAMS = qwen3.init_params(TARGET, jax.random.key(0), norm_jitter=0.1)
+T_PARAMS = {**T_PARAMS, "lm_head": T_PARAMS["lm_head"] * 60.0}  # peaked next-token laws (logit std ~ 3)
+DFLASH = DFlashDrafter(DRAFTER, dflash.init_params(DRAFTER, 32, jax.random.key(1)), qwen3.embedding(T_PARAMS),
+                       qwen3.head(TARGET, T_PARAMS))
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    """Drafts from a table of known continuations (position-indexed): the top-1 token at each depth is
+    table[position], the second choice is `alt` (a branch the tree can also explore)."""
+
+    table: jax.Array  # int32 [B, P]
+    max_block_size: int = 5
+
+    def init_state(self, batch, capacity, dtype=jnp.float32):
+        return jnp.zeros((batch,), jnp.int32)  # the drafter's context length
+
+    def append(self, state, features, count):
+        return state + count
+
+    def draft(self, state, bonus, block_size):
+        positions = state[:, None] + 1 + jnp.arange(block_size - 1)[None, :]
+        tokens = jnp.take_along_axis(self.table, jnp.minimum(positions, self.table.shape[1] - 1), axis=1)
+        alt = (tokens * 7 + 3) % V
+        return 6.0 * jax.nn.one_hot(tokens, V) + 3.0 * jax.nn.one_hot(alt, V)
+
+
+jax.tree_util.register_dataclass(OracleDrafter, data_fields=["table"], meta_fields=["max_block_size"])
+
+
+def _run(drafter, prompts, lengths, *, method, temperature=0.0, max_new=10, budget=8, stop=None, seed=3, **kw):
+    batch = prompts.shape[0]
+    params = SamplingParams.create(batch, temperature=temperature)
+    keys = row_keys(jax.random.key(seed), jnp.arange(batch))
+    stop = jnp.full((batch, 1), -1, jnp.int32) if stop is None else stop
+    return generate(TARGET, T_PARAMS, drafter, jnp.asarray(prompts), jnp.asarray(lengths), params, keys, stop,
+                    jnp.full((batch,), max_new, jnp.int32), max_new_tokens=max_new, method=method, budget=budget,
+                    block_size=5, **kw)
+
+
+PROMPTS = np.array([[3, 8, 1, 5, 9, 2], [4, 4, 7, 0, 0, 0], [11, 2, 6, 13, 5, 0]], np.int32)
+LENGTHS = np.array([6, 3, 5], np.int32)
+
+
+@pytest.fixture(scope="module")
+def ar_greedy():
+    return np.asarray(_run(None, PROMPTS, LENGTHS, method="ar", max_new=12).tokens)
+
+
+def _oracle(ar_tokens, noise=False):
+    table = np.zeros((3, 40), np.int32)
+    for b in range(3):
+        seq = np.concatenate([PROMPTS[b, : LENGTHS[b]], ar_tokens[b]])
+        if noise:  # every 4th draft token wrong: rejections and branches mid-sequence
+            seq = seq.copy()
+            seq[LENGTHS[b] + 3 :: 4] = (seq[LENGTHS[b] + 3 :: 4] + 1) % V
+        table[b, : len(seq)] = seq
+    return OracleDrafter(jnp.asarray(table))
+
+
+@pytest.mark.parametrize("method", ["ddtree", "chain"])
+def test_greedy_speculative_text_equals_autoregressive_greedy(ar_greedy, method):
+    dflash_out = _run(DFLASH, PROMPTS, LENGTHS, method=method, max_new=12)
+    np.testing.assert_array_equal(np.asarray(dflash_out.tokens), ar_greedy)
+    for noise in (False, True):
+        out = _run(_oracle(ar_greedy, noise), PROMPTS, LENGTHS, method=method, max_new=12)
+        np.testing.assert_array_equal(np.asarray(out.tokens), ar_greedy)
+        tau = np.asarray(out.tau)
+        assert (tau > (2.0 if noise else 3.0)).all(), tau  # deep acceptance: caches were committed right
+
+
+def test_stop_tokens_and_max_new(ar_greedy):
+    stop_at = ar_greedy[0, 4]
+    stop = jnp.array([[stop_at], [-1], [-1]], jnp.int32)
+    out = _run(_oracle(ar_greedy), PROMPTS, LENGTHS, method="ddtree", max_new=12, stop=stop)
+    n = np.asarray(out.num_generated)
+    first = int(np.argmax(ar_greedy[0] == stop_at))
+    assert n[0] == first + 1 and np.asarray(out.tokens)[0, n[0] - 1] == stop_at
+    assert (np.asarray(out.tokens)[0, n[0]:] == -1).all() and n[1] == n[2] == 12
+
+
+def test_rows_do_not_influence_each_other():
+    full = _run(DFLASH, PROMPTS, LENGTHS, method="ddtree", temperature=1.0, seed=5)
+    keys_all = row_keys(jax.random.key(5), jnp.arange(3))
+    alone = generate(TARGET, T_PARAMS, DFLASH, jnp.asarray(PROMPTS[1:2]), jnp.asarray(LENGTHS[1:2]),
+                     SamplingParams.create(1, temperature=1.0), keys_all[1:2], jnp.full((1, 1), -1, jnp.int32),
+                     jnp.array([10], jnp.int32), max_new_tokens=10, method="ddtree", budget=8, block_size=5)
+    np.testing.assert_array_equal(np.asarray(full.tokens)[1], np.asarray(alone.tokens)[0])
+
+
+def test_output_law_at_temperature_one_is_the_target_law():
+    """3 generated tokens after a fixed prompt, 6000 rows, DDTree with the DFlash drafter and with an oracle
+    that drafts one fixed continuation; the law of the first token (the prefill sampler) and the joint law
+    of tokens 2-3 (both from tree verification) against enumeration of all V^3 continuations."""
+    prompt = np.array([5, 2, 9, 14], np.int32)
+    seqs = np.array(list(itertools.product(range(V), repeat=3)), np.int32)
+    full = np.concatenate([np.broadcast_to(prompt, (len(seqs), 4)), seqs], axis=1)
+    logits = np.asarray(jax.jit(lambda ids: qwen3.forward_logits(TARGET, T_PARAMS, ids))(jnp.asarray(full)), np.float64)
+    rows = np.arange(len(seqs))
+
+    def law_at(temperature):
+        z = logits / temperature
+        logp = z - z.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        return np.exp(logp[rows, 3, seqs[:, 0]] + logp[rows, 4, seqs[:, 1]] + logp[rows, 5, seqs[:, 2]]).reshape(V, V, V)
+
+    law, wrong_law = law_at(1.0), law_at(1.3)
+    samples = 6000
+    prompts = np.broadcast_to(prompt, (samples, 4))
+    for drafter in (DFLASH, OracleDrafter(jnp.asarray(np.tile(np.concatenate([prompt, seqs[77]]), (samples, 5))[:, :40]))):
+        out = generate(TARGET, T_PARAMS, drafter, jnp.asarray(prompts), jnp.full((samples,), 4, jnp.int32),
+                       SamplingParams.create(samples, temperature=1.0), row_keys(jax.random.key(11), jnp.arange(samples)),
+                       jnp.full((samples, 1), -1, jnp.int32), jnp.full((samples,), 3, jnp.int32), max_new_tokens=3,
+                       method="ddtree", budget=6, block_size=4)
+        tokens = np.asarray(out.tokens)
+        counts = np.zeros((V, V, V))
+        np.add.at(counts, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
+        assert chi_square_pvalue(counts.sum((1, 2)), law.sum((1, 2))) > ALPHA
+        assert chi_square_pvalue(counts.sum(0), law.sum(0)) > ALPHA
+        assert chi_square_pvalue(counts.sum(0), wrong_law.sum(0)) < ALPHA  # the test has power
+        if drafter is not DFLASH:
+            assert float(np.asarray(out.tau).mean()) > 1.2  # the oracle's drafts are accepted at times
