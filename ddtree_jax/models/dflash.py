@@ -15,52 +15,39 @@ import jax.numpy as jnp
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.attention import attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
-from ddtree_jax.models.layers import apply_rope, linear, rms_norm, rope_tables, swiglu
+from ddtree_jax.models.layers import (
+    apply_rope,
+    axes_of,
+    decoder_layer_shapes,
+    init_from_shapes,
+    linear,
+    rms_norm,
+    rope_tables,
+    stacked,
+    swiglu,
+)
 
 
 def param_shapes(config: DFlashConfig, target_hidden: int) -> dict:
+    """{name: (shape, logical axes)}; no embedding or head (the target's are used)."""
     c = config
     if target_hidden != c.hidden_size:
         raise ValueError(f"the drafter's hidden_size ({c.hidden_size}) must equal the target's ({target_hidden})")
-    features = len(c.target_layers) * target_hidden
-    layer = {
-        "input_norm": ((c.hidden_size,), ("embed",)),
-        "q_proj": ((c.num_heads * c.head_dim, c.hidden_size), ("q_heads", "embed")),
-        "k_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
-        "v_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
-        "o_proj": ((c.hidden_size, c.num_heads * c.head_dim), ("embed", "q_heads")),
-        "q_norm": ((c.head_dim,), ("head_dim",)),
-        "k_norm": ((c.head_dim,), ("head_dim",)),
-        "post_norm": ((c.hidden_size,), ("embed",)),
-        "gate_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
-        "up_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
-        "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp")),
-    }
+    layer = decoder_layer_shapes(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim)
     return {
-        "fc": ((c.hidden_size, features), ("embed", "features")),
+        "fc": ((c.hidden_size, len(c.target_layers) * target_hidden), ("embed", "features")),
         "hidden_norm": ((c.hidden_size,), ("embed",)),
-        "layers": {k: ((c.num_layers,) + s, ("layers",) + a) for k, (s, a) in layer.items()},
+        "layers": stacked(layer, c.num_layers),
         "final_norm": ((c.hidden_size,), ("embed",)),
     }
 
 
-def _is_leaf(x):
-    return isinstance(x, tuple) and isinstance(x[0], tuple)
-
-
 def param_axes(config: DFlashConfig, target_hidden: int) -> dict:
-    return jax.tree.map(lambda leaf: leaf[1], param_shapes(config, target_hidden), is_leaf=_is_leaf)
+    return axes_of(param_shapes(config, target_hidden))
 
 
 def init_params(config: DFlashConfig, target_hidden: int, key: jax.Array, dtype=jnp.float32, norm_jitter: float = 0.0) -> dict:
-    leaves, treedef = jax.tree.flatten(param_shapes(config, target_hidden), is_leaf=_is_leaf)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (shape, axes), k in zip(leaves, keys):
-        is_norm = len(shape) - (axes[0] == "layers") == 1
-        scale = norm_jitter if is_norm else 0.02
-        out.append(((1.0 if is_norm else 0.0) + scale * jax.random.normal(k, shape)).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
+    return init_from_shapes(param_shapes(config, target_hidden), key, dtype, norm_jitter)
 
 
 def create_context_cache(config: DFlashConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:

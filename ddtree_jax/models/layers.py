@@ -41,3 +41,47 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x.astype(jnp.float32) * cos[:, :, None, :] + rotated.astype(jnp.float32) * sin[:, :, None, :]
     return out.astype(x.dtype)
+
+
+def decoder_layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """{name: (shape, logical axes)} of one Qwen3-style decoder layer (the target's and the drafter's)."""
+    return {
+        "input_norm": ((hidden,), ("embed",)),
+        "q_proj": ((heads * head_dim, hidden), ("q_heads", "embed")),
+        "k_proj": ((kv_heads * head_dim, hidden), ("kv_heads", "embed")),
+        "v_proj": ((kv_heads * head_dim, hidden), ("kv_heads", "embed")),
+        "o_proj": ((hidden, heads * head_dim), ("embed", "q_heads")),
+        "q_norm": ((head_dim,), ("head_dim",)),
+        "k_norm": ((head_dim,), ("head_dim",)),
+        "post_norm": ((hidden,), ("embed",)),
+        "gate_proj": ((intermediate, hidden), ("mlp", "embed")),
+        "up_proj": ((intermediate, hidden), ("mlp", "embed")),
+        "down_proj": ((hidden, intermediate), ("embed", "mlp")),
+    }
+
+
+def stacked(layer_shapes: dict, num_layers: int) -> dict:
+    """Adds the leading "layers" axis to every per-layer (shape, axes)."""
+    return {k: ((num_layers,) + s, ("layers",) + a) for k, (s, a) in layer_shapes.items()}
+
+
+def is_shape_leaf(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def axes_of(shapes: dict) -> dict:
+    """The logical axis names of a {name: (shape, axes)} tree."""
+    return jax.tree.map(lambda leaf: leaf[1], shapes, is_leaf=is_shape_leaf)
+
+
+def init_from_shapes(shapes: dict, key: jax.Array, dtype, norm_jitter: float = 0.0) -> dict:
+    """Random parameters for a {name: (shape, axes)} tree: matrices normal(0, 0.02); vectors (norm
+    weights) 1, or 1 + norm_jitter * normal so that tests see them."""
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_shape_leaf)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (shape, axes), k in zip(leaves, keys):
+        is_norm = len(shape) - (axes[0] == "layers") == 1
+        noise = jax.random.normal(k, shape)
+        out.append((1.0 + norm_jitter * noise if is_norm else 0.02 * noise).astype(dtype))
+    return jax.tree.unflatten(treedef, out)

@@ -13,28 +13,26 @@ import jax.numpy as jnp
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.attention import attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
-from ddtree_jax.models.layers import apply_rope, linear, rms_norm, rope_tables, swiglu
+from ddtree_jax.models.layers import (
+    apply_rope,
+    axes_of,
+    decoder_layer_shapes,
+    init_from_shapes,
+    linear,
+    rms_norm,
+    rope_tables,
+    stacked,
+    swiglu,
+)
 
 
 def param_shapes(config: Qwen3Config) -> dict:
     """{name: (shape, logical axes)} for every parameter; layer weights carry a leading "layers" axis."""
     c = config
-    layer = {
-        "input_norm": ((c.hidden_size,), ("embed",)),
-        "q_proj": ((c.num_heads * c.head_dim, c.hidden_size), ("q_heads", "embed")),
-        "k_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
-        "v_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), ("kv_heads", "embed")),
-        "o_proj": ((c.hidden_size, c.num_heads * c.head_dim), ("embed", "q_heads")),
-        "q_norm": ((c.head_dim,), ("head_dim",)),
-        "k_norm": ((c.head_dim,), ("head_dim",)),
-        "post_norm": ((c.hidden_size,), ("embed",)),
-        "gate_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
-        "up_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
-        "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp")),
-    }
+    layer = decoder_layer_shapes(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim)
     shapes = {
         "embed": ((c.vocab_size, c.hidden_size), ("vocab", "embed")),
-        "layers": {k: ((c.num_layers,) + s, ("layers",) + a) for k, (s, a) in layer.items()},
+        "layers": stacked(layer, c.num_layers),
         "final_norm": ((c.hidden_size,), ("embed",)),
     }
     if not c.tie_word_embeddings:
@@ -44,21 +42,12 @@ def param_shapes(config: Qwen3Config) -> dict:
 
 def param_axes(config: Qwen3Config) -> dict:
     """The logical axis names of every parameter (same tree as the params)."""
-    return jax.tree.map(lambda leaf: leaf[1], param_shapes(config), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+    return axes_of(param_shapes(config))
 
 
 def init_params(config: Qwen3Config, key: jax.Array, dtype=jnp.float32, norm_jitter: float = 0.0) -> dict:
     """Random parameters (normal(0, 0.02) matrices; norms 1, or 1 + jitter * normal for tests)."""
-    shapes = param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (shape, axes), k in zip(leaves, keys):
-        if axes[-1] in ("embed", "head_dim") and len(shape) - (axes[0] == "layers") == 1:  # a norm weight
-            out.append((1.0 + norm_jitter * jax.random.normal(k, shape)).astype(dtype))
-        else:
-            out.append((0.02 * jax.random.normal(k, shape)).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
+    return init_from_shapes(param_shapes(config), key, dtype, norm_jitter)
 
 
 def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl):
