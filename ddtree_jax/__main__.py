@@ -1,7 +1,8 @@
 """The `ddtree-jax` command line (also `python -m ddtree_jax`).
 
 Subcommands:
-  tree   build a DDTree from given (.npy) or synthetic draft logits and show it.
+  tree       build a DDTree from given (.npy) or synthetic draft logits and show it.
+  generate   DDTree / DFlash-chain / AR generation from HF checkpoints (or a random tiny pair), timed.
 """
 
 from __future__ import annotations
@@ -54,6 +55,51 @@ def _tree_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_command(args: argparse.Namespace) -> int:
+    import jax
+
+    from ddtree_jax.engine.run import enable_compilation_cache, load_pair, random_tiny_pair, run
+
+    if args.compilation_cache is None:
+        from ddtree_jax.engine.run import DEFAULT_CACHE_DIR
+
+        args.compilation_cache = DEFAULT_CACHE_DIR
+    enable_compilation_cache(args.compilation_cache or None)
+    if args.random_tiny:
+        pair = random_tiny_pair(args.seed)
+    elif args.target:
+        pair = load_pair(args.target, args.drafter)
+    else:
+        raise SystemExit("error: give --target DIR [--drafter DIR], or --random-tiny")
+    if args.prompt_ids:
+        prompt = [int(t) for t in args.prompt_ids.split(",")]
+    elif args.prompt is not None:
+        if pair.tokenizer is None:
+            raise SystemExit("error: --prompt needs a tokenizer.json in the target directory; use --prompt-ids")
+        prompt = pair.tokenizer.encode(args.prompt).ids
+    else:
+        prompt = [1, 2, 3, 4]
+    decode = (lambda ids: pair.tokenizer.decode(ids)) if pair.tokenizer else str
+    methods = ["ar", "chain", "ddtree"] if args.method == "all" else [args.method]
+    print(f"device: {jax.devices()[0].platform}; prompt: {len(prompt)} tokens; T = {args.temperature}; "
+          f"max_new_tokens = {args.max_new}", flush=True)
+    reports = {}
+    for method in methods:
+        report = run(pair, [prompt], method=method, budget=args.budget, block_size=args.block_size,
+                     max_new_tokens=args.max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     min_p=args.min_p, seed=args.seed, order=args.order, repeats=args.repeats)
+        reports[method] = report
+        print(f"\n[{method}{' budget ' + str(args.budget) if method == 'ddtree' else ''}] "
+              f"tau = {report['tau']:.2f} tokens/step, {report['tokens_per_s']:.1f} tokens/s "
+              f"(compile {report['compile_s']:.1f} s, run {report['run_s'] * 1e3:.0f} ms)")
+        print(decode(report["tokens"][0]))
+    if "ar" in reports and len(reports) > 1:
+        for method, report in reports.items():
+            if method != "ar":
+                print(f"speedup over AR ({method}): {reports['ar']['run_s'] / report['run_s']:.2f}x on this machine")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--max-print", type=int, default=None, help="print at most this many nodes")
     tree.add_argument("--plot", metavar="FILE", help="also draw the tree to FILE (png/pdf/svg)")
     tree.set_defaults(func=_tree_command)
+
+    gen = sub.add_parser("generate", help="speculative generation from HF checkpoints, timed")
+    gen.add_argument("--target", help="HF directory of the target (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--drafter", help="HF directory of the DFlash drafter")
+    gen.add_argument("--random-tiny", action="store_true", help="a random tiny pair instead (smoke run)")
+    gen.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
+    gen.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    gen.add_argument("--method", default="ddtree", choices=["ddtree", "chain", "ar", "all"])
+    gen.add_argument("--budget", type=int, default=32)
+    gen.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    gen.add_argument("--max-new", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--order", default="draft", choices=["draft", "reverse", "random"])
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
+    gen.add_argument("--compilation-cache", default=None, help="persistent XLA cache dir ('' to disable)")
+    gen.set_defaults(func=_generate_command)
     return parser
 
 
