@@ -142,3 +142,14 @@ def test_output_law_at_temperature_one_is_the_target_law():
         assert chi_square_pvalue(counts.sum(0), wrong_law.sum(0)) < ALPHA  # the test has power
         if drafter is not DFLASH:
             assert float(np.asarray(out.tau).mean()) > 1.2  # the oracle's drafts are accepted at times
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget,block_size", [(1, 5), (64, 3), (200, 5)])
+def test_any_budget_and_smaller_blocks_keep_greedy_text(ar_greedy, budget, block_size):
+    out = generate(TARGET, T_PARAMS, _oracle(ar_greedy, noise=True), jnp.asarray(PROMPTS), jnp.asarray(LENGTHS),
+                   SamplingParams.create(3, temperature=0.0), row_keys(jax.random.key(3), jnp.arange(3)),
+                   jnp.full((3, 1), -1, jnp.int32), jnp.full((3,), 12, jnp.int32), max_new_tokens=12, method="ddtree",
+                   budget=budget, block_size=block_size)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ar_greedy)
+    assert (np.asarray(out.tau) <= block_size).all()
