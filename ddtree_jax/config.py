@@ -81,3 +81,64 @@ class DFlashConfig:
     def num_draft_tokens(self) -> int:
         """L = block_size - 1: the depth limit of the trees it feeds."""
         return self.block_size - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekV3Config:
+    """DeepSeek-V3 / Kimi K2.x text model: MLA attention, dense first layers then MoE (models.md).
+
+    RoPE applies to the qk_rope_head_dim part only (interleaved pairs when rope_interleave), with
+    YaRN when rope_type == "yarn" (factor, original_max_position_embeddings, beta_fast / beta_slow,
+    mscale / mscale_all_dim as in the HF config).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    first_k_dense_replace: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    tapped_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ValueError(f"first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, num_layers = {self.num_layers}]")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group = {self.n_group}]")
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported (default, yarn)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 
-from ddtree_jax.config import DFlashConfig, Qwen3Config, default_tapped_layers
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config, default_tapped_layers
 
-SUPPORTED_TARGETS = ("qwen3",)
-PLANNED = ("deepseek_v3", "kimi_k2", "kimi_k25")  # the Kimi K2.6 target (Models II)
+SUPPORTED_TARGETS = ("qwen3", "deepseek_v3", "kimi_k2", "kimi_k25")
+DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2")
 
 
 def read_config(path: str) -> dict:
@@ -78,15 +78,19 @@ def parse_config(cfg: dict) -> Qwen3Config | DFlashConfig:
         if block is None or mask is None:
             raise ValueError("DFlash config needs block_size and mask_token_id (in dflash_config or top level)")
         return DFlashConfig(**common, block_size=int(block), mask_token_id=int(mask), target_layers=tuple(int(l) for l in layers))
-    if model_type in SUPPORTED_TARGETS:
+    if model_type == "kimi_k25":  # the multimodal wrapper: the text model sits in text_config
+        if "text_config" not in cfg:
+            raise ValueError("kimi_k25 config without a text_config")
+        return parse_config(cfg["text_config"])
+    if model_type in DEEPSEEK_FAMILY:
+        return _deepseek(cfg)
+    if model_type == "qwen3":
         return Qwen3Config(
             vocab_size=cfg["vocab_size"],
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
             **_common(cfg),
         )
-    if model_type in PLANNED:
-        raise ValueError(f"model_type {model_type!r} (Kimi K2 / DeepSeek-V3) is not supported yet")
     raise ValueError(f"unknown model_type {model_type!r}; supported: {SUPPORTED_TARGETS} and DFlash drafters")
 
 
@@ -111,3 +115,41 @@ def to_hf_dict(config: Qwen3Config | DFlashConfig, vocab_size: int | None = None
                                   "target_layer_ids": list(config.target_layers)}}
     return {**base, "architectures": ["Qwen3ForCausalLM"], "vocab_size": config.vocab_size,
             "tie_word_embeddings": config.tie_word_embeddings, "max_position_embeddings": config.max_position_embeddings}
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """One dict with rope_type / rope_theta / YaRN fields from either config layout."""
+    if cfg.get("rope_parameters") is not None:
+        params = dict(cfg["rope_parameters"])
+    else:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta"))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _deepseek(cfg: dict) -> DeepSeekV3Config:
+    rope = _rope_parameters(cfg)
+    if rope["rope_type"] not in ("default", "yarn"):
+        raise ValueError(f"rope type {rope['rope_type']!r} is not supported for DeepSeek-V3 / Kimi K2 (default, yarn)")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError("only sigmoid scoring with noaux_tc top-k routing is supported (DeepSeek-V3 / Kimi K2)")
+    if cfg.get("attention_bias", False):
+        raise ValueError("attention_bias = true is not supported")
+    return DeepSeekV3Config(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        moe_intermediate_size=cfg["moe_intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        first_k_dense_replace=cfg.get("first_k_dense_replace", 0), n_routed_experts=cfg["n_routed_experts"],
+        n_shared_experts=cfg.get("n_shared_experts", 0) or 0, num_experts_per_tok=cfg["num_experts_per_tok"],
+        n_group=cfg.get("n_group", 1) or 1, topk_group=cfg.get("topk_group", 1) or 1,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        num_heads=cfg["num_attention_heads"], q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]), rope_type=rope["rope_type"],
+        rope_factor=float(rope.get("factor", 1.0)),
+        rope_original_max_position=int(rope.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))),
+        rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+        rope_mscale=float(rope.get("mscale") or 0.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        rope_interleave=bool(cfg.get("rope_interleave", True)), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+    )

@@ -15,8 +15,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ddtree_jax.config import DFlashConfig, Qwen3Config
-from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
+from ddtree_jax.models import deepseek_v3, dflash, qwen3
 
 _LAYER_NAMES = {  # our name -> HF suffix within a layer
     "input_norm": "input_layernorm.weight",
@@ -33,6 +33,45 @@ _LAYER_NAMES = {  # our name -> HF suffix within a layer
 }
 
 
+_MLA_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "q_a_proj": "self_attn.q_a_proj.weight",
+    "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b_proj": "self_attn.q_b_proj.weight",
+    "kv_a_proj": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "kv_b_proj": "self_attn.kv_b_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight",
+    "router_bias": "mlp.gate.e_score_correction_bias",
+    "shared_gate": "mlp.shared_experts.gate_proj.weight",
+    "shared_up": "mlp.shared_experts.up_proj.weight",
+    "shared_down": "mlp.shared_experts.down_proj.weight",
+}
+_EXPERT_NAMES = {"expert_gate": "gate_proj.weight", "expert_up": "up_proj.weight", "expert_down": "down_proj.weight"}
+
+
+def _deepseek_names(config: DeepSeekV3Config) -> dict:
+    """{(stack, ours): [[HF name per expert] per layer] or [HF name per layer]} for every stacked tensor."""
+    shapes = deepseek_v3.param_shapes(config)
+    names = {}
+    for stack, first, count in (("dense_layers", 0, config.first_k_dense_replace),
+                                ("moe_layers", config.first_k_dense_replace, config.num_moe_layers)):
+        for ours in shapes[stack]:
+            layers = range(first, first + count)
+            if ours in _EXPERT_NAMES:
+                names[(stack, ours)] = [[f"model.layers.{l}.mlp.experts.{e}.{_EXPERT_NAMES[ours]}"
+                                         for e in range(config.n_routed_experts)] for l in layers]
+            else:
+                names[(stack, ours)] = [f"model.layers.{l}.{_MLA_NAMES[ours]}" for l in layers]
+    return names
+
+
 def _layout(config) -> tuple[dict, dict, str]:
     """(top-level name map, expected shapes, layer prefix) for a target or drafter config."""
     if isinstance(config, DFlashConfig):
@@ -46,7 +85,20 @@ def _layout(config) -> tuple[dict, dict, str]:
     return top, shapes, "model.layers"
 
 
+def _deepseek_top(config: DeepSeekV3Config) -> dict:
+    top = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        top["lm_head"] = "lm_head.weight"
+    return top
+
+
 def hf_tensor_names(config) -> list[str]:
+    if isinstance(config, DeepSeekV3Config):
+        names = list(_deepseek_top(config).values())
+        for per_layer in _deepseek_names(config).values():
+            for entry in per_layer:
+                names += entry if isinstance(entry, list) else [entry]
+        return names
     top, shapes, prefix = _layout(config)
     names = list(top.values())
     for layer in range(config.num_layers):
@@ -84,7 +136,6 @@ class TensorSource:
 def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
     """Our param tree from the safetensors in `path` (dtype: the device dtype of every array)."""
     source = TensorSource(path)
-    top, shapes, prefix = _layout(config)
     expected = set(hf_tensor_names(config))
     available = source.names()
     missing = sorted(expected - available)
@@ -100,6 +151,21 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
         return arr
 
+    if isinstance(config, DeepSeekV3Config):
+        shapes = deepseek_v3.param_shapes(config)
+        params = {ours: jnp.asarray(fetch(hf, shapes[ours][0]), dtype) for ours, hf in _deepseek_top(config).items()}
+        for stack in ("dense_layers", "moe_layers"):
+            params[stack] = {}
+        for (stack, ours), per_layer in _deepseek_names(config).items():
+            one = shapes[stack][ours][0][1:]
+            if ours in _EXPERT_NAMES:
+                arrays = [np.stack([fetch(n, one[1:]) for n in experts]) for experts in per_layer]
+            else:
+                arrays = [fetch(n, one) for n in per_layer]
+            keep = jnp.float32 if ours in ("router", "router_bias") else dtype  # routing stays in float32 (as HF)
+            params[stack][ours] = jnp.asarray(np.stack(arrays) if arrays else np.zeros((0,) + one), keep)
+        return params
+    top, shapes, prefix = _layout(config)
     params = {ours: jnp.asarray(fetch(hf, shapes[ours][0]), dtype) for ours, hf in top.items()}
     params["layers"] = {}
     for ours, suffix in _LAYER_NAMES.items():
@@ -111,6 +177,8 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
 
 def save_weights(path: str, config, params: dict, dtype=np.float32, max_shard_bytes: int | None = None) -> None:
     """Writes `params` as HF safetensors (sharded with an index when max_shard_bytes is given)."""
+    if isinstance(config, DeepSeekV3Config):
+        raise NotImplementedError("save_hf for DeepSeek-V3 / Kimi K2 checkpoints is not implemented (load_hf is)")
     top, _, prefix = _layout(config)
     tensors = {hf: np.asarray(params[ours]).astype(dtype) for ours, hf in top.items()}
     for ours, suffix in _LAYER_NAMES.items():

@@ -9,14 +9,16 @@ import jax.numpy as jnp
 ATTENTION_IMPLS = ("xla",)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, impl: str = "xla") -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
+              impl: str = "xla") -> jax.Array:
     """Grouped-query attention.
 
     Args:
-      q: [B, T, Hq, Dh] queries; k, v: [B, S, Hkv, Dh] keys / values (Hq a multiple of Hkv).
+      q: [B, T, Hq, Dk] queries; k: [B, S, Hkv, Dk] keys; v: [B, S, Hkv, Dv] values (Hq a multiple of Hkv).
       mask: bool [B, T, S], True where query t may attend key s. A row with no True entry yields zeros.
+      scale: softmax scale (default 1 / sqrt(Dk)).
     Returns:
-      [B, T, Hq, Dh] in q's dtype (softmax in float32).
+      [B, T, Hq, Dv] in q's dtype (softmax in float32).
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
@@ -24,10 +26,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, impl
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
     qg = q.reshape(batch, steps, kv_heads, group, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(head_dim))
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     weights = weights / jnp.maximum(weights.sum(axis=-1, keepdims=True), 1e-30)
     out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(batch, steps, q_heads, head_dim).astype(q.dtype)
+    return out.reshape(batch, steps, q_heads, v.shape[-1]).astype(q.dtype)

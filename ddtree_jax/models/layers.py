@@ -6,6 +6,8 @@ fastest for one-token matmuls on the H200: shared/spec/performance_notes.md).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -85,3 +87,40 @@ def init_from_shapes(shapes: dict, key: jax.Array, dtype, norm_jitter: float = 0
         noise = jax.random.normal(k, shape)
         out.append((1.0 + norm_jitter * noise if is_norm else 0.02 * noise).astype(dtype))
     return jax.tree.unflatten(treedef, out)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, theta: float, *, rope_type: str = "default", factor: float = 1.0, original_max: int = 4096,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> jax.Array:
+    """float32 [dim / 2] inverse frequencies; YaRN blends interpolated and extrapolated frequencies with
+    a linear ramp over the correction range of dimensions (Peng et al., YaRN, arXiv 2309.00071)."""
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    extrapolated = 1.0 / theta**exponents
+    if rope_type == "default":
+        return extrapolated
+    interpolated = extrapolated / factor
+
+    def correction_dim(rotations):
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    extrapolation_weight = 1.0 - ramp
+    return interpolated * (1.0 - extrapolation_weight) + extrapolated * extrapolation_weight
+
+
+def apply_rope_interleaved(x: jax.Array, cos_half: jax.Array, sin_half: jax.Array) -> jax.Array:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ...; output in half-split layout (as HF DeepSeek-V3).
+    x [B, T, H, Dr]; cos_half/sin_half [B, T, Dr / 2]."""
+    x32 = x.astype(jnp.float32)
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    c, s = cos_half[:, :, None, :], sin_half[:, :, None, :]
+    return jnp.concatenate([even * c - odd * s, odd * c + even * s], axis=-1).astype(x.dtype)

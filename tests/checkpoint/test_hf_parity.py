@@ -13,18 +13,22 @@ import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_hf
-from ddtree_jax.models import qwen3
+from ddtree_jax.config import DeepSeekV3Config
+from ddtree_jax.models import deepseek_v3, qwen3
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_tiny_tied"])
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_tiny_tied", "deepseek_v3_tiny"])
 def test_forward_logits_match_transformers(name):
+    """deepseek_v3_tiny: MLA with q/kv LoRA, YaRN with mscale, dense + MoE layers, grouped routing with a
+    non-zero correction bias, a shared expert (scripts/make_parity_fixture.py)."""
     path = FIXTURES / name
     config, params = load_hf(str(path), dtype=jnp.float32)
     assert config.tie_word_embeddings == ("tied" in name)
     ref = np.load(path / "reference.npz")
-    logits = np.asarray(qwen3.forward_logits(config, params, jnp.asarray(ref["input_ids"])))
+    model = deepseek_v3 if isinstance(config, DeepSeekV3Config) else qwen3
+    logits = np.asarray(model.forward_logits(config, params, jnp.asarray(ref["input_ids"])))
     err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
     provenance = json.loads((path / "provenance.json").read_text())
     assert err <= 1e-4, f"max |ours - ref| / max |ref| = {err:.2e} vs transformers {provenance['transformers']}"

@@ -1,6 +1,8 @@
 """load_hf / save_hf round trips (single and sharded), config layouts, errors that name the tensor, Orbax."""
 
+import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +68,6 @@ def test_both_rope_layouts_and_drafter_defaults():
     "over,message",
     [
         (dict(model_type="llama", rope_theta=1.0), "unknown model_type 'llama'"),
-        (dict(model_type="kimi_k2", rope_theta=1.0), "not supported yet"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), "rope type 'yarn'"),
         (dict(rope_theta=1.0, attention_bias=True), "attention_bias"),
         (dict(rope_theta=1.0, dflash_config={"block_size": 16, "target_layer_ids": [0]}), "mask_token_id"),
@@ -107,3 +108,21 @@ def test_orbax_round_trip(tmp_path):
     params = qwen3.init_params(TARGET, jax.random.key(3), dtype=jnp.bfloat16)
     save_orbax(str(tmp_path / "ckpt"), params)
     _assert_same(params, restore_orbax(str(tmp_path / "ckpt"), like=params))
+
+
+def test_deepseek_family_configs_in_both_layouts():
+    """kimi_k25 wraps the text model in text_config; older configs use rope_scaling {type: yarn}."""
+    text = json.loads((pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny" / "config.json").read_text())
+    newer = parse_config(text)
+    older = dict(text)
+    rope = older.pop("rope_parameters")
+    older["rope_theta"] = rope.pop("rope_theta")
+    older["rope_scaling"] = {**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "yarn"}
+    older["model_type"] = "kimi_k2"
+    assert parse_config(older) == newer
+    assert parse_config({"model_type": "kimi_k25", "text_config": older}) == newer
+    assert newer.rope_type == "yarn" and newer.first_k_dense_replace == 1 and newer.n_group == 2
+    with pytest.raises(ValueError, match="sigmoid scoring with noaux_tc"):
+        parse_config({**text, "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="text_config"):
+        parse_config({"model_type": "kimi_k25"})

@@ -1,0 +1,191 @@
+"""The DeepSeek-V3 / Kimi K2.x target: MLA attention, dense first layers, sigmoid-routed MoE.
+
+This module is the plain (expanded K/V) reference path: `forward_logits`. The absorbed MLA
+decode / verify path, caches, INT4 / FP8 expert weights and the efficient expert dispatch are the
+next steps of the "Models II" issue; they will be tested against this path.
+
+Parameters: a dict with two stacks, "dense_layers" (the first `first_k_dense_replace` layers) and
+"moe_layers", each with a leading "layers" axis; `param_axes` names every axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ddtree_jax.config import DeepSeekV3Config
+from ddtree_jax.models.attention import attention
+from ddtree_jax.models.layers import (
+    apply_rope_interleaved,
+    axes_of,
+    init_from_shapes,
+    linear,
+    rms_norm,
+    rope_inv_freq,
+    stacked,
+    swiglu,
+    yarn_mscale,
+)
+
+
+def _attention_shapes(c: DeepSeekV3Config) -> dict:
+    shapes = {
+        "input_norm": ((c.hidden_size,), ("embed",)),
+        "kv_a_proj": ((c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size), ("kv_lora", "embed")),
+        "kv_a_norm": ((c.kv_lora_rank,), ("kv_lora",)),
+        "kv_b_proj": ((c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), ("q_heads", "kv_lora")),
+        "o_proj": ((c.hidden_size, c.num_heads * c.v_head_dim), ("embed", "q_heads")),
+        "post_norm": ((c.hidden_size,), ("embed",)),
+    }
+    if c.q_lora_rank is None:
+        shapes["q_proj"] = ((c.num_heads * c.qk_head_dim, c.hidden_size), ("q_heads", "embed"))
+    else:
+        shapes["q_a_proj"] = ((c.q_lora_rank, c.hidden_size), ("q_lora", "embed"))
+        shapes["q_a_norm"] = ((c.q_lora_rank,), ("q_lora",))
+        shapes["q_b_proj"] = ((c.num_heads * c.qk_head_dim, c.q_lora_rank), ("q_heads", "q_lora"))
+    return shapes
+
+
+def param_shapes(config: DeepSeekV3Config) -> dict:
+    c = config
+    dense = {
+        **_attention_shapes(c),
+        "gate_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
+        "up_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed")),
+        "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp")),
+    }
+    e, i, shared = c.n_routed_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
+    moe = {
+        **_attention_shapes(c),
+        "router": ((e, c.hidden_size), ("experts", "embed")),
+        "router_bias": ((e,), ("experts",)),
+        "expert_gate": ((e, i, c.hidden_size), ("experts", "expert_mlp", "embed")),
+        "expert_up": ((e, i, c.hidden_size), ("experts", "expert_mlp", "embed")),
+        "expert_down": ((e, c.hidden_size, i), ("experts", "embed", "expert_mlp")),
+        "shared_gate": ((shared, c.hidden_size), ("mlp", "embed")),
+        "shared_up": ((shared, c.hidden_size), ("mlp", "embed")),
+        "shared_down": ((c.hidden_size, shared), ("embed", "mlp")),
+    }
+    shapes = {
+        "embed": ((c.vocab_size, c.hidden_size), ("vocab", "embed")),
+        "dense_layers": stacked(dense, c.first_k_dense_replace),
+        "moe_layers": stacked(moe, c.num_moe_layers),
+        "final_norm": ((c.hidden_size,), ("embed",)),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = ((c.vocab_size, c.hidden_size), ("vocab", "embed"))
+    return shapes
+
+
+def param_axes(config: DeepSeekV3Config) -> dict:
+    return axes_of(param_shapes(config))
+
+
+def init_params(config: DeepSeekV3Config, key: jax.Array, dtype=jnp.float32, norm_jitter: float = 0.0) -> dict:
+    """Random parameters; the router correction bias is drawn too (normal * 0.3) so tests exercise it."""
+    params = init_from_shapes(param_shapes(config), key, dtype, norm_jitter)
+    if config.num_moe_layers:
+        bias_key = jax.random.fold_in(key, 1)
+        params["moe_layers"]["router_bias"] = 0.3 * jax.random.normal(bias_key, params["moe_layers"]["router_bias"].shape)
+    return params
+
+
+def rope_tables_half(config: DeepSeekV3Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [..., qk_rope_head_dim / 2], YaRN's attention factor applied (as HF)."""
+    c = config
+    inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, rope_type=c.rope_type, factor=c.rope_factor,
+                             original_max=c.rope_original_max_position, beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    scale = 1.0
+    if c.rope_type == "yarn":
+        if c.rope_mscale and c.rope_mscale_all_dim:
+            scale = yarn_mscale(c.rope_factor, c.rope_mscale) / yarn_mscale(c.rope_factor, c.rope_mscale_all_dim)
+        else:
+            scale = yarn_mscale(c.rope_factor)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def softmax_scale(config: DeepSeekV3Config) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (the mscale correction)."""
+    scale = config.qk_head_dim**-0.5
+    if config.rope_type == "yarn" and config.rope_mscale_all_dim:
+        scale *= yarn_mscale(config.rope_factor, config.rope_mscale_all_dim) ** 2
+    return scale
+
+
+def _mla_naive(config: DeepSeekV3Config, p: dict, x, cos, sin, mask):
+    """Expanded-K/V multi-head latent attention over the sequence itself (the reference form)."""
+    c = config
+    batch, steps, _ = x.shape
+    if c.q_lora_rank is None:
+        q = linear(x, p["q_proj"])
+    else:
+        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], c.rms_norm_eps), p["q_b_proj"])
+    q = q.reshape(batch, steps, c.num_heads, c.qk_head_dim)
+    q_nope, q_rot = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+    compressed = linear(x, p["kv_a_proj"])
+    latent = rms_norm(compressed[..., : c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)
+    k_rot = compressed[..., c.kv_lora_rank :][:, :, None, :]  # one shared rope key per token
+    if not c.rope_interleave:
+        raise NotImplementedError("rope_interleave = false is not implemented")
+    q_rot = apply_rope_interleaved(q_rot, cos, sin)
+    k_rot = apply_rope_interleaved(k_rot, cos, sin)
+    kv = linear(latent, p["kv_b_proj"]).reshape(batch, steps, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+    k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:-1] + (c.qk_rope_head_dim,))], axis=-1)
+    query = jnp.concatenate([q_nope, q_rot], axis=-1)
+    out = attention(query, k, v, mask, scale=softmax_scale(c))
+    return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
+
+
+def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """noaux_tc routing: sigmoid scores, the correction bias only for the choice, group-limited top-k.
+
+    x [..., D] -> (expert ids int32 [..., k], weights float32 [..., k]) with weights = scores of the
+    chosen experts, normalised when norm_topk_prob, times routed_scaling_factor.
+    """
+    c = config
+    scores = jax.nn.sigmoid(linear(x.astype(jnp.float32), router.astype(jnp.float32)))  # [..., E]
+    choice = scores + bias.astype(jnp.float32)
+    per_group = c.n_routed_experts // c.n_group
+    grouped = choice.reshape(choice.shape[:-1] + (c.n_group, per_group))
+    group_score = lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # [..., G]
+    _, best_groups = lax.top_k(group_score, c.topk_group)
+    allowed = jax.nn.one_hot(best_groups, c.n_group, dtype=bool).any(-2)  # [..., G]
+    choice = jnp.where(jnp.repeat(allowed, per_group, axis=-1), choice, -jnp.inf)
+    _, experts = lax.top_k(choice, c.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * c.routed_scaling_factor
+
+
+def moe_reference(config: DeepSeekV3Config, p: dict, x: jax.Array) -> jax.Array:
+    """Routed experts (every expert evaluated, weighted by a dense [.., E] routing matrix) + shared expert."""
+    experts, weights = route(config, p["router"], p["router_bias"], x)
+    dense_weights = (jax.nn.one_hot(experts, config.n_routed_experts) * weights[..., None]).sum(-2)  # [..., E]
+    gate = jnp.einsum("btd,eid->btei", x, p["expert_gate"])
+    up = jnp.einsum("btd,eid->btei", x, p["expert_up"])
+    out = jnp.einsum("btei,edi->bted", jax.nn.silu(gate) * up, p["expert_down"])
+    routed = jnp.einsum("bted,bte->btd", out, dense_weights.astype(out.dtype))
+    return routed + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+
+
+def forward_logits(config: DeepSeekV3Config, params: dict, input_ids: jax.Array) -> jax.Array:
+    """Plain causal forward (expanded MLA, reference MoE): int32 [B, T] -> float32 logits [B, T, V]."""
+    c = config
+    batch, steps = input_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), (batch, steps))
+    cos, sin = rope_tables_half(c, positions)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (batch, steps, steps))
+    h = params["embed"][input_ids]
+    for stack, count in (("dense_layers", c.first_k_dense_replace), ("moe_layers", c.num_moe_layers)):
+        for layer in range(count):
+            p = jax.tree.map(lambda w: w[layer], params[stack])
+            h = h + _mla_naive(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin, mask)
+            x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
+            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if stack == "dense_layers" else moe_reference(c, p, x))
+    h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
+    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
+    return linear(h, head).astype(jnp.float32)

@@ -1,0 +1,56 @@
+"""DeepSeek-V3 / Kimi K2 target: routing facts, YaRN tables, parameter axes (parity: tests/checkpoint)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.config import DeepSeekV3Config
+from ddtree_jax.models import deepseek_v3
+
+CONFIG = DeepSeekV3Config(vocab_size=50, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=3,
+                          first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
+                          n_group=4, topk_group=2, routed_scaling_factor=2.827, norm_topk_prob=True, num_heads=4,
+                          q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                          rope_type="yarn", rope_factor=64.0, rope_original_max_position=4096, rope_mscale=1.0,
+                          rope_mscale_all_dim=1.0)
+
+
+def test_routing_is_group_limited_normalised_and_bias_only_chooses():
+    key = jax.random.split(jax.random.key(0), 3)
+    router = jax.random.normal(key[0], (16, 32))
+    bias = jax.random.normal(key[1], (16,))
+    x = jax.random.normal(key[2], (2, 50, 32))
+    experts, weights = deepseek_v3.route(CONFIG, router, bias, x)
+    experts, weights = np.asarray(experts), np.asarray(weights)
+    groups = experts // 4
+    assert (np.array([len(set(g)) for g in groups.reshape(-1, 3)]) <= 2).all()  # within topk_group groups
+    np.testing.assert_allclose(weights.sum(-1), 2.827, rtol=1e-5)  # normalised, times the scaling factor
+    scores = 1 / (1 + np.exp(-np.einsum("btd,ed->bte", np.asarray(x), np.asarray(router))))
+    np.testing.assert_allclose(weights / weights.sum(-1, keepdims=True),
+                               np.take_along_axis(scores, experts, -1) / np.take_along_axis(scores, experts, -1).sum(-1, keepdims=True),
+                               rtol=1e-5)  # weights come from the scores, not the biased choice
+    huge = np.zeros(16, np.float32)
+    huge[[5, 6, 7]] = 100.0  # the bias decides the choice
+    chosen, _ = deepseek_v3.route(CONFIG, router, jnp.asarray(huge), x)
+    assert (np.sort(np.asarray(chosen), -1) == [5, 6, 7]).all()
+
+
+def test_yarn_tables_and_scale():
+    cos, sin = deepseek_v3.rope_tables_half(CONFIG, jnp.arange(8))
+    # mscale == mscale_all_dim: the attention factor is 1, so cos^2 + sin^2 = 1
+    np.testing.assert_allclose(np.asarray(cos**2 + sin**2), 1.0, rtol=1e-6)
+    # softmax scale = qk_head_dim^-0.5 * (0.1 * ln(64) + 1)^2 (the YaRN mscale correction)
+    assert deepseek_v3.softmax_scale(CONFIG) == pytest.approx(12**-0.5 * (0.1 * np.log(64) + 1) ** 2)
+
+
+def test_param_axes_and_forward_shape():
+    params = deepseek_v3.init_params(CONFIG, jax.random.key(1))
+    axes = deepseek_v3.param_axes(CONFIG)
+    for arr, names in zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        assert arr.ndim == len(names)
+    assert params["moe_layers"]["expert_gate"].shape == (2, 16, 16, 32)
+    logits = deepseek_v3.forward_logits(CONFIG, params, jnp.array([[1, 2, 3, 4]]))
+    assert logits.shape == (1, 4, 50) and bool(jnp.isfinite(logits).all())
+    with pytest.raises(ValueError, match="multiple of n_group"):
+        DeepSeekV3Config(**{**CONFIG.__dict__, "n_group": 3})
