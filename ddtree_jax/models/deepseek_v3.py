@@ -1,8 +1,10 @@
 """The DeepSeek-V3 / Kimi K2.x target: MLA attention, dense first layers, sigmoid-routed MoE.
 
-This module is the plain (expanded K/V) reference path: `forward_logits`. The absorbed MLA
-decode / verify path, caches, INT4 / FP8 expert weights and the efficient expert dispatch are the
-next steps of the "Models II" issue; they will be tested against this path.
+`forward_logits` is the plain reference (expanded K/V over the sequence). `prefill` / `verify` run
+the absorbed form over a latent cache (kv_lora_rank + qk_rope_head_dim values per token and layer,
+one shared KV head), tested against the reference; `commit` from models.cache applies unchanged.
+Still to come (the "Models II" issue): INT4 / FP8 expert weights and an efficient expert dispatch
+(the MoE here evaluates every expert).
 
 Parameters: a dict with two stacks, "dense_layers" (the first `first_k_dense_replace` layers) and
 "moe_layers", each with a leading "layers" axis; `param_axes` names every axis.
@@ -16,6 +18,7 @@ from jax import lax
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.attention import attention
+from ddtree_jax.models.cache import KVCache, check_room, write_rows
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
     axes_of,
@@ -189,3 +192,99 @@ def forward_logits(config: DeepSeekV3Config, params: dict, input_ids: jax.Array)
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
     return linear(h, head).astype(jnp.float32)
+
+
+# --- the absorbed (latent-cache) path: prefill / verify over a per-row cache -------------------------------
+
+
+def create_cache(config: DeepSeekV3Config, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
+    """The MLA latent cache: `k` holds the normalised latent [layers, B, S, 1, kv_lora_rank] and `v`
+    the roped shared key [layers, B, S, 1, qk_rope_head_dim]: kv_lora_rank + qk_rope_head_dim values
+    per token and layer (576 for K2), one shared KV head."""
+    shape = (config.num_layers, batch, capacity, 1)
+    return KVCache(jnp.zeros(shape + (config.kv_lora_rank,), dtype), jnp.zeros(shape + (config.qk_rope_head_dim,), dtype),
+                   jnp.zeros((batch,), jnp.int32))
+
+
+def embedding(params: dict) -> jax.Array:
+    return params["embed"]
+
+
+def head(config: DeepSeekV3Config, params: dict) -> jax.Array:
+    return params["embed"] if config.tie_word_embeddings else params["lm_head"]
+
+
+def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask):
+    """Absorbed MLA: W_UK folded into the query, attention over [latent ; rope key] with one shared KV head
+    and the latent as value, W_UV after. Writes this step's latent / rope key into the caches."""
+    c = config
+    batch, steps, _ = x.shape
+    if c.q_lora_rank is None:
+        q = linear(x, p["q_proj"])
+    else:
+        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], c.rms_norm_eps), p["q_b_proj"])
+    q = q.reshape(batch, steps, c.num_heads, c.qk_head_dim)
+    q_nope, q_rot = q[..., : c.qk_nope_head_dim], apply_rope_interleaved(q[..., c.qk_nope_head_dim :], cos, sin)
+    compressed = linear(x, p["kv_a_proj"])
+    latent = rms_norm(compressed[..., : c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)[:, :, None, :]
+    k_rot = apply_rope_interleaved(compressed[..., c.kv_lora_rank :][:, :, None, :], cos, sin)
+    latent_cache = write_rows(latent_cache, latent, write_start)
+    rope_cache = write_rows(rope_cache, k_rot, write_start)
+    w_kv = p["kv_b_proj"].reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
+    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
+    query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
+    keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]
+    out_latent = attention(query, keys, latent_cache.astype(query.dtype), mask, scale=softmax_scale(c))
+    out = jnp.einsum("bthr,hvr->bthv", out_latent, w_uv)
+    return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
+
+
+def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCache, write_start):
+    c = config
+    cos, sin = rope_tables_half(c, positions)
+    h = params["embed"][tokens]
+    latents, ropes, tapped = [], [], []
+    layer_index = 0
+    for stack, count in (("dense_layers", c.first_k_dense_replace), ("moe_layers", c.num_moe_layers)):
+        for layer in range(count):
+            p = jax.tree.map(lambda w: w[layer], params[stack])
+            attn, lat, rope = _mla_absorbed(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin,
+                                            cache.k[layer_index], cache.v[layer_index], write_start, mask)
+            latents.append(lat)
+            ropes.append(rope)
+            h = h + attn
+            x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
+            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if stack == "dense_layers" else moe_reference(c, p, x))
+            if layer_index in c.tapped_layers:
+                tapped.append(h)
+            layer_index += 1
+    features = jnp.concatenate(tapped, axis=-1) if tapped else jnp.zeros(h.shape[:2] + (0,), h.dtype)
+    logits = linear(rms_norm(h, params["final_norm"], c.rms_norm_eps), head(c, params)).astype(jnp.float32)
+    return logits, features, KVCache(jnp.stack(latents), jnp.stack(ropes), cache.lengths)
+
+
+def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *,
+            attn_impl: str = "xla"):
+    """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new)."""
+    del attn_impl  # one XLA path for now; the Pallas MLA kernel plugs into attention()
+    steps = input_ids.shape[1]
+    check_room(cache, steps)
+    start = cache.lengths
+    positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start)
+    return logits, features, KVCache(cache.k, cache.v, start + num_new)
+
+
+def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
+           tree_mask: jax.Array, *, attn_impl: str = "xla"):
+    """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""
+    del attn_impl
+    slots = tokens.shape[1]
+    check_room(cache, slots)
+    start = cache.lengths
+    rel = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
+    tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
+    mask = (rel < 0) | ((rel < slots) & tree_part)
+    return _run(config, params, tokens, start[:, None] + depths, mask, cache, start)

@@ -32,3 +32,17 @@ def test_forward_logits_match_transformers(name):
     err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
     provenance = json.loads((path / "provenance.json").read_text())
     assert err <= 1e-4, f"max |ours - ref| / max |ref| = {err:.2e} vs transformers {provenance['transformers']}"
+
+
+def test_absorbed_latent_cache_path_matches_transformers():
+    """The absorbed MLA path (latent cache, prefill in two chunks) against the same HF logits."""
+    path = FIXTURES / "deepseek_v3_tiny"
+    config, params = load_hf(str(path), dtype=jnp.float32)
+    ref = np.load(path / "reference.npz")
+    ids = jnp.asarray(ref["input_ids"])
+    cache = deepseek_v3.create_cache(config, 2, 16, jnp.float32)
+    first, _, cache = deepseek_v3.prefill(config, params, cache, ids[:, :7], jnp.array([7, 7], jnp.int32))
+    second, _, _ = deepseek_v3.prefill(config, params, cache, ids[:, 7:], jnp.array([5, 5], jnp.int32))
+    logits = np.concatenate([np.asarray(first), np.asarray(second)], axis=1)
+    err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
+    assert err <= 1e-4, f"{err:.2e}"

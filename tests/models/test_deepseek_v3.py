@@ -54,3 +54,66 @@ def test_param_axes_and_forward_shape():
     assert logits.shape == (1, 4, 50) and bool(jnp.isfinite(logits).all())
     with pytest.raises(ValueError, match="multiple of n_group"):
         DeepSeekV3Config(**{**CONFIG.__dict__, "n_group": 3})
+
+
+TINY = DeepSeekV3Config(**{**CONFIG.__dict__, "rope_factor": 4.0, "rope_original_max_position": 16, "tapped_layers": (0, 2)})
+PAD = 20
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return deepseek_v3.init_params(TINY, jax.random.key(2), norm_jitter=0.2)
+
+
+@jax.jit
+def _naive_at(params, seq, last):
+    return deepseek_v3.forward_logits(TINY, params, seq[None])[0, last]
+
+
+def _naive(params, seq):
+    padded = np.zeros(PAD, np.int32)
+    padded[: len(seq)] = seq
+    return _naive_at(params, jnp.asarray(padded), len(seq) - 1)
+
+
+def _relerr(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+
+
+def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params):
+    """Latent-cache prefill (ragged rows), tree verify (each slot = its root-to-node path run causally
+    through the expanded-K/V reference), commit, then continue (= uninterrupted decoding)."""
+    from ddtree_jax.models.cache import commit
+    from ddtree_jax.tree import ancestor_mask, build_tree
+
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 50, (2, 8)).astype(np.int32)
+    lengths = np.array([5, 0], np.int32)
+    cache = deepseek_v3.create_cache(TINY, 2, 40, jnp.float32)
+    pre_logits, _, cache = deepseek_v3.prefill(TINY, tiny_params, cache, jnp.asarray(prefix), jnp.asarray(lengths))
+    assert _relerr(pre_logits[0, 4], _naive(tiny_params, prefix[0, :5])) < 1e-5
+    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 7, jnp.array([9, 11], jnp.int32))
+    logits, features, cache = deepseek_v3.verify(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
+    assert features.shape == (2, 8, 64)
+    parents, tokens = np.asarray(tree.parents), np.asarray(tree.tokens)
+    paths = {}
+    for b in range(2):
+        for i in range(int(tree.num_nodes[b])):
+            path, j = [], i
+            while j >= 0:
+                path.append(j)
+                j = parents[b, j]
+            paths[b, i] = path[::-1]
+            seq = np.concatenate([prefix[b, : lengths[b]], tokens[b, path[::-1]]])
+            assert _relerr(logits[b, i], _naive(tiny_params, seq)) < 1e-5, (b, i)
+    deepest = [int(np.argmax(np.asarray(tree.depths[b]))) for b in range(2)]
+    accept = np.full((2, 4), -1, np.int32)
+    for b in range(2):
+        accept[b, : len(paths[b, deepest[b]])] = paths[b, deepest[b]]
+    num_accepted = np.array([len(paths[b, deepest[b]]) - 1 for b in range(2)], np.int32)
+    cache = commit(cache, jnp.asarray(accept), jnp.asarray(num_accepted))
+    new = np.array([[3], [4]], np.int32)
+    cont, _, _ = deepseek_v3.prefill(TINY, tiny_params, cache, jnp.asarray(new), jnp.ones(2, jnp.int32))
+    for b in range(2):
+        seq = np.concatenate([prefix[b, : lengths[b]], tokens[b, paths[b, deepest[b]]], new[b]])
+        assert _relerr(cont[b, 0], _naive(tiny_params, seq)) < 1e-5
