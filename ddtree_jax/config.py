@@ -124,8 +124,11 @@ class DeepSeekV3Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     tapped_layers: tuple[int, ...] = ()
+    expert_format: str = "dense"  # "dense" or "int4" (compressed-tensors pack-quantized routed experts)
 
     def __post_init__(self):
+        if self.expert_format not in ("dense", "int4"):
+            raise ValueError(f"expert_format must be 'dense' or 'int4', got {self.expert_format!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(f"first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, num_layers = {self.num_layers}]")
         if self.n_routed_experts % self.n_group:

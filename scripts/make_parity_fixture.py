@@ -8,18 +8,21 @@ environment that has them:  python scripts/make_parity_fixture.py tests/fixtures
 
 import json
 import os
+import re
 import sys
+import tempfile
 
 import numpy as np
 import torch
 import transformers
+from safetensors.numpy import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-def deepseek_v3_tiny() -> DeepseekV3ForCausalLM:
+def deepseek_v3_tiny(moe_intermediate_size: int = 16) -> DeepseekV3ForCausalLM:
     """MLA with q/kv LoRA, YaRN (mscale), 1 dense + 2 MoE layers, 8 experts in 2 groups, top-2, a shared
     expert, and a non-zero e_score_correction_bias."""
     config = DeepseekV3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=moe_intermediate_size, num_hidden_layers=3,
         first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=128,
@@ -47,7 +50,54 @@ CASES = {
     "qwen3_tiny": lambda: qwen3_tiny(False),
     "qwen3_tiny_tied": lambda: qwen3_tiny(True),
     "deepseek_v3_tiny": deepseek_v3_tiny,
+    "deepseek_v3_tiny_int4": lambda: deepseek_v3_tiny(moe_intermediate_size=32),  # INT4 needs in % 32 == 0
 }
+
+
+def pack_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """compressed-tensors pack-quantized, written from the format's description: symmetric group-32
+    scales (max |w| / 7), q = clip(round(w / s), -8, 7), code q + 8, element k of each int32 in bits
+    4k..4k+3. Returns (weight_packed int32 [out, in/8], weight_scale [out, in/32], dequantised float32)."""
+    out, inner = w.shape
+    groups = w.reshape(out, inner // 32, 32)
+    scale = np.abs(groups).max(-1) / 7.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.round(groups / scale[..., None]), -8, 7).reshape(out, inner).astype(np.int64)
+    codes = (q + 8).reshape(out, inner // 8, 8)
+    words = sum(codes[..., k] << (4 * k) for k in range(8))
+    dequantised = (q.reshape(out, inner // 32, 32) * scale[..., None]).reshape(out, inner).astype(np.float32)
+    return words.astype(np.uint32).view(np.int32), scale.astype(np.float32), dequantised
+
+
+def write_int4_variant(dense_dir: str, out_dir: str) -> np.ndarray:
+    """Re-saves a DeepSeek-V3 checkpoint with INT4 routed experts; returns the golden logits of HF's
+    model loaded with the dequantised expert weights (so the fixture checks unpacking, not quantisation error)."""
+    tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
+    packed, dequantised = {}, dict(tensors)
+    for name, w in tensors.items():
+        if re.search(r"mlp\.experts\.\d+\..*\.weight$", name):
+            words, scale, deq = pack_int4(w.astype(np.float32))
+            base = name.removesuffix(".weight")
+            packed.update({f"{base}.weight_packed": words, f"{base}.weight_scale": scale,
+                           f"{base}.weight_shape": np.array(w.shape, np.int64)})
+            dequantised[name] = deq
+        else:
+            packed[name] = w
+    config = json.load(open(os.path.join(dense_dir, "config.json")))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(dequantised, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(config, open(os.path.join(tmp, "config.json"), "w"))
+        model = DeepseekV3ForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(packed, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
+                                                                          "symmetric": True, "type": "int"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+    }
+    json.dump(config, open(os.path.join(out_dir, "config.json"), "w"), indent=2)
+    return model
 
 
 def main(out_dir: str) -> None:
@@ -60,7 +110,12 @@ def main(out_dir: str) -> None:
                 if "norm" in module_name:
                     param.add_(0.2 * torch.randn_like(param))
         path = os.path.join(out_dir, name)
-        model.save_pretrained(path, safe_serialization=True)
+        if name.endswith("_int4"):
+            with tempfile.TemporaryDirectory() as dense_dir:
+                model.save_pretrained(dense_dir, safe_serialization=True)
+                model = write_int4_variant(dense_dir, path)
+        else:
+            model.save_pretrained(path, safe_serialization=True)
         input_ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             logits = model(input_ids).logits.float().numpy()

@@ -137,6 +137,7 @@ def _deepseek(cfg: dict) -> DeepSeekV3Config:
     if cfg.get("attention_bias", False):
         raise ValueError("attention_bias = true is not supported")
     return DeepSeekV3Config(
+        expert_format=_expert_format(cfg.get("quantization_config")),
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         moe_intermediate_size=cfg["moe_intermediate_size"], num_layers=cfg["num_hidden_layers"],
         first_k_dense_replace=cfg.get("first_k_dense_replace", 0), n_routed_experts=cfg["n_routed_experts"],
@@ -153,3 +154,18 @@ def _deepseek(cfg: dict) -> DeepSeekV3Config:
         rope_interleave=bool(cfg.get("rope_interleave", True)), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
     )
+
+
+def _expert_format(quant: dict | None) -> str:
+    """'dense', or 'int4' for compressed-tensors pack-quantized symmetric group-32 INT4 weights."""
+    if not quant:
+        return "dense"
+    method = quant.get("quant_method")
+    if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
+        for group in quant.get("config_groups", {}).values():
+            w = group.get("weights", {})
+            if (w.get("num_bits"), w.get("group_size"), w.get("symmetric"), w.get("type")) != (4, 32, True, "int"):
+                raise ValueError(f"unsupported compressed-tensors weights {w} (need symmetric int4, group size 32)")
+        return "int4"
+    raise ValueError(f"unsupported quantization_config (quant_method {method!r}, format {quant.get('format')!r}); "
+                     "supported: compressed-tensors pack-quantized INT4 experts")

@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
+from ddtree_jax.models.quant import Int4Weight
 
 _LAYER_NAMES = {  # our name -> HF suffix within a layer
     "input_norm": "input_layernorm.weight",
@@ -56,6 +57,9 @@ _MLA_NAMES = {
 _EXPERT_NAMES = {"expert_gate": "gate_proj.weight", "expert_up": "up_proj.weight", "expert_down": "down_proj.weight"}
 
 
+_INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+
+
 def _deepseek_names(config: DeepSeekV3Config) -> dict:
     """{(stack, ours): [[HF name per expert] per layer] or [HF name per layer]} for every stacked tensor."""
     shapes = deepseek_v3.param_shapes(config)
@@ -65,8 +69,9 @@ def _deepseek_names(config: DeepSeekV3Config) -> dict:
         for ours in shapes[stack]:
             layers = range(first, first + count)
             if ours in _EXPERT_NAMES:
-                names[(stack, ours)] = [[f"model.layers.{l}.mlp.experts.{e}.{_EXPERT_NAMES[ours]}"
-                                         for e in range(config.n_routed_experts)] for l in layers]
+                base = _EXPERT_NAMES[ours].removesuffix(".weight")
+                names[(stack, ours)] = [[f"model.layers.{l}.mlp.experts.{e}.{base}" for e in range(config.n_routed_experts)]
+                                        for l in layers]
             else:
                 names[(stack, ours)] = [f"model.layers.{l}.{_MLA_NAMES[ours]}" for l in layers]
     return names
@@ -95,9 +100,10 @@ def _deepseek_top(config: DeepSeekV3Config) -> dict:
 def hf_tensor_names(config) -> list[str]:
     if isinstance(config, DeepSeekV3Config):
         names = list(_deepseek_top(config).values())
+        parts = _INT4_PARTS if config.expert_format == "int4" else ("weight",)
         for per_layer in _deepseek_names(config).values():
             for entry in per_layer:
-                names += entry if isinstance(entry, list) else [entry]
+                names += [f"{base}.{part}" for base in entry for part in parts] if isinstance(entry, list) else [entry]
         return names
     top, shapes, prefix = _layout(config)
     names = list(top.values())
@@ -158,8 +164,18 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
             params[stack] = {}
         for (stack, ours), per_layer in _deepseek_names(config).items():
             one = shapes[stack][ours][0][1:]
+            if ours in _EXPERT_NAMES and config.expert_format == "int4":
+                out, inner = one[1:]
+                packed = np.stack([np.stack([fetch(f"{n}.weight_packed", (out, inner // 8)) for n in e]) for e in per_layer])
+                scale = np.stack([np.stack([fetch(f"{n}.weight_scale", (out, inner // 32)) for n in e]) for e in per_layer])
+                for experts in per_layer:
+                    for n in experts:
+                        if tuple(source.get(f"{n}.weight_shape").tolist()) != (out, inner):
+                            raise ValueError(f"tensor '{n}.weight_shape' is {source.get(f'{n}.weight_shape').tolist()}, expected {[out, inner]}")
+                params[stack][ours] = Int4Weight(jnp.asarray(packed.view(np.int32)), jnp.asarray(scale, dtype))
+                continue
             if ours in _EXPERT_NAMES:
-                arrays = [np.stack([fetch(n, one[1:]) for n in experts]) for experts in per_layer]
+                arrays = [np.stack([fetch(f"{n}.weight", one[1:]) for n in experts]) for experts in per_layer]
             else:
                 arrays = [fetch(n, one) for n in per_layer]
             keep = jnp.float32 if ours in ("router", "router_bias") else dtype  # routing stays in float32 (as HF)

@@ -19,6 +19,7 @@ from jax import lax
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.attention import attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
+from ddtree_jax.models.quant import dense
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
     axes_of,
@@ -168,9 +169,9 @@ def moe_reference(config: DeepSeekV3Config, p: dict, x: jax.Array) -> jax.Array:
     """Routed experts (every expert evaluated, weighted by a dense [.., E] routing matrix) + shared expert."""
     experts, weights = route(config, p["router"], p["router_bias"], x)
     dense_weights = (jax.nn.one_hot(experts, config.n_routed_experts) * weights[..., None]).sum(-2)  # [..., E]
-    gate = jnp.einsum("btd,eid->btei", x, p["expert_gate"])
-    up = jnp.einsum("btd,eid->btei", x, p["expert_up"])
-    out = jnp.einsum("btei,edi->bted", jax.nn.silu(gate) * up, p["expert_down"])
+    gate = jnp.einsum("btd,eid->btei", x, dense(p["expert_gate"], x.dtype))  # INT4 experts: dequantised here
+    up = jnp.einsum("btd,eid->btei", x, dense(p["expert_up"], x.dtype))
+    out = jnp.einsum("btei,edi->bted", jax.nn.silu(gate) * up, dense(p["expert_down"], x.dtype))
     routed = jnp.einsum("bted,bte->btd", out, dense_weights.astype(out.dtype))
     return routed + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
 

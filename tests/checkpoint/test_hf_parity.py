@@ -15,19 +15,26 @@ import pytest
 from ddtree_jax.checkpoint import load_hf
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3, qwen3
+from ddtree_jax.models.quant import Int4Weight
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_tiny_tied", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_tiny_tied", "deepseek_v3_tiny", "deepseek_v3_tiny_int4"])
 def test_forward_logits_match_transformers(name):
     """deepseek_v3_tiny: MLA with q/kv LoRA, YaRN with mscale, dense + MoE layers, grouped routing with a
-    non-zero correction bias, a shared expert (scripts/make_parity_fixture.py)."""
+    non-zero correction bias, a shared expert. deepseek_v3_tiny_int4: the same with compressed-tensors
+    pack-quantized INT4 routed experts, golden logits from HF running the dequantised weights
+    (scripts/make_parity_fixture.py)."""
     path = FIXTURES / name
     config, params = load_hf(str(path), dtype=jnp.float32)
     assert config.tie_word_embeddings == ("tied" in name)
     ref = np.load(path / "reference.npz")
     model = deepseek_v3 if isinstance(config, DeepSeekV3Config) else qwen3
+    if name.endswith("int4"):
+        assert config.expert_format == "int4"
+        assert isinstance(params["moe_layers"]["expert_down"], Int4Weight)  # kept packed in memory
+        assert params["moe_layers"]["expert_down"].packed.dtype == jnp.int32
     logits = np.asarray(model.forward_logits(config, params, jnp.asarray(ref["input_ids"])))
     err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
     provenance = json.loads((path / "provenance.json").read_text())
