@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.engine.step import METHODS, DecodeState, decode_step, steps_per_token
-from ddtree_jax.models import qwen3
+from ddtree_jax.models import target_module
 from ddtree_jax.sampling import SamplingParams, sample
 
 PREFILL_SALT = 2**31 - 1  # the first token's coin: a fold-in no decode step uses
@@ -47,8 +47,9 @@ def prefill(target_config, target_params, drafter, prompts, prompt_lengths, samp
     tapped hidden states (shared/spec/pipeline.md step 0)."""
     batch, prompt_len = prompts.shape
     capacity = cache_capacity(prompt_len, max_new_tokens, method, budget, block_size)
-    cache = qwen3.create_cache(target_config, batch, capacity, cache_dtype)
-    logits, features, cache = qwen3.prefill(target_config, target_params, cache, prompts, prompt_lengths, attn_impl=attn_impl)
+    target = target_module(target_config)
+    cache = target.create_cache(target_config, batch, capacity, cache_dtype)
+    logits, features, cache = target.prefill(target_config, target_params, cache, prompts, prompt_lengths, attn_impl=attn_impl)
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     first_keys = jax.vmap(lambda k: jax.random.fold_in(k, PREFILL_SALT))(keys)  # steps fold in 0, 1, ...
     bonus = sample(last, sampling, first_keys)

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.checkpoint import load_hf
-from ddtree_jax.config import DFlashConfig, Qwen3Config
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
-from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.models import dflash, qwen3, target_module
 from ddtree_jax.sampling import SamplingParams, row_keys
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ddtree_jax", "xla")
@@ -31,7 +31,7 @@ def enable_compilation_cache(path: str | None = DEFAULT_CACHE_DIR) -> None:
 
 @dataclasses.dataclass
 class Pair:
-    target_config: Qwen3Config
+    target_config: Qwen3Config | DeepSeekV3Config
     target_params: dict
     drafter: DFlashDrafter | None
     tokenizer: object | None = None
@@ -40,15 +40,16 @@ class Pair:
 def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pair:
     """Target + DFlash drafter from HF directories; the target's tapped layers come from the drafter."""
     target_config, target_params = load_hf(target_dir, dtype)
-    if not isinstance(target_config, Qwen3Config):
+    if isinstance(target_config, DFlashConfig):
         raise ValueError(f"{target_dir} holds a drafter config, not a target")
+    target = target_module(target_config)
     drafter = None
     if drafter_dir:
         drafter_config, drafter_params = load_hf(drafter_dir, dtype)
         if not isinstance(drafter_config, DFlashConfig):
             raise ValueError(f"{drafter_dir} is not a DFlash drafter (no dflash_config)")
         target_config = dataclasses.replace(target_config, tapped_layers=drafter_config.target_layers)
-        drafter = DFlashDrafter(drafter_config, drafter_params, qwen3.embedding(target_params), qwen3.head(target_config, target_params))
+        drafter = DFlashDrafter(drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params))
     tokenizer = None
     tokenizer_file = os.path.join(target_dir, "tokenizer.json")
     if os.path.exists(tokenizer_file):

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.models import qwen3
+from ddtree_jax.models import target_module
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams
 from ddtree_jax.tree import DraftTree, ancestor_mask, build_chain, build_tree
@@ -88,7 +88,7 @@ def decode_step(target_config, target_params, drafter, state: DecodeState, sampl
             tree = build_tree(draft_logits, budget, state.bonus, check_finite=False)
         else:
             tree = build_chain(draft_logits, state.bonus, check_finite=False)
-    logits, tapped, cache = qwen3.verify(target_config, target_params, state.target_cache, tree.tokens, tree.depths,
+    logits, tapped, cache = target_module(target_config).verify(target_config, target_params, state.target_cache, tree.tokens, tree.depths,
                                          ancestor_mask(tree), attn_impl=attn_impl)
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(keys)
     result = verify_step(tree, logits, sampling, step_keys, order=order, method=verify_method)

@@ -1,7 +1,21 @@
 """Models: shared layers and attention, the Qwen3 target, the DFlash drafter, KV caches."""
 
-from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.models import deepseek_v3, dflash, qwen3
 from ddtree_jax.models.attention import ATTENTION_IMPLS, attention
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 
-__all__ = ["qwen3", "dflash", "attention", "ATTENTION_IMPLS", "KVCache", "commit", "gather_accepted"]
+
+def target_module(config):
+    """The module implementing a target config's interface: create_cache, prefill, verify, forward_logits,
+    embedding, head (Qwen3Config -> qwen3, DeepSeekV3Config -> deepseek_v3)."""
+    from ddtree_jax.config import DeepSeekV3Config, Qwen3Config
+
+    if isinstance(config, Qwen3Config):
+        return qwen3
+    if isinstance(config, DeepSeekV3Config):
+        return deepseek_v3
+    raise ValueError(f"no target model for config type {type(config).__name__}")
+
+
+__all__ = ["qwen3", "deepseek_v3", "dflash", "attention", "ATTENTION_IMPLS", "KVCache", "commit", "gather_accepted",
+           "target_module"]

@@ -153,3 +153,31 @@ def test_any_budget_and_smaller_blocks_keep_greedy_text(ar_greedy, budget, block
                    budget=budget, block_size=block_size)
     np.testing.assert_array_equal(np.asarray(out.tokens), ar_greedy)
     assert (np.asarray(out.tau) <= block_size).all()
+
+
+def test_engine_runs_the_deepseek_family_target():
+    """Same engine, the DeepSeek-V3 / Kimi K2-shaped tiny target (absorbed MLA, MoE): greedy DDTree with an
+    oracle drafter equals AR greedy, with deep acceptance."""
+    from ddtree_jax.config import DeepSeekV3Config
+    from ddtree_jax.models import deepseek_v3
+
+    config = DeepSeekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=2,
+                              first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                              n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_heads=4,
+                              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                              rope_type="yarn", rope_factor=4.0, rope_original_max_position=16, rope_mscale=1.0,
+                              rope_mscale_all_dim=1.0, tapped_layers=(0, 1))
+    params = deepseek_v3.init_params(config, jax.random.key(4), norm_jitter=0.1)
+    params = {**params, "lm_head": params["lm_head"] * 60.0}
+    common = dict(sampling=SamplingParams.create(3, temperature=0.0), keys=row_keys(jax.random.key(3), jnp.arange(3)),
+                  stop_tokens=jnp.full((3, 1), -1, jnp.int32), max_new=jnp.full((3,), 10, jnp.int32))
+    ar = generate(config, params, None, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=10, method="ar")
+    ar_tokens = np.asarray(ar.tokens)
+    table = np.zeros((3, 40), np.int32)
+    for b in range(3):
+        seq = np.concatenate([PROMPTS[b, : LENGTHS[b]], ar_tokens[b]])
+        table[b, : len(seq)] = seq
+    out = generate(config, params, OracleDrafter(jnp.asarray(table)), jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common,
+                   max_new_tokens=10, method="ddtree", budget=8, block_size=5)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ar_tokens)
+    assert (np.asarray(out.tau) > 3.0).all()
