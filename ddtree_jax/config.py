@@ -68,8 +68,17 @@ class DFlashConfig:
     target_layers: tuple[int, ...]
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_type: str = "default"  # or "yarn" (the Kimi drafters), with the fields below as in HF configs
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
 
     def __post_init__(self):
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported (default, yarn)")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (one bonus token + at least one mask), got {self.block_size}")
         if self.num_heads % self.num_kv_heads:

@@ -67,7 +67,11 @@ def parse_config(cfg: dict) -> Qwen3Config | DFlashConfig:
         extra = cfg.get("dflash_config", {})
         if any(k in extra for k in ("conv_kernel_size", "selector_top_k")):
             raise ValueError("this DFlash variant (convolutions / candidate selector) is not supported")
-        common = _common(cfg)
+        rope = _rope_parameters(cfg)
+        if rope["rope_type"] not in ("default", "yarn"):
+            raise ValueError(f"rope type {rope['rope_type']!r} is not supported for DFlash drafters (default, yarn)")
+        common = _common({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": rope["rope_theta"]}})
+        common.update(_yarn_fields(rope))
         layers = extra.get("target_layer_ids")
         if layers is None:
             if "num_target_layers" not in cfg:
@@ -105,7 +109,7 @@ def to_hf_dict(config: Qwen3Config | DFlashConfig, vocab_size: int | None = None
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": _rope_dict(config),
         "attention_bias": False,
         "hidden_act": "silu",
     }
@@ -128,6 +132,16 @@ def _rope_parameters(cfg: dict) -> dict:
     return params
 
 
+def _yarn_fields(rope: dict) -> dict:
+    """Our rope_* config fields from an HF rope dict (either layout, after _rope_parameters)."""
+    return dict(
+        rope_type=rope["rope_type"], rope_factor=float(rope.get("factor", 1.0)),
+        rope_original_max_position=int(rope.get("original_max_position_embeddings", 4096)),
+        rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+        rope_mscale=float(rope.get("mscale") or 0.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+    )
+
+
 def _deepseek(cfg: dict) -> DeepSeekV3Config:
     rope = _rope_parameters(cfg)
     if rope["rope_type"] not in ("default", "yarn"):
@@ -146,11 +160,7 @@ def _deepseek(cfg: dict) -> DeepSeekV3Config:
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         num_heads=cfg["num_attention_heads"], q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
         qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]), rope_type=rope["rope_type"],
-        rope_factor=float(rope.get("factor", 1.0)),
-        rope_original_max_position=int(rope.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))),
-        rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
-        rope_mscale=float(rope.get("mscale") or 0.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]), **_yarn_fields(rope),
         rope_interleave=bool(cfg.get("rope_interleave", True)), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
     )
@@ -169,3 +179,12 @@ def _expert_format(quant: dict | None) -> str:
         return "int4"
     raise ValueError(f"unsupported quantization_config (quant_method {method!r}, format {quant.get('format')!r}); "
                      "supported: compressed-tensors pack-quantized INT4 experts")
+
+
+def _rope_dict(config) -> dict:
+    out = {"rope_type": getattr(config, "rope_type", "default"), "rope_theta": config.rope_theta}
+    if out["rope_type"] == "yarn":
+        out.update(factor=config.rope_factor, original_max_position_embeddings=config.rope_original_max_position,
+                   beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow, mscale=config.rope_mscale,
+                   mscale_all_dim=config.rope_mscale_all_dim)
+    return out

@@ -26,7 +26,7 @@ from ddtree_jax.models.layers import (
     init_from_shapes,
     linear,
     rms_norm,
-    rope_inv_freq,
+    rope_cos_sin,
     stacked,
     swiglu,
     yarn_mscale,
@@ -97,17 +97,7 @@ def init_params(config: DeepSeekV3Config, key: jax.Array, dtype=jnp.float32, nor
 
 def rope_tables_half(config: DeepSeekV3Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos, sin float32 [..., qk_rope_head_dim / 2], YaRN's attention factor applied (as HF)."""
-    c = config
-    inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, rope_type=c.rope_type, factor=c.rope_factor,
-                             original_max=c.rope_original_max_position, beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    scale = 1.0
-    if c.rope_type == "yarn":
-        if c.rope_mscale and c.rope_mscale_all_dim:
-            scale = yarn_mscale(c.rope_factor, c.rope_mscale) / yarn_mscale(c.rope_factor, c.rope_mscale_all_dim)
-        else:
-            scale = yarn_mscale(c.rope_factor)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    return rope_cos_sin(positions, config.qk_rope_head_dim, config)
 
 
 def softmax_scale(config: DeepSeekV3Config) -> float:

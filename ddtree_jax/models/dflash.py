@@ -22,7 +22,7 @@ from ddtree_jax.models.layers import (
     init_from_shapes,
     linear,
     rms_norm,
-    rope_tables,
+    rope_cos_sin,
     stacked,
     swiglu,
 )
@@ -60,9 +60,15 @@ def fuse_features(config: DFlashConfig, params: dict, features: jax.Array) -> ja
     return rms_norm(linear(features, params["fc"]), params["hidden_norm"], config.rms_norm_eps)
 
 
+def _rope(config: DFlashConfig, positions):
+    """cos, sin [B, T, head_dim] in the half-split layout (default RoPE or YaRN)."""
+    cos, sin = rope_cos_sin(positions, config.head_dim, config)
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
+
+
 def _project_kv(config: DFlashConfig, p: dict, x, positions):
     batch, steps, _ = x.shape
-    cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
+    cos, sin = _rope(config, positions)
     k = linear(x, p["k_proj"]).reshape(batch, steps, config.num_kv_heads, config.head_dim)
     v = linear(x, p["v_proj"]).reshape(batch, steps, config.num_kv_heads, config.head_dim)
     return apply_rope(rms_norm(k, p["k_norm"], config.rms_norm_eps), cos, sin), v
@@ -97,7 +103,7 @@ def draft(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Arr
     batch = bonus.shape[0]
     tokens = jnp.concatenate([bonus[:, None], jnp.full((batch, size - 1), config.mask_token_id, bonus.dtype)], axis=1)
     positions = cache.lengths[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
-    cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
+    cos, sin = _rope(config, positions)
     context_rows = jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None]  # [B, 1, C]
     mask = jnp.concatenate([jnp.broadcast_to(context_rows, (batch, size, cache.capacity)), jnp.ones((batch, size, size), bool)], axis=2)
     h = embed[tokens].astype(params["fc"].dtype)

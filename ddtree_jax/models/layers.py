@@ -124,3 +124,24 @@ def apply_rope_interleaved(x: jax.Array, cos_half: jax.Array, sin_half: jax.Arra
     even, odd = x32[..., 0::2], x32[..., 1::2]
     c, s = cos_half[:, :, None, :], sin_half[:, :, None, :]
     return jnp.concatenate([even * c - odd * s, odd * c + even * s], axis=-1).astype(x.dtype)
+
+
+def yarn_attention_factor(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """The factor YaRN applies to cos / sin (HF: attention_factor)."""
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def rope_cos_sin(positions: jax.Array, dim: int, config) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [..., dim / 2] (one entry per frequency) for a config with rope_theta, rope_type
+    and the YaRN fields (rope_factor, rope_original_max_position, rope_beta_fast / slow, rope_mscale,
+    rope_mscale_all_dim); YaRN's attention factor is applied to both, as HF does."""
+    inv_freq = rope_inv_freq(dim, config.rope_theta, rope_type=config.rope_type, factor=config.rope_factor,
+                             original_max=config.rope_original_max_position, beta_fast=config.rope_beta_fast,
+                             beta_slow=config.rope_beta_slow)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    scale = 1.0
+    if config.rope_type == "yarn":
+        scale = yarn_attention_factor(config.rope_factor, config.rope_mscale, config.rope_mscale_all_dim)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale

@@ -181,3 +181,12 @@ def test_engine_runs_the_deepseek_family_target():
                    max_new_tokens=10, method="ddtree", budget=8, block_size=5)
     np.testing.assert_array_equal(np.asarray(out.tokens), ar_tokens)
     assert (np.asarray(out.tau) > 3.0).all()
+    # a DFlash drafter with YaRN RoPE (the Kimi drafters' kind) on this target: same greedy text
+    drafter_config = DFlashConfig(hidden_size=32, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                                  block_size=4, mask_token_id=V - 1, target_layers=(0, 1), rope_theta=50_000.0,
+                                  rope_type="yarn", rope_factor=4.0, rope_original_max_position=16)
+    drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, 32, jax.random.key(5)),
+                            deepseek_v3.embedding(params), deepseek_v3.head(config, params))
+    out = generate(config, params, drafter, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=10,
+                   method="ddtree", budget=8, block_size=4)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ar_tokens)

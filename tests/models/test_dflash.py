@@ -102,3 +102,27 @@ def test_config_and_param_validation():
     params = dflash.init_params(CONFIG, D, jax.random.key(0))
     assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(params)
     assert CONFIG.num_draft_tokens == 4
+
+
+def test_yarn_rope_drafter_reduces_to_default_at_factor_one_and_parses():
+    from ddtree_jax.checkpoint import parse_config
+
+    yarn_one = DFlashConfig(**{**CONFIG.__dict__, "rope_type": "yarn", "rope_factor": 1.0})
+    key = jax.random.split(jax.random.key(3), 3)
+    params = dflash.init_params(CONFIG, D, key[0], norm_jitter=0.2)
+    embed, head = jax.random.normal(key[1], (V, D)), jax.random.normal(key[2], (V, D))
+    feats = jax.random.normal(key[0], (1, 4, len(CONFIG.target_layers) * D))
+    outs = []
+    for config in (CONFIG, yarn_one):
+        cache = dflash.append_context(config, params, dflash.create_context_cache(config, 1, 8, jnp.float32), feats,
+                                      jnp.array([4], jnp.int32))
+        outs.append(np.asarray(dflash.draft(config, params, embed, head, cache, jnp.array([3], jnp.int32))))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    kimi_style = parse_config({
+        "model_type": "qwen3", "architectures": ["DFlashDraftModel"], "hidden_size": 7168, "intermediate_size": 18432,
+        "num_hidden_layers": 6, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096},
+        "dflash_config": {"block_size": 8, "mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+    })
+    assert (kimi_style.rope_type, kimi_style.rope_factor, kimi_style.block_size) == ("yarn", 64.0, 8)
+    assert kimi_style.target_layers == (1, 12, 24, 35, 47, 58)
