@@ -108,23 +108,30 @@ def softmax_scale(config: DeepSeekV3Config) -> float:
     return scale
 
 
-def _mla_naive(config: DeepSeekV3Config, p: dict, x, cos, sin, mask):
-    """Expanded-K/V multi-head latent attention over the sequence itself (the reference form)."""
+def _mla_inputs(config: DeepSeekV3Config, p: dict, x, cos, sin):
+    """The per-token MLA projections both forms share: q_nope [B, T, H, nope], roped q_rot [B, T, H, rope],
+    the normalised latent [B, T, kv_lora] and the roped shared key k_rot [B, T, 1, rope]."""
     c = config
+    if not c.rope_interleave:
+        raise NotImplementedError("rope_interleave = false is not implemented")
     batch, steps, _ = x.shape
     if c.q_lora_rank is None:
         q = linear(x, p["q_proj"])
     else:
         q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], c.rms_norm_eps), p["q_b_proj"])
     q = q.reshape(batch, steps, c.num_heads, c.qk_head_dim)
-    q_nope, q_rot = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+    q_nope, q_rot = q[..., : c.qk_nope_head_dim], apply_rope_interleaved(q[..., c.qk_nope_head_dim :], cos, sin)
     compressed = linear(x, p["kv_a_proj"])
     latent = rms_norm(compressed[..., : c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)
-    k_rot = compressed[..., c.kv_lora_rank :][:, :, None, :]  # one shared rope key per token
-    if not c.rope_interleave:
-        raise NotImplementedError("rope_interleave = false is not implemented")
-    q_rot = apply_rope_interleaved(q_rot, cos, sin)
-    k_rot = apply_rope_interleaved(k_rot, cos, sin)
+    k_rot = apply_rope_interleaved(compressed[..., c.kv_lora_rank :][:, :, None, :], cos, sin)
+    return q_nope, q_rot, latent, k_rot
+
+
+def _mla_naive(config: DeepSeekV3Config, p: dict, x, cos, sin, mask):
+    """Expanded-K/V multi-head latent attention over the sequence itself (the reference form)."""
+    c = config
+    batch, steps, _ = x.shape
+    q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
     kv = linear(latent, p["kv_b_proj"]).reshape(batch, steps, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
     k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:-1] + (c.qk_rope_head_dim,))], axis=-1)
@@ -210,15 +217,8 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     and the latent as value, W_UV after. Writes this step's latent / rope key into the caches."""
     c = config
     batch, steps, _ = x.shape
-    if c.q_lora_rank is None:
-        q = linear(x, p["q_proj"])
-    else:
-        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], c.rms_norm_eps), p["q_b_proj"])
-    q = q.reshape(batch, steps, c.num_heads, c.qk_head_dim)
-    q_nope, q_rot = q[..., : c.qk_nope_head_dim], apply_rope_interleaved(q[..., c.qk_nope_head_dim :], cos, sin)
-    compressed = linear(x, p["kv_a_proj"])
-    latent = rms_norm(compressed[..., : c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)[:, :, None, :]
-    k_rot = apply_rope_interleaved(compressed[..., c.kv_lora_rank :][:, :, None, :], cos, sin)
+    q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
+    latent = latent[:, :, None, :]
     latent_cache = write_rows(latent_cache, latent, write_start)
     rope_cache = write_rows(rope_cache, k_rot, write_start)
     w_kv = p["kv_b_proj"].reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
