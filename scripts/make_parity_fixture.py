@@ -51,6 +51,7 @@ CASES = {
     "qwen3_tiny_tied": lambda: qwen3_tiny(True),
     "deepseek_v3_tiny": deepseek_v3_tiny,
     "deepseek_v3_tiny_int4": lambda: deepseek_v3_tiny(moe_intermediate_size=32),  # INT4 needs in % 32 == 0
+    "deepseek_v3_tiny_fp8": deepseek_v3_tiny,
 }
 
 
@@ -100,6 +101,43 @@ def write_int4_variant(dense_dir: str, out_dir: str) -> np.ndarray:
     return model
 
 
+def write_fp8_variant(dense_dir: str, out_dir: str):
+    """Re-saves a DeepSeek-V3 checkpoint with block-FP8 (e4m3, 128 x 128 blocks, weight_scale_inv =
+    block amax / 448) decoder-layer projections; golden logits from HF with the dequantised weights."""
+    tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
+    stored, dequantised = {}, {}
+    pattern = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a|q_b|kv_a_proj_with_mqa|kv_b|o)(_proj)?|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$")
+    for name, w in tensors.items():
+        if not pattern.match(name):
+            stored[name] = torch.from_numpy(w)
+            dequantised[name] = w
+            continue
+        t = torch.from_numpy(w.astype(np.float32))
+        out, inner = t.shape
+        rows, cols = -(-out // 128), -(-inner // 128)
+        padded = torch.zeros(rows * 128, cols * 128)
+        padded[:out, :inner] = t
+        blocks = padded.view(rows, 128, cols, 128)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        q = (blocks / scale[:, None, :, None]).view(rows * 128, cols * 128)[:out, :inner].to(torch.float8_e4m3fn)
+        deq = (q.float().view(out, inner) * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :inner])
+        stored[name], stored[name + "_scale_inv"] = q, scale.float()
+        dequantised[name] = deq.numpy()
+    config = json.load(open(os.path.join(dense_dir, "config.json")))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(dequantised, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(config, open(os.path.join(tmp, "config.json"), "w"))
+        model = DeepseekV3ForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+    os.makedirs(out_dir, exist_ok=True)
+    from safetensors.torch import save_file as save_torch
+
+    save_torch(stored, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    json.dump(config, open(os.path.join(out_dir, "config.json"), "w"), indent=2)
+    return model
+
+
 def main(out_dir: str) -> None:
     torch.manual_seed(0)
     for name, build in CASES.items():
@@ -110,10 +148,11 @@ def main(out_dir: str) -> None:
                 if "norm" in module_name:
                     param.add_(0.2 * torch.randn_like(param))
         path = os.path.join(out_dir, name)
-        if name.endswith("_int4"):
+        if name.endswith(("_int4", "_fp8")):
             with tempfile.TemporaryDirectory() as dense_dir:
                 model.save_pretrained(dense_dir, safe_serialization=True)
-                model = write_int4_variant(dense_dir, path)
+                write = write_int4_variant if name.endswith("_int4") else write_fp8_variant
+                model = write(dense_dir, path)
         else:
             model.save_pretrained(path, safe_serialization=True)
         input_ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -171,6 +171,10 @@ def _expert_format(quant: dict | None) -> str:
     if not quant:
         return "dense"
     method = quant.get("quant_method")
+    if method == "fp8":  # block FP8 (DeepSeek-V3, original K2): found per tensor from its weight_scale_inv
+        if list(quant.get("weight_block_size", [128, 128])) != [128, 128]:
+            raise ValueError(f"block-FP8 needs 128 x 128 blocks, got {quant.get('weight_block_size')}")
+        return "dense"
     if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
         for group in quant.get("config_groups", {}).values():
             w = group.get("weights", {})
@@ -178,7 +182,7 @@ def _expert_format(quant: dict | None) -> str:
                 raise ValueError(f"unsupported compressed-tensors weights {w} (need symmetric int4, group size 32)")
         return "int4"
     raise ValueError(f"unsupported quantization_config (quant_method {method!r}, format {quant.get('format')!r}); "
-                     "supported: compressed-tensors pack-quantized INT4 experts")
+                     "supported: compressed-tensors pack-quantized INT4 experts, block FP8")
 
 
 def _rope_dict(config) -> dict:

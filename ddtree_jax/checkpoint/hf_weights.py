@@ -11,13 +11,14 @@ import json
 import os
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
-from ddtree_jax.models.quant import Int4Weight
+from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
 
 _LAYER_NAMES = {  # our name -> HF suffix within a layer
     "input_norm": "input_layernorm.weight",
@@ -58,6 +59,7 @@ _EXPERT_NAMES = {"expert_gate": "gate_proj.weight", "expert_up": "up_proj.weight
 
 
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def _deepseek_names(config: DeepSeekV3Config) -> dict:
@@ -135,7 +137,15 @@ class TensorSource:
         return set(self.files)
 
     def get(self, name: str) -> np.ndarray:
-        with safe_open(self.files[name], framework="numpy") as f:
+        file = self.files[name]
+        with open(file, "rb") as f:  # safetensors' numpy reader cannot return float8: read those ourselves
+            header_len = int.from_bytes(f.read(8), "little")
+            info = json.loads(f.read(header_len))[name]
+            if info["dtype"] in _RAW_DTYPES:
+                begin, end = info["data_offsets"]
+                f.seek(8 + header_len + begin)
+                return np.frombuffer(f.read(end - begin), dtype=_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+        with safe_open(file, framework="numpy") as f:
             return f.get_tensor(name)
 
 
@@ -147,7 +157,8 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
     missing = sorted(expected - available)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[0]!r}")
-    unexpected = sorted(n for n in available - expected if not n.endswith("rotary_emb.inv_freq"))
+    fp8_scales = {n for n in available if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in expected}
+    unexpected = sorted(n for n in available - expected - fp8_scales if not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise ValueError(f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}")
 
@@ -162,8 +173,9 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
         params = {ours: jnp.asarray(fetch(hf, shapes[ours][0]), dtype) for ours, hf in _deepseek_top(config).items()}
         for stack in ("dense_layers", "moe_layers"):
             params[stack] = {}
-        for (stack, ours), per_layer in _deepseek_names(config).items():
-            one = shapes[stack][ours][0][1:]
+        for (stack_name, ours), per_layer in _deepseek_names(config).items():
+            stack = stack_name
+            one = shapes[stack][ours][0][1:]  # one layer's shape
             if ours in _EXPERT_NAMES and config.expert_format == "int4":
                 out, inner = one[1:]
                 packed = np.stack([np.stack([fetch(f"{n}.weight_packed", (out, inner // 8)) for n in e]) for e in per_layer])
@@ -174,8 +186,25 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
                             raise ValueError(f"tensor '{n}.weight_shape' is {source.get(f'{n}.weight_shape').tolist()}, expected {[out, inner]}")
                 params[stack][ours] = Int4Weight(jnp.asarray(packed.view(np.int32)), jnp.asarray(scale, dtype))
                 continue
+            names = [[f"{n}.weight" for n in e] for e in per_layer] if ours in _EXPERT_NAMES else per_layer
+            flat = [n for e in names for n in (e if isinstance(e, list) else [e])]
+            if flat and f"{flat[0]}_scale_inv" in fp8_scales:  # block-FP8: kept in FP8 with its scales
+                missing_scale = [n for n in flat if f"{n}_scale_inv" not in fp8_scales]
+                if missing_scale:
+                    raise ValueError(f"tensor '{missing_scale[0]}_scale_inv' is missing (the other layers are FP8)")
+                out, inner = one[-2:]
+                blocks = (-(-out // 128), -(-inner // 128))
+
+                def stacked_arrays(suffix, shape):
+                    if ours in _EXPERT_NAMES:
+                        return np.stack([np.stack([fetch(f"{n}{suffix}", shape) for n in e]) for e in names])
+                    return np.stack([fetch(f"{n}{suffix}", shape) for n in names])
+
+                params[stack_name][ours] = Fp8BlockWeight(jnp.asarray(stacked_arrays("", (out, inner))),
+                                                          jnp.asarray(stacked_arrays("_scale_inv", blocks), jnp.float32))
+                continue
             if ours in _EXPERT_NAMES:
-                arrays = [np.stack([fetch(f"{n}.weight", one[1:]) for n in experts]) for experts in per_layer]
+                arrays = [np.stack([fetch(n, one[1:]) for n in e]) for e in names]
             else:
                 arrays = [fetch(n, one) for n in per_layer]
             keep = jnp.float32 if ours in ("router", "router_bias") else dtype  # routing stays in float32 (as HF)

@@ -221,7 +221,7 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     latent = latent[:, :, None, :]
     latent_cache = write_rows(latent_cache, latent, write_start)
     rope_cache = write_rows(rope_cache, k_rot, write_start)
-    w_kv = p["kv_b_proj"].reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
     query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)

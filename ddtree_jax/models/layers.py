@@ -19,9 +19,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., in] @ weight[out, in].T -> [..., out]."""
-    return jnp.einsum("...i,oi->...o", x, weight)
+def linear(x: jax.Array, weight) -> jax.Array:
+    """x [..., in] @ weight[out, in].T -> [..., out]; a quantised weight (models.quant) is dequantised
+    to x's dtype first (the reference; the weight-streaming kernels fuse this)."""
+    from ddtree_jax.models.quant import dense
+
+    return jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:

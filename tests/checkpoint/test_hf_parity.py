@@ -15,16 +15,19 @@ import pytest
 from ddtree_jax.checkpoint import load_hf
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3, qwen3
-from ddtree_jax.models.quant import Int4Weight
+from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_tiny_tied", "deepseek_v3_tiny", "deepseek_v3_tiny_int4"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_tiny", "qwen3_tiny_tied", "deepseek_v3_tiny", "deepseek_v3_tiny_int4", "deepseek_v3_tiny_fp8"]
+)
 def test_forward_logits_match_transformers(name):
     """deepseek_v3_tiny: MLA with q/kv LoRA, YaRN with mscale, dense + MoE layers, grouped routing with a
     non-zero correction bias, a shared expert. deepseek_v3_tiny_int4: the same with compressed-tensors
-    pack-quantized INT4 routed experts, golden logits from HF running the dequantised weights
+    pack-quantized INT4 routed experts; deepseek_v3_tiny_fp8: block-FP8 (e4m3, 128 x 128) projections and
+    experts. Quantised variants: golden logits from HF running the dequantised weights
     (scripts/make_parity_fixture.py)."""
     path = FIXTURES / name
     config, params = load_hf(str(path), dtype=jnp.float32)
@@ -35,15 +38,20 @@ def test_forward_logits_match_transformers(name):
         assert config.expert_format == "int4"
         assert isinstance(params["moe_layers"]["expert_down"], Int4Weight)  # kept packed in memory
         assert params["moe_layers"]["expert_down"].packed.dtype == jnp.int32
+    if name.endswith("fp8"):
+        for stack in ("dense_layers", "moe_layers"):
+            assert isinstance(params[stack]["o_proj"], Fp8BlockWeight)  # kept in FP8 with its block scales
+        assert params["moe_layers"]["expert_gate"].weight.dtype == jnp.float8_e4m3fn
     logits = np.asarray(model.forward_logits(config, params, jnp.asarray(ref["input_ids"])))
     err = np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"]))
     provenance = json.loads((path / "provenance.json").read_text())
     assert err <= 1e-4, f"max |ours - ref| / max |ref| = {err:.2e} vs transformers {provenance['transformers']}"
 
 
-def test_absorbed_latent_cache_path_matches_transformers():
+@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3_tiny_fp8"])
+def test_absorbed_latent_cache_path_matches_transformers(name):
     """The absorbed MLA path (latent cache, prefill in two chunks) against the same HF logits."""
-    path = FIXTURES / "deepseek_v3_tiny"
+    path = FIXTURES / name
     config, params = load_hf(str(path), dtype=jnp.float32)
     ref = np.load(path / "reference.npz")
     ids = jnp.asarray(ref["input_ids"])
