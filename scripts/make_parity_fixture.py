@@ -70,9 +70,17 @@ def pack_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return words.astype(np.uint32).view(np.int32), scale.astype(np.float32), dequantised
 
 
-def write_int4_variant(dense_dir: str, out_dir: str) -> np.ndarray:
-    """Re-saves a DeepSeek-V3 checkpoint with INT4 routed experts; returns the golden logits of HF's
-    model loaded with the dequantised expert weights (so the fixture checks unpacking, not quantisation error)."""
+def _golden_model(dequantised: dict, config: dict) -> DeepseekV3ForCausalLM:
+    """HF's model with the dequantised weights: the source of a quantised fixture's golden logits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(dequantised, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(config, open(os.path.join(tmp, "config.json"), "w"))
+        return DeepseekV3ForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+
+
+def write_int4_variant(dense_dir: str, out_dir: str) -> DeepseekV3ForCausalLM:
+    """Re-saves a DeepSeek-V3 checkpoint with INT4 routed experts; returns HF's model loaded with the
+    dequantised expert weights (golden logits check unpacking, not quantisation error)."""
     tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
     packed, dequantised = {}, dict(tensors)
     for name, w in tensors.items():
@@ -85,10 +93,7 @@ def write_int4_variant(dense_dir: str, out_dir: str) -> np.ndarray:
         else:
             packed[name] = w
     config = json.load(open(os.path.join(dense_dir, "config.json")))
-    with tempfile.TemporaryDirectory() as tmp:
-        save_file(dequantised, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        json.dump(config, open(os.path.join(tmp, "config.json"), "w"))
-        model = DeepseekV3ForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+    model = _golden_model(dequantised, config)
     os.makedirs(out_dir, exist_ok=True)
     save_file(packed, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = {
@@ -101,7 +106,7 @@ def write_int4_variant(dense_dir: str, out_dir: str) -> np.ndarray:
     return model
 
 
-def write_fp8_variant(dense_dir: str, out_dir: str):
+def write_fp8_variant(dense_dir: str, out_dir: str) -> DeepseekV3ForCausalLM:
     """Re-saves a DeepSeek-V3 checkpoint with block-FP8 (e4m3, 128 x 128 blocks, weight_scale_inv =
     block amax / 448) decoder-layer projections; golden logits from HF with the dequantised weights."""
     tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
@@ -124,10 +129,7 @@ def write_fp8_variant(dense_dir: str, out_dir: str):
         stored[name], stored[name + "_scale_inv"] = q, scale.float()
         dequantised[name] = deq.numpy()
     config = json.load(open(os.path.join(dense_dir, "config.json")))
-    with tempfile.TemporaryDirectory() as tmp:
-        save_file(dequantised, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        json.dump(config, open(os.path.join(tmp, "config.json"), "w"))
-        model = DeepseekV3ForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+    model = _golden_model(dequantised, config)
     os.makedirs(out_dir, exist_ok=True)
     from safetensors.torch import save_file as save_torch
 
