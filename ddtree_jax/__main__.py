@@ -60,6 +60,8 @@ def _generate_command(args: argparse.Namespace) -> int:
 
     from ddtree_jax.engine.run import enable_compilation_cache, load_pair, random_tiny_pair, run
 
+    if args.chat and (args.prompt is None or args.prompt_ids):
+        raise SystemExit("error: --chat wraps --prompt text as a user message; give --prompt (not --prompt-ids)")
     if args.compilation_cache is None:
         from ddtree_jax.engine.run import DEFAULT_CACHE_DIR
 
@@ -75,11 +77,20 @@ def _generate_command(args: argparse.Namespace) -> int:
         prompt = [int(t) for t in args.prompt_ids.split(",")]
     elif args.prompt is not None:
         if pair.tokenizer is None:
-            raise SystemExit("error: --prompt needs a tokenizer.json in the target directory; use --prompt-ids")
-        prompt = pair.tokenizer.encode(args.prompt).ids
+            raise SystemExit("error: --prompt needs a tokenizer (tokenizer.json or tiktoken.model) in the target "
+                             "directory; use --prompt-ids")
+        if args.chat:
+            if not pair.tokenizer.has_chat_template:
+                raise SystemExit(f"error: --chat needs a chat template in {args.target} (chat_template.jinja or "
+                                 "tokenizer_config.json's chat_template)")
+            text = pair.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                      add_generation_prompt=True)
+            prompt = pair.tokenizer.encode(text)  # the template writes the special tokens itself
+        else:
+            prompt = pair.tokenizer.encode(args.prompt, add_special_tokens=True)
     else:
         prompt = [1, 2, 3, 4]
-    decode = (lambda ids: pair.tokenizer.decode(ids)) if pair.tokenizer else str
+    decode = (lambda ids: pair.tokenizer.decode(ids, skip_special_tokens=True)) if pair.tokenizer else str
     methods = ["ar", "chain", "ddtree"] if args.method == "all" else [args.method]
     print(f"device: {jax.devices()[0].platform}; prompt: {len(prompt)} tokens; T = {args.temperature}; "
           f"max_new_tokens = {args.max_new}", flush=True)
@@ -117,10 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     tree.set_defaults(func=_tree_command)
 
     gen = sub.add_parser("generate", help="speculative generation from HF checkpoints, timed")
-    gen.add_argument("--target", help="HF directory of the target (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--target", help="HF directory of the target (config.json, safetensors, tokenizer.json or "
+                     "tiktoken.model)")
     gen.add_argument("--drafter", help="HF directory of the DFlash drafter")
     gen.add_argument("--random-tiny", action="store_true", help="a random tiny pair instead (smoke run)")
-    gen.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
+    gen.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap --prompt as one user message in the target's chat template (generation prompt added)")
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     gen.add_argument("--method", default="ddtree", choices=["ddtree", "chain", "ar", "all"])
     gen.add_argument("--budget", type=int, default=32)

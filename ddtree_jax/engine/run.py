@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.checkpoint import load_hf
+from ddtree_jax.checkpoint import Tokenizer, load_hf, load_tokenizer
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
@@ -34,11 +34,13 @@ class Pair:
     target_config: Qwen3Config | DeepSeekV3Config
     target_params: dict
     drafter: DFlashDrafter | None
-    tokenizer: object | None = None
+    tokenizer: Tokenizer | None = None
 
 
 def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pair:
-    """Target + DFlash drafter from HF directories; the target's tapped layers come from the drafter."""
+    """Target + DFlash drafter from HF directories; the target's tapped layers come from the drafter. The
+    tokenizer is the target directory's (tokenizer.json or tiktoken.model; None without either)."""
+    tokenizer = load_tokenizer(target_dir)  # first: a malformed tokenizer fails before the weights load
     target_config, target_params = load_hf(target_dir, dtype)
     if isinstance(target_config, DFlashConfig):
         raise ValueError(f"{target_dir} holds a drafter config, not a target")
@@ -50,12 +52,6 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pa
             raise ValueError(f"{drafter_dir} is not a DFlash drafter (no dflash_config)")
         target_config = dataclasses.replace(target_config, tapped_layers=drafter_config.target_layers)
         drafter = DFlashDrafter(drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params))
-    tokenizer = None
-    tokenizer_file = os.path.join(target_dir, "tokenizer.json")
-    if os.path.exists(tokenizer_file):
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(tokenizer_file)
     return Pair(target_config, target_params, drafter, tokenizer)
 
 
