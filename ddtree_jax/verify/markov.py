@@ -50,7 +50,7 @@ def expected_accepted(tree: DraftTree, b: int, probs: np.ndarray) -> float:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("budget", "num_steps", "order", "method", "threshold_single", "threshold_acc")
+    jax.jit, static_argnames=("budget", "num_steps", "order", "method", "threshold_single", "threshold_acc", "impl")
 )
 def simulate(
     transition_logits: jax.Array,
@@ -65,11 +65,13 @@ def simulate(
     method: str = "sampling",
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
+    impl: str = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Runs `num_steps` DDTree steps for every row (one independent chain per row).
 
     Args:
       transition_logits: [V, V]; draft_table: [V, L, V]; params: [S]; roots: int32 [S]; key: typed key.
+      impl: verification implementation, passed to `verify_step` ("xla", "pallas", "auto").
     Returns:
       (emitted int32 [S, num_steps * (L + 1)]: each row's tokens in order, -1-padded at the end;
        num_accepted int32 [S, num_steps]).
@@ -85,7 +87,7 @@ def simulate(
         tree = build_tree(draft_table[roots], budget, roots, check_finite=False)
         keys = row_keys(jax.random.fold_in(key, step), jnp.arange(samples))
         result = verify_step(tree, transition_logits[tree.tokens], params, keys, order=order, method=method,
-                             threshold_single=threshold_single, threshold_acc=threshold_acc)
+                             threshold_single=threshold_single, threshold_acc=threshold_acc, impl=impl)
         n_out = result.num_accepted + 1
         target = jnp.where(cursor < n_out[:, None], written[:, None] + cursor, emitted.shape[1])
         emitted = emitted.at[jnp.arange(samples)[:, None], target].set(result.tokens, mode="drop")

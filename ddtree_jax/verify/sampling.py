@@ -47,6 +47,18 @@ def check_tree_lists(candidates, next_token, next_sibling) -> None:
                 cur, steps = sib[b, cur], steps + 1
 
 
+IMPLS = ("xla", "pallas", "auto")
+
+
+def resolve_impl(impl: str) -> str:
+    """"auto" -> "pallas" on GPU, "xla" elsewhere (interpret-mode Pallas is for tests, not speed)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
 def _walk_row(candidates, next_token, next_sibling, probs, coins, final_coin, *, max_accept, threshold_single, threshold_acc):
     """One row. candidates/next_token/next_sibling/coins [N], probs [N, V], final_coin []."""
     slots, vocab = probs.shape
@@ -115,6 +127,7 @@ def verify_sampling(
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     check: bool = True,
+    impl: str = "xla",
 ) -> VerifyResult:
     """Target-only tree rejection sampling, exactly the spec's walk (coin for coin).
 
@@ -130,6 +143,8 @@ def verify_sampling(
       check: when inputs are concrete, validate the lists and reject duplicate sibling tokens
         (ValueError). Traced inputs skip the check: trees from `build_tree` have distinct siblings by
         construction (distinct top-K tokens).
+      impl: "xla" (this module's vmap'd walk), "pallas" (`kernels.tree_sampling.tree_sampling_from_probs`,
+        interpret mode off GPU) or "auto" (pallas on GPU, else xla).
 
     Returns:
       VerifyResult with S = max_accept + 1.
@@ -145,6 +160,11 @@ def verify_sampling(
         raise ValueError(f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}")
     if check:
         check_tree_lists(candidates, next_token, next_sibling)
+    if resolve_impl(impl) == "pallas":
+        from kernels.tree_sampling import tree_sampling_from_probs
+
+        return tree_sampling_from_probs(candidates, next_token, next_sibling, target_probs, coins, final_coins,
+                                        max_accept=max_accept, threshold_single=threshold_single, threshold_acc=threshold_acc)
     return _verify_sampling_jit(
         jnp.asarray(candidates, jnp.int32),
         jnp.asarray(next_token, jnp.int32),

@@ -12,7 +12,7 @@ from ddtree_jax.tree.draft_tree import DraftTree
 from ddtree_jax.tree.structure import verification_order
 from ddtree_jax.verify.greedy import verify_sample_then_walk
 from ddtree_jax.verify.result import VerifyResult
-from ddtree_jax.verify.sampling import verify_sampling
+from ddtree_jax.verify.sampling import resolve_impl, verify_sampling
 
 METHODS = ("sampling", "sample_then_walk")
 
@@ -27,6 +27,7 @@ def verify_step(
     method: str = "sampling",
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
+    impl: str = "xla",
 ) -> VerifyResult:
     """Verifies a batch of trees against the target's logits at their slots.
 
@@ -39,6 +40,9 @@ def verify_step(
         split into (sibling order, node coins, final coin).
       order: sibling order policy ("draft", "reverse", "random").
       method: "sampling" (coin buckets, the spec) or "sample_then_walk" (the paper's verifier).
+      impl: "xla" (processed_probs + verify_sampling), "pallas" (the fused kernel of
+        `kernels.tree_sampling`: no [B, N, V] probabilities in HBM; interpret mode off GPU), or "auto"
+        (pallas on GPU, else xla). Same coins, same law; see the kernel's module docstring on rounding.
 
     Rows whose logits are invalid at a real slot (NaN, +inf, all -inf) return num_accepted 0 and
     tokens INVALID_TOKEN (-1).
@@ -50,10 +54,20 @@ def verify_step(
         raise ValueError(f"target_logits must be [B, N, V] with [B, N] = ({batch}, {slots}), got {tuple(target_logits.shape)}")
     if keys.shape != (batch,):
         raise ValueError(f"keys must be one typed PRNG key per row, shape ({batch},), got {keys.shape}")
+    impl = resolve_impl(impl)
+    if impl == "pallas" and method != "sampling":
+        raise ValueError(f"impl='pallas' implements method='sampling' only, got method={method!r}")
     split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)  # [B, 3]
     next_token, next_sibling = verification_order(tree, order, split[:, 0])
-    probs = processed_probs(target_logits, params)
     coins = draw_coins(split[:, 1], (slots,))
+    if impl == "pallas":
+        from kernels.tree_sampling import tree_sampling_from_logits
+
+        result, slot_valid = tree_sampling_from_logits(
+            tree.tokens, next_token, next_sibling, target_logits, params, coins, draw_coins(split[:, 2], ()),
+            max_accept=tree.max_depth, threshold_single=threshold_single, threshold_acc=threshold_acc)
+        return _mask_invalid_rows(result, slot_valid, tree)
+    probs = processed_probs(target_logits, params)
     if method == "sampling":
         final_coins = draw_coins(split[:, 2], ())
         result = verify_sampling(
@@ -62,7 +76,12 @@ def verify_step(
         )
     else:
         result = verify_sample_then_walk(tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False)
-    row_ok = (valid_rows(target_logits) | ~tree.is_real).all(axis=1)
+    return _mask_invalid_rows(result, valid_rows(target_logits), tree)
+
+
+def _mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:
+    """Rows with invalid logits at a real slot: num_accepted 0, tokens INVALID_TOKEN."""
+    row_ok = (slot_valid | ~tree.is_real).all(axis=1)
     steps = tree.max_depth + 1
     return VerifyResult(
         accept_index=jnp.where(row_ok[:, None], result.accept_index, jnp.where(jnp.arange(steps) == 0, 0, -1)),
