@@ -21,7 +21,7 @@ logits into processed probabilities. Three observations keep that to a few strea
      kept(x) = key(x) >= c and e(x) >= min_p.  p(x) = kept(x) * e(x) / Z, Z = sum of kept e.
   2. The cut is found by a K-ary threshold search over the monotone integer key of the logit
      (float32 bit pattern with the sign fixed up; bf16 logits need only its top 16 bits): each pass
-     over the row evaluates K = 15 thresholds at once, so a bf16 row needs 4 passes per filter and
+     over the row evaluates 16 thresholds at once, so a bf16 row needs 4 passes per filter and
      an f32 row 8; no sort.
   3. The final correction/bonus sample reads one row per batch row, in vocab order, and stops at
      the chunk where the running CDF crosses the coin.
@@ -55,7 +55,7 @@ from ddtree_jax.verify.result import VerifyResult
 from ddtree_jax.verify.sampling import verify_sampling
 
 STATS_BLOCK = 1024  # vocab elements per load in the row-statistics passes
-SEARCH_FANOUT = 16  # thresholds per search pass = SEARCH_FANOUT - 1; a power of two
+SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
 WALK_BLOCK = 1024  # vocab elements per load in the final-sample scan
 
 _INT32_MIN = np.iinfo(np.int32).min
@@ -78,11 +78,11 @@ def logit_key(x: jax.Array, shift: int) -> jax.Array:
 
 
 def _thresholds(lo, hi):
-    """SEARCH_FANOUT - 1 int32 keys spread over the open interval (lo, hi), in wrapping int32 arithmetic
-    (hi - lo may exceed 2^31 for float32 keys), plus a validity mask (thresholds beyond hi are off)."""
+    """SEARCH_FANOUT int32 keys spread over (lo, hi], in wrapping int32 arithmetic (hi - lo may exceed
+    2^31 for float32 keys), plus a validity mask (when hi - lo < SEARCH_FANOUT, keys >= hi are off)."""
     width = hi - lo  # true value in [2, 2^32), read as unsigned
     step = lax.shift_right_logical(width, jnp.int32(SEARCH_FANOUT.bit_length() - 1))
-    j = jnp.arange(1, SEARCH_FANOUT, dtype=jnp.int32)
+    j = jnp.arange(1, SEARCH_FANOUT + 1, dtype=jnp.int32)
     wide = step > 0
     t = lo + jnp.where(wide, step, 1) * j
     valid = wide | (j < width)  # width < SEARCH_FANOUT here, so width is a small non-negative int
@@ -124,7 +124,7 @@ def _row_stats_kernel(
     def pass1(i, carry):
         m, z, arg, kmin, bad = carry
         idx, in_row, x = load(i)
-        bad = bad | jnp.any(jnp.isnan(x) | (x == jnp.inf))
+        bad = bad | (jnp.max((jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32)) > 0)
         xs = jnp.where(jnp.isnan(x), -jnp.inf, x)
         cmax = jnp.max(xs)
         carg = i * block + jnp.argmax(xs).astype(jnp.int32)

@@ -1,0 +1,41 @@
+"""The Pallas kernels lower for the Triton GPU backend, checked on a CPU-only machine.
+
+Interpret mode (what the other kernel tests run) accepts every JAX primitive; Triton lowering does not
+(e.g. reduce_or, tensors whose size is not a power of two). This test lowers each public kernel entry
+for platform "cuda" with a stand-in for the GPU query (compute capability 9.0, the H200), so such
+failures show up in CI, not first on the GPU. It reaches into jax._src (private); it skips if that
+moves.
+"""
+
+import types
+
+import jax.numpy as jnp
+import pytest
+
+from ddtree_jax.sampling import SamplingParams
+
+registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    if not hasattr(registration, "gpu_info_lib"):
+        pytest.skip("jax moved the GPU query of the Triton lowering")
+    info = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(get_gpu_info=lambda: info))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
+    from kernels.tree_sampling import _from_logits_jit, _from_probs_jit
+
+    batch, slots, vocab = 2, 17, 163840
+    lists = (jnp.zeros((batch, slots), jnp.int32),) * 3
+    coins = (jnp.zeros((batch, slots)), jnp.zeros((batch,)))
+    static = dict(max_accept=8, threshold_single=1.0, threshold_acc=1.0, interpret=False)
+    text = _from_logits_jit.trace(*lists, jnp.zeros((batch, slots, vocab), dtype), SamplingParams.create(batch), *coins,
+                                  **static).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tree_sampling_row_stats" in text and "tree_sampling_walk_logits" in text
+    text = _from_probs_jit.trace(*lists, jnp.zeros((batch, slots, vocab), jnp.float32), *coins,
+                                 **static).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tree_sampling_walk_probs" in text
