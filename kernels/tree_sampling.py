@@ -26,11 +26,17 @@ logits into processed probabilities. Three observations keep that to a few strea
   3. The final correction/bonus sample reads one row per batch row, in vocab order, and stops at
      the chunk where the running CDF crosses the coin.
 
-Kernels (Triton lowering via `pl.pallas_call`; interpret mode on CPU):
+Kernels (Triton lowering via `pl.pallas_call`; interpret mode on CPU). A row of V = 163840 is too
+long for one program to stream fast (one SM pulls ~100 GB/s), so every vocabulary pass runs on a
+(row, span) grid sized to fill the GPU, and XLA combines the per-span partials in between:
 
-  _row_stats_kernel   grid (B * N,): one program per slot row -> max, argmax, cut, min_e, Z, valid.
-  _walk_kernel        grid (B,):     one program per batch row: the walk over the tree lists, then
-                                     the final inverse-CDF sample (logits mode or probs mode).
+  1 _partial_stats_kernel   (rows, spans): max, Z, argmax, min key, NaN/inf flag of a span
+  2 _search_pass_kernel     (rows, spans): counts (top-k) or masses (top-p) at 16 thresholds; a fixed
+                            number of passes (4 for bf16, 8 for f32), skipped when no row filters
+  3 _kept_mass_kernel       (rows, spans): Z over the kept tokens (only when a row filters)
+  4 _walk_kernel            (B, 1): the walk over the tree lists (scalar loop; one read per node)
+  5 _residual_sums_kernel   (B, spans): residual mass of the final row per span (excluded tokens zeroed)
+  6 _final_scan_kernel      (B, 1): the first CDF crossing inside the span XLA picked from 5's sums
 
 Numerics. The reference (`processed_probs` + `verify_sampling`) sorts and cumsums; these kernels
 reduce in another order, so a coin or a filter cut that lies within float32 rounding of a CDF bucket
@@ -54,11 +60,14 @@ from ddtree_jax.sampling.probs import processed_probs
 from ddtree_jax.verify.result import VerifyResult
 from ddtree_jax.verify.sampling import verify_sampling
 
-STATS_BLOCK = 1024  # vocab elements per load in the row-statistics passes
+STATS_BLOCK = 2048  # vocab elements per load: statistics and kept-mass passes
+SEARCH_BLOCK = 512  # vocab elements per load in a search pass ([block, 16] comparisons)
 SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
-WALK_BLOCK = 1024  # vocab elements per load in the final-sample scan
+FINAL_BLOCK = 2048  # vocab elements per load in the final sample (a multiple of STATS_BLOCK's role: spans)
+TARGET_PROGRAMS = 264  # programs per launch worth filling: two per SM of an H200 (132 SMs)
 
 _INT32_MIN = np.iinfo(np.int32).min
+_INT32_MAX = np.iinfo(np.int32).max
 
 
 def _on_cpu() -> bool:
@@ -89,164 +98,485 @@ def _thresholds(lo, hi):
     return t, valid
 
 
-# --- kernel 1: per-slot row statistics -----------------------------------------------------------------
+# --- splitting a row over programs ---------------------------------------------------------------------
 
 
-def _row_stats_kernel(
-    params_ref,  # f32 [4]: temperature, top_k, top_p, min_p of this slot's batch row
-    logits_ref,  # [V] bf16 / f32: this slot's target logits
-    max_ref,  # f32 []: max logit (as float32)
-    z_ref,  # f32 []: sum of kept e = exp((x - max) / T) (T := 1 for greedy rows)
-    min_e_ref,  # f32 []: min-p threshold on e (0 = off)
-    cut_ref,  # i32 []: keep iff logit_key(x) >= cut (INT32_MIN = no cut)
-    argmax_ref,  # i32 []: first index of the max logit
-    valid_ref,  # i32 []: 1 iff no NaN / +inf and at least one finite logit
-    *,
-    vocab: int,
-    block: int,
-    shift: int,
-):
-    temperature = params_ref[0]
-    top_k = params_ref[1].astype(jnp.int32)
-    top_p = params_ref[2]
-    min_p = params_ref[3]
-    greedy = temperature == 0.0
-    inv_t = jnp.where(greedy, 1.0, temperature)
-    num_chunks = pl.cdiv(vocab, block)
+def _split(vocab: int, rows: int, block: int) -> tuple[int, int]:
+    """(splits, span): each of `rows` rows is cut into `splits` spans of `span` elements (a multiple of
+    `block`), so that rows * splits fills the GPU (~2 programs per SM) without spans under one block."""
+    max_splits = pl.cdiv(vocab, block)
+    splits = int(min(max(1, pl.cdiv(TARGET_PROGRAMS, rows)), max_splits))
+    span = pl.cdiv(pl.cdiv(vocab, splits), block) * block
+    return pl.cdiv(vocab, span), span
 
-    def load(i):
-        idx = i * block + jnp.arange(block, dtype=jnp.int32)
+
+def _span_chunks(values_ref, row, span: int, block: int, vocab: int, other, base):
+    """A loader over the span [base, base + span) of a row (kernels read program_id at their top level,
+    where interpret mode can discharge it): chunk c -> (idx int32 [block], in_row bool, float32 x)."""
+
+    def load(c):
+        idx = base + c * block + jnp.arange(block, dtype=jnp.int32)
         in_row = idx < vocab
-        x = plgpu.load(logits_ref.at[idx], mask=in_row, other=-jnp.inf).astype(jnp.float32)
+        view = values_ref.at[idx] if row is None else values_ref.at[row, idx]
+        x = plgpu.load(view, mask=in_row, other=other).astype(jnp.float32)
         return idx, in_row, x
 
-    # pass 1: online max / Z / argmax / min key / validity
-    def pass1(i, carry):
+    return load, span // block
+
+
+# --- kernel 1: partial statistics of a span (max, Z, argmax, min key, validity) ---------------------------
+
+
+def _partial_stats_kernel(
+    temp_ref,  # f32 []: this row's temperature (0 = greedy: Z is computed at T = 1, unused)
+    logits_ref,  # [V] bf16 / f32: the row
+    max_ref,  # out f32 []: max over the span (-inf if none finite)
+    z_ref,  # out f32 []: sum of exp((x - span max) / T)
+    argmax_ref,  # out i32 []: first index of the span max
+    kmin_ref,  # out i32 []: min logit_key over the span
+    bad_ref,  # out i32 []: 1 if the span holds a NaN or +inf
+    *, vocab: int, span: int, block: int, shift: int,
+):
+    base = pl.program_id(1) * span
+    inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
+    load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
+
+    def body(c, carry):
         m, z, arg, kmin, bad = carry
-        idx, in_row, x = load(i)
-        bad = bad | (jnp.max((jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32)) > 0)
+        idx, in_row, x = load(c)
+        bad = jnp.maximum(bad, jnp.max((jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32)))
         xs = jnp.where(jnp.isnan(x), -jnp.inf, x)
         cmax = jnp.max(xs)
-        carg = i * block + jnp.argmax(xs).astype(jnp.int32)
+        carg = jnp.min(jnp.where(xs == cmax, idx, vocab))
         new_m = jnp.maximum(m, cmax)
         finite = new_m > -jnp.inf
         scale = jnp.where(finite & (m > -jnp.inf), jnp.exp((m - new_m) / inv_t), 0.0)
-        e = jnp.where(finite, jnp.exp((xs - new_m) / inv_t), 0.0)
-        z = z * scale + jnp.sum(e)
+        z = z * scale + jnp.sum(jnp.where(finite, jnp.exp((xs - new_m) / inv_t), 0.0))
         arg = jnp.where(cmax > m, carg, arg)
-        kmin = jnp.minimum(kmin, jnp.min(jnp.where(in_row, logit_key(xs, shift), jnp.iinfo(jnp.int32).max)))
+        kmin = jnp.minimum(kmin, jnp.min(jnp.where(in_row, logit_key(xs, shift), _INT32_MAX)))
         return new_m, z, arg, kmin, bad
 
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(0), jnp.int32(np.iinfo(np.int32).max), jnp.bool_(False))
-    m, z, arg, kmin, bad = lax.fori_loop(0, num_chunks, pass1, init)
-    valid = ~bad & (m > -jnp.inf)
-    m_safe = jnp.where(valid, m, 0.0)
-    kmax = logit_key(m_safe, shift)
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(vocab), jnp.int32(_INT32_MAX), jnp.int32(0))
+    m, z, arg, kmin, bad = lax.fori_loop(0, num_chunks, body, init)
+    max_ref[...] = m
+    z_ref[...] = z
+    argmax_ref[...] = arg
+    kmin_ref[...] = kmin
+    bad_ref[...] = bad
 
-    def e_of(x):
-        return jnp.where(x > -jnp.inf, jnp.exp((x - m_safe) / inv_t), 0.0)
 
-    # top-k: the largest key t with count(key >= t) >= k (the k-th largest logit)
-    topk_on = valid & ~greedy & (top_k > 0) & (top_k < vocab)
+# --- kernel 2: one threshold-search pass over a span ---------------------------------------------------------
 
-    def count_pass(t):
-        def body(i, counts):
-            _, in_row, x = load(i)
+
+def _search_pass_kernel(
+    active_ref,  # i32 []: 0 = this row needs no pass (the kernel returns zeros)
+    t_ref,  # i32 [16]: thresholds (logit keys)
+    cut_ref,  # i32 []: only keys >= cut count (the top-k cut when searching for top-p)
+    max_ref,  # f32 []: the row max
+    temp_ref,  # f32 []: the row temperature
+    logits_ref,  # [V] bf16 / f32
+    out_ref,  # out f32 [16]: "count": #{key >= t_j}; "mass": sum of e over key > t_j (and key >= cut)
+    total_ref,  # out f32 []: "mass": sum of e over key >= cut (Z after top-k); "count": 0
+    *, mode: str, vocab: int, span: int, block: int, shift: int,
+):
+    base = pl.program_id(1) * span
+    out_ref[...] = jnp.zeros((SEARCH_FANOUT,), jnp.float32)
+    total_ref[...] = jnp.float32(0.0)
+
+    @pl.when(active_ref[...] != 0)
+    def _():
+        t = t_ref[...]
+        cut = cut_ref[...]
+        m = max_ref[...]
+        inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
+        load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
+
+        def body(c, carry):
+            acc, total = carry
+            _, in_row, x = load(c)
             key = jnp.where(in_row, logit_key(x, shift), _INT32_MIN)
-            return counts + jnp.sum((key[:, None] >= t[None, :]).astype(jnp.int32), axis=0)
+            if mode == "count":
+                return acc + jnp.sum((key[:, None] >= t[None, :]).astype(jnp.float32), axis=0), total
+            e = jnp.where(in_row & (key >= cut) & (x > -jnp.inf), jnp.exp((x - m) / inv_t), 0.0)
+            return acc + jnp.sum(jnp.where(key[:, None] > t[None, :], e[:, None], 0.0), axis=0), total + jnp.sum(e)
 
-        return lax.fori_loop(0, num_chunks, body, jnp.zeros(t.shape, jnp.int32))
+        acc, total = lax.fori_loop(0, num_chunks, body, (jnp.zeros((SEARCH_FANOUT,), jnp.float32), jnp.float32(0.0)))
+        out_ref[...] = acc
+        total_ref[...] = total
 
-    def topk_step(state):
-        lo, hi = state  # count(key >= lo) >= k, count(key >= hi) < k
-        t, ok = _thresholds(lo, hi)
-        sat = ok & (count_pass(t) >= top_k)
-        new_lo = jnp.max(jnp.where(sat, t, lo))  # thresholds rise with j, so max = the last satisfied
-        new_hi = jnp.min(jnp.where(ok & ~sat, t, hi))
-        return new_lo, new_hi
 
-    def search_running(state):
-        lo, hi = state
-        return (hi - lo) != 1  # wrapping difference: 1 exactly when adjacent
+# --- kernel 3: Z over the kept tokens of a span ---------------------------------------------------------------
 
-    cut_k, _ = lax.while_loop(
-        lambda s: topk_on & search_running(s), topk_step, (jnp.where(topk_on, kmin, _INT32_MIN), kmax + 1)
-    )
-    cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
 
-    # top-p: the smallest key t with mass(key > t, key >= cut_k) < top_p * Z_k
-    topp_on = valid & ~greedy & (top_p < 1.0)
+def _kept_mass_kernel(
+    active_ref,  # i32 []: 0 = skip (Z from kernel 1 stands)
+    cut_ref,  # i32 []: keep iff logit_key(x) >= cut ...
+    min_e_ref,  # f32 []: ... and e >= min_e
+    max_ref, temp_ref,  # f32 []: row max and temperature
+    logits_ref,  # [V]
+    z_ref,  # out f32 []: sum of kept e over the span
+    *, vocab: int, span: int, block: int, shift: int,
+):
+    base = pl.program_id(1) * span
+    z_ref[...] = jnp.float32(0.0)
 
-    def mass_pass(t):
-        def body(i, carry):
-            masses, zk = carry
-            _, in_row, x = load(i)
-            key = logit_key(x, shift)
-            e = jnp.where(in_row & (key >= cut_k), e_of(x), 0.0)
-            above = key[:, None] > t[None, :]
-            return masses + jnp.sum(jnp.where(above, e[:, None], 0.0), axis=0), zk + jnp.sum(e)
+    @pl.when(active_ref[...] != 0)
+    def _():
+        cut, min_e, m = cut_ref[...], min_e_ref[...], max_ref[...]
+        inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
+        load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
 
-        return lax.fori_loop(0, num_chunks, body, (jnp.zeros(t.shape, jnp.float32), jnp.float32(0.0)))
-
-    def topp_step(state):
-        lo, hi = state  # mass above lo >= P, mass above hi < P
-        t, ok = _thresholds(lo, hi)
-        masses, zk = mass_pass(t)
-        sat = ok & (masses < top_p * zk)
-        new_hi = jnp.min(jnp.where(sat, t, hi))
-        new_lo = jnp.max(jnp.where(ok & ~sat, t, lo))
-        return new_lo, new_hi
-
-    topp_lo0 = jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1
-    _, cut_p = lax.while_loop(lambda s: topp_on & search_running(s), topp_step, (topp_lo0, kmax))
-    cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
-
-    # min-p on e (max e = 1); then Z over everything kept
-    min_e = jnp.where(valid & ~greedy, min_p, 0.0)
-    any_filter = valid & ~greedy & (topk_on | topp_on | (min_p > 0))
-
-    def z_pass():
-        def body(i, acc):
-            _, in_row, x = load(i)
-            e = e_of(x)
+        def body(c, acc):
+            _, in_row, x = load(c)
+            e = jnp.where(x > -jnp.inf, jnp.exp((x - m) / inv_t), 0.0)
             kept = in_row & (logit_key(x, shift) >= cut) & (e >= min_e)
             return acc + jnp.sum(jnp.where(kept, e, 0.0))
 
-        return lax.fori_loop(0, num_chunks, body, jnp.float32(0.0))
+        z_ref[...] = lax.fori_loop(0, num_chunks, body, jnp.float32(0.0))
 
-    z = lax.cond(any_filter, z_pass, lambda: z)
 
-    max_ref[...] = m_safe
-    z_ref[...] = z
-    min_e_ref[...] = min_e
-    cut_ref[...] = cut
-    argmax_ref[...] = arg
-    valid_ref[...] = valid.astype(jnp.int32)
+def _row_scalar_specs(count: int):
+    return [pl.BlockSpec((None,), lambda r, s: (r,))] * count
+
+
+def _grid_call(kernel, rows, splits, in_specs, out_specs, out_shape, name, interpret, num_warps=4):
+    return pl.pallas_call(
+        kernel, grid=(rows, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret, name=name)
 
 
 def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | None = None) -> dict:
     """Per-row statistics of logits [R, V] (bf16 / f32) under per-row params f32 [R, 4]
-    (temperature, top_k, top_p, min_p) -> dict of [R] arrays: max, z, min_e, cut, argmax, valid."""
+    (temperature, top_k, top_p, min_p) -> dict of [R] arrays:
+
+      max    f32  the row's max logit (0 for invalid rows)
+      z      f32  sum of e = exp((x - max) / T) over the kept tokens (T := 1 for greedy rows)
+      min_e  f32  min-p threshold on e (0 = off)
+      cut    i32  keep iff logit_key(x) >= cut (INT32_MIN = no cut)
+      argmax i32  first index of the max logit
+      valid  i32  1 iff no NaN / +inf and at least one finite logit
+
+    Kernels: partial statistics per (row, span), then fixed counts of search passes (4 per filter for
+    bf16 keys, 8 for float32) each one pallas_call over (row, span) with the bracket updated in between,
+    then the kept mass. Passes a batch does not need are skipped (lax.cond on any row needing them).
+    """
     rows, vocab = logits.shape
     if logits.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"logits must be bfloat16 or float32, got {logits.dtype}")
     shift = 16 if logits.dtype == jnp.bfloat16 else 0
+    passes = 4 if shift else 8  # 16 or 32 key bits, 4 bits per pass
     interpret = _on_cpu() if interpret is None else interpret
-    kernel = functools.partial(_row_stats_kernel, vocab=vocab, block=STATS_BLOCK, shift=shift)
-    scalar = pl.BlockSpec((None,), lambda r: (r,))
-    names = ("max", "z", "min_e", "cut", "argmax", "valid")
-    dtypes = (jnp.float32, jnp.float32, jnp.float32, jnp.int32, jnp.int32, jnp.int32)
-    outs = pl.pallas_call(
-        kernel,
-        grid=(rows,),
-        in_specs=[pl.BlockSpec((None, 4), lambda r: (r, 0)), pl.BlockSpec((None, vocab), lambda r: (r, 0))],
-        out_specs=[scalar] * len(names),
-        out_shape=[jax.ShapeDtypeStruct((rows,), d) for d in dtypes],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="tree_sampling_row_stats",
-    )(params_rows, logits)
-    return dict(zip(names, outs))
+    splits, span = _split(vocab, rows, STATS_BLOCK)
+    temperature, top_k, top_p, min_p = (params_rows[:, i] for i in range(4))
+    top_k = top_k.astype(jnp.int32)
+    greedy = temperature == 0.0
+    inv_t = jnp.where(greedy, 1.0, temperature)
+    row_spec = pl.BlockSpec((None, vocab), lambda r, s: (r, 0))
+    part = pl.BlockSpec((None, None), lambda r, s: (r, s))
+    common = dict(vocab=vocab, span=span, shift=shift)
+
+    m_s, z_s, arg_s, kmin_s, bad_s = _grid_call(
+        functools.partial(_partial_stats_kernel, block=STATS_BLOCK, **common), rows, splits,
+        _row_scalar_specs(1) + [row_spec], [part] * 5,
+        [jax.ShapeDtypeStruct((rows, splits), d) for d in (jnp.float32, jnp.float32, jnp.int32, jnp.int32, jnp.int32)],
+        "tree_sampling_partial_stats", interpret)(temperature, logits)
+    m = jnp.max(m_s, axis=1)
+    valid = (bad_s.max(axis=1) == 0) & (m > -jnp.inf)
+    m = jnp.where(valid, m, 0.0)
+    z = jnp.sum(jnp.where(m_s > -jnp.inf, z_s * jnp.exp((m_s - m[:, None]) / inv_t[:, None]), 0.0), axis=1)
+    argmax = jnp.take_along_axis(arg_s, jnp.argmax(m_s, axis=1)[:, None], axis=1)[:, 0]
+    kmin = kmin_s.min(axis=1)
+    kmax = logit_key(m, shift)
+
+    def search(mode, active, lo, hi, cut, threshold_fn):
+        """`passes` passes narrowing (lo, hi]; threshold_fn(values, total) -> satisfied mask [R, 16]."""
+        kernel = functools.partial(_search_pass_kernel, mode=mode, block=SEARCH_BLOCK, **common)
+        call = _grid_call(
+            kernel, rows, splits,
+            [pl.BlockSpec((None,), lambda r, s: (r,)), pl.BlockSpec((None, SEARCH_FANOUT), lambda r, s: (r, 0))]
+            + _row_scalar_specs(3) + [row_spec],
+            [pl.BlockSpec((None, None, SEARCH_FANOUT), lambda r, s: (r, s, 0)), part],
+            [jax.ShapeDtypeStruct((rows, splits, SEARCH_FANOUT), jnp.float32), jax.ShapeDtypeStruct((rows, splits), jnp.float32)],
+            f"tree_sampling_search_{mode}", interpret)
+
+        def run(bracket):
+            lo, hi = bracket
+            for _ in range(passes):
+                running = active & ((hi - lo) != 1)
+                t, ok = jax.vmap(_thresholds)(lo, hi)
+                values, totals = call(running.astype(jnp.int32), t, cut, m, temperature, logits)
+                sat = ok & threshold_fn(values.sum(axis=1), totals.sum(axis=1))
+                # thresholds rise with j: "sat" is a suffix (top-p: keys whose upper mass is small) or a
+                # prefix (top-k: keys still leaving >= k tokens); the bracket keeps the boundary
+                if mode == "count":
+                    new_lo = jnp.max(jnp.where(sat, t, lo[:, None]), axis=1)
+                    new_hi = jnp.min(jnp.where(ok & ~sat, t, hi[:, None]), axis=1)
+                else:
+                    new_hi = jnp.min(jnp.where(sat, t, hi[:, None]), axis=1)
+                    new_lo = jnp.max(jnp.where(ok & ~sat, t, lo[:, None]), axis=1)
+                lo, hi = jnp.where(running, new_lo, lo), jnp.where(running, new_hi, hi)
+            return lo, hi
+
+        return lax.cond(jnp.any(active), run, lambda b: b, (lo, hi))
+
+    # top-k: the largest key t with count(key >= t) >= k (the k-th largest logit)
+    topk_on = valid & ~greedy & (top_k > 0) & (top_k < vocab)
+    cut_k, _ = search("count", topk_on, jnp.where(topk_on, kmin, _INT32_MIN), kmax + 1,
+                      jnp.full((rows,), _INT32_MIN, jnp.int32), lambda counts, _: counts >= top_k[:, None].astype(jnp.float32))
+    cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
+    # top-p: the smallest key t with mass(key > t, key >= cut_k) < top_p * Z_k
+    topp_on = valid & ~greedy & (top_p < 1.0)
+    _, cut_p = search("mass", topp_on, jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1, kmax, cut_k,
+                      lambda masses, zk: masses < (top_p * zk)[:, None])
+    cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
+    min_e = jnp.where(valid & ~greedy, min_p, 0.0)
+    any_filter = valid & ~greedy & (topk_on | topp_on | (min_p > 0))
+
+    def kept_mass(_):
+        z_parts = _grid_call(
+            functools.partial(_kept_mass_kernel, block=STATS_BLOCK, **common), rows, splits,
+            _row_scalar_specs(5) + [row_spec], part, jax.ShapeDtypeStruct((rows, splits), jnp.float32),
+            "tree_sampling_kept_mass", interpret)(any_filter.astype(jnp.int32), cut, min_e, m, temperature, logits)
+        return jnp.where(any_filter, z_parts.sum(axis=1), z)
+
+    z = lax.cond(jnp.any(any_filter), kept_mass, lambda _: z, None)
+    return dict(max=m, z=z, min_e=min_e, cut=cut, argmax=argmax.astype(jnp.int32), valid=valid.astype(jnp.int32))
+
+
+# --- kernel 4: the walk ----------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _slot_prob(mode, values_ref, stats, row, tok, shift):
+    """p(tok | slot row) for one scalar token: a read of probs, or the processed value from the logit."""
+    x = values_ref[row, tok].astype(jnp.float32)
+    if mode == "probs":
+        return x
+    max_ref, z_ref, min_e_ref, cut_ref, argmax_ref, temperature = stats
+    greedy = temperature == 0.0
+    inv_t = jnp.where(greedy, 1.0, temperature)
+    e = jnp.where(x > -jnp.inf, jnp.exp((x - max_ref[row]) / inv_t), 0.0)
+    kept = (logit_key(x, shift) >= cut_ref[row]) & (e >= min_e_ref[row])
+    p = jnp.where(kept, e / z_ref[row], 0.0)
+    return jnp.where(greedy, (tok == argmax_ref[row]).astype(jnp.float32), p)
+
+
+def _walk_kernel(*refs, mode: str, vocab: int, slots: int, max_accept: int, threshold_single: float, threshold_acc: float):
+    if mode == "logits":
+        (cand_ref,  # i32 [N]: token of each slot
+         first_ref,  # i32 [N]: first child in verification order, -1 = none
+         sib_ref,  # i32 [N]: next sibling in verification order, -1 = none
+         coins_ref,  # f32 [N]: coin i decides among slot i's children
+         temp_ref,  # f32 []: this row's temperature (0 = greedy)
+         values_ref,  # [N, V] bf16 / f32: target logits at every slot
+         max_ref, z_ref, min_e_ref,  # f32 [N]: row statistics (see row_stats)
+         cut_ref, argmax_ref,  # i32 [N]
+         accept_ref,  # out i32 [S_pad]: accepted slots (0 first), -1 after
+         walk_ref,  # out i32 [4]: (num_accepted, final row, excluded count, last rejected token)
+         excl_ref,  # out i32 [N_pad]: tokens rejected at the final row
+         ) = refs
+        stats = (max_ref, z_ref, min_e_ref, cut_ref, argmax_ref, temp_ref[...])
+        shift = 16 if values_ref.dtype == jnp.bfloat16 else 0
+    else:
+        (cand_ref, first_ref, sib_ref, coins_ref,
+         values_ref,  # f32 [N, V]: processed target probabilities
+         accept_ref, walk_ref, excl_ref) = refs
+        stats, shift = None, 0
+
+    steps = max_accept + 1
+    for s in range(accept_ref.shape[0]):
+        accept_ref[s] = jnp.int32(0 if s == 0 else -1)
+
+    # the spec's walk: every iteration tests one node or ends it, so N + 1 iterations suffice
+    def body(_, state):
+        cur, row, prob_acc, n_acc, done, last_rejected, n_excl = state
+        active = ~done & (cur >= 0)
+        node = jnp.maximum(cur, 0)
+        tok = cand_ref[node]
+        p = jnp.where(active, _slot_prob(mode, values_ref, stats, row, jnp.clip(tok, 0, vocab - 1), shift), 0.0)
+        acc = prob_acc + p
+        take = active & (p > 0) & ((coins_ref[row] < acc / max(threshold_acc, 1e-9)) | (p >= threshold_single))
+        reject = active & ~take
+        n_acc = n_acc + take.astype(jnp.int32)
+
+        @pl.when(take)
+        def _():
+            accept_ref[n_acc] = node
+
+        @pl.when(reject)
+        def _():
+            excl_ref[n_excl] = tok
+
+        n_excl = jnp.where(take, 0, n_excl + reject.astype(jnp.int32))
+        last_rejected = jnp.where(take, -1, jnp.where(reject & (p > 0), tok, last_rejected))
+        prob_acc = jnp.where(take, 0.0, jnp.where(reject, acc, prob_acc))
+        row = jnp.where(take, node, row)
+        done = done | (~done & (cur < 0)) | (take & (n_acc == steps - 1))
+        cur = jnp.where(take, first_ref[node], jnp.where(reject, sib_ref[node], cur))
+        return cur, row, prob_acc, n_acc, done, last_rejected, n_excl
+
+    init = (first_ref[0], jnp.int32(0), jnp.float32(0.0), jnp.int32(0), jnp.bool_(steps == 1), jnp.int32(-1), jnp.int32(0))
+    _, row, _, n_acc, _, last_rejected, n_excl = lax.fori_loop(0, slots + 1, body, init)
+    walk_ref[0] = n_acc
+    walk_ref[1] = row
+    walk_ref[2] = jnp.where(n_acc == steps - 1, 0, n_excl)  # a bonus sample excludes nothing
+    walk_ref[3] = last_rejected
+
+
+# --- kernels 5 and 6: the final sample (u = coin * sum of the residual; first CDF crossing) ----------------------
+
+
+def _residual_loader(mode, values_ref, stats, row, n_excl, excl_ref, span, block, vocab, base):
+    load, num_chunks = _span_chunks(values_ref, row, span, block, vocab, 0.0 if mode == "probs" else -jnp.inf, base)
+    shift = 16 if values_ref.dtype == jnp.bfloat16 else 0
+
+    def residual(c):
+        idx, in_row, x = load(c)
+        if mode == "probs":
+            res = jnp.where(in_row, x, 0.0)
+        else:
+            max_ref, z_ref, min_e_ref, cut_ref, _, temperature = stats
+            inv_t = jnp.where(temperature == 0.0, 1.0, temperature)
+            e = jnp.where(x > -jnp.inf, jnp.exp((x - max_ref[row]) / inv_t), 0.0)
+            kept = in_row & (logit_key(x, shift) >= cut_ref[row]) & (e >= min_e_ref[row])
+            res = jnp.where(kept, e / z_ref[row], 0.0)
+        return idx, lax.fori_loop(0, n_excl, lambda j, r: jnp.where(idx == excl_ref[j], 0.0, r), res)
+
+    return residual, num_chunks
+
+
+def _final_refs(refs, mode):
+    """Splits the shared leading refs of kernels 5 and 6: (walk, excl, values, stats, rest)."""
+    if mode == "logits":
+        walk_ref, excl_ref, temp_ref, values_ref, max_ref, z_ref, min_e_ref, cut_ref, argmax_ref, *rest = refs
+        return walk_ref, excl_ref, values_ref, (max_ref, z_ref, min_e_ref, cut_ref, argmax_ref, temp_ref[...]), rest
+    walk_ref, excl_ref, values_ref, *rest = refs
+    return walk_ref, excl_ref, values_ref, None, rest
+
+
+def _residual_sums_kernel(*refs, mode: str, vocab: int, span: int, block: int):
+    # refs: walk i32 [4], excl i32 [N_pad], (temperature f32 [], logits [N, V], stats [N] x 5) | probs [N, V];
+    # out: sum f32 [] and last positive index i32 [] of the residual over this program's span
+    walk_ref, excl_ref, values_ref, stats, (sum_ref, last_ref) = _final_refs(refs, mode)
+    base = pl.program_id(1) * span
+    sum_ref[...] = jnp.float32(0.0)
+    last_ref[...] = jnp.int32(-1)
+
+    def sums():
+        residual, num_chunks = _residual_loader(mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block,
+                                                vocab, base)
+
+        def body(c, carry):
+            total, last = carry
+            idx, res = residual(c)
+            return total + jnp.sum(res), jnp.maximum(last, jnp.max(jnp.where(res > 0, idx, -1)))
+
+        total, last = lax.fori_loop(0, num_chunks, body, (jnp.float32(0.0), jnp.int32(-1)))
+        sum_ref[...] = total
+        last_ref[...] = last
+
+    if mode == "logits":
+        pl.when(stats[5] != 0.0)(sums)  # greedy rows: the final token is the argmax, no scan
+    else:
+        sums()
+
+
+def _final_scan_kernel(*refs, mode: str, vocab: int, span: int, block: int):
+    # refs: as kernel 5, then split i32 [] (the span holding the crossing, -1 = none), before f32 [] (the
+    # residual mass of the spans before it), u f32 []; out: token i32 [] (vocab = no crossing found)
+    walk_ref, excl_ref, values_ref, stats, (split_ref, before_ref, u_ref, token_ref) = _final_refs(refs, mode)
+    token_ref[...] = jnp.int32(vocab)
+
+    @pl.when(split_ref[...] >= 0)
+    def _():
+        residual, num_chunks = _residual_loader(mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block,
+                                                vocab, base=split_ref[...] * span)
+        u = u_ref[...]
+
+        def cond(state):
+            c, _, found, _ = state
+            return (c < num_chunks) & ~found
+
+        def body(state):
+            c, running, _, _ = state
+            idx, res = residual(c)
+            cdf = running + jnp.cumsum(res)
+            first = jnp.min(jnp.where((res > 0) & (cdf > u), idx, vocab))
+            return c + 1, running + jnp.sum(res), first < vocab, first
+
+        _, _, found, first = lax.while_loop(cond, body, (jnp.int32(0), before_ref[...], jnp.bool_(False), jnp.int32(vocab)))
+        token_ref[...] = jnp.where(found, first, vocab)
+
+
+def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, threshold_single, threshold_acc, interpret):
+    """Kernel 4 (grid (B, 1)), kernel 5 (grid (B, splits)), the crossing span in XLA, kernel 6 (grid (B, 1))."""
+    candidates, next_token, next_sibling = lists
+    batch, slots, vocab = values.shape
+    steps = max_accept + 1
+    s_pad, n_pad = _next_pow2(steps), _next_pow2(slots)
+    row_vec = pl.BlockSpec((None, slots), lambda b, s: (b, 0))
+    row_scalar = pl.BlockSpec((None,), lambda b, s: (b,))
+    slab = pl.BlockSpec((None, slots, vocab), lambda b, s: (b, 0, 0))
+    if mode == "logits":
+        temperature, stats = extra
+        stat_arrays = [stats[k].reshape(batch, slots) for k in ("max", "z", "min_e", "cut", "argmax")]
+        value_specs, value_inputs = [row_scalar, slab] + [row_vec] * 5, [temperature, values] + stat_arrays
+    else:
+        value_specs, value_inputs = [slab], [values]
+    params = dict(mode=mode, vocab=vocab)
+    compiler = plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+    walk_kernel = functools.partial(_walk_kernel, slots=slots, max_accept=max_accept, threshold_single=threshold_single,
+                                    threshold_acc=threshold_acc, **params)
+    walk_inputs = [candidates, next_token, next_sibling, coins] + ([value_inputs[0]] if mode == "logits" else []) + value_inputs[
+        (1 if mode == "logits" else 0):]
+    walk_specs = [row_vec] * 4 + value_specs
+    accept, walk, excl = pl.pallas_call(
+        walk_kernel, grid=(batch, 1), in_specs=walk_specs,
+        out_specs=[pl.BlockSpec((None, s_pad), lambda b, s: (b, 0)), pl.BlockSpec((None, 4), lambda b, s: (b, 0)),
+                   pl.BlockSpec((None, n_pad), lambda b, s: (b, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, s_pad), jnp.int32), jax.ShapeDtypeStruct((batch, 4), jnp.int32),
+                   jax.ShapeDtypeStruct((batch, n_pad), jnp.int32)],
+        compiler_params=compiler, interpret=interpret, name=f"tree_sampling_walk_{mode}")(*walk_inputs)
+
+    splits, span = _split(vocab, batch, FINAL_BLOCK)
+    final_specs = [pl.BlockSpec((None, 4), lambda b, s: (b, 0)), pl.BlockSpec((None, n_pad), lambda b, s: (b, 0))] + value_specs
+    final_inputs = [walk, excl] + value_inputs
+    part = pl.BlockSpec((None, None), lambda b, s: (b, s))
+    sums, last = pl.pallas_call(
+        functools.partial(_residual_sums_kernel, span=span, block=FINAL_BLOCK, **params), grid=(batch, splits),
+        in_specs=final_specs, out_specs=[part, part],
+        out_shape=[jax.ShapeDtypeStruct((batch, splits), jnp.float32), jax.ShapeDtypeStruct((batch, splits), jnp.int32)],
+        compiler_params=compiler, interpret=interpret, name=f"tree_sampling_residual_{mode}")(*final_inputs)
+    u = final_coins * sums.sum(axis=1)
+    upper = jnp.cumsum(sums, axis=1)
+    crossing = (upper > u[:, None]) & (sums > 0)
+    split = jnp.where(crossing.any(axis=1), jnp.argmax(crossing, axis=1), -1).astype(jnp.int32)
+    before = jnp.take_along_axis(upper - sums, jnp.maximum(split, 0)[:, None], axis=1)[:, 0]
+    scalar = pl.BlockSpec((None,), lambda b, s: (b,))
+    token = pl.pallas_call(
+        functools.partial(_final_scan_kernel, span=span, block=FINAL_BLOCK, **params), grid=(batch, 1),
+        in_specs=final_specs + [scalar] * 3, out_specs=scalar, out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        compiler_params=compiler, interpret=interpret, name=f"tree_sampling_final_{mode}")(*final_inputs, split, before, u)
+
+    num_accepted, final_row, last_rejected = walk[:, 0], walk[:, 1], walk[:, 3]
+    last_positive = last.max(axis=1)
+    # no crossing (u at the very top of the CDF, rounding): the last token with mass, else the spec's fallbacks
+    final = jnp.where(token < vocab, token,
+                      jnp.where(last_positive >= 0, last_positive, jnp.where(last_rejected >= 0, last_rejected, vocab - 1)))
+    if mode == "logits":
+        argmax = jnp.take_along_axis(stats["argmax"].reshape(batch, slots), final_row[:, None], axis=1)[:, 0]
+        final = jnp.where(temperature == 0.0, argmax, final)
+    accept = accept[:, :steps]
+    positions = jnp.arange(steps)
+    accepted_tokens = jnp.take_along_axis(candidates, jnp.maximum(accept, 0), axis=1)
+    shifted = jnp.concatenate([accepted_tokens[:, 1:], accepted_tokens[:, -1:]], axis=1)
+    tokens = jnp.where(positions < num_accepted[:, None], shifted, -1)
+    tokens = jnp.where(positions == num_accepted[:, None], final[:, None], tokens).astype(jnp.int32)
+    return VerifyResult(accept_index=accept, num_accepted=num_accepted, tokens=tokens)
 
 
 def row_stats_reference(logits: jax.Array, params_rows: jax.Array) -> dict:
@@ -275,175 +605,6 @@ def row_stats_reference(logits: jax.Array, params_rows: jax.Array) -> dict:
     kept = (key >= cut[:, None]) & (e >= min_e[:, None])
     return dict(max=m, z=jnp.sum(jnp.where(kept, e, 0.0), -1), min_e=min_e, cut=cut,
                 argmax=jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), -1).astype(jnp.int32), valid=valid.astype(jnp.int32))
-
-
-# --- kernel 2: the walk and the final sample -----------------------------------------------------------
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _walk_kernel(*refs, mode: str, vocab: int, slots: int, max_accept: int, threshold_single: float,
-                 threshold_acc: float, block: int):
-    if mode == "logits":
-        (cand_ref,  # i32 [N]: token of each slot
-         first_ref,  # i32 [N]: first child in verification order, -1 = none
-         sib_ref,  # i32 [N]: next sibling in verification order, -1 = none
-         coins_ref,  # f32 [N]: coin i decides among slot i's children
-         final_coin_ref,  # f32 []: coin of the final sample
-         temp_ref,  # f32 []: this row's temperature (0 = greedy)
-         values_ref,  # [N, V] bf16 / f32: target logits at every slot
-         max_ref, z_ref, min_e_ref,  # f32 [N]: row statistics (see _row_stats_kernel)
-         cut_ref, argmax_ref,  # i32 [N]
-         accept_ref,  # out i32 [S_pad]: accepted slots (0 first), -1 after
-         count_ref,  # out i32 [2]: (num_accepted, final token)
-         excl_tok_ref,  # out i32 [N_pad]: tokens rejected at the current row (scratch)
-         excl_p_ref,  # out f32 [N_pad]: their probabilities (scratch)
-         ) = refs
-        temperature = temp_ref[...]
-        greedy = temperature == 0.0
-        inv_t = jnp.where(greedy, 1.0, temperature)
-        shift = 16 if values_ref.dtype == jnp.bfloat16 else 0
-    else:
-        (cand_ref, first_ref, sib_ref, coins_ref, final_coin_ref,
-         values_ref,  # f32 [N, V]: processed target probabilities
-         accept_ref, count_ref, excl_tok_ref, excl_p_ref) = refs
-        greedy = jnp.bool_(False)
-
-    steps = max_accept + 1
-    for s in range(accept_ref.shape[0]):
-        accept_ref[s] = jnp.int32(0 if s == 0 else -1)
-
-    def prob(row, tok):
-        x = values_ref[row, tok].astype(jnp.float32)
-        if mode == "probs":
-            return x
-        e = jnp.where(x > -jnp.inf, jnp.exp((x - max_ref[row]) / inv_t), 0.0)
-        kept = (logit_key(x, shift) >= cut_ref[row]) & (e >= min_e_ref[row])
-        p = jnp.where(kept, e / z_ref[row], 0.0)
-        return jnp.where(greedy, (tok == argmax_ref[row]).astype(jnp.float32), p)
-
-    # the spec's walk: every iteration tests one node or ends it, so N + 1 iterations suffice
-    def body(_, state):
-        cur, row, prob_acc, n_acc, done, last_rejected, n_excl = state
-        active = ~done & (cur >= 0)
-        node = jnp.maximum(cur, 0)
-        tok = cand_ref[node]
-        p = jnp.where(active, prob(row, jnp.clip(tok, 0, vocab - 1)), 0.0)
-        acc = prob_acc + p
-        take = active & (p > 0) & ((coins_ref[row] < acc / max(threshold_acc, 1e-9)) | (p >= threshold_single))
-        reject = active & ~take
-        n_acc = n_acc + take.astype(jnp.int32)
-
-        @pl.when(take)
-        def _():
-            accept_ref[n_acc] = node
-
-        @pl.when(reject)
-        def _():
-            excl_tok_ref[n_excl] = tok
-            excl_p_ref[n_excl] = p
-
-        n_excl = jnp.where(take, 0, n_excl + reject.astype(jnp.int32))
-        last_rejected = jnp.where(take, -1, jnp.where(reject & (p > 0), tok, last_rejected))
-        prob_acc = jnp.where(take, 0.0, jnp.where(reject, acc, prob_acc))
-        row = jnp.where(take, node, row)
-        done = done | (~done & (cur < 0)) | (take & (n_acc == steps - 1))
-        cur = jnp.where(take, first_ref[node], jnp.where(reject, sib_ref[node], cur))
-        return cur, row, prob_acc, n_acc, done, last_rejected, n_excl
-
-    init = (first_ref[0], jnp.int32(0), jnp.float32(0.0), jnp.int32(0), jnp.bool_(steps == 1), jnp.int32(-1), jnp.int32(0))
-    _, row, _, n_acc, _, last_rejected, n_excl = lax.fori_loop(0, slots + 1, body, init)
-    n_excl = jnp.where(n_acc == steps - 1, 0, n_excl)  # a bonus sample excludes nothing
-
-    # the final sample: u = coin * sum(residual); the first token whose running CDF passes u
-    num_chunks = pl.cdiv(vocab, block)
-
-    def residual_chunk(c):
-        idx = c * block + jnp.arange(block, dtype=jnp.int32)
-        in_row = idx < vocab
-        x = plgpu.load(values_ref.at[row, idx], mask=in_row, other=0.0 if mode == "probs" else -jnp.inf)
-        x = x.astype(jnp.float32)
-        if mode == "probs":
-            res = jnp.where(in_row, x, 0.0)
-        else:
-            e = jnp.where(x > -jnp.inf, jnp.exp((x - max_ref[row]) / inv_t), 0.0)
-            kept = in_row & (logit_key(x, shift) >= cut_ref[row]) & (e >= min_e_ref[row])
-            res = jnp.where(kept, e / z_ref[row], 0.0)
-        res = lax.fori_loop(0, n_excl, lambda j, r: jnp.where(idx == excl_tok_ref[j], 0.0, r), res)
-        return idx, res
-
-    excluded_mass = lax.fori_loop(0, n_excl, lambda j, s: s + excl_p_ref[j], jnp.float32(0.0))
-    if mode == "probs":
-        row_total = lax.fori_loop(0, num_chunks, lambda c, s: s + jnp.sum(residual_chunk(c)[1]), jnp.float32(0.0))
-    else:
-        row_total = jnp.float32(1.0) - excluded_mass  # kept e / Z sums to one
-    u = final_coin_ref[...] * row_total
-
-    def scan_cond(state):
-        c, _, found, _, _ = state
-        return (c < num_chunks) & ~found
-
-    def scan_body(state):
-        c, running, found, first, last_pos = state
-        idx, res = residual_chunk(c)
-        cdf = running + jnp.cumsum(res)
-        hit = (res > 0) & (cdf > u)
-        chunk_first = jnp.min(jnp.where(hit, idx, vocab))
-        last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(res > 0, idx, -1)))
-        return c + 1, running + jnp.sum(res), chunk_first < vocab, chunk_first, last_pos
-
-    skip_scan = greedy if mode == "logits" else jnp.bool_(False)
-    _, _, found, first, last_pos = lax.while_loop(
-        lambda s: scan_cond(s) & ~skip_scan, scan_body,
-        (jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), jnp.int32(vocab), jnp.int32(-1)))
-    final = jnp.where(found, first, jnp.where(last_pos >= 0, last_pos, jnp.where(last_rejected >= 0, last_rejected, vocab - 1)))
-    if mode == "logits":
-        final = jnp.where(greedy, argmax_ref[row], final)
-    count_ref[0] = n_acc
-    count_ref[1] = final
-
-
-def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, threshold_single, threshold_acc, interpret):
-    candidates, next_token, next_sibling = lists
-    batch, slots, vocab = values.shape
-    steps = max_accept + 1
-    s_pad, n_pad = _next_pow2(steps), _next_pow2(slots)
-    row_vec = pl.BlockSpec((None, slots), lambda b: (b, 0))
-    row_scalar = pl.BlockSpec((None,), lambda b: (b,))
-    in_specs = [row_vec] * 4 + [row_scalar]
-    inputs = [candidates, next_token, next_sibling, coins, final_coins]
-    if mode == "logits":
-        temperature, stats = extra
-        in_specs += [row_scalar, pl.BlockSpec((None, slots, vocab), lambda b: (b, 0, 0))] + [row_vec] * 5
-        inputs += [temperature, values] + [stats[k].reshape(batch, slots) for k in ("max", "z", "min_e", "cut", "argmax")]
-    else:
-        in_specs += [pl.BlockSpec((None, slots, vocab), lambda b: (b, 0, 0))]
-        inputs += [values]
-    kernel = functools.partial(
-        _walk_kernel, mode=mode, vocab=vocab, slots=slots, max_accept=max_accept,
-        threshold_single=threshold_single, threshold_acc=threshold_acc, block=WALK_BLOCK)
-    accept, counts, _, _ = pl.pallas_call(
-        kernel,
-        grid=(batch,),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, s_pad), lambda b: (b, 0)), pl.BlockSpec((None, 2), lambda b: (b, 0)),
-                   pl.BlockSpec((None, n_pad), lambda b: (b, 0)), pl.BlockSpec((None, n_pad), lambda b: (b, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, s_pad), jnp.int32), jax.ShapeDtypeStruct((batch, 2), jnp.int32),
-                   jax.ShapeDtypeStruct((batch, n_pad), jnp.int32), jax.ShapeDtypeStruct((batch, n_pad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name=f"tree_sampling_walk_{mode}",
-    )(*inputs)
-    accept = accept[:, :steps]
-    num_accepted, final = counts[:, 0], counts[:, 1]
-    positions = jnp.arange(steps)
-    accepted_tokens = jnp.take_along_axis(candidates, jnp.maximum(accept, 0), axis=1)
-    shifted = jnp.concatenate([accepted_tokens[:, 1:], accepted_tokens[:, -1:]], axis=1)
-    tokens = jnp.where(positions < num_accepted[:, None], shifted, -1)
-    tokens = jnp.where(positions == num_accepted[:, None], final[:, None], tokens).astype(jnp.int32)
-    return VerifyResult(accept_index=accept, num_accepted=num_accepted, tokens=tokens)
 
 
 # --- public entries -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Models: shared layers and attention, the Qwen3 target, the DFlash drafter, KV caches."""
+"""Models: shared layers, attention, the Qwen3 and DeepSeek-V3 targets (MoE in moe), the DFlash drafter, KV caches."""
 
-from ddtree_jax.models import deepseek_v3, dflash, qwen3
+from ddtree_jax.models import deepseek_v3, dflash, moe, qwen3
 from ddtree_jax.models.attention import ATTENTION_IMPLS, attention
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 
@@ -17,5 +17,5 @@ def target_module(config):
     raise ValueError(f"no target model for config type {type(config).__name__}")
 
 
-__all__ = ["qwen3", "deepseek_v3", "dflash", "attention", "ATTENTION_IMPLS", "KVCache", "commit", "gather_accepted",
-           "target_module"]
+__all__ = ["qwen3", "deepseek_v3", "moe", "dflash", "attention", "ATTENTION_IMPLS", "KVCache", "commit",
+           "gather_accepted", "target_module"]

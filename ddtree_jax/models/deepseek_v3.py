@@ -3,8 +3,9 @@
 `forward_logits` is the plain reference (expanded K/V over the sequence). `prefill` / `verify` run
 the absorbed form over a latent cache (kv_lora_rank + qk_rope_head_dim values per token and layer,
 one shared KV head), tested against the reference; `commit` from models.cache applies unchanged.
-Still to come (the "Models II" issue): INT4 / FP8 expert weights and an efficient expert dispatch
-(the MoE here evaluates every expert).
+The MoE block (routing and the expert dispatches) lives in models.moe: `forward_logits` uses
+`moe_reference` (every expert evaluated), `prefill` / `verify` an efficient dispatch (`moe_impl`,
+default "auto": gather for few tokens, else the every-expert form; "ragged" on request).
 
 Parameters: a dict with two stacks, "dense_layers" (the first `first_k_dense_replace` layers) and
 "moe_layers", each with a leading "layers" axis; `param_axes` names every axis.
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.attention import attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
+from ddtree_jax.models.moe import MOE_IMPLS, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
 from ddtree_jax.models.quant import dense
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
@@ -60,7 +61,7 @@ def param_shapes(config: DeepSeekV3Config) -> dict:
         "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp")),
     }
     e, i, shared = c.n_routed_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
-    moe = {
+    moe_layer = {
         **_attention_shapes(c),
         "router": ((e, c.hidden_size), ("experts", "embed")),
         "router_bias": ((e,), ("experts",)),
@@ -74,7 +75,7 @@ def param_shapes(config: DeepSeekV3Config) -> dict:
     shapes = {
         "embed": ((c.vocab_size, c.hidden_size), ("vocab", "embed")),
         "dense_layers": stacked(dense, c.first_k_dense_replace),
-        "moe_layers": stacked(moe, c.num_moe_layers),
+        "moe_layers": stacked(moe_layer, c.num_moe_layers),
         "final_norm": ((c.hidden_size,), ("embed",)),
     }
     if not c.tie_word_embeddings:
@@ -140,39 +141,6 @@ def _mla_naive(config: DeepSeekV3Config, p: dict, x, cos, sin, mask):
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
 
 
-def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """noaux_tc routing: sigmoid scores, the correction bias only for the choice, group-limited top-k.
-
-    x [..., D] -> (expert ids int32 [..., k], weights float32 [..., k]) with weights = scores of the
-    chosen experts, normalised when norm_topk_prob, times routed_scaling_factor.
-    """
-    c = config
-    scores = jax.nn.sigmoid(linear(x.astype(jnp.float32), router.astype(jnp.float32)))  # [..., E]
-    choice = scores + bias.astype(jnp.float32)
-    per_group = c.n_routed_experts // c.n_group
-    grouped = choice.reshape(choice.shape[:-1] + (c.n_group, per_group))
-    group_score = lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # [..., G]
-    _, best_groups = lax.top_k(group_score, c.topk_group)
-    allowed = jax.nn.one_hot(best_groups, c.n_group, dtype=bool).any(-2)  # [..., G]
-    choice = jnp.where(jnp.repeat(allowed, per_group, axis=-1), choice, -jnp.inf)
-    _, experts = lax.top_k(choice, c.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    if c.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return experts.astype(jnp.int32), weights * c.routed_scaling_factor
-
-
-def moe_reference(config: DeepSeekV3Config, p: dict, x: jax.Array) -> jax.Array:
-    """Routed experts (every expert evaluated, weighted by a dense [.., E] routing matrix) + shared expert."""
-    experts, weights = route(config, p["router"], p["router_bias"], x)
-    dense_weights = (jax.nn.one_hot(experts, config.n_routed_experts) * weights[..., None]).sum(-2)  # [..., E]
-    gate = jnp.einsum("btd,eid->btei", x, dense(p["expert_gate"], x.dtype))  # INT4 experts: dequantised here
-    up = jnp.einsum("btd,eid->btei", x, dense(p["expert_up"], x.dtype))
-    out = jnp.einsum("btei,edi->bted", jax.nn.silu(gate) * up, dense(p["expert_down"], x.dtype))
-    routed = jnp.einsum("bted,bte->btd", out, dense_weights.astype(out.dtype))
-    return routed + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
-
-
 def forward_logits(config: DeepSeekV3Config, params: dict, input_ids: jax.Array) -> jax.Array:
     """Plain causal forward (expanded MLA, reference MoE): int32 [B, T] -> float32 logits [B, T, V]."""
     c = config
@@ -231,7 +199,7 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
 
 
-def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCache, write_start):
+def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCache, write_start, moe_impl: str):
     c = config
     cos, sin = rope_tables_half(c, positions)
     h = params["embed"][tokens]
@@ -246,7 +214,8 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
             ropes.append(rope)
             h = h + attn
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if stack == "dense_layers" else moe_reference(c, p, x))
+            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if stack == "dense_layers"
+                     else moe(c, p, x, impl=moe_impl))
             if layer_index in c.tapped_layers:
                 tapped.append(h)
             layer_index += 1
@@ -256,20 +225,21 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
 
 
 def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *,
-            attn_impl: str = "xla"):
-    """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new)."""
+            attn_impl: str = "xla", moe_impl: str = "auto"):
+    """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new).
+    moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference)."""
     del attn_impl  # one XLA path for now; the Pallas MLA kernel plugs into attention()
     steps = input_ids.shape[1]
     check_room(cache, steps)
     start = cache.lengths
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start)
+    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, moe_impl)
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
 def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
-           tree_mask: jax.Array, *, attn_impl: str = "xla"):
+           tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto"):
     """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""
     del attn_impl
     slots = tokens.shape[1]
@@ -278,4 +248,4 @@ def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.A
     rel = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
     tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
     mask = (rel < 0) | ((rel < slots) & tree_part)
-    return _run(config, params, tokens, start[:, None] + depths, mask, cache, start)
+    return _run(config, params, tokens, start[:, None] + depths, mask, cache, start, moe_impl)

@@ -48,7 +48,7 @@ def test_forward_logits_match_transformers(name):
     assert err <= 1e-4, f"max |ours - ref| / max |ref| = {err:.2e} vs transformers {provenance['transformers']}"
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3_tiny_fp8"])
+@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3_tiny_int4", "deepseek_v3_tiny_fp8"])
 def test_absorbed_latent_cache_path_matches_transformers(name):
     """The absorbed MLA path (latent cache, prefill in two chunks) against the same HF logits."""
     path = FIXTURES / name

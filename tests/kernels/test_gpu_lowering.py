@@ -35,7 +35,9 @@ def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
     static = dict(max_accept=8, threshold_single=1.0, threshold_acc=1.0, interpret=False)
     text = _from_logits_jit.trace(*lists, jnp.zeros((batch, slots, vocab), dtype), SamplingParams.create(batch), *coins,
                                   **static).lower(lowering_platforms=("cuda",)).as_text()
-    assert "tree_sampling_row_stats" in text and "tree_sampling_walk_logits" in text
+    for name in ("partial_stats", "search_count", "search_mass", "kept_mass", "walk_logits", "residual_logits", "final_logits"):
+        assert f"tree_sampling_{name}" in text, name
     text = _from_probs_jit.trace(*lists, jnp.zeros((batch, slots, vocab), jnp.float32), *coins,
                                  **static).lower(lowering_platforms=("cuda",)).as_text()
-    assert "tree_sampling_walk_probs" in text
+    for name in ("walk_probs", "residual_probs", "final_probs"):
+        assert f"tree_sampling_{name}" in text, name

@@ -285,3 +285,21 @@ def test_params_rows_repeat_per_slot():
     assert rows.shape == (6, 4)
     np.testing.assert_allclose(rows[:3], [[0.5, 3, 0.9, 0.0]] * 3)
     np.testing.assert_allclose(rows[3:], [[1.0, 0, 1.0, 0.1]] * 3)
+
+
+@pytest.mark.slow
+def test_output_law_through_the_fused_kernel():
+    """The verification issue's law test (Markov-chain target, V = 6, three DDTree steps, exact law by
+    enumeration), run through verify_step(impl="pallas"). Chi-square at ALPHA = 1e-3 (a false-positive
+    rate of 1e-3 for an exact sampler); fewer chains than the XLA version because interpret mode is slow."""
+    from ddtree_jax.verify.markov import simulate, transition_probs
+    from tests.stats_helpers import ALPHA
+    from tests.verify import test_law
+
+    samples, setting = 6000, "T1.5-topp0.8-minp0.05"
+    params = SamplingParams.create(samples, **test_law.SETTINGS[setting])
+    emitted, accepted = simulate(test_law.TRANSITION, test_law.DRAFT, params, jnp.full((samples,), test_law.ROOT, jnp.int32),
+                                 jax.random.key(3), budget=test_law.BUDGET, num_steps=3, order="random", impl="pallas")
+    probs = transition_probs(test_law.TRANSITION, SamplingParams.create(1, **test_law.SETTINGS[setting]))
+    assert test_law._law_pvalue(np.asarray(emitted), probs) > ALPHA
+    assert np.asarray(accepted).mean() > 0.3

@@ -1,0 +1,122 @@
+"""The MoE dispatches (models/moe.py): gather and ragged equal the every-expert reference for float, INT4
+and block-FP8 routed experts, with group-limited routing and a non-zero correction bias."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ddtree_jax.config import DeepSeekV3Config
+from ddtree_jax.models import deepseek_v3, moe
+from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, quantize_int4
+
+# 16 experts in 4 groups (top-2 groups), 3 per token; hidden 160 spans two 128-wide FP8 blocks, and both
+# expert input widths (160, 32) are multiples of the INT4 group.
+CONFIG = DeepSeekV3Config(vocab_size=50, hidden_size=160, intermediate_size=48, moe_intermediate_size=32, num_layers=2,
+                          first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
+                          n_group=4, topk_group=2, routed_scaling_factor=2.827, norm_topk_prob=True, num_heads=2,
+                          q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+EXPERTS = ("expert_gate", "expert_up", "expert_down")
+
+
+def _fp8(rng, w):
+    out, inner = w.shape[-2:]
+    scale = rng.uniform(0.5, 2.0, w.shape[:-2] + (-(-out // 128), -(-inner // 128))).astype(np.float32)
+    return Fp8BlockWeight(jnp.asarray((np.asarray(w) * 50).astype(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale / 50))
+
+
+def _layer(fmt: str, seed: int = 0) -> dict:
+    """One MoE layer's parameters, routed experts in `fmt` (the correction bias drawn by init_params)."""
+    params = deepseek_v3.init_params(CONFIG, jax.random.key(seed))
+    p = jax.tree.map(lambda w: w[0], params["moe_layers"])
+    assert float(jnp.abs(p["router_bias"]).max()) > 0.1
+    p["router"] = p["router"] * 20  # spread the scores so that groups and top-k are decisive
+    rng = np.random.default_rng(seed)
+    for name in EXPERTS:
+        if fmt == "int4":
+            p[name] = quantize_int4(np.asarray(p[name]))
+        elif fmt == "fp8":
+            p[name] = _fp8(rng, p[name])
+    return p
+
+
+def _relerr(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+
+
+@jax.jit
+def _reference(p, x):
+    return moe.moe_reference(CONFIG, p, x)
+
+
+_DISPATCH = {impl: jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl)) for impl in ("gather", "ragged")}
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
+@pytest.mark.parametrize("steps", [1, 7, 17])
+def test_dispatches_equal_the_reference(fmt, steps):
+    p = _layer(fmt, seed=steps)
+    if fmt == "int4":
+        assert isinstance(p["expert_down"], Int4Weight)
+    x = jax.random.normal(jax.random.key(10 + steps), (2, steps, CONFIG.hidden_size))
+    experts, _ = moe.route(CONFIG, p["router"], p["router_bias"], x)
+    assert (np.array([len(set(e // 4)) for e in np.asarray(experts).reshape(-1, 3)]) <= 2).all()
+    want = _reference(p, x)
+    for impl, fn in _DISPATCH.items():
+        got = fn(p, x)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        assert _relerr(got, want) < 1e-5, (impl, _relerr(got, want))
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4"])
+def test_crowded_and_empty_experts(fmt):
+    """A bias that sends every token to experts 5, 6, 7: one big group per chosen expert, the rest empty
+    (both ragged branches: 6 assignments < 16 experts, 102 >= 16)."""
+    p = _layer(fmt)
+    bias = np.zeros(16, np.float32)
+    bias[[5, 6, 7]] = 100.0
+    p["router_bias"] = jnp.asarray(bias)
+    for steps in (1, 17):
+        x = jax.random.normal(jax.random.key(steps), (2, steps, CONFIG.hidden_size))
+        want = _reference(p, x)
+        for impl, fn in _DISPATCH.items():
+            assert _relerr(fn(p, x), want) < 1e-5, (impl, steps)
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4"])
+def test_bfloat16_activations(fmt):
+    p = jax.tree.map(lambda w: w.astype(jnp.bfloat16) if w.dtype == jnp.float32 else w, _layer(fmt))
+    x = jax.random.normal(jax.random.key(3), (2, 7, CONFIG.hidden_size), jnp.bfloat16)
+    want = _reference(p, x).astype(jnp.float32)
+    for impl, fn in _DISPATCH.items():
+        got = fn(p, x)
+        assert got.dtype == jnp.bfloat16 and _relerr(got.astype(jnp.float32), want) < 2e-2, impl
+
+
+def test_auto_rule_and_unknown_impl():
+    assert moe.choose_impl(CONFIG, 5) == "gather"  # 15 assignments <= 16 experts
+    assert moe.choose_impl(CONFIG, 6) == "reference"
+    p = _layer("float")
+    x = jax.random.normal(jax.random.key(0), (1, 1, CONFIG.hidden_size))
+    np.testing.assert_array_equal(np.asarray(moe.moe(CONFIG, p, x)), np.asarray(moe.moe(CONFIG, p, x, impl="gather")))
+    with pytest.raises(ValueError, match="unknown MoE impl"):
+        moe.moe(CONFIG, p, x, impl="dense")
+
+
+def test_prefill_and_verify_take_each_impl():
+    """The absorbed path with every dispatch gives the same logits (the default is tested against the
+    expanded reference in test_deepseek_v3 / test_hf_parity)."""
+    params = deepseek_v3.init_params(CONFIG, jax.random.key(5))
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 50, (2, 6)), jnp.int32)
+    depths = jnp.array([[0, 1, 1, 2]] * 2, jnp.int32)
+    tree_mask = jnp.array([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]] * 2, bool)
+    outs = {}
+    for impl in moe.MOE_IMPLS:
+        cache = deepseek_v3.create_cache(CONFIG, 2, 16, jnp.float32)
+        pre, _, cache = deepseek_v3.prefill(CONFIG, params, cache, ids, jnp.array([6, 4], jnp.int32), moe_impl=impl)
+        ver, _, _ = deepseek_v3.verify(CONFIG, params, cache, ids[:, :4], depths, tree_mask, moe_impl=impl)
+        outs[impl] = (pre, ver)
+    for impl in ("auto", "gather", "ragged"):
+        for got, want in zip(outs[impl], outs["reference"]):
+            assert _relerr(got, want) < 1e-5, impl
