@@ -102,7 +102,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--quick", action="store_true", help="B = 1 and 8, N = 17 and 65, V = 163840 only")
+    parser.add_argument("--no-cond", action="store_true", help="launch unneeded search passes (rows inactive) "
+                        "instead of skipping them with lax.cond")
     args = parser.parse_args()
+    if args.no_cond:
+        import kernels.tree_sampling
+
+        kernels.tree_sampling.SKIP_WITH_COND = False
     batches, slot_counts, vocabs = ([1, 8], [17, 65], [163840]) if args.quick else ([1, 8, 32], [9, 17, 65, 257], [151936, 163840])
     copy_bw = copy_bandwidth()
     print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -120,7 +126,7 @@ def main() -> None:
     table = [[r["B"], r["N"], r["V"], r["top_p"], r["xla_us"], r["pallas_us"], r["roofline_us"], f"{r['speedup']:.1f}x",
               f"{r['x_roofline']:.1f}x", f"{r['agree']:.3f}"] for r in rows]
     print("\n" + markdown_table(header, table))
-    path = write_result("tree_sampling", {"rows": rows, "reps_per_timing": REPS, "copy_bandwidth_Bps": copy_bw}, args.commit)
+    path = write_result("tree_sampling" + ("_nocond" if args.no_cond else ""), {"rows": rows, "reps_per_timing": REPS, "copy_bandwidth_Bps": copy_bw, "skip_with_cond": not args.no_cond}, args.commit)
     print(f"\nwritten: {path}")
 
 

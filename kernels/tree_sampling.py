@@ -64,6 +64,9 @@ STATS_BLOCK = 2048  # vocab elements per load: statistics and kept-mass passes
 SEARCH_BLOCK = 512  # vocab elements per load in a search pass ([block, 16] comparisons)
 SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
 FINAL_BLOCK = 2048  # vocab elements per load in the final sample (a multiple of STATS_BLOCK's role: spans)
+# Skip the passes no row needs with lax.cond (True) or launch them with every row inactive (False);
+# benchmarks/bench_tree_sampling.py --no-cond measures the second.
+SKIP_WITH_COND = True
 TARGET_PROGRAMS = 264  # programs per launch worth filling: two per SM of an H200 (132 SMs)
 
 _INT32_MIN = np.iinfo(np.int32).min
@@ -317,6 +320,8 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
                 lo, hi = jnp.where(running, new_lo, lo), jnp.where(running, new_hi, hi)
             return lo, hi
 
+        if not SKIP_WITH_COND:
+            return run((lo, hi))
         return lax.cond(jnp.any(active), run, lambda b: b, (lo, hi))
 
     # top-k: the largest key t with count(key >= t) >= k (the k-th largest logit)
@@ -339,7 +344,7 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
             "tree_sampling_kept_mass", interpret)(any_filter.astype(jnp.int32), cut, min_e, m, temperature, logits)
         return jnp.where(any_filter, z_parts.sum(axis=1), z)
 
-    z = lax.cond(jnp.any(any_filter), kept_mass, lambda _: z, None)
+    z = lax.cond(jnp.any(any_filter), kept_mass, lambda _: z, None) if SKIP_WITH_COND else kept_mass(None)
     return dict(max=m, z=z, min_e=min_e, cut=cut, argmax=argmax.astype(jnp.int32), valid=valid.astype(jnp.int32))
 
 
