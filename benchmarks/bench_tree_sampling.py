@@ -102,6 +102,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--quick", action="store_true", help="B = 1 and 8, N = 17 and 65, V = 163840 only")
+    parser.add_argument("--cases", help="comma-separated BxN (e.g. 1x17,8x65): only these, at --vocabs")
+    parser.add_argument("--vocabs", default="151936,163840")
     parser.add_argument("--no-cond", action="store_true", help="launch unneeded search passes (rows inactive) "
                         "instead of skipping them with lax.cond")
     args = parser.parse_args()
@@ -109,19 +111,24 @@ def main() -> None:
         import kernels.tree_sampling
 
         kernels.tree_sampling.SKIP_WITH_COND = False
-    batches, slot_counts, vocabs = ([1, 8], [17, 65], [163840]) if args.quick else ([1, 8, 32], [9, 17, 65, 257], [151936, 163840])
+    vocabs = [int(v) for v in args.vocabs.split(",")]
+    if args.cases:
+        cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
+    elif args.quick:
+        cases, vocabs = [(b, n) for b in (1, 8) for n in (17, 65)], [163840]
+    else:
+        cases = [(b, n) for b in (1, 8, 32) for n in (9, 17, 65, 257)]
     copy_bw = copy_bandwidth()
     print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for vocab in vocabs:
-        for batch in batches:
-            for slots in slot_counts:
-                for top_p in (1.0, 0.9):
-                    r = run_case(batch, slots, vocab, top_p, copy_bw)
-                    rows.append(r)
-                    print(f"B={batch:3d} N={slots:4d} V={vocab} top_p={top_p}: xla {r['xla_us']:9.1f} us  "
-                          f"pallas {r['pallas_us']:8.1f} us  roofline {r['roofline_us']:7.1f} us  "
-                          f"speedup {r['speedup']:6.1f}x  x_roofline {r['x_roofline']:5.1f}  agree {r['agree']:.3f}", flush=True)
+        for batch, slots in cases:
+            for top_p in (1.0, 0.9):
+                r = run_case(batch, slots, vocab, top_p, copy_bw)
+                rows.append(r)
+                print(f"B={batch:3d} N={slots:4d} V={vocab} top_p={top_p}: xla {r['xla_us']:9.1f} us  "
+                      f"pallas {r['pallas_us']:8.1f} us  roofline {r['roofline_us']:7.1f} us  "
+                      f"speedup {r['speedup']:6.1f}x  x_roofline {r['x_roofline']:5.1f}  agree {r['agree']:.3f}", flush=True)
     header = ["B", "N", "V", "top_p", "xla us", "pallas us", "roofline us", "speedup", "pallas/roofline", "agree"]
     table = [[r["B"], r["N"], r["V"], r["top_p"], r["xla_us"], r["pallas_us"], r["roofline_us"], f"{r['speedup']:.1f}x",
               f"{r['x_roofline']:.1f}x", f"{r['agree']:.3f}"] for r in rows]

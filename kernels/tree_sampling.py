@@ -61,11 +61,11 @@ from ddtree_jax.verify.result import VerifyResult
 from ddtree_jax.verify.sampling import verify_sampling
 
 STATS_BLOCK = 2048  # vocab elements per load: statistics and kept-mass passes
-SEARCH_BLOCK = 512  # vocab elements per load in a search pass ([block, 16] comparisons)
+SEARCH_BLOCK = 256  # vocab elements per load in a search pass ([block, 16] comparisons and accumulators)
 SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
 FINAL_BLOCK = 2048  # vocab elements per load in the final sample (a multiple of STATS_BLOCK's role: spans)
-# Skip the passes no row needs with lax.cond (True) or launch them with every row inactive (False);
-# benchmarks/bench_tree_sampling.py --no-cond measures the second.
+# Skip the filter passes with one lax.cond when no row of the batch filters (True), or launch them with
+# every row inactive (False); benchmarks/bench_tree_sampling.py --no-cond measures the second.
 SKIP_WITH_COND = True
 TARGET_PROGRAMS = 264  # programs per launch worth filling: two per SM of an H200 (132 SMs)
 
@@ -144,23 +144,29 @@ def _partial_stats_kernel(
     inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
     load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
 
+    # per-lane accumulators (an online softmax per lane), reduced across lanes once at the end
     def body(c, carry):
         m, z, arg, kmin, bad = carry
         idx, in_row, x = load(c)
-        bad = jnp.maximum(bad, jnp.max((jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32)))
+        bad = jnp.maximum(bad, (jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32))
         xs = jnp.where(jnp.isnan(x), -jnp.inf, x)
-        cmax = jnp.max(xs)
-        carg = jnp.min(jnp.where(xs == cmax, idx, vocab))
-        new_m = jnp.maximum(m, cmax)
+        new_m = jnp.maximum(m, xs)
         finite = new_m > -jnp.inf
         scale = jnp.where(finite & (m > -jnp.inf), jnp.exp((m - new_m) / inv_t), 0.0)
-        z = z * scale + jnp.sum(jnp.where(finite, jnp.exp((xs - new_m) / inv_t), 0.0))
-        arg = jnp.where(cmax > m, carg, arg)
-        kmin = jnp.minimum(kmin, jnp.min(jnp.where(in_row, logit_key(xs, shift), _INT32_MAX)))
+        z = z * scale + jnp.where(finite & (xs > -jnp.inf), jnp.exp((xs - new_m) / inv_t), 0.0)
+        arg = jnp.where(xs > m, idx, arg)  # strict: a lane keeps its first index of its max
+        kmin = jnp.minimum(kmin, jnp.where(in_row, logit_key(xs, shift), _INT32_MAX))
         return new_m, z, arg, kmin, bad
 
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(vocab), jnp.int32(_INT32_MAX), jnp.int32(0))
-    m, z, arg, kmin, bad = lax.fori_loop(0, num_chunks, body, init)
+    lanes = lambda value, dtype: jnp.full((block,), value, dtype)  # noqa: E731
+    init = (lanes(-jnp.inf, jnp.float32), lanes(0.0, jnp.float32), lanes(vocab, jnp.int32), lanes(_INT32_MAX, jnp.int32),
+            lanes(0, jnp.int32))
+    m_lane, z_lane, arg_lane, kmin_lane, bad_lane = lax.fori_loop(0, num_chunks, body, init)
+    m = jnp.max(m_lane)
+    z = jnp.sum(jnp.where(m_lane > -jnp.inf, z_lane * jnp.exp((m_lane - m) / inv_t), 0.0))
+    arg = jnp.min(jnp.where((m_lane == m) & (m_lane > -jnp.inf), arg_lane, vocab))
+    kmin = jnp.min(kmin_lane)
+    bad = jnp.max(bad_lane)
     max_ref[...] = m
     z_ref[...] = z
     argmax_ref[...] = arg
@@ -194,16 +200,18 @@ def _search_pass_kernel(
         inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
         load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
 
-        def body(c, carry):
+        def body(c, carry):  # [block, 16] per-lane accumulators, reduced once at the end
             acc, total = carry
             _, in_row, x = load(c)
             key = jnp.where(in_row, logit_key(x, shift), _INT32_MIN)
             if mode == "count":
-                return acc + jnp.sum((key[:, None] >= t[None, :]).astype(jnp.float32), axis=0), total
+                return acc + (key[:, None] >= t[None, :]).astype(jnp.float32), total
             e = jnp.where(in_row & (key >= cut) & (x > -jnp.inf), jnp.exp((x - m) / inv_t), 0.0)
-            return acc + jnp.sum(jnp.where(key[:, None] > t[None, :], e[:, None], 0.0), axis=0), total + jnp.sum(e)
+            return acc + jnp.where(key[:, None] > t[None, :], e[:, None], 0.0), total + e
 
-        acc, total = lax.fori_loop(0, num_chunks, body, (jnp.zeros((SEARCH_FANOUT,), jnp.float32), jnp.float32(0.0)))
+        acc, total = lax.fori_loop(0, num_chunks, body, (jnp.zeros((block, SEARCH_FANOUT), jnp.float32),
+                                                         jnp.zeros((block,), jnp.float32)))
+        acc, total = jnp.sum(acc, axis=0), jnp.sum(total)
         out_ref[...] = acc
         total_ref[...] = total
 
@@ -233,9 +241,9 @@ def _kept_mass_kernel(
             _, in_row, x = load(c)
             e = jnp.where(x > -jnp.inf, jnp.exp((x - m) / inv_t), 0.0)
             kept = in_row & (logit_key(x, shift) >= cut) & (e >= min_e)
-            return acc + jnp.sum(jnp.where(kept, e, 0.0))
+            return acc + jnp.where(kept, e, 0.0)
 
-        z_ref[...] = lax.fori_loop(0, num_chunks, body, jnp.float32(0.0))
+        z_ref[...] = jnp.sum(lax.fori_loop(0, num_chunks, body, jnp.zeros((block,), jnp.float32)))
 
 
 def _row_scalar_specs(count: int):
@@ -261,7 +269,8 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
 
     Kernels: partial statistics per (row, span), then fixed counts of search passes (4 per filter for
     bf16 keys, 8 for float32) each one pallas_call over (row, span) with the bracket updated in between,
-    then the kept mass. Passes a batch does not need are skipped (lax.cond on any row needing them).
+    then the kept mass. Rows that do not filter skip the passes inside the kernels; a batch in which no
+    row filters skips them all (one lax.cond; SKIP_WITH_COND = False launches them regardless).
     """
     rows, vocab = logits.shape
     if logits.dtype not in (jnp.bfloat16, jnp.float32):
@@ -320,31 +329,33 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
                 lo, hi = jnp.where(running, new_lo, lo), jnp.where(running, new_hi, hi)
             return lo, hi
 
-        if not SKIP_WITH_COND:
-            return run((lo, hi))
-        return lax.cond(jnp.any(active), run, lambda b: b, (lo, hi))
+        return run((lo, hi))
 
-    # top-k: the largest key t with count(key >= t) >= k (the k-th largest logit)
     topk_on = valid & ~greedy & (top_k > 0) & (top_k < vocab)
-    cut_k, _ = search("count", topk_on, jnp.where(topk_on, kmin, _INT32_MIN), kmax + 1,
-                      jnp.full((rows,), _INT32_MIN, jnp.int32), lambda counts, _: counts >= top_k[:, None].astype(jnp.float32))
-    cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
-    # top-p: the smallest key t with mass(key > t, key >= cut_k) < top_p * Z_k
     topp_on = valid & ~greedy & (top_p < 1.0)
-    _, cut_p = search("mass", topp_on, jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1, kmax, cut_k,
-                      lambda masses, zk: masses < (top_p * zk)[:, None])
-    cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
     min_e = jnp.where(valid & ~greedy, min_p, 0.0)
     any_filter = valid & ~greedy & (topk_on | topp_on | (min_p > 0))
 
-    def kept_mass(_):
+    def filtered(z):
+        # top-k: the largest key t with count(key >= t) >= k (the k-th largest logit)
+        cut_k, _ = search("count", topk_on, jnp.where(topk_on, kmin, _INT32_MIN), kmax + 1,
+                          jnp.full((rows,), _INT32_MIN, jnp.int32), lambda counts, _: counts >= top_k[:, None].astype(jnp.float32))
+        cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
+        # top-p: the smallest key t with mass(key > t, key >= cut_k) < top_p * Z_k
+        _, cut_p = search("mass", topp_on, jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1, kmax, cut_k,
+                          lambda masses, zk: masses < (top_p * zk)[:, None])
+        cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
         z_parts = _grid_call(
             functools.partial(_kept_mass_kernel, block=STATS_BLOCK, **common), rows, splits,
             _row_scalar_specs(5) + [row_spec], part, jax.ShapeDtypeStruct((rows, splits), jnp.float32),
             "tree_sampling_kept_mass", interpret)(any_filter.astype(jnp.int32), cut, min_e, m, temperature, logits)
-        return jnp.where(any_filter, z_parts.sum(axis=1), z)
+        return cut, jnp.where(any_filter, z_parts.sum(axis=1), z)
 
-    z = lax.cond(jnp.any(any_filter), kept_mass, lambda _: z, None) if SKIP_WITH_COND else kept_mass(None)
+    no_cut = jnp.full((rows,), _INT32_MIN, jnp.int32)
+    if SKIP_WITH_COND:  # one predicate: does any row of the batch filter at all?
+        cut, z = lax.cond(jnp.any(any_filter), filtered, lambda z: (no_cut, z), z)
+    else:
+        cut, z = filtered(z)
     return dict(max=m, z=z, min_e=min_e, cut=cut, argmax=argmax.astype(jnp.int32), valid=valid.astype(jnp.int32))
 
 
@@ -477,11 +488,11 @@ def _residual_sums_kernel(*refs, mode: str, vocab: int, span: int, block: int):
         def body(c, carry):
             total, last = carry
             idx, res = residual(c)
-            return total + jnp.sum(res), jnp.maximum(last, jnp.max(jnp.where(res > 0, idx, -1)))
+            return total + res, jnp.maximum(last, jnp.where(res > 0, idx, -1))
 
-        total, last = lax.fori_loop(0, num_chunks, body, (jnp.float32(0.0), jnp.int32(-1)))
-        sum_ref[...] = total
-        last_ref[...] = last
+        total, last = lax.fori_loop(0, num_chunks, body, (jnp.zeros((block,), jnp.float32), jnp.full((block,), -1, jnp.int32)))
+        sum_ref[...] = jnp.sum(total)
+        last_ref[...] = jnp.max(last)
 
     if mode == "logits":
         pl.when(stats[5] != 0.0)(sums)  # greedy rows: the final token is the argmax, no scan
