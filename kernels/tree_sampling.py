@@ -144,29 +144,25 @@ def _partial_stats_kernel(
     inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
     load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
 
-    # per-lane accumulators (an online softmax per lane), reduced across lanes once at the end
+    # per-chunk reductions with scalar carries: one exp per element. (Per-lane online-softmax
+    # accumulators need two exps per element and measured 1.4-1.8x slower on the H200 at 6a31c0f.)
     def body(c, carry):
         m, z, arg, kmin, bad = carry
         idx, in_row, x = load(c)
-        bad = jnp.maximum(bad, (jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32))
+        bad = jnp.maximum(bad, jnp.max((jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32)))
         xs = jnp.where(jnp.isnan(x), -jnp.inf, x)
-        new_m = jnp.maximum(m, xs)
+        cmax = jnp.max(xs)
+        carg = jnp.min(jnp.where(xs == cmax, idx, vocab))
+        new_m = jnp.maximum(m, cmax)
         finite = new_m > -jnp.inf
         scale = jnp.where(finite & (m > -jnp.inf), jnp.exp((m - new_m) / inv_t), 0.0)
-        z = z * scale + jnp.where(finite & (xs > -jnp.inf), jnp.exp((xs - new_m) / inv_t), 0.0)
-        arg = jnp.where(xs > m, idx, arg)  # strict: a lane keeps its first index of its max
-        kmin = jnp.minimum(kmin, jnp.where(in_row, logit_key(xs, shift), _INT32_MAX))
+        z = z * scale + jnp.sum(jnp.where(finite, jnp.exp((xs - new_m) / inv_t), 0.0))
+        arg = jnp.where(cmax > m, carg, arg)
+        kmin = jnp.minimum(kmin, jnp.min(jnp.where(in_row, logit_key(xs, shift), _INT32_MAX)))
         return new_m, z, arg, kmin, bad
 
-    lanes = lambda value, dtype: jnp.full((block,), value, dtype)  # noqa: E731
-    init = (lanes(-jnp.inf, jnp.float32), lanes(0.0, jnp.float32), lanes(vocab, jnp.int32), lanes(_INT32_MAX, jnp.int32),
-            lanes(0, jnp.int32))
-    m_lane, z_lane, arg_lane, kmin_lane, bad_lane = lax.fori_loop(0, num_chunks, body, init)
-    m = jnp.max(m_lane)
-    z = jnp.sum(jnp.where(m_lane > -jnp.inf, z_lane * jnp.exp((m_lane - m) / inv_t), 0.0))
-    arg = jnp.min(jnp.where((m_lane == m) & (m_lane > -jnp.inf), arg_lane, vocab))
-    kmin = jnp.min(kmin_lane)
-    bad = jnp.max(bad_lane)
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(vocab), jnp.int32(_INT32_MAX), jnp.int32(0))
+    m, z, arg, kmin, bad = lax.fori_loop(0, num_chunks, body, init)
     max_ref[...] = m
     z_ref[...] = z
     argmax_ref[...] = arg
