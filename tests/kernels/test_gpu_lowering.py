@@ -21,7 +21,7 @@ registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registrat
 def hopper(monkeypatch):
     if not hasattr(registration, "gpu_info_lib"):
         pytest.skip("jax moved the GPU query of the Triton lowering")
-    info = types.SimpleNamespace(compute_capability="9.0")
+    info = types.SimpleNamespace(compute_capability=90)
     monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(get_gpu_info=lambda: info))
 
 
@@ -41,3 +41,19 @@ def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
                                  **static).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("walk_probs", "residual_probs", "final_probs"):
         assert f"tree_sampling_{name}" in text, name
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
+def test_decode_matmul_lowers_for_triton(hopper, kind):
+    from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
+    from kernels.decode_matmul import _matmul_2d
+
+    m, k, n = 17, 4096, 12288
+    weight = {
+        "dense": jnp.zeros((n, k), jnp.bfloat16),
+        "int4": Int4Weight(jnp.zeros((n, k // 8), jnp.int32), jnp.zeros((n, k // 32), jnp.bfloat16)),
+        "fp8": Fp8BlockWeight(jnp.zeros((n, k), jnp.float8_e4m3fn), jnp.zeros((n // 128, k // 128), jnp.float32)),
+    }[kind]
+    text = _matmul_2d.trace(jnp.zeros((m, k), jnp.bfloat16), weight, interpret=False).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "decode_matmul" in text

@@ -1,0 +1,192 @@
+"""Weight-streaming matmul for decode and verify: skinny activations against large weights.
+
+  y = x @ W^T,  x [M, K] (bf16 / f32, M = batch x tokens, 1 .. a few hundred),  W [N, K] ("out, in",
+  the HF layout the loader keeps) as a plain array, an INT4 pack-quantized weight or a block-FP8
+  weight (`ddtree_jax.models.quant`), dequantised in registers.
+
+Why a kernel: at M <= ~256 every weight byte is used M times, so the matmul is a stream of W through
+HBM; plain XLA reaches a fraction of the bandwidth at these shapes (shared/spec/performance_notes.md:
+a Qwen3-8B one-token forward at 12-46 ms against a 3.5 ms weight-read roofline).
+
+Grid (N tiles, K splits, M tiles). Each program streams one [BN, K / splits] stripe of W in [BN, BK]
+tiles and multiplies it against the matching [BM, BK] activation tile (tensor-core dot, float32
+accumulation); the K splits (split-K, chosen so that the grid fills the GPU) are summed by XLA. The
+activation is padded to [M_pad, K_pad] (cheap); W is never copied or padded: its edges are masked loads.
+
+INT4 (compressed-tensors pack-quantized, group 32): word w of row n holds elements 8w .. 8w + 7 in its
+nibbles (code + 8). The kernel unpacks a [BN, BK / 8] tile of words into 8 "planes" (plane j = nibble
+j = elements 8w + j) and contracts plane j with the activation's elements 8w + j, which the wrapper
+lays out plane-major ([8, M_pad, K_pad / 8]) beforehand; the group scale of element 8w + j is scale
+[n, w // 4], the same for every plane. No [N, K] bf16 copy ever exists.
+
+Block FP8 (DeepSeek-V3 style): float8_e4m3fn [N, K] with float32 scales per 128 x 128 block; tiles
+are 128-aligned in K and divide 128 in N, so each tile has one scale.
+
+`matmul_reference` is the twin: dequantise to x's dtype and contract (what `layers.linear` does).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ddtree_jax.models.quant import FP8_BLOCK, INT4_GROUP, Fp8BlockWeight, Int4Weight, dense
+
+BLOCK_N = 64  # output columns per program
+BLOCK_K = 256  # contraction elements per tile (a multiple of 8 * 32 for INT4, of 128 for FP8)
+TARGET_PROGRAMS = 264  # two per SM of an H200
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _block_m(rows: int) -> int:
+    """Rows per program: the tensor-core minimum 16, up to 64; larger M is tiled."""
+    return min(64, max(16, 1 << max(0, (rows - 1).bit_length())))
+
+
+def _plan(rows: int, n: int, k: int, block_k: int) -> tuple[int, int, int, int]:
+    """(block_m, m_tiles, splits, k_per_split)."""
+    block_m = _block_m(rows)
+    m_tiles = pl.cdiv(rows, block_m)
+    n_tiles = pl.cdiv(n, BLOCK_N)
+    k_tiles = pl.cdiv(k, block_k)
+    splits = max(1, min(pl.cdiv(TARGET_PROGRAMS, n_tiles * m_tiles), k_tiles // 2 or 1))
+    k_per_split = pl.cdiv(k_tiles, splits) * block_k
+    return block_m, m_tiles, pl.cdiv(k_tiles * block_k, k_per_split), k_per_split
+
+
+def _dot_t(x, w, precision):
+    """x [BM, BK] . w [BN, BK]^T -> f32 [BM, BN] (tensor cores; float32 inputs at full precision)."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _dense_kernel(x_ref, w_ref, o_ref, *, n: int, k: int, block_m: int, block_k: int, k_per_split: int, precision):
+    # x_ref: [M_pad, K_pad] activation (zero padded); w_ref: [N, K] weight; o_ref: [BM, BN] f32 partial
+    n_tile, split, m_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = n_tile * BLOCK_N + jnp.arange(BLOCK_N)
+
+    def body(i, acc):
+        k0 = split * k_per_split + i * block_k
+        cols = k0 + jnp.arange(block_k)
+        x = x_ref[pl.ds(m_tile * block_m, block_m), pl.ds(k0, block_k)]
+        w = plgpu.load(w_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
+                       mask=(rows < n)[:, None] & (cols < k)[None, :], other=0.0)
+        return acc + _dot_t(x, w.astype(x.dtype), precision)
+
+    o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
+
+
+def _int4_kernel(x_ref, packed_ref, scale_ref, o_ref, *, n: int, k: int, block_m: int, block_k: int, k_per_split: int,
+                 precision):
+    # x_ref: [8, M_pad, K_pad / 8] plane-major activation; packed_ref: i32 [N, K / 8]; scale_ref: [N, K / 32]
+    n_tile, split, m_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = n_tile * BLOCK_N + jnp.arange(BLOCK_N)
+    words, groups = block_k // 8, block_k // INT4_GROUP
+
+    def body(i, acc):
+        k0 = split * k_per_split + i * block_k
+        row_ok = (rows < n)[:, None]
+        word = k0 // 8 + jnp.arange(words)
+        packed = plgpu.load(packed_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // 8, words)],
+                            mask=row_ok & (word < k // 8)[None, :], other=0)
+        group = k0 // INT4_GROUP + jnp.arange(groups)
+        scale = plgpu.load(scale_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // INT4_GROUP, groups)],
+                           mask=row_ok & (group < k // INT4_GROUP)[None, :], other=0.0).astype(jnp.float32)
+        scale = jnp.broadcast_to(scale[:, :, None], (BLOCK_N, groups, INT4_GROUP // 8)).reshape(BLOCK_N, words)
+        for plane in range(8):
+            codes = (packed >> (4 * plane)) & 0xF
+            w = ((codes - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
+            x = x_ref[plane, pl.ds(m_tile * block_m, block_m), pl.ds(k0 // 8, words)]
+            acc = acc + _dot_t(x, w, precision)
+        return acc
+
+    o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
+
+
+def _fp8_kernel(x_ref, w_ref, scale_ref, o_ref, *, n: int, k: int, block_m: int, block_k: int, k_per_split: int,
+                precision):
+    # x_ref: [M_pad, K_pad]; w_ref: float8_e4m3fn [N, K]; scale_ref: f32 [ceil(N / 128), ceil(K / 128)]
+    n_tile, split, m_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = n_tile * BLOCK_N + jnp.arange(BLOCK_N)
+    scale_rows, scale_cols = scale_ref.shape
+
+    def body(i, acc):
+        k0 = split * k_per_split + i * block_k
+        cols = k0 + jnp.arange(block_k)
+        w = plgpu.load(w_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
+                       mask=(rows < n)[:, None] & (cols < k)[None, :], other=0.0).astype(jnp.float32)
+        block_row = jnp.minimum((n_tile * BLOCK_N) // FP8_BLOCK, scale_rows - 1)
+        block_col = jnp.minimum(k0 // FP8_BLOCK, scale_cols - 1)
+        w = (w * scale_ref[block_row, block_col]).astype(x_ref.dtype)
+        x = x_ref[pl.ds(m_tile * block_m, block_m), pl.ds(k0, block_k)]
+        return acc + _dot_t(x, w, precision)
+
+    o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
+
+
+def _whole(shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _matmul_2d(x, weight, *, interpret: bool):
+    rows, k = x.shape
+    n = weight.shape[-2]
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    if isinstance(weight, Fp8BlockWeight):
+        block_k = FP8_BLOCK  # one scale per tile
+    else:
+        block_k = BLOCK_K
+    block_m, m_tiles, splits, k_per_split = _plan(rows, n, k, block_k)
+    m_pad, k_pad = m_tiles * block_m, splits * k_per_split
+    x_pad = jnp.pad(x, ((0, m_pad - rows), (0, k_pad - k)))
+    n_tiles = pl.cdiv(n, BLOCK_N)
+    params = dict(n=n, k=k, block_m=block_m, block_k=block_k, k_per_split=k_per_split, precision=precision)
+    if isinstance(weight, Int4Weight):
+        planes = x_pad.reshape(m_pad, k_pad // 8, 8).transpose(2, 0, 1)  # [8, M_pad, K_pad / 8]
+        kernel, inputs = functools.partial(_int4_kernel, **params), (planes, weight.packed, weight.scale)
+    elif isinstance(weight, Fp8BlockWeight):
+        kernel, inputs = functools.partial(_fp8_kernel, **params), (x_pad, weight.weight, weight.scale_inv)
+    else:
+        kernel, inputs = functools.partial(_dense_kernel, **params), (x_pad, weight)
+    partial = pl.pallas_call(
+        kernel,
+        grid=(n_tiles, splits, m_tiles),
+        in_specs=[_whole(a.shape) for a in inputs],
+        out_specs=pl.BlockSpec((None, block_m, BLOCK_N), lambda j, s, i: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, m_pad, n_tiles * BLOCK_N), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="decode_matmul_" + type(weight).__name__.lower() if not isinstance(weight, jax.Array) else "decode_matmul_dense",
+    )(*inputs)
+    return partial.sum(axis=0)[:rows, :n].astype(x.dtype)
+
+
+def matmul(x: jax.Array, weight, *, interpret: bool | None = None) -> jax.Array:
+    """x [..., K] (bf16 / f32) @ weight^T -> [..., N] in x's dtype; weight [N, K] array, Int4Weight
+    ([N, K / 8] words, [N, K / 32] scales) or Fp8BlockWeight. Same contract as `layers.linear`."""
+    shape = weight.shape
+    if len(shape) != 2:
+        raise ValueError(f"matmul takes one [N, K] weight, got shape {shape} (stacked weights: index the layer first)")
+    if x.shape[-1] != shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {shape[1]}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if isinstance(weight, Int4Weight) and shape[1] % INT4_GROUP:
+        raise ValueError(f"INT4 weights need K % {INT4_GROUP} == 0, got K = {shape[1]}")
+    lead = x.shape[:-1]
+    out = _matmul_2d(x.reshape(-1, shape[1]), weight, interpret=_on_cpu() if interpret is None else bool(interpret))
+    return out.reshape(lead + (shape[0],))
+
+
+def matmul_reference(x: jax.Array, weight) -> jax.Array:
+    """The twin: dequantise to x's dtype and contract in float32 ([..., K] -> [..., N], x's dtype)."""
+    w = dense(weight, x.dtype)
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -1,0 +1,67 @@
+"""kernels/decode_matmul.py (interpret mode on CPU) against `matmul_reference` on fresh random inputs:
+bf16 / f32 activations, plain, INT4 and block-FP8 weights, ragged M and K / N that are not multiples
+of the tiles (masked edges), leading batch dimensions, and the errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.models.quant import Fp8BlockWeight, quantize_int4
+from kernels.decode_matmul import BLOCK_K, BLOCK_N, matmul, matmul_reference
+
+
+def _weights(rng, n, k, kind, dtype):
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    if kind == "dense":
+        return jnp.asarray(w, dtype)
+    if kind == "int4":
+        q = quantize_int4(w)
+        return type(q)(q.packed, q.scale.astype(dtype))
+    scale = (rng.random((-(-n // 128), -(-k // 128))) + 0.5).astype(np.float32)
+    return Fp8BlockWeight(jnp.asarray(w, jnp.float8_e4m3fn), jnp.asarray(scale))
+
+
+TOL = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}  # max |err| / max |ref|: float32 sums; bf16 output rounding
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 17, 65, 130])
+def test_matches_the_reference(kind, dtype, rows):
+    rng = np.random.default_rng(rows * 7 + len(kind))
+    n, k = BLOCK_N * 3 + 5, BLOCK_K + 96  # neither a multiple of its tile
+    w = _weights(rng, n, k, kind, dtype)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    got = np.asarray(matmul(x, w), np.float32)
+    ref = np.asarray(matmul_reference(x, w), np.float32)
+    assert got.shape == (rows, n)
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < TOL[dtype]
+
+
+def test_split_k_and_leading_dimensions():
+    rng = np.random.default_rng(1)
+    n, k = 100, 8 * BLOCK_K + 32  # several K tiles: split-K sums partials
+    w = _weights(rng, n, k, "int4", jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, k)), jnp.float32)
+    got = np.asarray(matmul(x, w))
+    assert got.shape == (2, 3, n)
+    np.testing.assert_allclose(got, np.asarray(matmul_reference(x, w)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_weight_is_caught():
+    """The comparison can fail: a kernel run against another weight disagrees."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    w, other = _weights(rng, 40, 64, "dense", jnp.float32), _weights(rng, 40, 64, "dense", jnp.float32)
+    assert np.abs(np.asarray(matmul(x, w)) - np.asarray(matmul_reference(x, other))).max() > 1e-2
+
+
+def test_bad_inputs_are_named():
+    x = jnp.zeros((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="input features"):
+        matmul(x, jnp.zeros((8, 32), jnp.float32))
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        matmul(x.astype(jnp.float16), jnp.zeros((8, 64), jnp.float16))
+    with pytest.raises(ValueError, match="one \\[N, K\\] weight"):
+        matmul(x, jnp.zeros((2, 8, 64), jnp.float32))
