@@ -190,3 +190,121 @@ def matmul_reference(x: jax.Array, weight) -> jax.Array:
     """The twin: dequantise to x's dtype and contract in float32 ([..., K] -> [..., N], x's dtype)."""
     w = dense(weight, x.dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# --- the grouped (MoE) variant: rows sorted by expert, each expert's weights streamed once per row tile ---------
+
+
+def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: int, block_k: int, precision):
+    # tile_ref: i32 [3, T]: (expert, first row, rows) of each row tile (rows 0 = unused tile)
+    # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4)
+    # weights: [E, N, K] array | (packed i32 [E, N, K / 8], scale [E, N, K / 32]) | (f8 [E, N, K], f32 scales)
+    # o_ref: [A_pad, N_pad] output, written at the tile's rows
+    *weight_refs, o_ref = refs
+    n_tile, tile = pl.program_id(0), pl.program_id(1)
+    expert, first, count = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile]
+    rows = n_tile * BLOCK_N + jnp.arange(BLOCK_N)
+    row_ok = (rows < n)[:, None]
+
+    @pl.when(count > 0)
+    def _():
+        def body(i, acc):
+            k0 = i * block_k
+            if kind == "int4":
+                packed_ref, scale_ref = weight_refs
+                words, groups = block_k // 8, block_k // INT4_GROUP
+                packed = plgpu.load(packed_ref.at[expert, pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // 8, words)],
+                                    mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :], other=0)
+                scale = plgpu.load(scale_ref.at[expert, pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // INT4_GROUP, groups)],
+                                   mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
+                                   other=0.0).astype(jnp.float32)
+                scale = jnp.broadcast_to(scale[:, :, None], (BLOCK_N, groups, INT4_GROUP // 8)).reshape(BLOCK_N, words)
+                for plane in range(8):
+                    w = ((((packed >> (4 * plane)) & 0xF) - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
+                    acc = acc + _dot_t(x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)], w, precision)
+                return acc
+            w_ref = weight_refs[0]
+            cols = k0 + jnp.arange(block_k)
+            w = plgpu.load(w_ref.at[expert, pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
+                           mask=row_ok & (cols < k)[None, :], other=0.0).astype(jnp.float32)
+            if kind == "fp8":
+                scale_ref = weight_refs[1]
+                w = w * scale_ref[expert, jnp.minimum((n_tile * BLOCK_N) // FP8_BLOCK, scale_ref.shape[1] - 1),
+                                  jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[2] - 1)]
+            return acc + _dot_t(x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.astype(x_ref.dtype), precision)
+
+        acc = lax.fori_loop(0, pl.cdiv(k, block_k), body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
+        out_rows = first + jnp.arange(block_m)
+        plgpu.store(o_ref.at[pl.ds(first, block_m), pl.ds(n_tile * BLOCK_N, BLOCK_N)], acc.astype(o_ref.dtype),
+                    mask=(out_rows < first + count)[:, None])
+
+
+def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array:
+    """int32 [3, max_tiles]: (expert, first row, rows) of the row tiles covering each group's rows, in
+    expert order; unused tiles have rows 0. group_sizes int32 [E], rows sorted by expert."""
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    tiles_per = (group_sizes + block_m - 1) // block_m
+    tile_start = jnp.cumsum(tiles_per) - tiles_per  # first tile of each expert
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    expert = jnp.clip(jnp.searchsorted(tile_start + tiles_per, t, side="right"), 0, group_sizes.shape[0] - 1)
+    within = t - tile_start[expert]
+    first = starts[expert] + within * block_m
+    rows = jnp.clip(group_sizes[expert] - within * block_m, 0, block_m)
+    rows = jnp.where(t < tiles_per.sum(), rows, 0)
+    return jnp.stack([expert.astype(jnp.int32), first.astype(jnp.int32), rows.astype(jnp.int32)])
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _grouped_2d(x, weight, group_sizes, *, interpret: bool):
+    rows, k = x.shape
+    experts, n = weight.shape[0], weight.shape[-2]
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    block_m = _block_m(max(1, rows // max(1, min(experts, rows))))  # rows per expert on average, >= 16
+    block_k = FP8_BLOCK if isinstance(weight, Fp8BlockWeight) else BLOCK_K
+    max_tiles = min(experts, rows) + rows // block_m + 1  # every non-empty group: one partial tile at most
+    tiles = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
+    k_pad = pl.cdiv(k, block_k) * block_k
+    a_pad = rows + block_m  # a tile may read block_m rows from its first row
+    x_pad = jnp.pad(x, ((0, a_pad - rows), (0, k_pad - k)))
+    n_tiles = pl.cdiv(n, BLOCK_N)
+    if isinstance(weight, Int4Weight):
+        kind, inputs = "int4", (x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1), weight.packed, weight.scale)
+    elif isinstance(weight, Fp8BlockWeight):
+        kind, inputs = "fp8", (x_pad, weight.weight, weight.scale_inv)
+    else:
+        kind, inputs = "dense", (x_pad, weight)
+    out = pl.pallas_call(
+        functools.partial(_grouped_kernel, kind=kind, n=n, k=k, block_m=block_m, block_k=block_k, precision=precision),
+        grid=(n_tiles, max_tiles),
+        in_specs=[_whole(tiles.shape)] + [_whole(a.shape) for a in inputs],
+        out_specs=_whole((a_pad, n_tiles * BLOCK_N)),
+        out_shape=jax.ShapeDtypeStruct((a_pad, n_tiles * BLOCK_N), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name=f"grouped_matmul_{kind}",
+    )(tiles, *inputs)
+    return out[:rows, :n]
+
+
+def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, interpret: bool | None = None) -> jax.Array:
+    """Rows of x [A, K] sorted by expert (group_sizes int32 [E], summing to A) against stacked expert
+    weights [E, N, K] (array, Int4Weight or Fp8BlockWeight) -> [A, N] in x's dtype: row a is
+    x[a] @ W[e(a)]^T. Each expert's weights stream once per row tile of its group; experts without
+    rows are never read (the decode case: a step touches a few of 384 experts)."""
+    shape = weight.shape
+    if len(shape) != 3:
+        raise ValueError(f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape}")
+    if x.ndim != 2 or x.shape[1] != shape[2]:
+        raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
+    if group_sizes.shape != (shape[0],):
+        raise ValueError(f"group_sizes must have one entry per expert ({shape[0]},), got {group_sizes.shape}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+    return _grouped_2d(x, weight, group_sizes, interpret=_on_cpu() if interpret is None else bool(interpret))
+
+
+def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array) -> jax.Array:
+    """The twin: each row against its expert's dequantised weights (gathered per row)."""
+    expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
+    w = dense(weight, x.dtype)[expert]  # [A, N, K]
+    return jnp.einsum("ak,ank->an", x, w, preferred_element_type=jnp.float32).astype(x.dtype)

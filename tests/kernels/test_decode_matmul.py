@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 
 from ddtree_jax.models.quant import Fp8BlockWeight, quantize_int4
-from kernels.decode_matmul import BLOCK_K, BLOCK_N, matmul, matmul_reference
+from kernels.decode_matmul import (
+    BLOCK_K,
+    BLOCK_N,
+    grouped_matmul,
+    grouped_matmul_reference,
+    matmul,
+    matmul_reference,
+    row_tiles,
+)
 
 
 def _weights(rng, n, k, kind, dtype):
@@ -65,3 +73,51 @@ def test_bad_inputs_are_named():
         matmul(x.astype(jnp.float16), jnp.zeros((8, 64), jnp.float16))
     with pytest.raises(ValueError, match="one \\[N, K\\] weight"):
         matmul(x, jnp.zeros((2, 8, 64), jnp.float32))
+
+
+# --- grouped (MoE) ------------------------------------------------------------------------------------------
+
+
+def _expert_weights(rng, experts, n, k, kind):
+    w = (rng.standard_normal((experts, n, k)) * 0.05).astype(np.float32)
+    if kind == "dense":
+        return jnp.asarray(w)
+    if kind == "int4":
+        return quantize_int4(w)
+    scale = (rng.random((experts, -(-n // 128), -(-k // 128))) + 0.5).astype(np.float32)
+    return Fp8BlockWeight(jnp.asarray(w, jnp.float8_e4m3fn), jnp.asarray(scale))
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
+@pytest.mark.parametrize("rows", [1, 8, 40, 150])
+def test_grouped_matches_the_reference(kind, rows):
+    rng = np.random.default_rng(rows + len(kind))
+    experts, n, k = 6, 2 * BLOCK_N + 2, BLOCK_K + 32
+    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
+    if rows >= 40:
+        sizes[0] += sizes[1:3].sum()  # one crowded expert (several row tiles), two empty ones
+        sizes[1:3] = 0
+    w = _expert_weights(rng, experts, n, k, kind)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes)))
+    ref = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(sizes)))
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
+
+
+def test_row_tiles_cover_each_group_once():
+    sizes = jnp.asarray([0, 5, 40, 0, 17, 1], jnp.int32)
+    tiles = np.asarray(row_tiles(sizes, 16, 12))
+    covered = []
+    for expert, first, count in tiles.T:
+        covered += [(int(expert), r) for r in range(first, first + count)]
+    starts = np.cumsum(sizes) - sizes
+    want = [(e, int(starts[e]) + i) for e in range(6) for i in range(int(sizes[e]))]
+    assert sorted(covered) == want
+
+
+def test_grouped_bad_inputs_are_named():
+    w = jnp.zeros((4, 8, 64), jnp.float32)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        grouped_matmul(jnp.zeros((3, 64)), w, jnp.asarray([3, 0], jnp.int32))
+    with pytest.raises(ValueError, match="stacked expert weights"):
+        grouped_matmul(jnp.zeros((3, 64)), jnp.zeros((8, 64)), jnp.asarray([3], jnp.int32))

@@ -9,12 +9,18 @@ moves.
 
 import types
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from ddtree_jax.sampling import SamplingParams
 
 registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+
+
+def spec(shape, dtype=jnp.float32):
+    """An abstract array: lowering needs shapes only (the K2.6 expert stack would be 11 GB)."""
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 @pytest.fixture
@@ -30,14 +36,14 @@ def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
     from kernels.tree_sampling import _from_logits_jit, _from_probs_jit
 
     batch, slots, vocab = 2, 17, 163840
-    lists = (jnp.zeros((batch, slots), jnp.int32),) * 3
-    coins = (jnp.zeros((batch, slots)), jnp.zeros((batch,)))
+    lists = (spec((batch, slots), jnp.int32),) * 3
+    coins = (spec((batch, slots)), spec((batch,)))
     static = dict(max_accept=8, threshold_single=1.0, threshold_acc=1.0, interpret=False)
-    text = _from_logits_jit.trace(*lists, jnp.zeros((batch, slots, vocab), dtype), SamplingParams.create(batch), *coins,
+    text = _from_logits_jit.trace(*lists, spec((batch, slots, vocab), dtype), SamplingParams.create(batch), *coins,
                                   **static).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("partial_stats", "search_count", "search_mass", "kept_mass", "walk_logits", "residual_logits", "final_logits"):
         assert f"tree_sampling_{name}" in text, name
-    text = _from_probs_jit.trace(*lists, jnp.zeros((batch, slots, vocab), jnp.float32), *coins,
+    text = _from_probs_jit.trace(*lists, spec((batch, slots, vocab), jnp.float32), *coins,
                                  **static).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("walk_probs", "residual_probs", "final_probs"):
         assert f"tree_sampling_{name}" in text, name
@@ -50,10 +56,27 @@ def test_decode_matmul_lowers_for_triton(hopper, kind):
 
     m, k, n = 17, 4096, 12288
     weight = {
-        "dense": jnp.zeros((n, k), jnp.bfloat16),
-        "int4": Int4Weight(jnp.zeros((n, k // 8), jnp.int32), jnp.zeros((n, k // 32), jnp.bfloat16)),
-        "fp8": Fp8BlockWeight(jnp.zeros((n, k), jnp.float8_e4m3fn), jnp.zeros((n // 128, k // 128), jnp.float32)),
+        "dense": spec((n, k), jnp.bfloat16),
+        "int4": Int4Weight(spec((n, k // 8), jnp.int32), spec((n, k // 32), jnp.bfloat16)),
+        "fp8": Fp8BlockWeight(spec((n, k), jnp.float8_e4m3fn), spec((n // 128, k // 128), jnp.float32)),
     }[kind]
-    text = _matmul_2d.trace(jnp.zeros((m, k), jnp.bfloat16), weight, interpret=False).lower(
+    text = _matmul_2d.trace(spec((m, k), jnp.bfloat16), weight, interpret=False).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "decode_matmul" in text
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
+def test_grouped_matmul_lowers_for_triton(hopper, kind):
+    from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
+    from kernels.decode_matmul import _grouped_2d
+
+    experts, n, k = 384, 2048, 7168  # Kimi K2.6 experts
+    weight = {
+        "dense": spec((experts, n, k), jnp.bfloat16),
+        "int4": Int4Weight(spec((experts, n, k // 8), jnp.int32), spec((experts, n, k // 32), jnp.bfloat16)),
+        "fp8": Fp8BlockWeight(spec((experts, n, k), jnp.float8_e4m3fn),
+                              spec((experts, n // 128, k // 128), jnp.float32)),
+    }[kind]
+    text = _grouped_2d.trace(spec((136, k), jnp.bfloat16), weight, spec((experts,), jnp.int32),
+                             interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    assert "grouped_matmul" in text
