@@ -36,7 +36,7 @@ from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.layers import linear, swiglu
 from ddtree_jax.models.quant import INT4_GROUP, Int4Weight, dense
 
-MOE_IMPLS = ("auto", "gather", "ragged", "reference")
+MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "reference")
 
 
 def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -142,6 +142,24 @@ def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 
+def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """As `routed_ragged`, with `kernels.decode_matmul.grouped_matmul` for the three expert matmuls:
+    INT4 / FP8 experts stay packed and are dequantised in registers; experts no assignment chose are
+    never read. Interpret mode off GPU (slow: for tests)."""
+    from kernels.decode_matmul import grouped_matmul
+
+    tokens, k = experts.shape
+    num_experts = p["expert_gate"].shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # sorted position -> assignment
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    xs = x[order // k]
+    h = jax.nn.silu(grouped_matmul(xs, p["expert_gate"], group_sizes)) * grouped_matmul(xs, p["expert_up"], group_sizes)
+    out_sorted = grouped_matmul(h, p["expert_down"], group_sizes)
+    out = out_sorted[jnp.argsort(order)].reshape(tokens, k, -1)
+    return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
+
+
 def choose_impl(config: DeepSeekV3Config, num_tokens: int) -> str:
     """The "auto" rule: "gather" while the assignments (tokens * k) are at most the experts (it reads N
     experts, the reference all E), else "reference" (faster than XLA's ragged_dot on GPU: module docstring)."""
@@ -159,5 +177,5 @@ def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") 
     if impl == "reference":
         return moe_reference(config, p, x)
     experts, weights = route(config, p["router"], p["router_bias"], flat)
-    routed = (routed_gather if impl == "gather" else routed_ragged)(p, flat, experts, weights)
+    routed = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas}[impl](p, flat, experts, weights)
     return routed.reshape(lead + (width,)) + _shared(p, x)

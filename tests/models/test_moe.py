@@ -1,4 +1,4 @@
-"""The MoE dispatches (models/moe.py): gather and ragged equal the every-expert reference for float, INT4
+"""The MoE dispatches (models/moe.py): gather, ragged and pallas (kernels/decode_matmul.grouped_matmul, interpret mode) equal the every-expert reference for float, INT4
 and block-FP8 routed experts, with group-limited routing and a non-zero correction bias."""
 
 import jax
@@ -50,7 +50,7 @@ def _reference(p, x):
     return moe.moe_reference(CONFIG, p, x)
 
 
-_DISPATCH = {impl: jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl)) for impl in ("gather", "ragged")}
+_DISPATCH = {impl: jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl)) for impl in ("gather", "ragged", "pallas")}
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
@@ -117,6 +117,6 @@ def test_prefill_and_verify_take_each_impl():
         pre, _, cache = deepseek_v3.prefill(CONFIG, params, cache, ids, jnp.array([6, 4], jnp.int32), moe_impl=impl)
         ver, _, _ = deepseek_v3.verify(CONFIG, params, cache, ids[:, :4], depths, tree_mask, moe_impl=impl)
         outs[impl] = (pre, ver)
-    for impl in ("auto", "gather", "ragged"):
+    for impl in ("auto", "gather", "ragged", "pallas"):
         for got, want in zip(outs[impl], outs["reference"]):
             assert _relerr(got, want) < 1e-5, impl
