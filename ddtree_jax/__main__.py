@@ -3,11 +3,15 @@
 Subcommands:
   tree       build a DDTree from given (.npy) or synthetic draft logits and show it.
   generate   DDTree / DFlash-chain / AR generation from HF checkpoints (or a random tiny pair), timed.
+  bench      AR vs DFlash chain vs DDTree (one column per budget) on the same prompts: a table, optional JSON;
+             --profile adds per-stage times of one decode step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -55,60 +59,240 @@ def _tree_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_command(args: argparse.Namespace) -> int:
-    import jax
+DEFAULT_PROMPTS = (  # bench's prompts when none are given and the pair has a tokenizer
+    "def fibonacci(n):",
+    "The three laws of thermodynamics are",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Q: What is 17 * 23? Show your work.\nA:",
+)
+DEFAULT_PROMPT_IDS = ([1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13])  # ... and without a tokenizer
 
-    from ddtree_jax.engine.run import enable_compilation_cache, load_pair, random_tiny_pair, run
 
-    if args.chat and (args.prompt is None or args.prompt_ids):
-        raise SystemExit("error: --chat wraps --prompt text as a user message; give --prompt (not --prompt-ids)")
+def _parse_ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def _load(args: argparse.Namespace):
+    """The pair of --target/--drafter (or --random-tiny), with the compilation cache set up."""
+    from ddtree_jax.engine.run import DEFAULT_CACHE_DIR, enable_compilation_cache, load_pair, random_tiny_pair
+
     if args.compilation_cache is None:
-        from ddtree_jax.engine.run import DEFAULT_CACHE_DIR
-
         args.compilation_cache = DEFAULT_CACHE_DIR
     enable_compilation_cache(args.compilation_cache or None)
     if args.random_tiny:
-        pair = random_tiny_pair(args.seed)
-    elif args.target:
-        pair = load_pair(args.target, args.drafter)
-    else:
-        raise SystemExit("error: give --target DIR [--drafter DIR], or --random-tiny")
-    if args.prompt_ids:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
-    elif args.prompt is not None:
-        if pair.tokenizer is None:
-            raise SystemExit("error: --prompt needs a tokenizer (tokenizer.json or tiktoken.model) in the target "
-                             "directory; use --prompt-ids")
-        if args.chat:
-            if not pair.tokenizer.has_chat_template:
-                raise SystemExit(f"error: --chat needs a chat template in {args.target} (chat_template.jinja or "
-                                 "tokenizer_config.json's chat_template)")
-            text = pair.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                      add_generation_prompt=True)
-            prompt = pair.tokenizer.encode(text)  # the template writes the special tokens itself
+        return random_tiny_pair(args.seed)
+    if args.target:
+        return load_pair(args.target, args.drafter)
+    if args.drafter:
+        raise ValueError("--drafter needs --target (the drafter runs on the target's embedding and head)")
+    raise ValueError("give --target DIR [--drafter DIR], or --random-tiny")
+
+
+def _encode(pair, texts: list[str], chat: bool, where: str) -> list[list[int]]:
+    """Prompt texts -> ids with the pair's tokenizer (wrapped in its chat template with --chat)."""
+    if pair.tokenizer is None:
+        raise SystemExit("error: --prompt needs a tokenizer (tokenizer.json or tiktoken.model) in the target "
+                         "directory; use --prompt-ids")
+    if chat and not pair.tokenizer.has_chat_template:
+        raise SystemExit(f"error: --chat needs a chat template in {where} (chat_template.jinja or "
+                         "tokenizer_config.json's chat_template)")
+    prompts = []
+    for text in texts:
+        if chat:
+            text = pair.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            prompts.append(pair.tokenizer.encode(text))  # the template writes the special tokens itself
         else:
-            prompt = pair.tokenizer.encode(args.prompt, add_special_tokens=True)
+            prompts.append(pair.tokenizer.encode(text, add_special_tokens=True))
+    return prompts
+
+
+def _stop_tokens(pair, chat: bool) -> list[int]:
+    """With --chat: stop at the tokenizer's eos and end-of-turn tokens (<|im_end|> and kin)."""
+    from ddtree_jax.engine.run import chat_stop_tokens
+
+    return chat_stop_tokens(pair.tokenizer) if chat else []
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                order=args.order)
+
+
+def _profile_rows(pair, prompt, columns, args) -> list[tuple[str, dict]]:
+    """stage_times of one decode step per (method, budget) column, on `prompt`."""
+    from ddtree_jax.engine.profile import stage_times
+
+    rows = []
+    for method, budget in columns:
+        times = stage_times(pair, prompt, method=method, budget=budget or 1, block_size=args.block_size,
+                            max_new_tokens=args.max_new, **_sampling(args), repeats=max(args.repeats, 10))
+        rows.append((method + ("" if budget is None else f" {budget}"), times))
+    return rows
+
+
+def _generate_command(args: argparse.Namespace) -> int:
+    import jax
+
+    from ddtree_jax.engine import run as run_module
+
+    if args.chat and (args.prompt is None or args.prompt_ids is not None):
+        raise SystemExit("error: --chat wraps --prompt text as a user message; give --prompt (not --prompt-ids)")
+    pair = _load(args)
+    methods = ["ar", "chain", "ddtree"] if args.method == "all" else [args.method]
+    for method in methods:  # before anything compiles
+        run_module.check_options(method, budget=args.budget, block_size=args.block_size, max_new_tokens=args.max_new,
+                                 drafter=getattr(pair, "drafter", None))
+    if args.prompt_ids is not None:
+        prompt = _parse_ids(args.prompt_ids, "--prompt-ids")
+    elif args.prompt is not None:
+        prompt = _encode(pair, [args.prompt], args.chat, args.target)[0]
     else:
         prompt = [1, 2, 3, 4]
+    stop_tokens = _stop_tokens(pair, args.chat)
     decode = (lambda ids: pair.tokenizer.decode(ids, skip_special_tokens=True)) if pair.tokenizer else str
-    methods = ["ar", "chain", "ddtree"] if args.method == "all" else [args.method]
     print(f"device: {jax.devices()[0].platform}; prompt: {len(prompt)} tokens; T = {args.temperature}; "
-          f"max_new_tokens = {args.max_new}", flush=True)
+          f"max_new_tokens = {args.max_new}" + (f"; stop tokens {stop_tokens}" if stop_tokens else ""), flush=True)
     reports = {}
     for method in methods:
-        report = run(pair, [prompt], method=method, budget=args.budget, block_size=args.block_size,
-                     max_new_tokens=args.max_new, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                     min_p=args.min_p, seed=args.seed, order=args.order, repeats=args.repeats)
+        report = run_module.run(pair, [prompt], method=method, budget=args.budget, block_size=args.block_size,
+                                max_new_tokens=args.max_new, **_sampling(args), stop_tokens=stop_tokens,
+                                repeats=args.repeats)
         reports[method] = report
         print(f"\n[{method}{' budget ' + str(args.budget) if method == 'ddtree' else ''}] "
               f"tau = {report['tau']:.2f} tokens/step, {report['tokens_per_s']:.1f} tokens/s "
               f"(compile {report['compile_s']:.1f} s, run {report['run_s'] * 1e3:.0f} ms)")
-        print(decode(report["tokens"][0]))
+        print(decode(report["tokens"][0]), flush=True)
     if "ar" in reports and len(reports) > 1:
         for method, report in reports.items():
             if method != "ar":
                 print(f"speedup over AR ({method}): {reports['ar']['run_s'] / report['run_s']:.2f}x on this machine")
+    if args.profile:
+        from ddtree_jax.engine.profile import format_stage_table
+
+        columns = [(m, args.budget if m == "ddtree" else None) for m in methods]
+        print("\nper-stage times of one decode step:\n" + format_stage_table(
+            _profile_rows(pair, prompt, columns, args)))
     return 0
+
+
+def _bench_prompts(args: argparse.Namespace, pair) -> list[list[int]]:
+    if args.chat and args.prompt_ids:
+        raise SystemExit("error: --chat wraps prompt texts as user messages; give --prompt / --prompt-file")
+    if args.prompt_ids:
+        return [_parse_ids(text, "--prompt-ids") for text in args.prompt_ids]
+    texts = list(args.prompt or [])
+    if args.prompt_file:
+        if not os.path.isfile(args.prompt_file):
+            raise ValueError(f"--prompt-file {args.prompt_file!r} does not exist")
+        with open(args.prompt_file, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+        if not lines:
+            raise ValueError(f"--prompt-file {args.prompt_file!r} has no prompts (one per line)")
+        texts += lines
+    if texts:
+        return _encode(pair, texts, args.chat, args.target)
+    if pair.tokenizer is not None:
+        return _encode(pair, list(DEFAULT_PROMPTS), args.chat, args.target)
+    if args.chat:
+        raise SystemExit("error: --chat needs a tokenizer with a chat template")
+    return [list(p) for p in DEFAULT_PROMPT_IDS]
+
+
+def _parse_budgets(text: str) -> list[int]:
+    budgets = _parse_ids(text, "--budget")
+    if not budgets:
+        raise ValueError(f"--budget must be comma-separated integers, got {text!r}")
+    return list(dict.fromkeys(budgets))
+
+
+def _bench_command(args: argparse.Namespace) -> int:
+    import jax
+
+    from ddtree_jax.engine import run as run_module
+
+    budgets = _parse_budgets(args.budget)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in run_module.METHODS]
+    if bad or not methods:
+        raise ValueError(f"--methods must be a comma-separated subset of {','.join(run_module.METHODS)}, "
+                         f"got {args.methods!r}")
+    pair = _load(args)
+    columns = run_module.bench_columns(budgets, methods)
+    for method, budget in columns:  # before anything compiles
+        run_module.check_options(method, budget=budget, block_size=args.block_size, max_new_tokens=args.max_new,
+                                 drafter=pair.drafter)
+    prompts = _bench_prompts(args, pair)
+    stop_tokens = _stop_tokens(pair, args.chat)
+    device = jax.devices()[0]
+    print(f"device: {device.platform} ({device.device_kind}); {len(prompts)} prompt(s) of "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens; T = {args.temperature}; "
+          f"max_new_tokens = {args.max_new}; repeats = {args.repeats}" + (f"; stop tokens {stop_tokens}" if stop_tokens else ""),
+          flush=True)
+    rows = run_module.benchmark(pair, prompts, budgets=budgets, block_size=args.block_size, max_new_tokens=args.max_new,
+                                **_sampling(args), stop_tokens=stop_tokens, repeats=args.repeats, methods=methods,
+                                progress=not args.no_progress)
+    header = f"{'method':<8}{'budget':>7}{'block':>6}{'tokens/s':>11}{'mean tau':>10}{'speedup':>9}{'compile s':>11}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for row in rows:
+        speedup = "" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        print(f"{row['method']:<8}{'' if row['budget'] is None else row['budget']:>7}"
+              f"{'' if row['block_size'] is None else row['block_size']:>6}{row['tokens_per_s']:>11.1f}"
+              f"{row['mean_tau']:>10.2f}{speedup:>9}{row['compile_s']:>11.1f}")
+    print(f"(tokens/s: all prompts' tokens over their summed median run times, prefill included; "
+          f"speedup: tokens/s over AR's)")
+    if args.temperature == 0 and any(row.get("same_text_as_ar") is False for row in rows):
+        differ = [row["method"] + ("" if row["budget"] is None else f" {row['budget']}") for row in rows
+                  if row.get("same_text_as_ar") is False]
+        print(f"note: greedy text differs from AR's for {', '.join(differ)} (near-ties in low precision)")
+    profile = None
+    if args.profile:
+        from ddtree_jax.engine.profile import format_stage_table
+
+        profile = _profile_rows(pair, prompts[0], columns, args)
+        print("\nper-stage times of one decode step (prompt 0):\n" + format_stage_table(profile))
+    if args.json:
+        out = {
+            "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count()},
+            "settings": {"budgets": budgets, "methods": methods, "block_size": args.block_size,
+                         "max_new_tokens": args.max_new, "temperature": args.temperature, "top_k": args.top_k,
+                         "top_p": args.top_p, "min_p": args.min_p, "order": args.order, "seed": args.seed,
+                         "repeats": args.repeats, "stop_tokens": stop_tokens, "chat": args.chat,
+                         "target": args.target, "drafter": args.drafter, "random_tiny": args.random_tiny},
+            "prompts": prompts,
+            "results": rows,
+            "profile": None if profile is None else [
+                {"method": m, "budget": b, **times} for (m, b), (_, times) in zip(columns, profile)],
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"results written to {args.json}")
+    return 0
+
+
+def _add_pair_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="HF directory of the target (config.json, safetensors, tokenizer.json or "
+                        "tiktoken.model)")
+    parser.add_argument("--drafter", help="HF directory of the DFlash drafter")
+    parser.add_argument("--random-tiny", action="store_true", help="a random tiny pair instead (smoke run)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--order", default="draft", choices=["draft", "reverse", "random"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each stage of one decode step alone (draft, tree, verify forward, "
+                        "verification, commit) next to the fused step")
+    parser.add_argument("--compilation-cache", default=None, help="persistent XLA cache dir ('' to disable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,27 +312,29 @@ def build_parser() -> argparse.ArgumentParser:
     tree.set_defaults(func=_tree_command)
 
     gen = sub.add_parser("generate", help="speculative generation from HF checkpoints, timed")
-    gen.add_argument("--target", help="HF directory of the target (config.json, safetensors, tokenizer.json or "
-                     "tiktoken.model)")
-    gen.add_argument("--drafter", help="HF directory of the DFlash drafter")
-    gen.add_argument("--random-tiny", action="store_true", help="a random tiny pair instead (smoke run)")
+    _add_pair_args(gen)
     gen.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
     gen.add_argument("--chat", action="store_true",
-                     help="wrap --prompt as one user message in the target's chat template (generation prompt added)")
+                     help="wrap --prompt as one user message in the target's chat template (generation prompt added); "
+                     "generation stops at the tokenizer's eos / end-of-turn token")
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     gen.add_argument("--method", default="ddtree", choices=["ddtree", "chain", "ar", "all"])
     gen.add_argument("--budget", type=int, default=32)
-    gen.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    gen.add_argument("--max-new", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--order", default="draft", choices=["draft", "reverse", "random"])
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
-    gen.add_argument("--compilation-cache", default=None, help="persistent XLA cache dir ('' to disable)")
+    _add_sampling_args(gen)
     gen.set_defaults(func=_generate_command)
+
+    bench = sub.add_parser("bench", help="AR vs DFlash chain vs DDTree on the same prompts: tokens/s, tau, speedup")
+    _add_pair_args(bench)
+    bench.add_argument("--prompt", action="append", help="prompt text (repeatable; needs the target's tokenizer)")
+    bench.add_argument("--prompt-file", help="a text file of prompts, one per line")
+    bench.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
+    bench.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template; stop at end of turn")
+    bench.add_argument("--budget", default="32", help="DDTree budget(s), comma-separated: one column each (16,64,256)")
+    bench.add_argument("--methods", default="ar,chain,ddtree", help="columns to run (default ar,chain,ddtree)")
+    _add_sampling_args(bench)
+    bench.add_argument("--json", metavar="FILE", help="also write every number (per prompt too) to FILE")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=_bench_command)
     return parser
 
 
@@ -156,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as err:  # bad input: one clear line, no traceback
+    except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -1,14 +1,24 @@
-"""The `ddtree-jax` command line: the tree tool and generate (random tiny pair)."""
+"""The `ddtree-jax` command line: the tree tool, generate and bench (random tiny pair), clear errors, --chat."""
 
+import dataclasses
+import json
+import os
 import re
+import types
 
 import jax
 import numpy as np
+import pytest
 
 from ddtree_jax.__main__ import main
+from ddtree_jax.checkpoint import to_hf_dict
+from ddtree_jax.config import DFlashConfig
+from ddtree_jax.engine.run import chat_stop_tokens, check_pair, check_request, random_tiny_pair
 from ddtree_jax.tree import build_tree
 from ddtree_jax.tree.render import surrogate_tau
 from ddtree_jax.tree.synthetic import synthetic_draft_logits
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_tiny")  # hidden 32, vocab 97, 128 positions
 
 
 def test_tree_tool_prints_the_tree_and_plots(tmp_path, capsys):
@@ -39,3 +49,175 @@ def test_generate_random_tiny_methods_agree_greedily(capsys):
     texts = re.findall(r"^\[[\d, ]+\]$", out, flags=re.M)
     assert len(texts) == 3 and len(set(texts)) == 1  # AR, chain and DDTree emit the same greedy text
     assert "speedup over AR (ddtree)" in out and "compile" in out
+
+
+# ------------------------------------------------------------------------------------------------ bench
+# The same static shapes as the generate test above (batch 1, prompt width 4, max-new 6, budget 4), so in one
+# pytest process the AR / chain / DDTree-4 programs compile once for all of these tests.
+
+TINY = ["--random-tiny", "--max-new", "6", "--repeats", "1", "--compilation-cache", ""]
+
+
+def test_bench_table_and_json(tmp_path, capsys):
+    out_file = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--budget", "4,2", "--prompt-ids", "1,2,3,4", "--prompt-ids", "5,6,7",
+                 "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^method\s+budget\s+block\s+tokens/s\s+mean tau\s+speedup\s+compile s$", out, flags=re.M)
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["ar"], ["chain"], ["ddtree"])]
+    assert [row[0] for row in table] == ["ar", "chain", "ddtree", "ddtree"]
+    assert table[0][-2] == "1.00x" and table[1][1] == "8" and table[2][1:3] == ["4", "8"] and table[3][1] == "2"
+    data = json.loads(out_file.read_text())
+    assert set(data) == {"device", "settings", "prompts", "results", "profile"}
+    assert data["prompts"] == [[1, 2, 3, 4], [5, 6, 7]] and data["settings"]["budgets"] == [4, 2]
+    assert data["profile"] is None
+    rows = data["results"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("chain", None), ("ddtree", 4), ("ddtree", 2)]
+    for row in rows:
+        assert {"tokens_per_s", "mean_tau", "speedup", "compile_s", "run_s", "num_tokens", "per_prompt"} <= set(row)
+        assert row["tokens_per_s"] > 0 and row["mean_tau"] >= 1.0 and row["num_tokens"] == 12
+        assert len(row["per_prompt"]) == 2 and row["same_text_as_ar"]  # greedy: every method emits AR's text
+    assert rows[0]["speedup"] == 1.0
+    assert rows[2]["speedup"] == rows[2]["tokens_per_s"] / rows[0]["tokens_per_s"]
+
+
+def test_bench_profile_prints_the_stage_table(capsys):
+    assert main(["bench", *TINY, "--methods", "chain", "--prompt-ids", "1,2,3,4", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "per-stage times of one decode step" in out
+    header = next(line for line in out.splitlines() if line.startswith("method") and "verify fwd" in line)
+    assert header.split() == ["method", "draft", "tree", "verify", "fwd", "verification", "commit", "sum", "step",
+                              "non-fwd"]
+    row = next(line for line in out.splitlines() if line.startswith("chain ") and line.endswith("%"))
+    assert all(float(v) > 0 for v in row.split()[1:-1])
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def _error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_paths_are_named(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    assert f"target directory {missing!r} does not exist" in _error(["bench", "--target", missing], capsys)
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in _error(["generate", "--target", str(tmp_path / "file")], capsys)
+    assert f"drafter directory {missing!r} does not exist" in _error(
+        ["generate", "--target", FIXTURE, "--drafter", missing], capsys)
+    assert "has no config.json" in _error(["generate", "--target", str(tmp_path)], capsys)
+    assert "--drafter needs --target" in _error(["bench", "--drafter", FIXTURE], capsys)
+    assert "--prompt-file" in _error(["bench", *TINY, "--prompt-file", missing], capsys)
+
+
+def _drafter_dir(tmp_path, name, vocab, **kw):
+    config = dict(hidden_size=32, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                  block_size=4, mask_token_id=5, target_layers=(0, 1))
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(to_hf_dict(DFlashConfig(**{**config, **kw}), vocab)))
+    return str(directory)
+
+
+def test_target_drafter_mismatch_is_named(tmp_path, capsys):
+    """The configs are checked before any weight loads (the drafter directories hold a config only)."""
+    base = ["generate", "--target", FIXTURE, "--drafter"]  # the fixture: hidden 32, vocab 97, 2 layers
+    assert "drafter hidden_size 48 != target hidden_size 32" in _error(
+        base + [_drafter_dir(tmp_path, "wide", 97, hidden_size=48)], capsys)
+    assert "drafter vocab_size 100 != target vocab_size 97" in _error(base + [_drafter_dir(tmp_path, "vocab", 100)], capsys)
+    assert "drafter mask_token_id 97 is outside" in _error(
+        base + [_drafter_dir(tmp_path, "mask", 97, mask_token_id=97)], capsys)
+    assert "drafter target_layers [5]" in _error(base + [_drafter_dir(tmp_path, "layers", 97, target_layers=(0, 5))],
+                                                 capsys)
+    # a built pair whose drafter holds another target's embedding
+    pair = random_tiny_pair()
+    bad = dataclasses.replace(pair, drafter=dataclasses.replace(pair.drafter, embed=pair.drafter.embed[:, :32]))
+    with pytest.raises(ValueError, match=re.escape("drafter embed has shape (512, 32), expected [target vocab_size, "
+                                                   "hidden_size] = (512, 64)")):
+        check_pair(bad)
+
+
+def test_bad_budget_block_size_and_prompts_are_named(tmp_path, capsys):
+    assert "budget must be in [1, 1024], got 0" in _error(["generate", *TINY, "--budget", "0"], capsys)
+    assert "budget must be in [1, 1024], got 1025" in _error(["bench", *TINY, "--budget", "16,1025"], capsys)
+    assert "--budget must be comma-separated integers, got '16,x'" in _error(["bench", *TINY, "--budget", "16,x"], capsys)
+    assert "block_size must be in [2, 8] (the drafter's block_size), got 9" in _error(
+        ["generate", *TINY, "--method", "chain", "--block-size", "9"], capsys)
+    assert "got 1" in _error(["bench", *TINY, "--block-size", "1"], capsys)
+    assert "prompt 0 is empty" in _error(["generate", *TINY, "--method", "ar", "--prompt-ids", ""], capsys)
+    assert "prompt 1 is empty" in _error(["bench", *TINY, "--prompt-ids", "1,2", "--prompt-ids", " "], capsys)
+    assert "prompt 0 has token id 512 outside the target vocabulary [0, 512)" in _error(
+        ["generate", *TINY, "--method", "ar", "--prompt-ids", "1,512"], capsys)
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert "has no prompts" in _error(["bench", *TINY, "--prompt-file", str(tmp_path / "empty.txt")], capsys)
+    assert "--methods must be" in _error(["bench", *TINY, "--methods", "ar,tree"], capsys)
+    # the fixture target's max_position_embeddings is 128
+    ids = ",".join(["1"] * 100)
+    assert "prompt 0 (100 tokens) + max_new_tokens 40 = 140 exceeds the target's max_position_embeddings 128" in _error(
+        ["generate", "--target", FIXTURE, "--method", "ar", "--prompt-ids", ids, "--max-new", "40",
+         "--compilation-cache", ""], capsys)
+
+
+def test_check_request_from_python():
+    pair = random_tiny_pair()
+    ok = dict(method="ddtree", budget=8, block_size=4, max_new_tokens=4)
+    check_request(pair, [[1, 2, 3]], **ok)
+    for change, message in [(dict(budget=0), "budget must be in"), (dict(block_size=9), "got 9"),
+                            (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+                            (dict(method="beam"), "method must be one of")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_request(pair, [[1, 2, 3]], **{**ok, **change})
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        check_request(pair, [[1], []], **ok)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        check_request(dataclasses.replace(pair, drafter=None), [[1]], **ok)
+    long = dataclasses.replace(pair, target_config=dataclasses.replace(pair.target_config, max_position_embeddings=8))
+    with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings 8"):
+        check_request(long, [[1, 2, 3]], **{**ok, "max_new_tokens": 6})
+
+
+# ------------------------------------------------------------------------------------------------ chat
+
+
+def _chatml_dir(tmp_path):
+    """A word-level tokenizer.json with ChatML specials; eos <|endoftext|>, end of turn <|im_end|>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "user", "assistant", "hi", "4"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    directory = tmp_path / "chatml"
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": template}))
+    return directory
+
+
+def test_generate_chat_stops_at_eos_and_end_of_turn(tmp_path, monkeypatch, capsys):
+    from ddtree_jax.checkpoint import load_tokenizer
+    from ddtree_jax.engine import run as run_module
+
+    directory = _chatml_dir(tmp_path)
+    tok = load_tokenizer(str(directory))
+    assert chat_stop_tokens(tok) == [3, 2]  # eos, then <|im_end|>
+    seen = {}
+
+    def fake_run(pair, prompts, **kwargs):
+        seen.update(kwargs, prompt=prompts[0])
+        return {"tau": 1.5, "tokens_per_s": 10.0, "compile_s": 0.0, "run_s": 0.2, "tokens": [[7, 2]]}
+
+    monkeypatch.setattr(run_module, "load_pair", lambda target, drafter: types.SimpleNamespace(tokenizer=tok))
+    monkeypatch.setattr(run_module, "run", fake_run)
+    common = ["generate", "--target", str(directory), "--method", "ar", "--compilation-cache", "", "--prompt", "hi"]
+    assert main(common + ["--chat"]) == 0
+    out = capsys.readouterr().out
+    assert seen["stop_tokens"] == [3, 2] and seen["prompt"] == [1, 4, 6, 2, 1, 5]
+    assert "tau = 1.50 tokens/step, 10.0 tokens/s" in out and out.splitlines()[-1] == "4"
+    assert main(common) == 0 and seen["stop_tokens"] == []  # no chat: no stop tokens

@@ -1,6 +1,8 @@
 """Generation from HF checkpoint directories (or a random tiny pair), with timing: what the
-`ddtree-jax generate` command runs. Compilation is timed apart from generation, and compiled
-programs persist across runs in a JAX compilation cache."""
+`ddtree-jax generate` and `bench` commands run. Compilation is timed apart from generation, and
+compiled programs persist across runs in a JAX compilation cache. Requests are checked first
+(`check_request`: budget, block size, prompts, lengths; `check_pair`: target / drafter shapes), so
+bad input raises a ValueError naming the value, from Python as from the CLI."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.checkpoint import Tokenizer, load_hf, load_tokenizer
+from ddtree_jax.checkpoint import Tokenizer, load_tokenizer
+from ddtree_jax.checkpoint.hf_config import parse_config, read_config
+from ddtree_jax.checkpoint.hf_weights import load_weights
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
+from ddtree_jax.engine.step import METHODS
 from ddtree_jax.models import dflash, qwen3, target_module
 from ddtree_jax.sampling import SamplingParams, row_keys
 
@@ -37,22 +42,127 @@ class Pair:
     tokenizer: Tokenizer | None = None
 
 
+MAX_BUDGET = 1024  # the largest --budget accepted (a tree of N = budget + 1 slots per row and step)
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>")
+
+
+def _check_directory(path: str, role: str) -> None:
+    if not os.path.exists(path):
+        raise ValueError(f"{role} directory {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"{role} path {path!r} is not a directory")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"{role} directory {path!r} has no config.json")
+
+
+def check_configs(target_config, drafter_config: DFlashConfig, drafter_vocab: int | None = None) -> None:
+    """What a DFlash drafter needs from its target: the same hidden size (it runs on the target's
+    embedding and LM head, [V, D]), tapped layers the target has, its mask token inside the target's
+    vocabulary, and the same vocabulary size when its config.json states one. ValueError otherwise."""
+    if drafter_config.hidden_size != target_config.hidden_size:
+        raise ValueError(f"drafter hidden_size {drafter_config.hidden_size} != target hidden_size "
+                         f"{target_config.hidden_size} (the drafter runs on the target's embedding and LM head)")
+    if drafter_vocab is not None and drafter_vocab != target_config.vocab_size:
+        raise ValueError(f"drafter vocab_size {drafter_vocab} != target vocab_size {target_config.vocab_size}")
+    if not 0 <= drafter_config.mask_token_id < target_config.vocab_size:
+        raise ValueError(f"drafter mask_token_id {drafter_config.mask_token_id} is outside the target vocabulary "
+                         f"[0, {target_config.vocab_size})")
+    bad = [l for l in drafter_config.target_layers if not 0 <= l < target_config.num_layers]
+    if bad:
+        raise ValueError(f"drafter target_layers {bad} are outside the target's {target_config.num_layers} layers")
+
+
+def check_pair(pair: Pair) -> None:
+    """`check_configs` for a built pair, plus the shapes a DFlashDrafter holds: embedding and LM head
+    [target vocab_size, hidden_size], fc [hidden_size, F * target hidden_size]. Other drafters (e.g. an
+    oracle) bring their own contract and are not checked."""
+    drafter, config = pair.drafter, pair.target_config
+    if not isinstance(drafter, DFlashDrafter):
+        return
+    check_configs(config, drafter.config)
+    expected = (config.vocab_size, config.hidden_size)
+    for name in ("embed", "lm_head"):
+        shape = tuple(getattr(drafter, name).shape)
+        if shape != expected:
+            raise ValueError(f"drafter {name} has shape {shape}, expected [target vocab_size, hidden_size] = {expected}")
+    fc = tuple(drafter.params["fc"].shape)
+    want = (drafter.config.hidden_size, len(drafter.config.target_layers) * config.hidden_size)
+    if fc != want:
+        raise ValueError(f"drafter fc has shape {fc}, expected {want} ({len(drafter.config.target_layers)} tapped "
+                         f"layers of hidden size {config.hidden_size})")
+
+
+def check_options(method: str, *, budget: int | None = None, block_size: int | None = None, max_new_tokens: int = 1,
+                  drafter=None) -> None:
+    """The prompt-independent half of `check_request`: the method (and its drafter, for DDTree / chain),
+    budget in [1, MAX_BUDGET] (DDTree), block size in [2, the drafter's block_size] (DDTree / chain),
+    max_new_tokens >= 1. ValueError naming the bad value."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "ar":
+        if drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        largest = drafter.max_block_size
+        if block_size is not None and not 2 <= block_size <= largest:
+            raise ValueError(f"block_size must be in [2, {largest}] (the drafter's block_size), got {block_size}")
+    if method == "ddtree" and not (isinstance(budget, (int, np.integer)) and 1 <= budget <= MAX_BUDGET):
+        raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {budget}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def check_request(pair: Pair, prompt_ids, *, method: str, budget: int | None = None, block_size: int | None = None,
+                  max_new_tokens: int = 1) -> None:
+    """Pair-level checks of a generation request (`run`, `benchmark` and the profiler call it):
+    `check_options`, non-empty prompts of ids inside the target vocabulary, prompt + max_new_tokens
+    within the target's max_position_embeddings (when its config has one), and `check_pair`.
+    ValueError naming the bad value."""
+    check_options(method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens, drafter=pair.drafter)
+    if not prompt_ids:
+        raise ValueError("no prompts given")
+    config = pair.target_config
+    limit = getattr(config, "max_position_embeddings", None)
+    for i, prompt in enumerate(prompt_ids):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [int(t) for t in prompt if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the target vocabulary [0, {config.vocab_size})")
+        if limit is not None and len(prompt) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens {max_new_tokens} = "
+                             f"{len(prompt) + max_new_tokens} exceeds the target's max_position_embeddings {limit}")
+    check_pair(pair)
+
+
 def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pair:
     """Target + DFlash drafter from HF directories; the target's tapped layers come from the drafter. The
-    tokenizer is the target directory's (tokenizer.json or tiktoken.model; None without either)."""
+    tokenizer is the target directory's (tokenizer.json or tiktoken.model; None without either).
+    Both configs are read and checked against each other (`check_configs`) before any weight loads."""
+    _check_directory(target_dir, "target")
+    if drafter_dir:
+        _check_directory(drafter_dir, "drafter")
     tokenizer = load_tokenizer(target_dir)  # first: a malformed tokenizer fails before the weights load
-    target_config, target_params = load_hf(target_dir, dtype)
+    target_config = parse_config(read_config(target_dir))
     if isinstance(target_config, DFlashConfig):
         raise ValueError(f"{target_dir} holds a drafter config, not a target")
-    target = target_module(target_config)
-    drafter = None
+    drafter_config = None
     if drafter_dir:
-        drafter_config, drafter_params = load_hf(drafter_dir, dtype)
+        raw = read_config(drafter_dir)
+        drafter_config = parse_config(raw)
         if not isinstance(drafter_config, DFlashConfig):
             raise ValueError(f"{drafter_dir} is not a DFlash drafter (no dflash_config)")
+        check_configs(target_config, drafter_config, raw.get("vocab_size"))
         target_config = dataclasses.replace(target_config, tapped_layers=drafter_config.target_layers)
-        drafter = DFlashDrafter(drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params))
-    return Pair(target_config, target_params, drafter, tokenizer)
+    target_params = load_weights(target_dir, target_config, dtype)
+    target = target_module(target_config)
+    drafter = None
+    if drafter_config is not None:
+        drafter_params = load_weights(drafter_dir, drafter_config, dtype)
+        drafter = DFlashDrafter(drafter_config, drafter_params, target.embedding(target_params),
+                                target.head(target_config, target_params))
+    pair = Pair(target_config, target_params, drafter, tokenizer)
+    check_pair(pair)
+    return pair
 
 
 def random_tiny_pair(seed: int = 0, vocab: int = 512) -> Pair:
@@ -68,41 +178,147 @@ def random_tiny_pair(seed: int = 0, vocab: int = 512) -> Pair:
     return Pair(target_config, target_params, drafter)
 
 
-def run(pair: Pair, prompt_ids: list[list[int]], *, method: str, budget: int, block_size: int | None, max_new_tokens: int,
-        temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, order: str = "draft",
-        stop_tokens: list[int] = (), repeats: int = 1) -> dict:
-    """Compiles once, then generates `repeats` times; returns tokens, tau and timings (seconds)."""
-    if method != "ar" and pair.drafter is None:
-        raise ValueError(f"method {method!r} needs a drafter")
-    block = block_size or (pair.drafter.config.block_size if pair.drafter else 2)
+def chat_stop_tokens(tokenizer: Tokenizer | None) -> list[int]:
+    """Where a chat answer ends: the tokenizer's eos id and the end-of-turn special tokens it has
+    (`<|im_end|>` and kin, END_OF_TURN_TOKENS), deduplicated, in that order."""
+    if tokenizer is None:
+        return []
+    found = [tokenizer.eos_token_id] + [tokenizer.special_tokens.get(name) for name in END_OF_TURN_TOKENS]
+    return list(dict.fromkeys(t for t in found if t is not None))
+
+
+def resolve_block_size(pair: Pair, method: str, block_size: int | None) -> int:
+    """The block size a method runs with: the given one, else the drafter's (2 for AR, unused)."""
+    if method == "ar":
+        return block_size or (pair.drafter.max_block_size if pair.drafter else 2)
+    return block_size or pair.drafter.max_block_size
+
+
+def request_args(pair: Pair, prompt_ids: list[list[int]], *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int = 0, stop_tokens=(), max_new_tokens: int, width: int | None = None,
+                 request_ids=None) -> tuple:
+    """`generate`'s positional arguments for a batch of prompts (right-padded to `width`, default the
+    longest), with one key per request (`request_ids`, default 0 .. B - 1) folded from `seed`."""
     batch = len(prompt_ids)
-    width = max(len(p) for p in prompt_ids)
+    width = width or max(len(p) for p in prompt_ids)
     prompts = np.zeros((batch, width), np.int32)
     for b, p in enumerate(prompt_ids):
         prompts[b, : len(p)] = p
-    args = (
+    request_ids = jnp.arange(batch) if request_ids is None else jnp.asarray(request_ids)
+    return (
         pair.target_config, pair.target_params, pair.drafter, jnp.asarray(prompts),
         jnp.asarray([len(p) for p in prompt_ids], jnp.int32),
         SamplingParams.create(batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
-        row_keys(jax.random.key(seed), jnp.arange(batch)),
+        row_keys(jax.random.key(seed), request_ids),
         jnp.asarray([list(stop_tokens) or [-1]] * batch, jnp.int32),
         jnp.full((batch,), max_new_tokens, jnp.int32),
     )
-    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, order=order)
+
+
+def _compile(args: tuple, static: dict):
     start = time.perf_counter()
     compiled = generate.lower(*args, **static).compile()
-    compile_s = time.perf_counter() - start
+    return compiled, time.perf_counter() - start
+
+
+def _timed(compiled, args: tuple, repeats: int):
+    """Runs a compiled generation `repeats` (>= 1) times: (last result, median seconds)."""
     times = []
-    for _ in range(repeats):
+    for _ in range(max(repeats, 1)):
         start = time.perf_counter()
         result = jax.block_until_ready(compiled(*args[1:]))  # the static target_config is baked in
         times.append(time.perf_counter() - start)
+    return result, float(np.median(times))
+
+
+def run(pair: Pair, prompt_ids: list[list[int]], *, method: str, budget: int, block_size: int | None, max_new_tokens: int,
+        temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, order: str = "draft",
+        stop_tokens: list[int] = (), repeats: int = 1) -> dict:
+    """Compiles once, then generates `repeats` times; returns tokens, tau and timings (seconds).
+    Checks the request first (`check_request`)."""
+    check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
+    block = resolve_block_size(pair, method, block_size)
+    batch = len(prompt_ids)
+    args = request_args(pair, prompt_ids, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                        stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, order=order)
+    compiled, compile_s = _compile(args, static)
+    result, run_s = _timed(compiled, args, repeats)
     tokens = np.asarray(result.tokens)
     n = np.asarray(result.num_generated)
-    run_s = float(np.median(times))
     return {
         "method": method, "budget": budget if method == "ddtree" else None, "block_size": block,
         "tokens": [tokens[b, : n[b]].tolist() for b in range(batch)],
         "tau": float(np.asarray(result.tau).mean()), "steps": int(np.asarray(result.steps).max()),
         "compile_s": compile_s, "run_s": run_s, "tokens_per_s": float(n.sum() / run_s),
     }
+
+
+def bench_columns(budgets, methods=METHODS) -> list[tuple[str, int | None]]:
+    """The benchmark's columns: AR, the DFlash chain, then one DDTree column per budget."""
+    columns = [(m, None) for m in ("ar", "chain") if m in methods]
+    if "ddtree" in methods:
+        columns += [("ddtree", int(b)) for b in budgets]
+    return columns
+
+
+def benchmark(pair: Pair, prompt_ids: list[list[int]], *, budgets=(32,), block_size: int | None = None,
+              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+              min_p: float = 0.0, seed: int = 0, order: str = "draft", stop_tokens=(), repeats: int = 1,
+              methods=METHODS, progress: bool = False) -> list[dict]:
+    """AR vs DFlash chain vs DDTree (one column per budget) on the same prompts, one prompt at a time.
+
+    Every prompt is padded to the longest, so each column compiles once (compile_s); prompt i runs with
+    request key i of `seed` in every column (so greedy columns emit the same text). Per column:
+    tokens_per_s (all generated tokens / the summed median run times), mean_tau (over prompts),
+    speedup (tokens_per_s over AR's; None without an AR column), and per_prompt details.
+    """
+    columns = bench_columns(budgets, methods)
+    for method, budget in columns:  # every request is checked before anything compiles
+        check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
+    width = max(len(p) for p in prompt_ids)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(columns) * len(prompt_ids), desc="bench", unit="run", leave=False, disable=None)
+    common = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
+                  max_new_tokens=max_new_tokens, width=width)
+    rows = []
+    try:
+        for method, budget in columns:
+            block = resolve_block_size(pair, method, block_size)
+            static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget or 1, block_size=block, order=order)
+            if bar is not None:
+                bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: compile")
+            compiled, compile_s = _compile(request_args(pair, prompt_ids[:1], request_ids=[0], **common), static)
+            per_prompt = []
+            for i, prompt in enumerate(prompt_ids):
+                if bar is not None:
+                    bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: prompt {i}")
+                result, run_s = _timed(compiled, request_args(pair, [prompt], request_ids=[i], **common), repeats)
+                n = int(np.asarray(result.num_generated)[0])
+                per_prompt.append({
+                    "prompt": i, "prompt_tokens": len(prompt), "num_tokens": n, "run_s": run_s,
+                    "tokens_per_s": n / run_s, "tau": float(np.asarray(result.tau)[0]),
+                    "steps": int(np.asarray(result.steps)[0]), "tokens": np.asarray(result.tokens)[0, :n].tolist(),
+                })
+                if bar is not None:
+                    bar.update(1)
+            run_s = sum(p["run_s"] for p in per_prompt)
+            num_tokens = sum(p["num_tokens"] for p in per_prompt)
+            rows.append({
+                "method": method, "budget": budget, "block_size": None if method == "ar" else block,
+                "tokens_per_s": num_tokens / run_s, "mean_tau": float(np.mean([p["tau"] for p in per_prompt])),
+                "speedup": None, "compile_s": compile_s, "run_s": run_s, "num_tokens": num_tokens,
+                "per_prompt": per_prompt,
+            })
+    finally:
+        if bar is not None:
+            bar.close()
+    ar = next((r for r in rows if r["method"] == "ar"), None)
+    for row in rows:
+        if ar is not None:
+            row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
+            row["same_text_as_ar"] = all(p["tokens"] == q["tokens"] for p, q in zip(row["per_prompt"], ar["per_prompt"]))
+    return rows

@@ -5,6 +5,10 @@ round trip. Methods share every stage after drafting:
   "ddtree"  build_tree(draft_logits, budget)       N = budget + 1 slots
   "chain"   build_chain(draft_logits)             N = block_size slots (linear DFlash)
   "ar"      no draft: the root alone               N = 1 (plain autoregressive decoding)
+
+The stages are functions of their own (append_stage, draft_stage, tree_stage, verify_forward,
+verification_stage, commit_stage, emit_stage): `decode_step` composes them, `engine.profile` times
+each alone on the inputs of a real step.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from ddtree_jax.models import target_module
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams
 from ddtree_jax.tree import DraftTree, ancestor_mask, build_chain, build_tree
-from ddtree_jax.verify import verify_step
+from ddtree_jax.verify import VerifyResult, verify_step
 
 METHODS = ("ddtree", "chain", "ar")
 
@@ -74,30 +78,55 @@ def steps_per_token(method: str, block_size: int) -> int:
     return 1 if method == "ar" else block_size
 
 
-def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
-                stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
-                order: str = "draft", verify_method: str = "sampling", attn_impl: str = "xla") -> DecodeState:
-    """Advances every active row by one speculative step (see the module docstring)."""
-    active = ~state.done
+def append_stage(drafter, draft_state, features: jax.Array, count: jax.Array, *, method: str):
+    """The drafter's context append of the tapped features committed last step (none for AR)."""
     if method == "ar":
-        tree, draft_state = root_only_tree(state.bonus), state.draft_state
-    else:
-        draft_state = drafter.append(state.draft_state, state.ctx_features, state.ctx_count)
-        draft_logits = drafter.draft(draft_state, state.bonus, block_size)
-        if method == "ddtree":
-            tree = build_tree(draft_logits, budget, state.bonus, check_finite=False)
-        else:
-            tree = build_chain(draft_logits, state.bonus, check_finite=False)
-    logits, tapped, cache = target_module(target_config).verify(target_config, target_params, state.target_cache, tree.tokens, tree.depths,
-                                         ancestor_mask(tree), attn_impl=attn_impl)
-    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, state.step))(keys)
-    result = verify_step(tree, logits, sampling, step_keys, order=order, method=verify_method)
+        return draft_state
+    return drafter.append(draft_state, features, count)
 
+
+def draft_stage(drafter, draft_state, bonus: jax.Array, *, method: str, block_size: int) -> jax.Array | None:
+    """The drafter's forward: draft logits [B, block_size - 1, V] after the bonus tokens (None for AR)."""
+    if method == "ar":
+        return None
+    return drafter.draft(draft_state, bonus, block_size)
+
+
+def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str, budget: int) -> DraftTree:
+    """The draft tree: build_tree (DDTree), build_chain (DFlash) or the root alone (AR)."""
+    if method == "ar":
+        return root_only_tree(bonus)
+    if method == "ddtree":
+        return build_tree(draft_logits, budget, bonus, check_finite=False)
+    return build_chain(draft_logits, bonus, check_finite=False)
+
+
+def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree, *, attn_impl: str = "xla"):
+    """The target's tree-verify pass: (logits [B, N, V], tapped [B, N, F*D], cache with the tree K/V written)."""
+    return target_module(target_config).verify(target_config, target_params, cache, tree.tokens, tree.depths,
+                                               ancestor_mask(tree), attn_impl=attn_impl)
+
+
+def verification_stage(tree: DraftTree, logits: jax.Array, sampling: SamplingParams, keys: jax.Array, step: jax.Array, *,
+                       order: str = "draft", verify_method: str = "sampling") -> VerifyResult:
+    """Tree rejection sampling with this step's keys (the request keys with the step folded in)."""
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+    return verify_step(tree, logits, sampling, step_keys, order=order, method=verify_method)
+
+
+def commit_stage(cache: KVCache, tapped: jax.Array, result: VerifyResult, active: jax.Array):
+    """Commits the accepted slots of active rows (inactive rows: nothing, lengths unchanged); returns
+    (cache, the accepted slots' tapped features [B, S, F*D], their count [B]: next step's drafter append)."""
     n_commit = jnp.where(active, result.num_accepted, -1)  # -1: commit nothing, lengths unchanged
     cache = commit(cache, result.accept_index, n_commit)
     ctx_features = gather_accepted(tapped, result.accept_index, n_commit)
+    return cache, ctx_features, jnp.maximum(n_commit + 1, 0)
 
-    # emitted tokens, truncated at the row's first stop token and at its max_new_tokens
+
+def emit_stage(state: DecodeState, result: VerifyResult, stop_tokens: jax.Array, max_new: jax.Array):
+    """The emitted tokens, truncated at the row's first stop token and at its max_new_tokens: returns
+    (output, num_generated, steps, accepted, done, bonus) of the next state."""
+    active = ~state.done
     width = result.tokens.shape[1]
     emitted = result.tokens
     count = result.num_accepted + 1
@@ -114,16 +143,34 @@ def decode_step(target_config, target_params, drafter, state: DecodeState, sampl
     invalid = (emitted[:, 0] == INVALID_TOKEN) & active
     done = state.done | (active & (is_stop.any(1) | (num_generated >= max_new))) | invalid
     final = jnp.take_along_axis(emitted, result.num_accepted[:, None], axis=1)[:, 0]
+    steps = state.steps + active
+    accepted = state.accepted + jnp.where(active, result.num_accepted, 0)
+    return output, num_generated, steps, accepted, done, jnp.where(active, final, state.bonus)
+
+
+def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
+                stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
+                order: str = "draft", verify_method: str = "sampling", attn_impl: str = "xla") -> DecodeState:
+    """Advances every active row by one speculative step (see the module docstring): the stages above,
+    in order (`engine.profile` times each of them alone)."""
+    active = ~state.done
+    draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
+    draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
+    tree = tree_stage(draft_logits, state.bonus, method=method, budget=budget)
+    logits, tapped, cache = verify_forward(target_config, target_params, state.target_cache, tree, attn_impl=attn_impl)
+    result = verification_stage(tree, logits, sampling, keys, state.step, order=order, verify_method=verify_method)
+    cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
+    output, num_generated, steps, accepted, done, bonus = emit_stage(state, result, stop_tokens, max_new)
     return DecodeState(
         target_cache=cache,
         draft_state=draft_state,
-        bonus=jnp.where(active, final, state.bonus),
+        bonus=bonus,
         ctx_features=ctx_features.astype(state.ctx_features.dtype),
-        ctx_count=jnp.maximum(n_commit + 1, 0),
+        ctx_count=ctx_count,
         output=output,
         num_generated=num_generated,
-        steps=state.steps + active,
-        accepted=state.accepted + jnp.where(active, result.num_accepted, 0),
+        steps=steps,
+        accepted=accepted,
         done=done,
         step=state.step + 1,
     )

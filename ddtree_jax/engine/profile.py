@@ -1,0 +1,131 @@
+"""Per-stage times of one decode step: where a step's time goes (`ddtree-jax bench --profile`).
+
+`stage_times` prefills the prompts, runs `warmup_steps` real decode steps (so the drafter has
+context features to append, as mid-generation), then times each stage of `engine.step.decode_step`
+alone, jit-compiled on its own, on the inputs that real step hands it:
+
+  draft           the drafter's forward (`draft_stage`: DFlash draft logits [B, L, V]; 0 for AR)
+  tree            `tree_stage`: build_tree (DDTree), build_chain (DFlash chain), the root alone (AR)
+  verify_forward  the target's tree-verify forward (`verify_forward`)
+  verification    tree rejection sampling (`verification_stage`: verify_step)
+  commit          target cache commit + accepted features, output / stop bookkeeping (`commit_stage`,
+                  `emit_stage`) and the drafter's context append of the accepted features
+                  (`append_stage`, which decode_step runs at the top of the next step)
+
+plus `step`, the whole fused decode step, `stages_sum`, and `non_forward_share` = (tree +
+verification + commit) / step: the share of a step spent outside the two models' forwards. Times
+are medians over `repeats` runs in seconds, each run ended by `jax.block_until_ready`. The stages
+compiled alone lose the fusion across stage boundaries, so `stages_sum` may exceed `step`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from ddtree_jax.engine.generate import prefill
+from ddtree_jax.engine.run import Pair, check_request, request_args, resolve_block_size
+from ddtree_jax.engine.step import (
+    append_stage,
+    commit_stage,
+    decode_step,
+    draft_stage,
+    emit_stage,
+    tree_stage,
+    verification_stage,
+    verify_forward,
+)
+
+STAGES = ("draft", "tree", "verify_forward", "verification", "commit")
+NON_FORWARD = ("tree", "verification", "commit")
+
+
+def _measure(fn, args: tuple, repeats: int):
+    """(output, median seconds) of fn(*args) compiled alone (or of a compiled fn); the first (warm-up) run
+    is not timed."""
+    compiled = fn if isinstance(fn, jax.stages.Compiled) else jax.jit(fn).lower(*args).compile()
+    out = jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return out, float(np.median(times))
+
+
+def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int = 32, block_size: int | None = None,
+                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, seed: int = 0, order: str = "draft", verify_method: str = "sampling",
+                attn_impl: str = "xla", warmup_steps: int = 1, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each stage of one decode step, of the fused step, and the non-forward share.
+
+    prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). max_new_tokens
+    sizes the caches as generation would (attention spans the whole cache). Keys: STAGES, "step",
+    "stages_sum", "non_forward_share" (module docstring). The request is checked (`check_request`).
+    """
+    if len(prompt_ids) and isinstance(prompt_ids[0], (int, np.integer)):
+        prompt_ids = [prompt_ids]
+    check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
+    block = resolve_block_size(pair, method, block_size)
+    config, params, drafter, prompts, lengths, sampling, keys, stop, max_new = request_args(
+        pair, prompt_ids, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+        max_new_tokens=max_new_tokens)
+    shape = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block)
+
+    state = jax.jit(lambda *a: prefill(config, *a, **shape, attn_impl=attn_impl))(
+        params, drafter, prompts, lengths, sampling, keys)
+
+    def step_fn(params, drafter, state, sampling, keys, stop, max_new):
+        return decode_step(config, params, drafter, state, sampling, keys, stop, max_new, method=method, budget=budget,
+                           block_size=block, order=order,
+                           verify_method=verify_method, attn_impl=attn_impl)
+
+    step_args = (params, drafter, state, sampling, keys, stop, max_new)
+    step = jax.jit(step_fn).lower(*step_args).compile()
+    for _ in range(warmup_steps):
+        state = step(params, drafter, state, sampling, keys, stop, max_new)
+    _, step_s = _measure(step, (params, drafter, state, sampling, keys, stop, max_new), repeats)
+
+    # the stages, in decode_step's order, each fed the previous stage's real output
+    draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
+    times = {}
+    if method == "ar":
+        draft_logits, times["draft"] = None, 0.0
+    else:
+        draft_logits, times["draft"] = _measure(
+            lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus),
+            repeats)
+    tree, times["tree"] = _measure(lambda l, b: tree_stage(l, b, method=method, budget=budget),
+                                   (draft_logits, state.bonus), repeats)
+    (logits, tapped, cache), times["verify_forward"] = _measure(
+        lambda p, c, t: verify_forward(config, p, c, t, attn_impl=attn_impl), (params, state.target_cache, tree), repeats)
+    result, times["verification"] = _measure(
+        lambda t, l, s, k, i: verification_stage(t, l, s, k, i, order=order, verify_method=verify_method),
+        (tree, logits, sampling, keys, state.step), repeats)
+
+    def commit_fn(drafter, draft_state, cache, tapped, result, state, stop, max_new):
+        cache, features, count = commit_stage(cache, tapped, result, ~state.done)
+        emitted = emit_stage(state, result, stop, max_new)
+        features = features.astype(state.ctx_features.dtype)
+        return cache, emitted, append_stage(drafter, draft_state, features, count, method=method)
+
+    _, times["commit"] = _measure(commit_fn, (drafter, draft_state, cache, tapped, result, state, stop, max_new), repeats)
+    times["step"] = step_s
+    times["stages_sum"] = sum(times[s] for s in STAGES)
+    times["non_forward_share"] = sum(times[s] for s in NON_FORWARD) / step_s
+    return times
+
+
+def format_stage_table(rows: list[tuple[str, dict[str, float]]]) -> str:
+    """A text table of `stage_times` results, one (label, times) per line, times in milliseconds."""
+    header = (f"{'method':<14}{'draft':>9}{'tree':>9}{'verify fwd':>12}{'verification':>14}{'commit':>9}"
+              f"{'sum':>9}{'step':>9}{'non-fwd':>9}")
+    lines = [header, "-" * len(header)]
+    for label, t in rows:
+        ms = {k: v * 1e3 for k, v in t.items()}
+        lines.append(f"{label:<14}{ms['draft']:>9.3f}{ms['tree']:>9.3f}{ms['verify_forward']:>12.3f}"
+                     f"{ms['verification']:>14.3f}{ms['commit']:>9.3f}{ms['stages_sum']:>9.3f}{ms['step']:>9.3f}"
+                     f"{t['non_forward_share']:>8.1%}")
+    return "\n".join(lines) + "\n(milliseconds per decode step, median; non-fwd = (tree + verification + commit) / step)"
