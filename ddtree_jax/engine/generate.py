@@ -75,15 +75,19 @@ def prefill(target_config, target_params, drafter, prompts, prompt_lengths, samp
 
 
 @functools.partial(jax.jit, static_argnames=("target_config", "max_new_tokens", "method", "budget", "block_size",
-                                             "order", "verify_method", "cache_dtype", "attn_impl"))
+                                             "order", "verify_method", "cache_dtype", "attn_impl",
+                                             "sampling_impl"))
 def generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
              max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
-             order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32, attn_impl: str = "xla"):
+             order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32, attn_impl: str = "xla",
+             sampling_impl: str = "auto"):
     """Generates up to max_new[b] <= max_new_tokens tokens per row, as one compiled program.
 
     Args:
       prompts int32 [B, T] (row b's first prompt_lengths[b] real); sampling: SamplingParams [B];
       keys: typed PRNG keys [B], one per request; stop_tokens int32 [B, K] (-1 = unused); max_new int32 [B].
+      attn_impl / sampling_impl: attention and tree-sampling implementations (sampling "auto" = the fused
+        Pallas kernel of kernels/tree_sampling.py on GPU, XLA elsewhere).
     Returns:
       GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
     """
@@ -101,7 +105,7 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
     def body(s):
         return decode_step(target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new,
                            method=method, budget=budget, block_size=block_size, order=order,
-                           verify_method=verify_method, attn_impl=attn_impl)
+                           verify_method=verify_method, attn_impl=attn_impl, sampling_impl=sampling_impl)
 
     state = jax.lax.while_loop(cond, body, state)
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)

@@ -58,7 +58,8 @@ def _measure(fn, args: tuple, repeats: int):
 def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int = 32, block_size: int | None = None,
                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0, seed: int = 0, order: str = "draft", verify_method: str = "sampling",
-                attn_impl: str = "xla", warmup_steps: int = 1, repeats: int = 5) -> dict[str, float]:
+                attn_impl: str = "xla", sampling_impl: str = "auto", warmup_steps: int = 1,
+                repeats: int = 5) -> dict[str, float]:
     """Median seconds of each stage of one decode step, of the fused step, and the non-forward share.
 
     prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). max_new_tokens
@@ -80,7 +81,7 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
     def step_fn(params, drafter, state, sampling, keys, stop, max_new):
         return decode_step(config, params, drafter, state, sampling, keys, stop, max_new, method=method, budget=budget,
                            block_size=block, order=order,
-                           verify_method=verify_method, attn_impl=attn_impl)
+                           verify_method=verify_method, attn_impl=attn_impl, sampling_impl=sampling_impl)
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new)
     step = jax.jit(step_fn).lower(*step_args).compile()
@@ -102,7 +103,8 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
     (logits, tapped, cache), times["verify_forward"] = _measure(
         lambda p, c, t: verify_forward(config, p, c, t, attn_impl=attn_impl), (params, state.target_cache, tree), repeats)
     result, times["verification"] = _measure(
-        lambda t, l, s, k, i: verification_stage(t, l, s, k, i, order=order, verify_method=verify_method),
+        lambda t, l, s, k, i: verification_stage(t, l, s, k, i, order=order, verify_method=verify_method,
+                                                 sampling_impl=sampling_impl),
         (tree, logits, sampling, keys, state.step), repeats)
 
     def commit_fn(drafter, draft_state, cache, tapped, result, state, stop, max_new):

@@ -108,10 +108,13 @@ def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree
 
 
 def verification_stage(tree: DraftTree, logits: jax.Array, sampling: SamplingParams, keys: jax.Array, step: jax.Array, *,
-                       order: str = "draft", verify_method: str = "sampling") -> VerifyResult:
-    """Tree rejection sampling with this step's keys (the request keys with the step folded in)."""
+                       order: str = "draft", verify_method: str = "sampling", sampling_impl: str = "auto") -> VerifyResult:
+    """Tree rejection sampling with this step's keys (the request keys with the step folded in).
+    sampling_impl: `verify_step`'s impl ("auto": the fused Pallas kernel on GPU, XLA elsewhere); the
+    paper's sample-then-walk verifier has no kernel and always runs in XLA."""
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-    return verify_step(tree, logits, sampling, step_keys, order=order, method=verify_method)
+    impl = sampling_impl if verify_method == "sampling" else "xla"
+    return verify_step(tree, logits, sampling, step_keys, order=order, method=verify_method, impl=impl)
 
 
 def commit_stage(cache: KVCache, tapped: jax.Array, result: VerifyResult, active: jax.Array):
@@ -150,7 +153,8 @@ def emit_stage(state: DecodeState, result: VerifyResult, stop_tokens: jax.Array,
 
 def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
                 stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
-                order: str = "draft", verify_method: str = "sampling", attn_impl: str = "xla") -> DecodeState:
+                order: str = "draft", verify_method: str = "sampling", attn_impl: str = "xla",
+                sampling_impl: str = "auto") -> DecodeState:
     """Advances every active row by one speculative step (see the module docstring): the stages above,
     in order (`engine.profile` times each of them alone)."""
     active = ~state.done
@@ -158,7 +162,8 @@ def decode_step(target_config, target_params, drafter, state: DecodeState, sampl
     draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
     tree = tree_stage(draft_logits, state.bonus, method=method, budget=budget)
     logits, tapped, cache = verify_forward(target_config, target_params, state.target_cache, tree, attn_impl=attn_impl)
-    result = verification_stage(tree, logits, sampling, keys, state.step, order=order, verify_method=verify_method)
+    result = verification_stage(tree, logits, sampling, keys, state.step, order=order, verify_method=verify_method,
+                                sampling_impl=sampling_impl)
     cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
     output, num_generated, steps, accepted, done, bonus = emit_stage(state, result, stop_tokens, max_new)
     return DecodeState(

@@ -190,3 +190,16 @@ def test_engine_runs_the_deepseek_family_target():
     out = generate(config, params, drafter, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=10,
                    method="ddtree", budget=8, block_size=4)
     np.testing.assert_array_equal(np.asarray(out.tokens), ar_tokens)
+
+
+@pytest.mark.slow
+def test_the_fused_sampling_kernel_gives_the_same_generation():
+    """generate(sampling_impl="pallas") (kernels/tree_sampling.py, interpret mode here) equals the XLA
+    verification on a sampled batch with top-p: same coins, and no rounding boundary is hit here."""
+    from ddtree_jax.engine.run import random_tiny_pair, request_args
+
+    pair = random_tiny_pair(0)
+    args = request_args(pair, [[1, 2, 3, 4, 5], [7, 8]], temperature=1.0, top_p=0.9, seed=0, max_new_tokens=24)
+    out = {impl: np.asarray(generate(*args, max_new_tokens=24, method="ddtree", budget=8, block_size=8,
+                                     sampling_impl=impl).tokens) for impl in ("xla", "pallas")}
+    np.testing.assert_array_equal(out["pallas"], out["xla"])
