@@ -1,0 +1,183 @@
+"""Engine benchmark: one DDTree / DFlash-chain / AR decode step of a random-weight Qwen3-8B-shaped target
+with a Qwen3-8B-DFlash-b16-shaped drafter (bf16, one GPU), and where its time goes.
+
+For each batch size B and method (AR; the DFlash chain at block 16; DDTree at each budget), after a
+prefill of --context random tokens and one warm-up step, it times (medians, `block_until_ready`):
+
+  step            the fused decode step (`engine.step.decode_step`, as `generate` runs it)
+  draft           the drafter's forward alone (`draft_stage`)
+  verify_forward  the target's tree-verify forward alone (`verify_forward`, N = budget + 1 slots)
+  plain_forward   a plain causal forward of the same N tokens on the same cache (`target.prefill`)
+  verification    tree rejection sampling alone, XLA (`verify_step(impl="xla")`) and Pallas
+                  (`impl="pallas"`, kernels/tree_sampling.py) on the step's real logits
+  non_forward     step - draft - verify_forward: tree building, verification, commit, bookkeeping
+
+Targets (issue 8, with the kernels): non_forward <= 10% of the step; verify_forward at budget 64 within
+1.3x of plain_forward. The sampling kernel is what `generate` uses on GPU (sampling_impl="auto").
+Rows are printed as they finish and the JSON is rewritten after each row, so a time-out keeps them.
+
+Usage: python benchmarks/bench_engine.py --commit $(git rev-parse --short HEAD) [--shape tiny] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.common import device_description, markdown_table, write_result  # noqa: E402
+from ddtree_jax.config import DFlashConfig, Qwen3Config  # noqa: E402
+from ddtree_jax.engine.drafters import DFlashDrafter  # noqa: E402
+from ddtree_jax.engine.generate import prefill  # noqa: E402
+from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args  # noqa: E402
+from ddtree_jax.engine.step import append_stage, decode_step, draft_stage, tree_stage, verification_stage, verify_forward  # noqa: E402
+from ddtree_jax.models import dflash, qwen3  # noqa: E402
+
+SHAPES = {
+    # shared/spec/models.md: Qwen3-8B and Qwen3-8B-DFlash-b16
+    "qwen3-8b": (
+        Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                    num_kv_heads=8, head_dim=128, tapped_layers=(1, 9, 17, 25, 33)),
+        DFlashConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
+                     head_dim=128, block_size=16, mask_token_id=151669, target_layers=(1, 9, 17, 25, 33)),
+    ),
+    "tiny": (
+        Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                    head_dim=16, tapped_layers=(1, 2)),
+        DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                     block_size=8, mask_token_id=511, target_layers=(1, 2)),
+    ),
+}
+
+
+def random_pair(shape: str, dtype, seed: int = 0) -> Pair:
+    target_config, drafter_config = SHAPES[shape]
+    keys = jax.random.split(jax.random.key(seed))
+    target_params = qwen3.init_params(target_config, keys[0], dtype)
+    drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, target_config.hidden_size, keys[1], dtype),
+                            qwen3.embedding(target_params), qwen3.head(target_config, target_params))
+    return Pair(target_config, target_params, drafter)
+
+
+def _median(compiled, args, repeats):
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _compile(fn, args):
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int, temperature: float, top_p: float,
+               repeats: int, seed: int = 0) -> dict:
+    config, block = pair.target_config, pair.drafter.config.block_size
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
+    max_new = 64
+    _, params, drafter, ids, lengths, sampling, keys, stop, max_new_arr = request_args(
+        pair, prompts, temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new)
+    shape = dict(max_new_tokens=max_new, method=method, budget=budget, block_size=block)
+    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16))(params, drafter, ids, lengths,
+                                                                                      sampling, keys)
+    row = {"B": batch, "method": method, "budget": budget if method == "ddtree" else None, "context": context}
+
+    def step_fn(params, drafter, state, sampling, keys, stop, max_new_arr):
+        return decode_step(config, params, drafter, state, sampling, keys, stop, max_new_arr, method=method,
+                           budget=budget, block_size=block)
+
+    step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
+    step, row["step_compile_s"] = _compile(step_fn, step_args)
+    state = step(*step_args)  # warm-up step: the drafter now has context features to append
+    step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
+    row["step_ms"] = _median(step, step_args, repeats) * 1e3
+
+    draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
+    if method == "ar":
+        draft_logits, row["draft_ms"] = None, 0.0
+    else:
+        fn, _ = _compile(lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus))
+        row["draft_ms"] = _median(fn, (drafter, draft_state, state.bonus), repeats) * 1e3
+        draft_logits = fn(drafter, draft_state, state.bonus)
+    tree = jax.jit(lambda l, b: tree_stage(l, b, method=method, budget=budget))(draft_logits, state.bonus)
+    slots = tree.tokens.shape[1]
+    row["slots"] = slots
+
+    fn, row["verify_compile_s"] = _compile(lambda p, c, t: verify_forward(config, p, c, t), (params, state.target_cache, tree))
+    row["verify_forward_ms"] = _median(fn, (params, state.target_cache, tree), repeats) * 1e3
+    logits = fn(params, state.target_cache, tree)[0]
+
+    plain_ids = tree.tokens
+    fn, _ = _compile(lambda p, c, t: qwen3.prefill(config, p, c, t, jnp.full((batch,), slots, jnp.int32)),
+                     (params, state.target_cache, plain_ids))
+    row["plain_forward_ms"] = _median(fn, (params, state.target_cache, plain_ids), repeats) * 1e3
+
+    for impl in ("xla", "pallas"):
+        fn, _ = _compile(lambda t, l, s, k, i: verification_stage(t, l, s, k, i, sampling_impl=impl),
+                         (tree, logits, sampling, keys, state.step))
+        row[f"verification_{impl}_ms"] = _median(fn, (tree, logits, sampling, keys, state.step), repeats) * 1e3
+    row["non_forward_ms"] = row["step_ms"] - row["draft_ms"] - row["verify_forward_ms"]
+    row["non_forward_share"] = row["non_forward_ms"] / row["step_ms"]
+    row["verify_over_plain"] = row["verify_forward_ms"] / row["plain_forward_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--budgets", default="16,64,256")
+    parser.add_argument("--methods", default="ar,chain,ddtree")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="B = 1, budgets 16 and 64, AR + DDTree")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.budgets, args.methods = "1", "16,64", "ar,ddtree"
+    enable_compilation_cache()
+    dtype = jnp.bfloat16 if args.shape != "tiny" else jnp.float32
+    start = time.perf_counter()
+    pair = random_pair(args.shape, dtype)
+    jax.block_until_ready(pair.target_params)
+    print(f"device: {device_description()}; commit {args.commit}; shape {args.shape} ({dtype.__name__}); "
+          f"init {time.perf_counter() - start:.1f} s", flush=True)
+    cases = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for method in args.methods.split(","):
+            for budget in ([int(b) for b in args.budgets.split(",")] if method == "ddtree" else [0]):
+                cases.append((batch, method, budget))
+    rows = []
+    for batch, method, budget in cases:
+        row = bench_case(pair, batch, method, budget, context=args.context, temperature=args.temperature,
+                         top_p=args.top_p, repeats=args.repeats)
+        rows.append(row)
+        print(f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d}: step {row['step_ms']:8.2f} ms  draft "
+              f"{row['draft_ms']:7.2f}  verify fwd {row['verify_forward_ms']:8.2f}  plain fwd {row['plain_forward_ms']:8.2f}"
+              f"  verification xla {row['verification_xla_ms']:7.3f} pallas {row['verification_pallas_ms']:7.3f}  "
+              f"non-fwd {100 * row['non_forward_share']:5.1f}%  (compile step {row['step_compile_s']:.0f} s)", flush=True)
+        write_result(f"engine_{args.shape}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
+    header = ["B", "method", "budget", "N", "step ms", "draft ms", "verify fwd ms", "plain fwd ms", "verify/plain",
+              "verification xla ms", "verification pallas ms", "non-forward %"]
+    table = [[r["B"], r["method"], r["budget"] or "", r["slots"], r["step_ms"], r["draft_ms"], r["verify_forward_ms"],
+              r["plain_forward_ms"], f"{r['verify_over_plain']:.2f}", f"{r['verification_xla_ms']:.3f}",
+              f"{r['verification_pallas_ms']:.3f}", f"{100 * r['non_forward_share']:.1f}"] for r in rows]
+    print("\n" + markdown_table(header, table))
+
+
+if __name__ == "__main__":
+    main()
