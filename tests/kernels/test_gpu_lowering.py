@@ -80,3 +80,18 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
     text = _grouped_2d.trace(spec((136, k), jnp.bfloat16), weight, spec((experts,), jnp.int32),
                              interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert "grouped_matmul" in text
+
+
+@pytest.mark.parametrize("case", ["gqa", "mla"])
+def test_tree_attention_lowers_for_triton(hopper, case):
+    from kernels.tree_attention import _tree_attention
+
+    batch, steps, q_heads, kv_heads, dims, dv = {"gqa": (8, 65, 32, 8, (128,), 128),  # Qwen3-8B, budget 64
+                                                 "mla": (1, 17, 64, 1, (512, 64), 512)}[case]  # K2.6 on one GPU
+    capacity = 4096
+    q = tuple(spec((batch, steps, q_heads, d), jnp.bfloat16) for d in dims)
+    k = tuple(spec((batch, capacity, kv_heads, d), jnp.bfloat16) for d in dims)
+    text = _tree_attention.trace(q, k, spec((batch, capacity, kv_heads, dv), jnp.bfloat16),
+                                 spec((batch, steps, capacity), jnp.bool_), spec((batch,), jnp.int32), scale=0.1,
+                                 interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tree_attention" in text

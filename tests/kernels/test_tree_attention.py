@@ -1,0 +1,83 @@
+"""kernels/tree_attention.py (interpret mode on CPU) against the models' XLA attention: GQA and
+two-part (absorbed-MLA-shaped) keys, random trees over ragged prefixes (length 0 included), tree sizes
+that are not powers of two, float32 and bf16, rows that see nothing, explicit kv_lengths, errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.tree_attention import tree_attention, tree_attention_reference, visible_lengths
+
+
+def _tree_mask(rng, batch, steps, capacity, lengths):
+    """Prefix [0, len) visible to every query; slot i at len + i sees itself and its ancestors."""
+    mask = np.zeros((batch, steps, capacity), bool)
+    for b in range(batch):
+        mask[b, :, : lengths[b]] = True
+        ancestors = np.eye(steps, dtype=bool)
+        for i in range(1, steps):
+            ancestors[i] |= ancestors[rng.integers(0, i)]
+        mask[b, :, lengths[b]: lengths[b] + steps] = ancestors
+    return jnp.asarray(mask)
+
+
+def _inputs(seed, batch, steps, q_heads, kv_heads, dims, capacity, dtype, mla=False):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, capacity - steps + 1, batch)
+    lengths[0] = 0  # a row with no prefix: the tree alone
+    mask = _tree_mask(rng, batch, steps, capacity, lengths)
+    q = tuple(jnp.asarray(rng.standard_normal((batch, steps, q_heads, d)), dtype) for d in dims)
+    k = tuple(jnp.asarray(rng.standard_normal((batch, capacity, kv_heads, d)), dtype) for d in dims)
+    v = k[0] if mla else jnp.asarray(rng.standard_normal((batch, capacity, kv_heads, dims[0])), dtype)
+    return q, k, v, mask
+
+
+CASES = {
+    "gqa": dict(batch=3, steps=17, q_heads=8, kv_heads=2, dims=(32,), capacity=300),
+    "gqa-single-query": dict(batch=2, steps=1, q_heads=4, kv_heads=4, dims=(16,), capacity=70),
+    "gqa-tree-65": dict(batch=1, steps=65, q_heads=2, kv_heads=1, dims=(16,), capacity=200),
+    "mla": dict(batch=2, steps=9, q_heads=8, kv_heads=1, dims=(64, 16), capacity=150, mla=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_the_xla_attention(case, dtype):
+    q, k, v, mask = _inputs(len(case), dtype=dtype, **CASES[case])
+    got = np.asarray(tree_attention(q, k, v, mask), np.float32)
+    ref = np.asarray(tree_attention_reference(q, k, v, mask), np.float32)
+    assert got.shape == ref.shape
+    scale = np.abs(ref).max()
+    # float32: reassociation only; bf16: the probabilities are rounded to bf16 before the value product
+    assert np.abs(got - ref).max() <= (2e-5 if dtype == jnp.float32 else 2e-2) * scale
+
+
+def test_rows_that_see_nothing_are_zero_and_kv_lengths_bound_the_keys():
+    q, k, v, mask = _inputs(5, **CASES["gqa"], dtype=jnp.float32)
+    mask = np.asarray(mask).copy()
+    mask[1] = False
+    out = np.asarray(tree_attention(q, k, v, jnp.asarray(mask)))
+    assert (out[1] == 0).all() and np.abs(out[0]).max() > 0
+    lengths = np.asarray(visible_lengths(jnp.asarray(mask)))
+    assert lengths[1] == 0 and lengths[0] == np.flatnonzero(mask[0].any(0)).max() + 1
+    cut = np.array([40, 0, 100], np.int32)  # keys at or past kv_lengths are neither read nor seen
+    got = np.asarray(tree_attention(q, k, v, jnp.asarray(mask), kv_lengths=jnp.asarray(cut)))
+    clipped = mask & (np.arange(mask.shape[-1])[None, None, :] < cut[:, None, None])
+    np.testing.assert_allclose(got, np.asarray(tree_attention_reference(q, k, v, jnp.asarray(clipped))), atol=2e-5)
+
+
+def test_a_wrong_mask_is_caught():
+    q, k, v, mask = _inputs(6, **CASES["gqa"], dtype=jnp.float32)
+    shifted = jnp.roll(mask, 1, axis=-1)
+    got = np.asarray(tree_attention(q, k, v, mask))
+    assert np.abs(got - np.asarray(tree_attention_reference(q, k, v, shifted))).max() > 1e-2
+
+
+def test_bad_inputs_are_named():
+    q, k, v, mask = _inputs(7, **CASES["gqa"], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="powers of two"):
+        tree_attention((q[0][..., :24],), (k[0][..., :24],), v, mask)
+    with pytest.raises(ValueError, match="mask must be"):
+        tree_attention(q, k, v, mask[:, :3])
+    with pytest.raises(ValueError, match="matching query and key parts"):
+        tree_attention(q, k + k, v, mask)
