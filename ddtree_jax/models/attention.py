@@ -1,12 +1,21 @@
-"""The one attention entry point of the models, with an `impl` switch (the Pallas tree-attention
-kernel plugs in here later; "xla" is the plain reference)."""
+"""The one attention entry point of the models, with an `impl` switch: "xla" (the plain reference
+below), "pallas" (`kernels.tree_attention`: flash-decoding over the cache, streaming only the keys a
+row can see; interpret mode off GPU) or "auto" (pallas on GPU, xla elsewhere)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = ("xla", "pallas", "auto")
+
+
+def resolve_attention_impl(impl: str) -> str:
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
@@ -19,9 +28,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
       scale: softmax scale (default 1 / sqrt(Dk)).
     Returns:
       [B, T, Hq, Dv] in q's dtype (softmax in float32).
+    Head dims that are not powers of two fall back to "xla" under "pallas" (split keys into parts and call
+    `kernels.tree_attention` directly, as the absorbed MLA does).
     """
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if resolve_attention_impl(impl) == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
+        from kernels.tree_attention import tree_attention
+
+        return tree_attention((q,), (k,), v, mask, scale=scale)
     batch, steps, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.config import DeepSeekV3Config
-from ddtree_jax.models.attention import attention
+from ddtree_jax.models.attention import attention, resolve_attention_impl
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
 from ddtree_jax.models.moe import MOE_IMPLS, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
 from ddtree_jax.models.quant import dense
@@ -180,7 +180,8 @@ def head(config: DeepSeekV3Config, params: dict) -> jax.Array:
     return params["embed"] if config.tie_word_embeddings else params["lm_head"]
 
 
-def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask):
+def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask,
+                  attn_impl: str = "xla"):
     """Absorbed MLA: W_UK folded into the query, attention over [latent ; rope key] with one shared KV head
     and the latent as value, W_UV after. Writes this step's latent / rope key into the caches."""
     c = config
@@ -192,14 +193,22 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
-    query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
-    keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]
-    out_latent = attention(query, keys, latent_cache.astype(query.dtype), mask, scale=softmax_scale(c))
+    if resolve_attention_impl(attn_impl) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
+        from kernels.tree_attention import tree_attention
+
+        dtype = q_latent.dtype
+        out_latent = tree_attention((q_latent, q_rot.astype(dtype)), (latent_cache.astype(dtype), rope_cache.astype(dtype)),
+                                    latent_cache.astype(dtype), mask, scale=softmax_scale(c))
+    else:
+        query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
+        keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]
+        out_latent = attention(query, keys, latent_cache.astype(query.dtype), mask, scale=softmax_scale(c))
     out = jnp.einsum("bthr,hvr->bthv", out_latent, w_uv)
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
 
 
-def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCache, write_start, moe_impl: str):
+def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCache, write_start, moe_impl: str,
+         attn_impl: str = "xla"):
     c = config
     cos, sin = rope_tables_half(c, positions)
     h = params["embed"][tokens]
@@ -209,7 +218,8 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
         for layer in range(count):
             p = jax.tree.map(lambda w: w[layer], params[stack])
             attn, lat, rope = _mla_absorbed(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin,
-                                            cache.k[layer_index], cache.v[layer_index], write_start, mask)
+                                            cache.k[layer_index], cache.v[layer_index], write_start, mask,
+                                            attn_impl)
             latents.append(lat)
             ropes.append(rope)
             h = h + attn
@@ -228,24 +238,22 @@ def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: j
             attn_impl: str = "xla", moe_impl: str = "auto"):
     """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new).
     moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference)."""
-    del attn_impl  # one XLA path for now; the Pallas MLA kernel plugs into attention()
     steps = input_ids.shape[1]
     check_room(cache, steps)
     start = cache.lengths
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, moe_impl)
+    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl)
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
 def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
            tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto"):
     """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""
-    del attn_impl
     slots = tokens.shape[1]
     check_room(cache, slots)
     start = cache.lengths
     rel = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
     tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
     mask = (rel < 0) | ((rel < slots) & tree_part)
-    return _run(config, params, tokens, start[:, None] + depths, mask, cache, start, moe_impl)
+    return _run(config, params, tokens, start[:, None] + depths, mask, cache, start, moe_impl, attn_impl)
