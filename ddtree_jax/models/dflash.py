@@ -5,6 +5,9 @@ block_size - 1 and returns the logits at block positions 1 .. block_size - 1: th
 (same-position prediction). Every layer attends the cached context K/V (its own k_proj / v_proj of the
 fused target features, appended per committed token) and the block's own K/V, which are discarded.
 The drafter has no embedding or LM head: it uses the target's (frozen).
+
+`train_logits` is the training-mode forward: many random-anchor blocks of one sequence in one pass,
+each seeing the context strictly before its anchor (equal to `draft` run block by block).
 """
 
 from __future__ import annotations
@@ -120,3 +123,65 @@ def draft(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Arr
         h = h + swiglu(rms_norm(h, p["post_norm"], config.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     h = rms_norm(h[:, 1:], params["final_norm"], config.rms_norm_eps)
     return linear(h, lm_head).astype(jnp.float32)
+
+
+def train_logits(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Array, features: jax.Array,
+                 tokens: jax.Array, anchors: jax.Array) -> jax.Array:
+    """The training forward: many independent draft blocks per sequence in one pass (DFlash's recipe).
+
+    Args:
+      features: [B, T, F*D] the target's tapped hidden states over the whole sequence `tokens` int [B, T].
+      anchors: int32 [B, N], each in [0, T - block_size]. Block n of row b is [tokens[b, a], MASK x
+        (block_size - 1)] at positions a .. a + block_size - 1 (a = anchors[b, n]). It attends the context
+        K/V of positions strictly before a (never the target's features at or after its anchor, nor any
+        token after it) and, bidirectionally, its own block; blocks do not see each other.
+    Returns:
+      float32 [B, N, block_size - 1, V]: block n's logits at block positions 1 .. block_size - 1, i.e.
+      what `draft` returns after `append_context` of features[:, :a] with bonus tokens[:, a].
+    """
+    c = config
+    size = c.block_size
+    batch, steps = tokens.shape
+    blocks = anchors.shape[1]
+    ctx = fuse_features(config, params, features)
+    ctx_positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), (batch, steps))
+    positions = (anchors[:, :, None] + jnp.arange(size, dtype=jnp.int32)).reshape(batch, blocks * size)
+    first = jnp.take_along_axis(tokens, anchors, axis=1)[:, :, None]
+    block_tokens = jnp.concatenate([first, jnp.full((batch, blocks, size - 1), c.mask_token_id, tokens.dtype)], axis=2)
+    h = embed[block_tokens.reshape(batch, blocks * size)].astype(params["fc"].dtype)
+    cos, sin = _rope(config, positions)
+    visible = jnp.arange(steps)[None, None, :] < anchors[:, :, None]  # [B, N, T]: context strictly before the anchor
+    for layer in range(c.num_layers):
+        p = jax.tree.map(lambda w: w[layer], params["layers"])
+        x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+        q = linear(x, p["q_proj"]).reshape(batch, blocks * size, c.num_heads, c.head_dim)
+        q = apply_rope(rms_norm(q, p["q_norm"], c.rms_norm_eps), cos, sin)
+        k, v = _project_kv(config, p, x, positions)
+        k_ctx, v_ctx = _project_kv(config, p, ctx, ctx_positions)
+        split = lambda a: a.reshape(batch, blocks, size, *a.shape[2:])  # noqa: E731
+        out = _block_attention(split(q), k_ctx, v_ctx, split(k), split(v), visible)
+        h = h + linear(out.reshape(batch, blocks * size, -1), p["o_proj"])
+        h = h + swiglu(rms_norm(h, p["post_norm"], c.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
+    h = rms_norm(h.reshape(batch, blocks, size, -1)[:, :, 1:], params["final_norm"], c.rms_norm_eps)
+    return linear(h, lm_head).astype(jnp.float32)
+
+
+def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, visible):
+    """Attention of N blocks over the shared context keys and their own keys, without copying the
+    context per block: q [B, N, S, Hq, Dh]; k_ctx / v_ctx [B, T, Hkv, Dh]; k_blk / v_blk [B, N, S, Hkv, Dh];
+    visible bool [B, N, T]. Softmax in float32 over the visible context keys and all S block keys (as
+    `attention` computes it on the concatenated keys). Returns [B, N, S, Hq, Dh] in q's dtype."""
+    batch, blocks, size, q_heads, head_dim = q.shape
+    kv_heads = k_ctx.shape[2]
+    qg = q.reshape(batch, blocks, size, kv_heads, q_heads // kv_heads, head_dim)
+    scale = head_dim**-0.5
+    s_ctx = jnp.einsum("bnskgd,btkd->bnkgst", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    s_ctx = jnp.where(visible[:, :, None, None, None, :], s_ctx, -jnp.inf)
+    s_blk = jnp.einsum("bnskgd,bnrkd->bnkgsr", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    row_max = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))  # finite
+    w_ctx, w_blk = jnp.exp(s_ctx - row_max), jnp.exp(s_blk - row_max)
+    denom = w_ctx.sum(axis=-1, keepdims=True) + w_blk.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bnkgst,btkd->bnskgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bnkgsr,bnrkd->bnskgd", (w_blk / denom).astype(v_blk.dtype), v_blk,
+                           preferred_element_type=jnp.float32)
+    return out.reshape(batch, blocks, size, q_heads, head_dim).astype(q.dtype)

@@ -100,11 +100,17 @@ def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl)
 
 def forward_logits(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla") -> jax.Array:
     """Plain causal forward, no cache: input_ids int32 [B, T] -> logits float32 [B, T, V]."""
+    return forward_features(config, params, input_ids, attn_impl=attn_impl)[0]
+
+
+def forward_features(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla"):
+    """Plain causal forward, no cache: (logits float32 [B, T, V], tapped hidden [B, T, F*D]) for
+    input_ids int32 [B, T]; the tapped layers' outputs are what the DFlash drafter trains on."""
     steps = input_ids.shape[1]
     positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), input_ids.shape)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (input_ids.shape[0], steps, steps))
-    logits, _, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl)
-    return logits
+    logits, features, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl)
+    return logits, features
 
 
 def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *, attn_impl: str = "xla"):

@@ -126,3 +126,27 @@ def test_yarn_rope_drafter_reduces_to_default_at_factor_one_and_parses():
     })
     assert (kimi_style.rope_type, kimi_style.rope_factor, kimi_style.block_size) == ("yarn", 64.0, 8)
     assert kimi_style.target_layers == (1, 12, 24, 35, 47, 58)
+
+
+def test_train_logits_equal_draft_block_by_block():
+    """The training forward over many anchors at once = append_context(features[:, :a]) + draft(tokens[a])."""
+    key = jax.random.split(jax.random.key(5), 4)
+    params = dflash.init_params(CONFIG, D, key[0], norm_jitter=0.2)
+    embed = jax.random.normal(key[1], (V, D))
+    head = jax.random.normal(key[2], (V, D)) * 0.3
+    rng = np.random.default_rng(2)
+    batch, steps = 2, 12
+    features = jnp.asarray(rng.standard_normal((batch, steps, len(CONFIG.target_layers) * D)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, V - 1, (batch, steps)), jnp.int32)
+    anchors = jnp.array([[0, 3, 7], [2, 5, 7]], jnp.int32)  # a <= steps - block_size; a = 0: no context
+    logits = np.asarray(jax.jit(lambda *a: dflash.train_logits(CONFIG, *a))(params, embed, head, features, tokens, anchors))
+    assert logits.shape == (batch, 3, CONFIG.block_size - 1, V)
+
+    @jax.jit
+    def block_by_block(a):
+        cache = dflash.create_context_cache(CONFIG, batch, steps, jnp.float32)
+        cache = dflash.append_context(CONFIG, params, cache, features, a)  # rows >= a written but not counted
+        return dflash.draft(CONFIG, params, embed, head, cache, tokens[jnp.arange(batch), a])
+
+    for n in range(anchors.shape[1]):
+        np.testing.assert_allclose(logits[:, n], np.asarray(block_by_block(anchors[:, n])), rtol=2e-5, atol=2e-5)

@@ -1,0 +1,129 @@
+"""Shared pieces of the two training loops: optimizer and schedule, Orbax checkpoints, logs, dtypes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ddtree_jax.checkpoint import restore_orbax, save_orbax
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+TRAIN_DEFAULTS = {
+    "steps": 100, "batch_size": 8, "lr": 6e-4, "warmup_frac": 0.04, "end_lr_frac": 0.1, "weight_decay": 0.01,
+    "b1": 0.9, "b2": 0.95, "clip": 1.0, "dtype": "float32", "eval_every": 0, "eval_batches": 8,
+    "checkpoint_every": 0, "keep_checkpoints": 2, "log_every": 10,
+}
+
+
+def train_settings(cfg: dict) -> dict:
+    unknown = set(cfg) - set(TRAIN_DEFAULTS) - {"num_anchors", "gamma"}
+    if unknown:
+        raise ValueError(f"unknown training settings {sorted(unknown)}")
+    out = {**TRAIN_DEFAULTS, **cfg}
+    if out["dtype"] not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {out['dtype']!r}")
+    return out
+
+
+def schedule(settings: dict) -> optax.Schedule:
+    """Linear warm-up over warmup_frac of the steps, then cosine decay to end_lr_frac * lr."""
+    steps = settings["steps"]
+    warmup = max(1, int(round(settings["warmup_frac"] * steps)))
+    return optax.warmup_cosine_decay_schedule(0.0, settings["lr"], warmup, max(steps, warmup + 1),
+                                              end_value=settings["lr"] * settings["end_lr_frac"])
+
+
+def optimizer(settings: dict) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; weight decay on matrices only (not norms)."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(settings["clip"]),
+        optax.adamw(schedule(settings), b1=settings["b1"], b2=settings["b2"], weight_decay=settings["weight_decay"],
+                    mask=decay_mask),
+    )
+
+
+def cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def on_device(tree):
+    """The tree committed to the default device: initial and restored states then share one compiled step
+    (jit caches committed and uncommitted arguments apart, and Orbax restores committed arrays)."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
+def count_params(tree) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(tree)))
+
+
+class Checkpoints:
+    """Orbax checkpoints of a training state under `directory`/step_XXXXXXXX, the last `keep` kept."""
+
+    def __init__(self, directory: str, keep: int = 2):
+        self.directory = os.path.abspath(directory)
+        self.keep = max(1, keep)
+
+    def steps(self) -> list[int]:
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(int(m.group(1)) for n in os.listdir(self.directory) if (m := re.fullmatch(r"step_(\d{8})", n)))
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, f"step_{step:08d}")
+
+    def save(self, step: int, state) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        save_orbax(self.path(step), state)
+        for old in self.steps()[: -self.keep]:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+
+    def clear(self) -> None:
+        """Removes every checkpoint (a run from step 0 replaces the earlier one)."""
+        for step in self.steps():
+            shutil.rmtree(self.path(step), ignore_errors=True)
+
+    def restore_latest(self, like):
+        """(step, state) of the newest checkpoint, or None."""
+        steps = self.steps()
+        if not steps:
+            return None
+        return steps[-1], on_device(restore_orbax(self.path(steps[-1]), like))
+
+
+class Log:
+    """Appends JSON lines (one per logged step / evaluation) to a file."""
+
+    def __init__(self, path: str, fresh: bool = True):
+        """fresh: start a new file (a run from step 0); else append (a resumed run)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.start = time.perf_counter()
+        if fresh and os.path.exists(path):
+            os.remove(path)
+
+    def write(self, **record) -> None:
+        record = {"time_s": round(time.perf_counter() - self.start, 3), **record}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self, upto: int) -> list[dict]:
+        """The records of steps <= upto already in the file (what a resumed run continues)."""
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [r for r in map(json.loads, filter(str.strip, f)) if r.get("step", 0) <= upto]
+
+
+def progress(total: int, initial: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True, mininterval=1.0)

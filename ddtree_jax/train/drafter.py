@@ -1,0 +1,252 @@
+"""Training the DFlash drafter against the frozen target (arXiv 2602.06036, Sec. "training"; facts in
+shared/spec/models.md):
+
+- per sequence, `num_anchors` distinct random anchor positions a in [1, T - block_size];
+- block = [token a, MASK x (block_size - 1)] at positions a .. a + block_size - 1, bidirectional inside
+  the block, blocks independent of each other;
+- the drafter sees the target's tapped hidden states of the context strictly before the anchor
+  (`dflash.train_logits` builds that mask);
+- block position k (1 .. block_size - 1) predicts the true token a + k; the loss is the cross-entropy
+  weighted by w_k = exp(-(k - 1) / gamma) (the paper's Eq. 4 decay; gamma = 7 for block 16, 5 for 10,
+  4 for 8), normalised by the sum of the weights;
+- the target's embedding and LM head are used, frozen (they are not in the trained tree), and the
+  target runs without gradients.
+
+Metrics per block position: cross-entropy and top-1 accuracy against the data tokens, and the mean
+length of the accepted prefix of the greedy chain (1 + leading correct positions), a proxy for the
+acceptance length of linear DFlash when the target's greedy choice is the data token.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ddtree_jax.config import DFlashConfig, Qwen3Config, default_tapped_layers
+from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.train.common import (DTYPES, Checkpoints, Log, cast, count_params, on_device, optimizer, progress,
+                                     schedule)
+from ddtree_jax.train.data import Batches, eval_batches
+from ddtree_jax.train.target import with_tapped
+
+MODEL_KEYS = ("intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "target_layers",
+              "rms_norm_eps", "rope_theta")
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def model_config(model_cfg: dict, target: Qwen3Config, mask_token_id: int) -> DFlashConfig:
+    """The drafter config: hidden size and RoPE from the target; target_layers default to DFlash's
+    rule (one tapped layer per drafter layer)."""
+    unknown = set(model_cfg) - set(MODEL_KEYS)
+    if unknown:
+        raise ValueError(f"unknown drafter model settings {sorted(unknown)}")
+    cfg = dict(model_cfg)
+    layers = cfg.pop("target_layers", None) or default_tapped_layers(target.num_layers, cfg["num_layers"])
+    layers = tuple(sorted(int(l) for l in layers))  # the target concatenates its tapped layers in layer order
+    bad = [l for l in layers if not 0 <= l < target.num_layers]
+    if bad:
+        raise ValueError(f"drafter target_layers {bad} are outside the target's {target.num_layers} layers")
+    cfg.setdefault("rope_theta", target.rope_theta)
+    cfg.setdefault("rms_norm_eps", target.rms_norm_eps)
+    return DFlashConfig(hidden_size=target.hidden_size, mask_token_id=mask_token_id, target_layers=layers, **cfg)
+
+
+def loss_weights(block_size: int, gamma: float) -> np.ndarray:
+    """float32 [block_size - 1]: w_k = exp(-(k - 1) / gamma) for block positions k = 1 .. block_size - 1."""
+    k = np.arange(1, block_size, dtype=np.float64)
+    return np.exp(-(k - 1) / gamma).astype(np.float32)
+
+
+def sample_anchors(key: jax.Array, batch: int, seq_len: int, num_anchors: int, block_size: int) -> jax.Array:
+    """int32 [B, N]: per row N distinct sorted anchors in [1, seq_len - block_size] (every label a + k
+    inside the sequence, at least one context token)."""
+    count = seq_len - block_size
+    if not 1 <= num_anchors <= count:
+        raise ValueError(f"num_anchors must be in [1, seq_len - block_size = {count}], got {num_anchors}")
+
+    def row(k):
+        return jnp.sort(jax.random.choice(k, count, (num_anchors,), replace=False)) + 1
+
+    return jax.vmap(row)(jax.random.split(key, batch)).astype(jnp.int32)
+
+
+def block_labels(tokens: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:
+    """int [B, N, block_size - 1]: the true tokens a + 1 .. a + block_size - 1 of each block."""
+    index = anchors[:, :, None] + jnp.arange(1, block_size, dtype=jnp.int32)
+    return jnp.take_along_axis(tokens[:, None, :], index, axis=2)
+
+
+def block_loss(config: DFlashConfig, params: dict, embed, head, features, tokens, anchors, weights, dtype=jnp.float32):
+    """(weighted loss, metrics) of the drafter on the blocks at `anchors` (features: the target's)."""
+    logits = dflash.train_logits(config, cast(params, dtype), embed.astype(dtype), head.astype(dtype),
+                                 features.astype(dtype), tokens, anchors)
+    labels = block_labels(tokens, anchors, config.block_size)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None], axis=-1)[..., 0]  # [B, N, L]
+    w = jnp.asarray(weights)
+    loss = jnp.sum(nll * w) / (jnp.sum(w) * nll.shape[0] * nll.shape[1])
+    correct = jnp.argmax(logits, axis=-1) == labels
+    metrics = {
+        "loss": loss,
+        "nll_per_position": nll.mean(axis=(0, 1)),
+        "acc_per_position": correct.mean(axis=(0, 1)),
+        "accept_length": 1.0 + jnp.cumprod(correct, axis=-1).sum(axis=-1).mean(),
+    }
+    return loss, metrics
+
+
+def target_features(target: Qwen3Config, target_params: dict, tokens, dtype):
+    """The frozen target's tapped hidden states [B, T, F*D] (no gradient)."""
+    _, features = qwen3.forward_features(target, cast(target_params, dtype), tokens, attn_impl="xla")
+    return jax.lax.stop_gradient(features)
+
+
+def make_step(config: DFlashConfig, target: Qwen3Config, settings: dict, gamma: float, num_anchors: int, seed: int, dtype):
+    """The jitted train step(state, target_params, tokens) -> (state, metrics); anchors are drawn from
+    fold_in(key(seed), step), so a resumed run draws the same ones. Cached per arguments."""
+    return _make_step(config, target, tuple(sorted(settings.items())), gamma, num_anchors, seed, dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _make_step(config, target, settings_items, gamma, num_anchors, seed, dtype):
+    tx = optimizer(dict(settings_items))
+    weights = loss_weights(config.block_size, gamma)
+
+    def step(state, target_params, tokens):
+        key = jax.random.fold_in(jax.random.key(seed), state["step"])
+        anchors = sample_anchors(key, tokens.shape[0], tokens.shape[1], num_anchors, config.block_size)
+        features = target_features(target, target_params, tokens, dtype)
+        embed = jax.lax.stop_gradient(qwen3.embedding(target_params))
+        head = jax.lax.stop_gradient(qwen3.head(target, target_params))
+
+        def loss_fn(p):
+            return block_loss(config, p, embed, head, features, tokens, anchors, weights, dtype)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval(config: DFlashConfig, target: Qwen3Config, gamma: float, num_anchors: int, dtype=jnp.float32):
+    """A jitted fn(params, target_params, tokens, key) -> metrics of one held-out batch (cached)."""
+    return _make_eval(config, target, gamma, num_anchors, dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _make_eval(config, target, gamma, num_anchors, dtype):
+    weights = loss_weights(config.block_size, gamma)
+
+    def one(params, target_params, tokens, key):
+        anchors = sample_anchors(key, tokens.shape[0], tokens.shape[1], num_anchors, config.block_size)
+        features = target_features(target, target_params, tokens, dtype)
+        return block_loss(config, params, qwen3.embedding(target_params), qwen3.head(target, target_params), features,
+                          tokens, anchors, weights, dtype)[1]
+
+    return jax.jit(one)
+
+
+def evaluate(eval_fn, params: dict, target_params: dict, batches, seed: int) -> dict:
+    """Held-out metrics with fixed anchors (keys derived from `seed`), averaged over the batches."""
+    base = jax.random.fold_in(jax.random.key(seed), 2**30)
+    out = [eval_fn(params, target_params, jnp.asarray(b), jax.random.fold_in(base, i)) for i, b in enumerate(batches)]
+    mean = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *out)
+    return {"loss": float(mean["loss"]), "accept_length": float(mean["accept_length"]),
+            "nll_per_position": [round(float(x), 4) for x in mean["nll_per_position"]],
+            "acc_per_position": [round(float(x), 4) for x in mean["acc_per_position"]]}
+
+
+def init_state(config: DFlashConfig, settings: dict, seed: int) -> dict:
+    """Random float32 drafter parameters (key(seed + 1)), the optimizer state, step 0 (one compiled program, cached)."""
+    return on_device(_init_fn(config, tuple(sorted(settings.items())))(jax.random.key(seed + 1)))
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(config: DFlashConfig, settings_items: tuple):
+    tx = optimizer(dict(settings_items))
+
+    def init(key):
+        params = dflash.init_params(config, config.hidden_size, key, jnp.float32)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return jax.jit(init)
+
+
+def train(config: DFlashConfig, target: Qwen3Config, target_params: dict, settings: dict, train_seqs: np.ndarray,
+          heldout_seqs: np.ndarray, *, seed: int, checkpoint_dir: str | None = None, log_path: str | None = None,
+          resume: bool = False, show_progress: bool = True) -> tuple[dict, dict]:
+    """Trains the drafter against the frozen target; returns (float32 drafter params, results)."""
+    dtype = DTYPES[settings["dtype"]]
+    target = with_tapped(target, config.target_layers)
+    gamma = float(settings.get("gamma") or PAPER_GAMMA.get(config.block_size, 7.0))
+    weights = loss_weights(config.block_size, gamma)
+    num_anchors = int(settings.get("num_anchors", 64))
+    steps, batch_size = settings["steps"], settings["batch_size"]
+    state = init_state(config, settings, seed)
+    checkpoints = Checkpoints(checkpoint_dir, settings["keep_checkpoints"]) if checkpoint_dir else None
+    start = 0
+    if resume and checkpoints is not None and (found := checkpoints.restore_latest(state)) is not None:
+        start, state = found
+    elif checkpoints is not None:
+        checkpoints.clear()
+    batches = Batches(train_seqs, batch_size, seed + 1)
+    heldout = eval_batches(heldout_seqs, batch_size, settings["eval_batches"])
+    log = Log(log_path, fresh=start == 0) if log_path else None
+    step_fn = make_step(config, target, settings, gamma, num_anchors, seed, dtype)
+    eval_fn = make_eval(config, target, gamma, num_anchors)  # evaluated in float32, as the exported weights run
+    lr = schedule(settings)
+    history, window = [], []
+    for r in log.records(start) if (log and start) else []:  # a resumed run keeps the earlier history
+        if "loss" in r:
+            history.append({"step": r["step"], "train_loss": r["loss"], "train_accept_length": r["accept_length"]})
+        elif "heldout" in r and r["step"] < steps:
+            history.append({"step": r["step"], "heldout_loss": r["heldout"]["loss"],
+                            "heldout_accept_length": r["heldout"]["accept_length"]})
+    began = time.perf_counter()
+    bar = progress(steps, start, "drafter", show_progress)
+    for step in range(start, steps):
+        state, metrics = step_fn(state, target_params, jnp.asarray(batches.batch(step)))
+        window.append((metrics["loss"], metrics["accept_length"]))
+        done = step + 1
+        if done % settings["log_every"] == 0 or done == steps:
+            loss = float(jnp.mean(jnp.stack([w[0] for w in window])))
+            accept = float(jnp.mean(jnp.stack([w[1] for w in window])))
+            window = []
+            bar.set_postfix(loss=f"{loss:.3f}", tau=f"{accept:.2f}", lr=f"{float(lr(done)):.2e}")
+            if log:
+                log.write(step=done, loss=loss, accept_length=accept, grad_norm=float(metrics["grad_norm"]))
+            history.append({"step": done, "train_loss": loss, "train_accept_length": accept})
+        if settings["eval_every"] and done % settings["eval_every"] == 0 and done != steps:
+            held = evaluate(eval_fn, state["params"], target_params, heldout, seed)
+            bar.write(f"drafter step {done}: held-out loss {held['loss']:.4f}, accept length {held['accept_length']:.3f}")
+            if log:
+                log.write(step=done, heldout=held)
+            history.append({"step": done, "heldout_loss": held["loss"], "heldout_accept_length": held["accept_length"]})
+        if checkpoints and settings["checkpoint_every"] and (done % settings["checkpoint_every"] == 0 or done == steps):
+            checkpoints.save(done, state)
+        bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - began
+    params = state["params"]
+    held = evaluate(eval_fn, params, target_params, heldout, seed)
+    if log:
+        log.write(step=steps, heldout=held)
+    last = next((h for h in reversed(history) if "train_loss" in h), {})
+    results = {
+        "params": count_params(params), "steps": steps, "resumed_from": start or None, "batch_size": batch_size,
+        "num_anchors": num_anchors, "gamma": gamma, "loss_weights": [round(float(w), 4) for w in weights],
+        "block_size": config.block_size, "target_layers": list(config.target_layers), "settings": settings,
+        "final_train_loss": last.get("train_loss"), "final_train_accept_length": last.get("train_accept_length"),
+        "heldout_loss": held["loss"], "heldout_accept_length": held["accept_length"],
+        "heldout_acc_per_position": held["acc_per_position"], "heldout_nll_per_position": held["nll_per_position"],
+        "wall_s": round(wall, 2), "history": history,
+    }
+    return params, results
+

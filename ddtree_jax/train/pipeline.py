@@ -1,0 +1,244 @@
+"""The training pipeline behind `python -m ddtree_jax.train`: corpus + tokenizer, target, drafter,
+HF-format exports and provenance.json.
+
+Layout (OUT is `--out`, WORK is `--work`, default OUT/work):
+
+    OUT/target/        config.json, model.safetensors, tokenizer.json, tokenizer_config.json
+    OUT/drafter/       config.json (dflash_config), model.safetensors
+    OUT/provenance.json
+    WORK/corpus/manifest.json     the file list with its split (reproducible), hashes
+    WORK/tokenizer/               tokenizer.json + tokenizer_config.json
+    WORK/data/                    packed token sequences (cache)
+    WORK/orbax/{target,drafter}/step_XXXXXXXX   Orbax checkpoints (--resume continues from the newest)
+    WORK/logs/{target,drafter}.jsonl            losses per logged step and evaluations
+
+Each stage reuses what the previous stages left in WORK / OUT (a `target` run without a tokenizer
+trains one first; `drafter` needs OUT/target).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.checkpoint import load_hf, save_hf, to_hf_dict
+from ddtree_jax.train import corpus as corpus_mod
+from ddtree_jax.train import data as data_mod
+from ddtree_jax.train import drafter as drafter_mod
+from ddtree_jax.train import target as target_mod
+from ddtree_jax.train import tokenizer as tok_mod
+from ddtree_jax.train.common import train_settings
+
+STAGES = ("tokenizer", "target", "drafter", "all")
+
+
+def load_config(path: str, overrides: list[str] = ()) -> dict:
+    """The JSON recipe, with `key.sub=value` overrides (value parsed as JSON, else a string)."""
+    with open(path) as f:
+        cfg = json.load(f)
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        if not _:
+            raise ValueError(f"override {item!r} is not key=value")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    for section in ("corpus", "tokenizer", "data", "target", "drafter"):
+        if section not in cfg:
+            raise ValueError(f"{path}: missing section {section!r}")
+    return cfg
+
+
+class Run:
+    def __init__(self, cfg: dict, out: str, work: str | None = None, *, commit: str | None = None, resume: bool = False,
+                 show_progress: bool = True, config_path: str | None = None):
+        self.cfg = cfg
+        self.out = os.path.abspath(out)
+        self.work = os.path.abspath(work or os.path.join(out, "work"))
+        self.commit = commit
+        self.resume = resume
+        self.show_progress = show_progress
+        self.config_path = config_path
+        self.seed = int(cfg.get("seed", 0))
+
+    # -- paths ---------------------------------------------------------------------------------
+    def path(self, *parts) -> str:
+        return os.path.join(self.work, *parts)
+
+    @property
+    def target_dir(self) -> str:
+        return os.path.join(self.out, "target")
+
+    @property
+    def drafter_dir(self) -> str:
+        return os.path.join(self.out, "drafter")
+
+    # -- stages --------------------------------------------------------------------------------
+    def tokenizer(self) -> dict:
+        began = time.perf_counter()
+        manifest = corpus_mod.manifest_from_config(self.cfg["corpus"])
+        corpus_mod.write_manifest(manifest, self.path("corpus", "manifest.json"))
+        tcfg = self.cfg["tokenizer"]
+        specials = {**tok_mod.DEFAULT_SPECIALS, **tcfg.get("special_tokens", {})}
+        tok = tok_mod.train_tokenizer(corpus_mod.read_texts(manifest, "train"), int(tcfg.get("vocab_size", 8192)),
+                                      int(tcfg.get("min_frequency", 2)), specials)
+        tok_mod.save(tok, self.path("tokenizer"), specials)
+        info = {"vocab_size": tok.get_vocab_size(), "requested_vocab_size": int(tcfg.get("vocab_size", 8192)),
+                "special_tokens": {k: {"text": specials[k], "id": i} for k, i in tok_mod.special_ids(tok, specials).items()},
+                "tokenizer_sha256": tok_mod.file_hash(self.path("tokenizer")), "trained_on": "train split",
+                "kind": "byte-level BPE (tokenizers)"}
+        self.update_provenance(corpus=corpus_mod.summary(manifest), tokenizer=info,
+                               wall_s={"tokenizer": round(time.perf_counter() - began, 2)})
+        return info
+
+    def _inputs(self):
+        """(manifest, tokenizer, special ids, train sequences, held-out sequences), building what is missing."""
+        if not (os.path.exists(self.path("corpus", "manifest.json")) and os.path.exists(self.path("tokenizer", "tokenizer.json"))):
+            self.tokenizer()
+        manifest = corpus_mod.read_manifest(self.path("corpus", "manifest.json"))
+        specials = {**tok_mod.DEFAULT_SPECIALS, **self.cfg["tokenizer"].get("special_tokens", {})}
+        tok = tok_mod.load(self.path("tokenizer"))
+        ids = tok_mod.special_ids(tok, specials)
+        tok_hash = tok_mod.file_hash(self.path("tokenizer"))
+        seq_len = int(self.cfg["data"]["seq_len"])
+        train, n_train = data_mod.load_or_build(self.work, "train", tok, tok_hash, manifest, ids["eos"], seq_len)
+        held, n_held = data_mod.load_or_build(self.work, "heldout", tok, tok_hash, manifest, ids["eos"], seq_len)
+        self.update_provenance(data={"seq_len": seq_len, "train_tokens": n_train, "heldout_tokens": n_held,
+                                     "train_sequences": int(len(train)), "heldout_sequences": int(len(held)),
+                                     "packing": "files in path order, each followed by eos, cut into seq_len chunks"})
+        return manifest, tok, ids, train, held
+
+    def vocab_size(self, tok) -> int:
+        size = int(self.cfg["target"]["model"].get("vocab_size", 0)) or int(self.cfg["tokenizer"].get("vocab_size", 8192))
+        if tok.get_vocab_size() > size:
+            raise ValueError(f"the tokenizer has {tok.get_vocab_size()} ids, more than the model's vocab_size {size}")
+        return size
+
+    def target(self) -> dict:
+        manifest, tok, ids, train, held = self._inputs()
+        model_cfg = {k: v for k, v in self.cfg["target"]["model"].items() if k != "vocab_size"}
+        config = target_mod.model_config(model_cfg, self.vocab_size(tok))
+        settings = train_settings(self.cfg["target"]["train"])
+        params, results = target_mod.train(config, settings, train, held, seed=self.seed,
+                                           checkpoint_dir=self.path("orbax", "target"), log_path=self.path("logs", "target.jsonl"),
+                                           resume=self.resume, show_progress=self.show_progress)
+        if os.path.exists(self.target_dir):
+            shutil.rmtree(self.target_dir)
+        save_hf(self.target_dir, config, params)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(self.path("tokenizer", name), os.path.join(self.target_dir, name))
+        _patch_json(os.path.join(self.target_dir, "config.json"), eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+                    torch_dtype="float32")
+        results.update(config=to_hf_dict(config), size_mb=_dir_mb(self.target_dir))
+        self.update_provenance(target=results, wall_s={"target": results["wall_s"]})
+        return results
+
+    def drafter(self) -> dict:
+        if not os.path.exists(os.path.join(self.target_dir, "config.json")):
+            raise FileNotFoundError(f"no trained target in {self.target_dir}: run the `target` stage first")
+        manifest, tok, ids, train, held = self._inputs()
+        target_config, target_params = load_hf(self.target_dir, jnp.float32)
+        config = drafter_mod.model_config(dict(self.cfg["drafter"]["model"]), target_config, ids["mask"])
+        settings = train_settings(self.cfg["drafter"]["train"])
+        params, results = drafter_mod.train(config, target_config, target_params, settings, train, held, seed=self.seed,
+                                            checkpoint_dir=self.path("orbax", "drafter"),
+                                            log_path=self.path("logs", "drafter.jsonl"), resume=self.resume,
+                                            show_progress=self.show_progress)
+        if os.path.exists(self.drafter_dir):
+            shutil.rmtree(self.drafter_dir)
+        save_hf(self.drafter_dir, config, params, vocab_size=target_config.vocab_size)
+        _patch_json(os.path.join(self.drafter_dir, "config.json"), num_target_layers=target_config.num_layers,
+                    torch_dtype="float32")
+        frozen = ["model.embed_tokens.weight"] + ([] if target_config.tie_word_embeddings else ["lm_head.weight"])
+        results.update(config=to_hf_dict(config, target_config.vocab_size), size_mb=_dir_mb(self.drafter_dir),
+                       frozen_from_target=frozen)
+        self.update_provenance(drafter=results, wall_s={"drafter": results["wall_s"]})
+        return results
+
+    def run(self, stage: str) -> dict:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        began = time.perf_counter()
+        if stage in ("tokenizer", "all"):
+            self.tokenizer()
+        if stage in ("target", "all"):
+            self.target()
+        if stage in ("drafter", "all"):
+            self.drafter()
+        return self.update_provenance(wall_s={f"{stage}_total": round(time.perf_counter() - began, 2)})
+
+    # -- provenance ------------------------------------------------------------------------------
+    def update_provenance(self, **sections) -> dict:
+        path = os.path.join(self.out, "provenance.json")
+        prov = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                prov = json.load(f)
+        for key, value in sections.items():
+            if isinstance(value, dict) and key == "wall_s":
+                prov[key] = {**prov.get(key, {}), **value}
+            else:
+                prov[key] = value
+        prov.update(self._header())
+        if "target" in prov and "drafter" in prov:
+            prov["total_size_mb"] = round(prov["target"]["size_mb"] + prov["drafter"]["size_mb"], 3)
+        os.makedirs(self.out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(_ordered(prov), f, indent=1)
+        return prov
+
+    def _header(self) -> dict:
+        device = jax.devices()[0]
+        return {
+            "updated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": self.commit or _git_commit(),
+            "recipe": os.path.relpath(self.config_path) if self.config_path else None,
+            "config": copy.deepcopy(self.cfg), "seed": self.seed,
+            "python_version": platform.python_version(),
+            "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count(),
+                       "jax": jax.__version__},
+        }
+
+
+_ORDER = ("commit", "updated", "recipe", "seed", "python_version", "device", "corpus", "tokenizer", "data", "target",
+          "drafter", "total_size_mb", "wall_s", "config")
+
+
+def _ordered(prov: dict) -> dict:
+    return {k: prov[k] for k in _ORDER if k in prov} | {k: v for k, v in prov.items() if k not in _ORDER}
+
+
+def _patch_json(path: str, **fields) -> None:
+    with open(path) as f:
+        data = json.load(f)
+    data.update(fields)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def _dir_mb(directory: str) -> float:
+    return round(sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)) / 1e6, 3)
+
+
+def _git_commit() -> str | None:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,64 @@
+"""`python -m ddtree_jax.train all --config configs/train_tiny.json`: loadable HF dirs and provenance.json."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.checkpoint import load_hf, load_tokenizer
+from ddtree_jax.config import DFlashConfig, Qwen3Config
+from ddtree_jax.engine.run import load_pair
+from ddtree_jax.train.__main__ import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    config = os.path.join(REPO, "configs", "train_tiny.json")
+    assert main(["all", "--config", config, "--out", out, "--commit", "0123abc", "--no-progress",
+                 "--set", "drafter.train.steps=12"]) == 0
+    brief = json.loads(capsys.readouterr().out)
+    assert brief["commit"] == "0123abc" and brief["drafter"]["steps"] == 12
+
+    assert sorted(os.listdir(os.path.join(out, "target"))) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                                "tokenizer_config.json"]
+    assert sorted(os.listdir(os.path.join(out, "drafter"))) == ["config.json", "model.safetensors"]
+    target_config, target_params = load_hf(os.path.join(out, "target"), jnp.float32)
+    drafter_config, drafter_params = load_hf(os.path.join(out, "drafter"), jnp.float32)
+    assert isinstance(target_config, Qwen3Config) and isinstance(drafter_config, DFlashConfig)
+    tok = load_tokenizer(os.path.join(out, "target"))
+    assert tok.eos_token_id == 0 and tok.token_to_id("<|mask|>") == drafter_config.mask_token_id
+    assert drafter_config.block_size == 16 and drafter_config.target_layers == (0, 1)
+    assert drafter_config.hidden_size == target_config.hidden_size and tok.vocab_size <= target_config.vocab_size
+
+    pair = load_pair(os.path.join(out, "target"), os.path.join(out, "drafter"))
+    assert pair.tokenizer is not None and pair.target_config.tapped_layers == (0, 1)
+    assert pair.drafter.max_block_size == 16 and pair.drafter.embed.shape == (target_config.vocab_size, target_config.hidden_size)
+
+    with open(os.path.join(out, "provenance.json")) as f:
+        prov = json.load(f)
+    assert prov["commit"] == "0123abc" and prov["seed"] == 0 and prov["python_version"].count(".") == 2
+    corpus = prov["corpus"]
+    assert corpus["python_version"] == prov["python_version"] and len(corpus["file_list_hash"]) == 64
+    assert corpus["num_files"]["train"] > 0 and corpus["num_files"]["heldout"] > 0
+    assert prov["data"]["train_tokens"] > prov["data"]["heldout_tokens"] > 0
+    for part in ("target", "drafter"):
+        r = prov[part]
+        assert r["steps"] > 0 and np.isfinite(r["final_train_loss"]) and np.isfinite(r["heldout_loss"])
+        assert r["params"] > 0 and r["size_mb"] > 0
+    assert prov["target"]["heldout_ppl"] == np.exp(prov["target"]["heldout_loss"])
+    assert prov["target"]["params"] == sum(int(np.prod(x.shape)) for x in _leaves(target_params))
+    assert prov["drafter"]["params"] == sum(int(np.prod(x.shape)) for x in _leaves(drafter_params))
+    assert prov["drafter"]["gamma"] == 7.0 and prov["total_size_mb"] > 0
+    assert {"tokenizer", "target", "drafter"} <= set(prov["wall_s"]) and prov["device"]["platform"] == "cpu"
+    work = os.path.join(out, "work")
+    assert os.path.exists(os.path.join(work, "corpus", "manifest.json"))
+    assert os.listdir(os.path.join(work, "orbax", "target")) and os.listdir(os.path.join(work, "orbax", "drafter"))
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
