@@ -82,7 +82,7 @@ def _compile(fn, args):
 
 
 def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int, temperature: float, top_p: float,
-               repeats: int, attn_impl: str = "xla", seed: int = 0) -> dict:
+               repeats: int, attn_impl: str = "xla", matmul_impl: str = "xla", seed: int = 0) -> dict:
     config, block = pair.target_config, pair.drafter.config.block_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
@@ -90,14 +90,15 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     _, params, drafter, ids, lengths, sampling, keys, stop, max_new_arr = request_args(
         pair, prompts, temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new)
     shape = dict(max_new_tokens=max_new, method=method, budget=budget, block_size=block)
-    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, attn_impl=attn_impl))(params, drafter, ids, lengths,
+    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, attn_impl=attn_impl,
+                                            matmul_impl=matmul_impl))(params, drafter, ids, lengths,
                                                                                       sampling, keys)
     row = {"B": batch, "method": method, "budget": budget if method == "ddtree" else None, "context": context,
-           "attn_impl": attn_impl}
+           "attn_impl": attn_impl, "matmul_impl": matmul_impl}
 
     def step_fn(params, drafter, state, sampling, keys, stop, max_new_arr):
         return decode_step(config, params, drafter, state, sampling, keys, stop, max_new_arr, method=method,
-                           budget=budget, block_size=block, attn_impl=attn_impl)
+                           budget=budget, block_size=block, attn_impl=attn_impl, matmul_impl=matmul_impl)
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     step, row["step_compile_s"] = _compile(step_fn, step_args)
@@ -116,13 +117,13 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     slots = tree.tokens.shape[1]
     row["slots"] = slots
 
-    fn, row["verify_compile_s"] = _compile(lambda p, c, t: verify_forward(config, p, c, t, attn_impl=attn_impl), (params, state.target_cache, tree))
+    fn, row["verify_compile_s"] = _compile(lambda p, c, t: verify_forward(config, p, c, t, attn_impl=attn_impl, matmul_impl=matmul_impl), (params, state.target_cache, tree))
     row["verify_forward_ms"] = _median(fn, (params, state.target_cache, tree), repeats) * 1e3
     logits = fn(params, state.target_cache, tree)[0]
 
     plain_ids = tree.tokens
     fn, _ = _compile(lambda p, c, t: qwen3.prefill(config, p, c, t, jnp.full((batch,), slots, jnp.int32),
-                                                           attn_impl=attn_impl),
+                                                           attn_impl=attn_impl, matmul_impl=matmul_impl),
                      (params, state.target_cache, plain_ids))
     row["plain_forward_ms"] = _median(fn, (params, state.target_cache, plain_ids), repeats) * 1e3
 
@@ -148,6 +149,8 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--attn-impls", default="xla", help="comma-separated: xla, pallas (one row set each)")
+    parser.add_argument("--matmul-impl", default="xla", choices=["xla", "pallas"],
+                        help="the target's dense matmuls (kernels/decode_matmul.py with pallas)")
     parser.add_argument("--quick", action="store_true", help="B = 1, budgets 16 and 64, AR + DDTree")
     args = parser.parse_args()
     if args.quick:
@@ -168,13 +171,13 @@ def main() -> None:
     rows = []
     for batch, method, budget, attn_impl in cases:
         row = bench_case(pair, batch, method, budget, context=args.context, temperature=args.temperature,
-                         top_p=args.top_p, repeats=args.repeats, attn_impl=attn_impl)
+                         top_p=args.top_p, repeats=args.repeats, attn_impl=attn_impl, matmul_impl=args.matmul_impl)
         rows.append(row)
         print(f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms  draft "
               f"{row['draft_ms']:7.2f}  verify fwd {row['verify_forward_ms']:8.2f}  plain fwd {row['plain_forward_ms']:8.2f}"
               f"  verification xla {row['verification_xla_ms']:7.3f} pallas {row['verification_pallas_ms']:7.3f}  "
               f"non-fwd {100 * row['non_forward_share']:5.1f}%  (compile step {row['step_compile_s']:.0f} s)", flush=True)
-        write_result(f"engine_{args.shape}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
+        write_result(f"engine_{args.shape}_matmul-{args.matmul_impl}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
     header = ["B", "method", "budget", "N", "attention", "step ms", "draft ms", "verify fwd ms", "plain fwd ms", "verify/plain",
               "verification xla ms", "verification pallas ms", "non-forward %"]
     table = [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"], r["draft_ms"], r["verify_forward_ms"],

@@ -101,10 +101,11 @@ def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str,
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
-def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree, *, attn_impl: str = "xla"):
+def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree, *, attn_impl: str = "xla",
+                   matmul_impl: str = "xla"):
     """The target's tree-verify pass: (logits [B, N, V], tapped [B, N, F*D], cache with the tree K/V written)."""
     return target_module(target_config).verify(target_config, target_params, cache, tree.tokens, tree.depths,
-                                               ancestor_mask(tree), attn_impl=attn_impl)
+                                               ancestor_mask(tree), attn_impl=attn_impl, matmul_impl=matmul_impl)
 
 
 def verification_stage(tree: DraftTree, logits: jax.Array, sampling: SamplingParams, keys: jax.Array, step: jax.Array, *,
@@ -154,14 +155,15 @@ def emit_stage(state: DecodeState, result: VerifyResult, stop_tokens: jax.Array,
 def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
                 stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
                 order: str = "draft", verify_method: str = "sampling", attn_impl: str = "xla",
-                sampling_impl: str = "auto") -> DecodeState:
+                sampling_impl: str = "auto", matmul_impl: str = "xla") -> DecodeState:
     """Advances every active row by one speculative step (see the module docstring): the stages above,
     in order (`engine.profile` times each of them alone)."""
     active = ~state.done
     draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
     draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
     tree = tree_stage(draft_logits, state.bonus, method=method, budget=budget)
-    logits, tapped, cache = verify_forward(target_config, target_params, state.target_cache, tree, attn_impl=attn_impl)
+    logits, tapped, cache = verify_forward(target_config, target_params, state.target_cache, tree, attn_impl=attn_impl,
+                                           matmul_impl=matmul_impl)
     result = verification_stage(tree, logits, sampling, keys, state.step, order=order, verify_method=verify_method,
                                 sampling_impl=sampling_impl)
     cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)

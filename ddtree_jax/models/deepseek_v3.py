@@ -163,6 +163,13 @@ def forward_logits(config: DeepSeekV3Config, params: dict, input_ids: jax.Array)
 # --- the absorbed (latent-cache) path: prefill / verify over a per-row cache -------------------------------
 
 
+def _check_matmul_impl(matmul_impl: str) -> None:
+    """This family's dense projections run in XLA for now (its routed experts have moe_impl="pallas")."""
+    if matmul_impl not in ("xla", "auto"):
+        raise NotImplementedError(f"matmul_impl={matmul_impl!r} is not wired into the DeepSeek-V3 family yet; "
+                                  "use moe_impl='pallas' for the INT4 experts")
+
+
 def create_cache(config: DeepSeekV3Config, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
     """The MLA latent cache: `k` holds the normalised latent [layers, B, S, 1, kv_lora_rank] and `v`
     the roped shared key [layers, B, S, 1, qk_rope_head_dim]: kv_lora_rank + qk_rope_head_dim values
@@ -235,9 +242,10 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
 
 
 def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *,
-            attn_impl: str = "xla", moe_impl: str = "auto"):
+            attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla"):
     """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new).
     moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference)."""
+    _check_matmul_impl(matmul_impl)
     steps = input_ids.shape[1]
     check_room(cache, steps)
     start = cache.lengths
@@ -248,8 +256,9 @@ def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: j
 
 
 def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
-           tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto"):
+           tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla"):
     """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""
+    _check_matmul_impl(matmul_impl)
     slots = tokens.shape[1]
     check_room(cache, slots)
     start = cache.lengths

@@ -19,17 +19,28 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def linear(x: jax.Array, weight) -> jax.Array:
+MATMUL_IMPLS = ("xla", "pallas", "auto")
+
+
+def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:
     """x [..., in] @ weight[out, in].T -> [..., out]; a quantised weight (models.quant) is dequantised
-    to x's dtype first (the reference; the weight-streaming kernels fuse this)."""
+    to x's dtype first in "xla" (the reference); "pallas" streams it through
+    `kernels.decode_matmul.matmul` (dequantised in registers; interpret mode off GPU); "auto" = pallas
+    on GPU, xla elsewhere."""
     from ddtree_jax.models.quant import dense
 
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
+    if impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu"):
+        from kernels.decode_matmul import matmul
+
+        return matmul(x, weight)
     return jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """down(silu(gate(x)) * up(x)); gate/up [F, D], down [D, F]."""
-    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, impl: str = "xla") -> jax.Array:
+    """down(silu(gate(x)) * up(x)); gate/up [F, D], down [D, F]; impl: `linear`'s."""
+    return linear(jax.nn.silu(linear(x, gate, impl)) * linear(x, up, impl), down, impl)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

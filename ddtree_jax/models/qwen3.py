@@ -50,29 +50,29 @@ def init_params(config: Qwen3Config, key: jax.Array, dtype=jnp.float32, norm_jit
     return init_from_shapes(param_shapes(config), key, dtype, norm_jitter)
 
 
-def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl):
+def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl, matmul_impl="xla"):
     """One decoder layer. kv_update(k, v) -> (keys, values) to attend (writes the cache if any)."""
     c = config
     batch, steps, _ = h.shape
     x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
-    q = linear(x, p["q_proj"]).reshape(batch, steps, c.num_heads, c.head_dim)
-    k = linear(x, p["k_proj"]).reshape(batch, steps, c.num_kv_heads, c.head_dim)
-    v = linear(x, p["v_proj"]).reshape(batch, steps, c.num_kv_heads, c.head_dim)
+    q = linear(x, p["q_proj"], matmul_impl).reshape(batch, steps, c.num_heads, c.head_dim)
+    k = linear(x, p["k_proj"], matmul_impl).reshape(batch, steps, c.num_kv_heads, c.head_dim)
+    v = linear(x, p["v_proj"], matmul_impl).reshape(batch, steps, c.num_kv_heads, c.head_dim)
     q = apply_rope(rms_norm(q, p["q_norm"], c.rms_norm_eps), cos, sin)
     k = apply_rope(rms_norm(k, p["k_norm"], c.rms_norm_eps), cos, sin)
     keys, values = kv_update(k, v)
     out = attention(q, keys, values, mask, impl=attn_impl).reshape(batch, steps, c.num_heads * c.head_dim)
-    h = h + linear(out, p["o_proj"])
+    h = h + linear(out, p["o_proj"], matmul_impl)
     x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-    return h + swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
+    return h + swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"], matmul_impl)
 
 
-def _head(config: Qwen3Config, params: dict, h) -> jax.Array:
+def _head(config: Qwen3Config, params: dict, h, matmul_impl: str = "xla") -> jax.Array:
     h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    return linear(h, head(config, params)).astype(jnp.float32)
+    return linear(h, head(config, params), matmul_impl).astype(jnp.float32)
 
 
-def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl):
+def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl, matmul_impl="xla"):
     """Shared body: embeds, runs every layer (unrolled), returns (logits f32, tapped [B, T, F*D], cache)."""
     h = params["embed"][tokens]
     cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
@@ -89,31 +89,34 @@ def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl)
                 new_k.append(ck)
                 new_v.append(cv)
                 return ck, cv
-        h = _layer(config, p, h, cos, sin, kv_update, mask, attn_impl)
+        h = _layer(config, p, h, cos, sin, kv_update, mask, attn_impl, matmul_impl)
         if layer in config.tapped_layers:
             tapped.append(h)
     if cache is not None:
         cache = KVCache(jnp.stack(new_k), jnp.stack(new_v), cache.lengths)
     features = jnp.concatenate(tapped, axis=-1) if tapped else jnp.zeros(h.shape[:2] + (0,), h.dtype)
-    return _head(config, params, h), features, cache
+    return _head(config, params, h, matmul_impl), features, cache
 
 
-def forward_logits(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla") -> jax.Array:
+def forward_logits(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla",
+                   matmul_impl: str = "xla") -> jax.Array:
     """Plain causal forward, no cache: input_ids int32 [B, T] -> logits float32 [B, T, V]."""
-    return forward_features(config, params, input_ids, attn_impl=attn_impl)[0]
+    return forward_features(config, params, input_ids, attn_impl=attn_impl, matmul_impl=matmul_impl)[0]
 
 
-def forward_features(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla"):
+def forward_features(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla",
+                     matmul_impl: str = "xla"):
     """Plain causal forward, no cache: (logits float32 [B, T, V], tapped hidden [B, T, F*D]) for
     input_ids int32 [B, T]; the tapped layers' outputs are what the DFlash drafter trains on."""
     steps = input_ids.shape[1]
     positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), input_ids.shape)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (input_ids.shape[0], steps, steps))
-    logits, features, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl)
+    logits, features, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl, matmul_impl)
     return logits, features
 
 
-def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *, attn_impl: str = "xla"):
+def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *, attn_impl: str = "xla",
+            matmul_impl: str = "xla"):
     """Causal pass over new tokens appended at each row's length.
 
     Args:
@@ -128,11 +131,12 @@ def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Ar
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     rows = jnp.arange(cache.capacity, dtype=jnp.int32)
     mask = rows[None, None, :] <= positions[:, :, None]  # causal over the committed prefix + new tokens
-    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, attn_impl)
+    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl)
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
-def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array, tree_mask: jax.Array, *, attn_impl: str = "xla"):
+def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array, tree_mask: jax.Array, *,
+           attn_impl: str = "xla", matmul_impl: str = "xla"):
     """The tree-verify pass: N slots at positions lengths + depth.
 
     Slot i's K/V are written at cache row lengths + i; slot i attends the committed prefix and the
@@ -152,7 +156,7 @@ def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array,
     in_tree = (rel >= 0) & (rel < slots)
     tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
     mask = (rel < 0) | (in_tree & tree_part)
-    return _run(config, params, tokens, positions, mask, cache, start, attn_impl)
+    return _run(config, params, tokens, positions, mask, cache, start, attn_impl, matmul_impl)
 
 
 def embedding(params: dict) -> jax.Array:
