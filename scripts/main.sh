@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The main job on the embedded default. Until the decode engine lands, this is the tree tool on a
-# synthetic drafter distribution (L = 15, Qwen3 vocabulary, budget 64), with a plot.
-# Extra arguments go to `ddtree-jax tree` (see `scripts/main.sh --help`).
+# The main job on the embedded default: DDTree generation side by side with AR and the DFlash chain.
+# With the trained pair in checkpoints/embedded/ (issue 9: target + drafter HF directories) it generates
+# code from a prompt with it; until that pair is committed, it runs a random-weight tiny pair, whose
+# acceptance is ~1 token per step by construction (the run exercises the machinery, not the speed-up).
+# Extra arguments go to `ddtree-jax generate` (see `scripts/main.sh --help`).
 source "$(dirname "$0")/_venv.sh"
 cd "$repo_root"
-mkdir -p outputs
-exec python -m ddtree_jax tree --budget 64 --depth 15 --max-print 40 --plot outputs/tree.png "$@"
+if [ -d checkpoints/embedded/target ] && [ -d checkpoints/embedded/drafter ]; then
+  exec python -m ddtree_jax generate --target checkpoints/embedded/target --drafter checkpoints/embedded/drafter \
+    --prompt "def fibonacci(n):" --method all --budget 64 --max-new 128 --repeats 1 "$@"
+fi
+echo "checkpoints/embedded/ is not there yet: DDTree vs AR vs the DFlash chain on a random-weight tiny pair"
+exec python -m ddtree_jax generate --random-tiny --method all --budget 16 --max-new 64 --repeats 3 "$@"

@@ -1,0 +1,26 @@
+"""Sharding: mesh construction (mesh.py), the per-layout rule tables from logical axes to mesh axes
+(rules.py), and the memory planner (memory.py; pure Python, no device work)."""
+
+from ddtree_jax.sharding.mesh import make_mesh
+from ddtree_jax.sharding.rules import RULES, batch_sharding, param_shardings, param_specs, partition_spec, shard_params
+
+from ddtree_jax.sharding.memory import (
+    MemoryPlan,
+    MeshLayout,
+    Tensor,
+    cache_bytes_per_token,
+    drafter_inventory,
+    max_context,
+    param_counts,
+    parse_layout,
+    plan_memory,
+    total_params,
+    weight_bytes,
+    weight_inventory,
+)
+
+__all__ = [
+    "RULES", "batch_sharding", "make_mesh", "param_shardings", "param_specs", "partition_spec", "shard_params",
+    "MemoryPlan", "MeshLayout", "Tensor", "cache_bytes_per_token", "drafter_inventory", "max_context",
+    "param_counts", "parse_layout", "plan_memory", "total_params", "weight_bytes", "weight_inventory",
+]
