@@ -214,49 +214,81 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
 
 
+LAYER_LOOPS = ("scan", "unrolled")
+
+
 def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCache, write_start, moe_impl: str,
-         attn_impl: str = "xla"):
+         attn_impl: str = "xla", layer_loop: str = "scan"):
+    """Embeds, runs the dense then the MoE layers, returns (logits f32, tapped [B, T, F*D], cache).
+
+    layer_loop "scan": `lax.scan` over each stack of layers (the stacked parameters and that stack's cache
+    slices as scanned inputs): the program holds one layer of each kind, so 61 layers compile in about
+    the time of two. "unrolled": a Python loop (one copy of the layer per layer in the program).
+    """
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     c = config
     cos, sin = rope_tables_half(c, positions)
     h = params["embed"][tokens]
-    latents, ropes, tapped = [], [], []
-    layer_index = 0
-    for stack, count in (("dense_layers", c.first_k_dense_replace), ("moe_layers", c.num_moe_layers)):
-        for layer in range(count):
-            p = jax.tree.map(lambda w: w[layer], params[stack])
+
+    def layer_fn(kind):
+        def step(h, inputs):
+            p, latent_cache, rope_cache = inputs
             attn, lat, rope = _mla_absorbed(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin,
-                                            cache.k[layer_index], cache.v[layer_index], write_start, mask,
-                                            attn_impl)
-            latents.append(lat)
-            ropes.append(rope)
+                                            latent_cache, rope_cache, write_start, mask, attn_impl)
             h = h + attn
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if stack == "dense_layers"
+            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if kind == "dense_layers"
                      else moe(c, p, x, impl=moe_impl))
-            if layer_index in c.tapped_layers:
-                tapped.append(h)
-            layer_index += 1
+            return h, (lat, rope, h)
+
+        return step
+
+    latents, ropes, outputs = [], [], []
+    first = 0
+    for kind, count in (("dense_layers", c.first_k_dense_replace), ("moe_layers", c.num_moe_layers)):
+        if not count:
+            continue
+        xs = (params[kind], cache.k[first: first + count], cache.v[first: first + count])
+        if layer_loop == "scan":
+            h, (lat, rope, hs) = jax.lax.scan(layer_fn(kind), h, xs)
+        else:
+            per_layer = []
+            for layer in range(count):
+                h, out = layer_fn(kind)(h, jax.tree.map(lambda a: a[layer], xs))
+                per_layer.append(out)
+            lat, rope, hs = (jnp.stack(parts) for parts in zip(*per_layer))
+        latents.append(lat)
+        ropes.append(rope)
+        outputs.append(hs)  # [count, B, T, D]: each layer's output, for the tapped features
+        first += count
+    layer_outputs = jnp.concatenate(outputs) if outputs else None
+    tapped = [layer_outputs[layer] for layer in c.tapped_layers]
     features = jnp.concatenate(tapped, axis=-1) if tapped else jnp.zeros(h.shape[:2] + (0,), h.dtype)
     logits = linear(rms_norm(h, params["final_norm"], c.rms_norm_eps), head(c, params)).astype(jnp.float32)
-    return logits, features, KVCache(jnp.stack(latents), jnp.stack(ropes), cache.lengths)
+    return logits, features, KVCache(jnp.concatenate(latents), jnp.concatenate(ropes), cache.lengths)
 
 
 def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *,
-            attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla"):
+            attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla", layer_loop: str = "scan"):
     """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new).
-    moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference)."""
+    moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference);
+    attn_impl: models.attention's ("pallas": kernels/tree_attention with the latent and rope key parts);
+    layer_loop: "scan" (default; 61 layers compile like 2) or "unrolled" (see `_run`)."""
     _check_matmul_impl(matmul_impl)
     steps = input_ids.shape[1]
     check_room(cache, steps)
     start = cache.lengths
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl)
+    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl,
+                                   layer_loop)
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
 def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
-           tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla"):
+           tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla",
+           layer_loop: str = "scan"):
     """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""
     _check_matmul_impl(matmul_impl)
     slots = tokens.shape[1]
@@ -265,4 +297,4 @@ def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.A
     rel = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
     tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
     mask = (rel < 0) | ((rel < slots) & tree_part)
-    return _run(config, params, tokens, start[:, None] + depths, mask, cache, start, moe_impl, attn_impl)
+    return _run(config, params, tokens, start[:, None] + depths, mask, cache, start, moe_impl, attn_impl, layer_loop)

@@ -117,3 +117,25 @@ def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params
     for b in range(2):
         seq = np.concatenate([prefix[b, : lengths[b]], tokens[b, paths[b, deepest[b]]], new[b]])
         assert _relerr(cont[b, 0], _naive(tiny_params, seq)) < 1e-5
+
+
+def test_scanned_layers_equal_the_unrolled_loop(tiny_params):
+    """layer_loop="scan" (the default: one layer of each kind in the program) = the Python loop."""
+    from ddtree_jax.tree import ancestor_mask, build_tree
+
+    rng = np.random.default_rng(4)
+    prefix = jnp.asarray(rng.integers(0, 50, (2, 6)), jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 5, jnp.array([2, 8], jnp.int32))
+    outs = {}
+    for loop in ("scan", "unrolled"):
+        cache = deepseek_v3.create_cache(TINY, 2, 24, jnp.float32)
+        pre, pre_feats, cache = deepseek_v3.prefill(TINY, tiny_params, cache, prefix, jnp.array([6, 2], jnp.int32),
+                                                    layer_loop=loop)
+        ver, feats, cache = deepseek_v3.verify(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree),
+                                               layer_loop=loop)
+        outs[loop] = (pre, pre_feats, ver, feats, cache.k, cache.v)
+    for got, want in zip(outs["scan"], outs["unrolled"]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="layer_loop"):
+        deepseek_v3.prefill(TINY, tiny_params, deepseek_v3.create_cache(TINY, 2, 24, jnp.float32), prefix,
+                            jnp.array([6, 2], jnp.int32), layer_loop="while")
