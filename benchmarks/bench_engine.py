@@ -37,7 +37,7 @@ from ddtree_jax.engine.drafters import DFlashDrafter  # noqa: E402
 from ddtree_jax.engine.generate import prefill  # noqa: E402
 from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args  # noqa: E402
 from ddtree_jax.engine.step import append_stage, decode_step, draft_stage, tree_stage, verification_stage, verify_forward  # noqa: E402
-from ddtree_jax.models import dflash, qwen3  # noqa: E402
+from ddtree_jax.models import dflash, qwen3, target_module  # noqa: E402
 
 SHAPES = {
     # shared/spec/models.md: Qwen3-8B and Qwen3-8B-DFlash-b16
@@ -122,7 +122,8 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     logits = fn(params, state.target_cache, tree)[0]
 
     plain_ids = tree.tokens
-    fn, _ = _compile(lambda p, c, t: qwen3.prefill(config, p, c, t, jnp.full((batch,), slots, jnp.int32),
+    target = target_module(config)
+    fn, _ = _compile(lambda p, c, t: target.prefill(config, p, c, t, jnp.full((batch,), slots, jnp.int32),
                                                            attn_impl=attn_impl, matmul_impl=matmul_impl),
                      (params, state.target_cache, plain_ids))
     row["plain_forward_ms"] = _median(fn, (params, state.target_cache, plain_ids), repeats) * 1e3
