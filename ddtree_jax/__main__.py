@@ -79,8 +79,8 @@ def _load(args: argparse.Namespace):
     """The pair of --target/--drafter (or --random-tiny), with the compilation cache set up."""
     from ddtree_jax.engine.run import DEFAULT_CACHE_DIR, enable_compilation_cache, load_pair, random_tiny_pair
 
-    if args.compilation_cache is None:
-        args.compilation_cache = DEFAULT_CACHE_DIR
+    if args.compilation_cache is None:  # DDTREE_COMPILATION_CACHE overrides the default ('' disables it)
+        args.compilation_cache = os.environ.get("DDTREE_COMPILATION_CACHE", DEFAULT_CACHE_DIR)
     enable_compilation_cache(args.compilation_cache or None)
     if args.random_tiny:
         return random_tiny_pair(args.seed)

@@ -1,0 +1,240 @@
+"""Speed projection: this pair's measured tau per budget x a Qwen3-8B-shaped step time -> predicted tokens/s.
+
+The embedded pair is too small for its own step times to mean anything; its acceptance behaviour is what
+transfers. This combines the budget sweep's tau (`experiments/budget_sweep.py` JSON: mean tau per method,
+budget and temperature) with the decode-step time of a Qwen3-8B target + Qwen3-8B-DFlash-b16 drafter
+(block 16, like the embedded drafter) at the same method and budget, from, in order:
+
+1. `--bench FILE`, or else the newest `benchmarks/results/engine_qwen3-8b*.json` /
+   `benchmarks/results_archive/engine_qwen3-8b*.json` (`benchmarks/bench_engine.py`: rows with B, method,
+   budget, step_ms, measured on the H200 at its --temperature; the fastest row per (B, method, budget) over
+   implementations; the same step time serves every temperature of the sweep);
+2. else the roofline model `ddtree_jax.roofline` (`step_cost` of `qwen3_8b()` on one H200: bytes and FLOPs,
+   no overhead unless --overhead-us; an optimistic bound).
+
+Budgets the benchmark did not measure are interpolated linearly in the verified slot count N = budget + 1
+between measured budgets (marked "interpolated"); outside the measured range they take the roofline's
+ratio to the nearest measured budget when the roofline exists ("roofline-scaled"), else they are left
+out. Per temperature and column: tau, step ms, tokens/s per row = tau / step, aggregate tokens/s
+(x B), speedup over AR (AR: tau = 1, its own step) and over the DFlash chain (its tau and step), and the
+best budget (highest tokens/s).
+
+  python experiments/speed_projection.py --sweep outputs/budget_sweep.json [--bench F.json | --roofline] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.studies import REPO, write_json  # noqa: E402
+
+BENCH_GLOBS = ("benchmarks/results/engine_qwen3-8b*.json", "benchmarks/results_archive/engine_qwen3-8b*.json")
+
+
+class NoStepTimes(RuntimeError):
+    """Neither a bench_engine JSON nor the roofline model is available."""
+
+
+def find_bench_json(root: str = REPO) -> str | None:
+    """The newest Qwen3-8B engine benchmark result (by modification time), or None."""
+    paths = [p for g in BENCH_GLOBS for p in glob.glob(os.path.join(root, g))]
+    return max(paths, key=os.path.getmtime) if paths else None
+
+
+def step_times_from_bench(path: str, batch: int = 1) -> dict:
+    """{(method, budget or None): step seconds} of one batch size from a bench_engine JSON (the fastest row per
+    (method, budget) over attention / matmul implementations), with the source's description."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = [r for r in data.get("rows", []) if int(r.get("B", 0)) == batch and r.get("step_ms") is not None]
+    if not rows:
+        have = sorted({r.get("B") for r in data.get("rows", [])})
+        raise NoStepTimes(f"{path} has no rows at batch {batch} (batches: {have})")
+    times: dict = {}
+    for r in rows:
+        key = (r["method"], int(r["budget"]) if r["method"] == "ddtree" else None)
+        times[key] = min(times.get(key, float("inf")), float(r["step_ms"]) / 1e3)
+    return {"times": times, "source": "bench_engine", "path": os.path.relpath(path, REPO) if path.startswith(REPO) else path,
+            "device": data.get("device"), "commit": data.get("commit"), "date": data.get("date"), "batch": batch,
+            "context": rows[0].get("context")}
+
+
+def roofline_available() -> bool:
+    try:
+        from ddtree_jax import roofline  # noqa: F401
+        from ddtree_jax.sharding.memory import qwen3_8b, qwen3_8b_dflash_b16  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def roofline_step(method: str, budget: int | None, *, batch: int = 1, context: int = 2048, overhead_s: float = 0.0) -> float:
+    """Roofline seconds of one decode step of the Qwen3-8B pair on one H200 (`ddtree_jax.roofline.step_cost`)."""
+    try:
+        from ddtree_jax import roofline
+        from ddtree_jax.sharding.memory import qwen3_8b, qwen3_8b_dflash_b16
+    except ImportError as e:
+        raise NoStepTimes(f"no step times: no benchmarks/bench_engine.py result and no roofline model ({e})") from e
+    return roofline.step_cost(qwen3_8b(), drafter=qwen3_8b_dflash_b16(), method=method,
+                              budget=budget if method == "ddtree" else None, layout="single", batch=batch,
+                              context=context, overhead_s=overhead_s).step_s
+
+
+def step_times_from_roofline(budgets, *, batch: int = 1, context: int = 2048, overhead_s: float = 0.0) -> dict:
+    times = {("ar", None): roofline_step("ar", None, batch=batch, context=context, overhead_s=overhead_s),
+             ("chain", None): roofline_step("chain", None, batch=batch, context=context, overhead_s=overhead_s)}
+    for b in budgets:
+        times[("ddtree", int(b))] = roofline_step("ddtree", int(b), batch=batch, context=context, overhead_s=overhead_s)
+    return {"times": times, "source": "roofline", "model": "qwen3-8b + qwen3-8b-dflash-b16, one H200 (ddtree_jax.roofline)",
+            "batch": batch, "context": context, "overhead_s": overhead_s}
+
+
+def ddtree_step(times: dict, budget: int, *, roofline_fn=None) -> tuple[float | None, str]:
+    """(seconds, how) of a DDTree step at `budget` from measured budgets: measured, interpolated linearly in
+    N = budget + 1, roofline-scaled outside the measured range (when `roofline_fn(budget)` is given), or
+    (None, "not measured")."""
+    measured = sorted(b for (m, b) in times if m == "ddtree")
+    if budget in measured:
+        return times[("ddtree", budget)], "measured"
+    if not measured:
+        return None, "not measured"
+    lower = [b for b in measured if b < budget]
+    upper = [b for b in measured if b > budget]
+    if lower and upper:
+        lo, hi = lower[-1], upper[0]
+        w = ((budget + 1) - (lo + 1)) / ((hi + 1) - (lo + 1))
+        return (1 - w) * times[("ddtree", lo)] + w * times[("ddtree", hi)], "interpolated"
+    if roofline_fn is None:
+        return None, "not measured"
+    near = lower[-1] if lower else upper[0]
+    return times[("ddtree", near)] * roofline_fn(budget) / roofline_fn(near), "roofline-scaled"
+
+
+def project(sweep: dict, step_source: dict, *, roofline_fn=None) -> dict:
+    """Rows per (temperature, column) and the best budget per temperature (module docstring)."""
+    times, batch = step_source["times"], step_source.get("batch", 1)
+    if ("ar", None) not in times:
+        raise NoStepTimes(f"the step times ({step_source['source']}) have no AR row at batch {batch}")
+    ar_s = times[("ar", None)]
+    rows, best = [], {}
+    for temperature in sorted({r["temperature"] for r in sweep["rows"]}):
+        at_t = [r for r in sweep["rows"] if r["temperature"] == temperature]
+        chain = next((r for r in at_t if r["method"] == "chain"), None)
+        chain_tps = None
+        if chain is not None and ("chain", None) in times:
+            chain_tps = chain["mean_tau"] / times[("chain", None)]
+        rows.append({"temperature": temperature, "method": "ar", "budget": None, "tau": 1.0, "step_ms": ar_s * 1e3,
+                     "step_source": "measured" if step_source["source"] == "bench_engine" else "roofline",
+                     "tokens_per_s": 1.0 / ar_s, "aggregate_tokens_per_s": batch / ar_s, "speedup_vs_ar": 1.0,
+                     "speedup_vs_chain": None if chain_tps is None else (1.0 / ar_s) / chain_tps})
+        for r in sorted(at_t, key=lambda r: (r["method"] != "chain", r["budget"] or 0)):
+            if r["method"] == "chain":
+                step, how = times.get(("chain", None)), "measured" if ("chain", None) in times else "not measured"
+            else:
+                step, how = ddtree_step(times, r["budget"], roofline_fn=roofline_fn)
+            if step_source["source"] == "roofline" and step is not None:
+                how = "roofline"
+            tps = None if step is None else r["mean_tau"] / step
+            rows.append({"temperature": temperature, "method": r["method"], "budget": r["budget"], "tau": r["mean_tau"],
+                         "step_ms": None if step is None else step * 1e3, "step_source": how, "tokens_per_s": tps,
+                         "aggregate_tokens_per_s": None if tps is None else tps * batch,
+                         "speedup_vs_ar": None if tps is None else tps * ar_s,
+                         "speedup_vs_chain": None if tps is None or chain_tps is None else tps / chain_tps})
+        tree = [r for r in rows if r["temperature"] == temperature and r["method"] == "ddtree" and r["tokens_per_s"]]
+        if tree:
+            top = max(tree, key=lambda r: r["tokens_per_s"])
+            best[f"T={temperature:g}"] = {"budget": top["budget"], "tokens_per_s": top["tokens_per_s"],
+                                          "speedup_vs_ar": top["speedup_vs_ar"], "speedup_vs_chain": top["speedup_vs_chain"]}
+    return {"rows": rows, "best_budget": best}
+
+
+def format_table(result: dict) -> str:
+    src = result["step_times"]
+    head = ["T", "method", "budget", "tau", "step ms", "step from", "tok/s per row", "speedup vs AR", "speedup vs chain"]
+    lines = [f"step times: {src['source']} ({src.get('path') or src.get('model')}), batch {src.get('batch')}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in result["rows"]:
+        lines.append("| " + " | ".join([f"{r['temperature']:g}", r["method"], "" if r["budget"] is None else str(r["budget"]),
+                                        fmt(r["tau"], ".3f"), fmt(r["step_ms"], ".2f"), r["step_source"],
+                                        fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup_vs_ar"], ".2f"),
+                                        fmt(r["speedup_vs_chain"], ".2f")]) + " |")
+    lines += [""] if result["best_budget"] else []
+    for label, b in result["best_budget"].items():
+        lines.append(f"best budget at {label}: {b['budget']} ({b['tokens_per_s']:.1f} tok/s per row, "
+                     f"{b['speedup_vs_ar']:.2f}x AR, "
+                     f"{'-' if b['speedup_vs_chain'] is None else format(b['speedup_vs_chain'], '.2f')}x the chain)")
+    return "\n".join(lines)
+
+
+def speed_projection(sweep: dict | str, *, bench: str | None = None, use_roofline: bool = False, batch: int = 1,
+                     context: int = 2048, overhead_us: float = 0.0) -> dict:
+    """The projection from a sweep result (dict or JSON path); step times as the module docstring says.
+    Raises NoStepTimes with a clear message when there is no source."""
+    if isinstance(sweep, str):
+        with open(sweep) as f:
+            sweep = json.load(f)
+    budgets = sorted({r["budget"] for r in sweep["rows"] if r["method"] == "ddtree"})
+    have_roofline = roofline_available()
+    overhead_s = overhead_us * 1e-6
+    bench = None if use_roofline else (bench or find_bench_json())
+    if bench:
+        source = step_times_from_bench(bench, batch)
+        if overhead_us:
+            source["times"] = {k: v + overhead_s for k, v in source["times"].items()}
+    elif have_roofline:
+        source = step_times_from_roofline(budgets, batch=batch, context=context, overhead_s=overhead_s)
+    else:
+        raise NoStepTimes("no step times: no benchmarks/bench_engine.py result (run `python benchmarks/bench_engine.py` "
+                          "on the GPU, or pass --bench FILE) and no roofline model (ddtree_jax/roofline.py)")
+    roofline_fn = None
+    if source["source"] == "bench_engine" and have_roofline:
+        ctx = source.get("context") or context
+        roofline_fn = lambda b: roofline_step("ddtree", b, batch=batch, context=ctx)  # noqa: E731
+    block = (sweep.get("settings") or {}).get("block_size")
+    result = project(sweep, source, roofline_fn=roofline_fn)
+    result.update(study="speed_projection", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  step_times={k: v for k, v in source.items() if k != "times"} | {
+                      "times_ms": {f"{m}{'' if b is None else f' {b}'}": t * 1e3 for (m, b), t in source["times"].items()}},
+                  sweep={"pair": sweep.get("pair"), "commit": sweep.get("commit"), "date": sweep.get("date"),
+                         "block_size": block},
+                  notes=[] if block in (None, 16) else [f"the pair's block size is {block}; the step times are for a "
+                                                        f"block-16 drafter"])
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", default=os.path.join(os.environ.get("OUT", "outputs"), "budget_sweep.json"),
+                        help="a budget_sweep.py result")
+    parser.add_argument("--bench", default=None, help="a benchmarks/bench_engine.py JSON (default: the newest found)")
+    parser.add_argument("--roofline", action="store_true", help="use the roofline model even if a benchmark exists")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=2048, help="roofline context length")
+    parser.add_argument("--overhead-us", type=float, default=0.0, help="added to every step (tree, sampling, launches)")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "speed_projection.json"))
+    args = parser.parse_args(argv)
+    if not os.path.exists(args.sweep):
+        print(f"error: no sweep result at {args.sweep}: run experiments/budget_sweep.py first", file=sys.stderr)
+        return 2
+    try:
+        result = speed_projection(args.sweep, bench=args.bench, use_roofline=args.roofline, batch=args.batch,
+                                  context=args.context, overhead_us=args.overhead_us)
+    except NoStepTimes as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    write_json(result, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Shared machinery of the studies on a trained target + DFlash drafter pair (issue 9).
+
+`study_generate` is the engine's generation (`engine.generate.generate`: prefill, then a
+`while_loop` of decode steps built from the same stage functions of `engine.step`) with what the
+studies need and the engine does not expose:
+
+* per-step records, for every row and decode step: the number of accepted draft tokens, the
+  drafter's **surrogate** for that step's tree (1 + sum over non-root nodes of the drafter's path
+  probability, `tree.render.surrogate_tau`, computed from the tree actually built) and the
+  **exact-mode expectation** of the step's acceptance length given that tree and the target's
+  logits at its slots (1 + sum over non-root nodes of the product of the target's processed
+  probabilities along the path: the analytic E[tau | tree] of exact tree verification,
+  `notebooks/sampling_correctness.ipynb` section 2);
+* the lossy verification thresholds of `verify_step` (`threshold_acc`, `threshold_single`), which
+  `generate` keeps at 1 (exact);
+* the sibling order as a runtime input (`verify_step_any_order`: verify_step's key split, coins and
+  verifier, with the order picked by a traced index), so one compiled program serves every order;
+* per-row stopping before `max_new_tokens` (`row_max_new`), so short runs reuse a long run's program.
+
+With thresholds 1 it emits exactly what `generate` emits for the same request keys (tested; and
+`verify_step_any_order` equals `verify_step` for every order and threshold, tested), so its tau is the
+engine's tau.
+
+Where the pair lives: `pair_dirs()` reads `DDTREE_PAIR_DIR` (a directory holding `target/` and
+`drafter/`, as `python -m ddtree_jax.train` writes them), else `checkpoints/embedded`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from ddtree_jax.engine.generate import prefill  # noqa: E402
+from ddtree_jax.engine.run import Pair, check_request, load_pair, request_args, resolve_block_size  # noqa: E402
+from ddtree_jax.engine.step import (  # noqa: E402
+    DecodeState,
+    append_stage,
+    commit_stage,
+    draft_stage,
+    emit_stage,
+    tree_stage,
+    verify_forward,
+)
+from ddtree_jax.sampling import processed_probs  # noqa: E402
+from ddtree_jax.sampling.coins import draw_coins  # noqa: E402
+from ddtree_jax.sampling.probs import valid_rows  # noqa: E402
+from ddtree_jax.tree import DraftTree, verification_order  # noqa: E402
+from ddtree_jax.tree.structure import ORDER_POLICIES  # noqa: E402
+from ddtree_jax.verify import VerifyResult, verify_sampling  # noqa: E402
+from ddtree_jax.verify.sampling import resolve_impl  # noqa: E402
+from ddtree_jax.verify.step import _mask_invalid_rows  # noqa: E402
+
+DEFAULT_PAIR_DIR = os.path.join(REPO, "checkpoints", "embedded")
+PAIR_ENV = "DDTREE_PAIR_DIR"
+EXACT = (1.0, 1.0)  # (threshold_acc, threshold_single) of exact verification
+RECORD_KEYS = ("accepted", "surrogate", "expected", "active")  # per-step records [S, B]
+
+
+# --- the pair --------------------------------------------------------------------------------------------------------
+
+def pair_root(default: str | None = None) -> str:
+    """The pair's directory: $DDTREE_PAIR_DIR, else `default`, else checkpoints/embedded."""
+    return os.environ.get(PAIR_ENV) or default or DEFAULT_PAIR_DIR
+
+
+def pair_dirs(root: str | None = None) -> tuple[str, str]:
+    """(target dir, drafter dir) under the pair root (`pair_root`)."""
+    root = root or pair_root()
+    return os.path.join(root, "target"), os.path.join(root, "drafter")
+
+
+def load_study_pair(target_dir: str | None = None, drafter_dir: str | None = None) -> Pair:
+    """`engine.run.load_pair` with the studies' defaults and a clear message when the pair is missing."""
+    default_target, default_drafter = pair_dirs()
+    target_dir, drafter_dir = target_dir or default_target, drafter_dir or default_drafter
+    for role, path in (("target", target_dir), ("drafter", drafter_dir)):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise FileNotFoundError(
+                f"no trained {role} at {path!r}. Train the pair first (python -m ddtree_jax.train all --config "
+                f"configs/train_default.json --out checkpoints/embedded; configs/train_tiny.json for a CPU toy) or "
+                f"point {PAIR_ENV} / --target / --drafter at one.")
+    pair = load_pair(target_dir, drafter_dir)
+    if pair.tokenizer is None:
+        raise ValueError(f"the target directory {target_dir!r} has no tokenizer (tokenizer.json)")
+    return pair
+
+
+def read_provenance(target_dir: str) -> dict | None:
+    """The pair's provenance.json (next to target/), or None."""
+    path = os.path.join(os.path.dirname(os.path.abspath(target_dir)), "provenance.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def pair_summary(target_dir: str, drafter_dir: str, pair: Pair) -> dict:
+    """What a result file records about the pair: paths, sizes, block size, training commit and losses."""
+    prov = read_provenance(target_dir) or {}
+    cfg = pair.target_config
+    out = {
+        "target": os.path.relpath(os.path.abspath(target_dir), REPO) if os.path.abspath(target_dir).startswith(REPO)
+        else os.path.abspath(target_dir),
+        "drafter": os.path.relpath(os.path.abspath(drafter_dir), REPO) if os.path.abspath(drafter_dir).startswith(REPO)
+        else os.path.abspath(drafter_dir),
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers,
+        "block_size": pair.drafter.max_block_size,
+        "recipe": prov.get("recipe"), "trained_at_commit": prov.get("commit"),
+    }
+    for part in ("target", "drafter"):
+        if part in prov:
+            out[f"{part}_training"] = {k: prov[part].get(k) for k in ("params", "steps", "heldout_loss", "heldout_ppl",
+                                                                     "heldout_accept_length") if k in prov[part]}
+    return out
+
+
+# --- per-step quantities ---------------------------------------------------------------------------------------------
+
+def surrogate_tau_jnp(tree: DraftTree) -> jax.Array:
+    """float32 [B]: 1 + sum over non-root nodes of exp(logw) (padding has logw = -inf): the drafter's own
+    expected acceptance for this tree (`tree.render.surrogate_tau`, on device)."""
+    return 1.0 + jnp.exp(tree.logw[:, 1:].astype(jnp.float32)).sum(axis=1)
+
+
+def expected_tau_exact(tree: DraftTree, target_logits: jax.Array, sampling) -> jax.Array:
+    """float32 [B]: E[accepted + 1 | tree] under exact tree verification: 1 + sum over non-root real nodes v
+    of prod_{u on the path to v} q(token_u | u's parent slot), q = the target's processed probabilities
+    (temperature and filters; one-hot for greedy rows, where this is 1 + the greedy path's length)."""
+    probs = processed_probs(target_logits, sampling)  # [B, N, V]
+    batch, slots, vocab = probs.shape
+    parents = jnp.maximum(tree.parents, 0)
+    flat = probs.reshape(batch, slots * vocab)
+    p_edge = jnp.take_along_axis(flat, parents * vocab + jnp.clip(tree.tokens, 0, vocab - 1), axis=1)  # [B, N]
+    real = tree.is_real & (jnp.arange(slots)[None, :] > 0)
+    p_edge = jnp.where(real, p_edge, 0.0)
+    root = jnp.arange(slots)[None, :] == 0
+    path = jnp.where(root, 1.0, p_edge)
+    for _ in range(tree.max_depth):  # a node's parent has a smaller depth: max_depth rounds settle every path
+        path = jnp.where(root, 1.0, p_edge * jnp.take_along_axis(path, parents, axis=1))
+    return 1.0 + jnp.where(root, 0.0, path).sum(axis=1)
+
+
+# --- verification with the sibling order as a runtime input ---------------------------------------------------------
+
+def verify_step_any_order(tree: DraftTree, target_logits: jax.Array, sampling, keys: jax.Array, order_index: jax.Array, *,
+                          threshold_acc: float = 1.0, threshold_single: float = 1.0, impl: str = "auto") -> VerifyResult:
+    """`verify.verify_step(method="sampling")` with the sibling order chosen by a traced index into
+    ORDER_POLICIES (draft, reverse, random), so one compiled program serves every order. The same key split
+    (order, node coins, final coin), coins and verifiers as verify_step; tests check the results are equal."""
+    batch, slots = tree.tokens.shape
+    split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)
+    lists = [verification_order(tree, name, split[:, 0]) for name in ORDER_POLICIES]
+    next_token = jnp.stack([nt for nt, _ in lists])[order_index]
+    next_sibling = jnp.stack([ns for _, ns in lists])[order_index]
+    coins = draw_coins(split[:, 1], (slots,))
+    final_coins = draw_coins(split[:, 2], ())
+    if resolve_impl(impl) == "pallas":
+        from kernels.tree_sampling import tree_sampling_from_logits
+
+        result, slot_valid = tree_sampling_from_logits(
+            tree.tokens, next_token, next_sibling, target_logits, sampling, coins, final_coins, max_accept=tree.max_depth,
+            threshold_single=threshold_single, threshold_acc=threshold_acc)
+        return _mask_invalid_rows(result, slot_valid, tree)
+    result = verify_sampling(tree.tokens, next_token, next_sibling, processed_probs(target_logits, sampling), coins,
+                             final_coins, max_accept=tree.max_depth, threshold_single=threshold_single,
+                             threshold_acc=threshold_acc, check=False)
+    return _mask_invalid_rows(result, valid_rows(target_logits), tree)
+
+
+# --- the generation loop with records --------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("target_config", "max_new_tokens", "method", "budget", "block_size",
+                                             "threshold_acc", "threshold_single", "sampling_impl"))
+def _study_generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
+                    max_new, order_index, *, max_new_tokens: int, method: str, budget: int, block_size: int,
+                    threshold_acc: float, threshold_single: float, sampling_impl: str):
+    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys,
+                    max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size)
+    first_stop = (state.bonus[:, None] == stop_tokens).any(1)
+    state = dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
+    batch = prompts.shape[0]
+    records = {
+        "accepted": jnp.full((max_new_tokens, batch), -1, jnp.int32),
+        "surrogate": jnp.zeros((max_new_tokens, batch), jnp.float32),
+        "expected": jnp.zeros((max_new_tokens, batch), jnp.float32),
+        "active": jnp.zeros((max_new_tokens, batch), bool),
+    }
+
+    def cond(carry):
+        s, _ = carry
+        return ~jnp.all(s.done) & (s.step < max_new_tokens)
+
+    def body(carry):
+        s, rec = carry
+        active = ~s.done
+        draft_state = append_stage(drafter, s.draft_state, s.ctx_features, s.ctx_count, method=method)
+        draft_logits = draft_stage(drafter, draft_state, s.bonus, method=method, block_size=block_size)
+        tree = tree_stage(draft_logits, s.bonus, method=method, budget=budget)
+        logits, tapped, cache = verify_forward(target_config, target_params, s.target_cache, tree)
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, s.step))(keys)  # as engine.step.verification_stage
+        result = verify_step_any_order(tree, logits, sampling, step_keys, order_index, threshold_acc=threshold_acc,
+                                       threshold_single=threshold_single, impl=sampling_impl)
+        cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
+        output, num_generated, steps, accepted, done, bonus = emit_stage(s, result, stop_tokens, max_new)
+        rec = {
+            "accepted": rec["accepted"].at[s.step].set(jnp.where(active, result.num_accepted, -1)),
+            "surrogate": rec["surrogate"].at[s.step].set(surrogate_tau_jnp(tree)),
+            "expected": rec["expected"].at[s.step].set(expected_tau_exact(tree, logits, sampling)),
+            "active": rec["active"].at[s.step].set(active),
+        }
+        new = DecodeState(target_cache=cache, draft_state=draft_state, bonus=bonus,
+                          ctx_features=ctx_features.astype(s.ctx_features.dtype), ctx_count=ctx_count, output=output,
+                          num_generated=num_generated, steps=steps, accepted=accepted, done=done, step=s.step + 1)
+        return new, rec
+
+    state, records = jax.lax.while_loop(cond, body, (state, records))
+    return {"tokens": state.output, "num_generated": state.num_generated, "steps": state.steps,
+            "accepted_total": state.accepted, **records}
+
+
+def study_generate(pair: Pair, prompt_ids: list[list[int]], *, method: str = "ddtree", budget: int = 32,
+                   block_size: int | None = None, max_new_tokens: int, temperature: float, top_k: int = 0,
+                   top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, request_ids=None, stop_tokens=(),
+                   order: str = "draft", threshold_acc: float = 1.0, threshold_single: float = 1.0,
+                   sampling_impl: str = "auto", batch_size: int | None = None, width: int | None = None,
+                   row_max_new: int | None = None) -> dict:
+    """Generates for every prompt (one row each) and returns numpy arrays:
+
+      tokens [B, max_new] (-1 padded), num_generated / steps / accepted_total [B], tau [B] (the engine's
+      (accepted + steps) / steps; NaN for a row with no decode step), and per decode step [S, B]
+      (S = max_new_tokens, rows past their last step inactive): accepted (-1 when inactive),
+      surrogate, expected (exact-mode E[tau | tree]), active.
+
+    Row b uses request key `request_ids[b]` (default b) folded from `seed`, as `engine.run.request_args`.
+    batch_size: rows per compiled call (the last chunk is padded with copies and trimmed), to bound memory.
+    row_max_new: stop every row after this many tokens (<= max_new_tokens, which only sizes the buffers and the
+    compiled program: runs that differ in row_max_new share one compilation).
+    """
+    if row_max_new is not None and not 1 <= row_max_new <= max_new_tokens:
+        raise ValueError(f"row_max_new must be in [1, max_new_tokens = {max_new_tokens}], got {row_max_new}")
+    if not 0.0 < threshold_acc <= 1.0 or not 0.0 < threshold_single <= 1.0:
+        raise ValueError(f"thresholds must be in (0, 1], got threshold_acc={threshold_acc}, "
+                         f"threshold_single={threshold_single}")
+    check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
+    block = resolve_block_size(pair, method, block_size)
+    total = len(prompt_ids)
+    request_ids = np.arange(total) if request_ids is None else np.asarray(request_ids)
+    if request_ids.shape != (total,):
+        raise ValueError(f"request_ids must have one id per prompt ({total}), got shape {request_ids.shape}")
+    width = width or max(len(p) for p in prompt_ids)
+    chunk = batch_size or total  # every call has `chunk` rows: runs of any size share one compilation
+    if order not in ORDER_POLICIES:
+        raise ValueError(f"order must be one of {ORDER_POLICIES}, got {order!r}")
+    order_index = jnp.asarray(ORDER_POLICIES.index(order), jnp.int32)
+    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block,
+                  threshold_acc=float(threshold_acc), threshold_single=float(threshold_single),
+                  sampling_impl=sampling_impl)
+    parts = []
+    for start in range(0, total, chunk):
+        idx = list(range(start, min(start + chunk, total)))
+        real = len(idx)
+        idx += [idx[-1]] * (chunk - real)  # same shapes for every chunk: one compilation
+        args = request_args(pair, [prompt_ids[i] for i in idx], temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, seed=seed, stop_tokens=stop_tokens, max_new_tokens=max_new_tokens,
+                            width=width, request_ids=request_ids[idx])
+        if row_max_new is not None:
+            args = args[:-1] + (jnp.full((chunk,), row_max_new, jnp.int32),)
+        out = jax.device_get(_study_generate(*args, order_index, **static))
+        parts.append({k: np.asarray(v)[:, :real] if k in RECORD_KEYS else np.asarray(v)[:real] for k, v in out.items()})
+    res = {k: np.concatenate([p[k] for p in parts], axis=1 if k in RECORD_KEYS else 0) for k in parts[0]}
+    steps = res["steps"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        res["tau"] = np.where(steps > 0, (res["accepted_total"] + steps) / np.maximum(steps, 1), np.nan)
+    return res
+
+
+def step_records(res: dict) -> dict[str, np.ndarray]:
+    """The active decode steps of a `study_generate` result, flattened: measured (accepted + 1), surrogate,
+    expected, and the row each step belongs to."""
+    active = res["active"]
+    rows = np.broadcast_to(np.arange(active.shape[1])[None, :], active.shape)
+    return {"measured": (res["accepted"][active] + 1).astype(np.float64),
+            "surrogate": res["surrogate"][active].astype(np.float64),
+            "expected": res["expected"][active].astype(np.float64), "row": rows[active]}
+
+
+def pooled_tau(res: dict) -> float:
+    """All tokens of all decode steps over all decode steps (a step-weighted mean of tau)."""
+    steps = res["steps"].sum()
+    return float((res["accepted_total"].sum() + steps) / steps) if steps else float("nan")
+
+
+def mean_and_se(values) -> tuple[float, float]:
+    """Mean and standard error over the finite values (NaN, NaN when none)."""
+    v = np.asarray(values, np.float64)
+    v = v[np.isfinite(v)]
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def eos_stop_tokens(pair: Pair) -> list[int]:
+    """Stop at the tokenizer's eos (the file separator of the training corpus) when it has one."""
+    eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
+    return [] if eos is None else [int(eos)]
+
+
+def write_json(payload: dict, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=_json_default)
+    return path
+
+
+def _json_default(x):
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def setup(target_dir: str | None = None, drafter_dir: str | None = None, *, num_prompts: int, prompt_len: int,
+          max_new: int, prompt_seed: int = 0, min_continuation: int | None = None) -> tuple[Pair, list[dict], dict]:
+    """(pair, held-out prompts, pair summary) for a study: the pair from `load_study_pair`, `num_prompts`
+    prompts of `prompt_len` tokens from its held-out files (`held_out_prompts.load_prompts`, followed by at
+    least `max_new` tokens of real text unless `min_continuation` says otherwise), a warning when prompt +
+    max_new runs past the training sequence length."""
+    from experiments.held_out_prompts import check_span, load_prompts
+
+    default_target, default_drafter = pair_dirs()
+    target_dir, drafter_dir = target_dir or default_target, drafter_dir or default_drafter
+    pair = load_study_pair(target_dir, drafter_dir)
+    root = os.path.dirname(os.path.abspath(target_dir))
+    check_span(root, prompt_len, max_new)
+    prompts = load_prompts(root, pair.tokenizer, n=num_prompts, length=prompt_len, seed=prompt_seed,
+                           min_continuation=max_new if min_continuation is None else min_continuation)
+    return pair, prompts, pair_summary(target_dir, drafter_dir, pair)
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A text tqdm bar (on stderr; disabled when not wanted or when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", disable=None if enabled else True, leave=False)

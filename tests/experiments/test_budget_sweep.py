@@ -1,0 +1,94 @@
+"""The budget sweep on the tiny trained pair (small settings): well-formed rows, tau bounds, surrogate and exact
+expectation per step, the plot and the CLI."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from experiments import budget_sweep
+from experiments.studies import load_study_pair, pair_dirs
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_pair_dir):
+    target, drafter = pair_dirs(tiny_pair_dir)
+    return budget_sweep.sweep(target, drafter, small=True, progress=False, commit="test")
+
+
+def test_rows_cover_every_column_and_temperature(sweep):
+    s = budget_sweep.SMALL
+    keys = {(r["method"], r["budget"], r["temperature"]) for r in sweep["rows"]}
+    want = {(m, b, t) for m, b in budget_sweep.columns(s["budgets"]) for t in s["temperatures"]}
+    assert keys == want and len(sweep["rows"]) == len(want)
+    assert len(sweep["prompts"]) == s["num_prompts"] and all(len(p["ids"]) == s["prompt_len"] for p in sweep["prompts"])
+    assert sweep["pair"]["block_size"] == 16 and sweep["pair"]["recipe"].endswith("train_tiny.json")
+    json.dumps(sweep, default=float)  # serialisable (write_json handles numpy scalars too)
+
+
+def test_tau_bounds_and_step_records(sweep):
+    block = sweep["settings"]["block_size"]
+    for r in sweep["rows"]:
+        assert r["generations"] >= 1 and r["decode_steps"] >= r["generations"]
+        assert 1.0 <= r["mean_tau"] <= block and 1.0 <= r["pooled_tau"] <= block
+        if r["method"] == "chain":
+            assert r["mean_tau"] <= block  # the chain accepts at most its L = block - 1 drafts
+        else:
+            assert r["step_surrogate_mean"] <= r["budget"] + 1
+        steps = r["steps"]
+        assert len(steps["measured"]) == r["decode_steps"]
+        assert min(steps["measured"]) >= 1 and min(steps["surrogate"]) >= 1 and min(steps["expected"]) >= 1
+        assert r["step_measured_mean"] == pytest.approx(r["pooled_tau"], rel=1e-6)
+        if r["temperature"] == 0:  # greedy: the exact expectation is the greedy path's length, what was accepted
+            np.testing.assert_allclose(steps["measured"], steps["expected"], atol=1e-3)
+            assert r["exact_z"] == 0.0
+        else:  # exact verification: measured - expected averages to zero (fixed seed; |z| < 4.5)
+            assert abs(r["exact_z"]) < 4.5
+        assert sum(c["steps"] for c in r["calibration"]) == r["decode_steps"]
+
+
+def test_surrogate_grows_with_the_budget(sweep):
+    """A bigger best-first tree holds every node of a smaller one (up to near-ties), so its surrogate is larger."""
+    for t in budget_sweep.SMALL["temperatures"]:
+        tree = sorted((r for r in sweep["rows"] if r["method"] == "ddtree" and r["temperature"] == t),
+                      key=lambda r: r["budget"])
+        means = [r["step_surrogate_mean"] for r in tree]
+        assert means == sorted(means)
+
+
+def test_targets_table_and_plot(sweep, tmp_path):
+    t = sweep["targets"]
+    assert t["tau_budget64_T0"] is None  # budget 64 is not in the small sweep
+    assert set(t["ddtree_above_chain"]) == {"T=0", "T=1"}
+    table = budget_sweep.format_table(sweep)
+    assert table.count("\n| ") >= len(sweep["rows"]) and "DDTree above the chain" in table
+    path = tmp_path / "sweep.png"
+    budget_sweep.plot_sweep(sweep, str(path))
+    assert path.stat().st_size > 10_000
+
+
+def test_targets_logic():
+    rows = [{"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0},
+            {"method": "ddtree", "budget": 4, "temperature": 0.0, "mean_tau": 2.0},
+            {"method": "ddtree", "budget": 8, "temperature": 0.0, "mean_tau": 3.5},
+            {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 4.2}]
+    t = budget_sweep.targets(rows)
+    assert t["tau_budget64_T0"] == 4.2 and t["tau_budget64_T0_at_least_4"] is True
+    assert t["ddtree_above_chain"]["T=0"] == {"per_budget": {8: True, 64: True}, "all": True}
+    rows[2]["mean_tau"] = 2.9
+    assert budget_sweep.targets(rows)["ddtree_above_chain"]["T=0"]["all"] is False
+
+
+def test_cli_writes_json_and_plot(tiny_pair_dir, tmp_path, capsys):
+    target, drafter = pair_dirs(tiny_pair_dir)
+    out = tmp_path / "sweep.json"
+    assert budget_sweep.main(["--target", target, "--drafter", drafter, "--small", "--budgets", "4", "--temperatures",
+                              "0", "--out", str(out), "--no-progress", "--no-steps"]) == 0
+    result = json.loads(out.read_text())
+    assert {(r["method"], r["budget"]) for r in result["rows"]} == {("chain", None), ("ddtree", 4)}
+    assert "steps" not in result["rows"][0] and os.path.exists(tmp_path / "sweep.png")
+    assert "| 0 | ddtree | 4 |" in capsys.readouterr().out
+    assert budget_sweep.main(["--target", str(tmp_path / "missing"), "--drafter", drafter, "--out", str(out)]) == 2
+    assert "no trained target" in capsys.readouterr().err

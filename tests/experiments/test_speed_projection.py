@@ -1,0 +1,97 @@
+"""Speed projection: tau per budget x step times (a bench_engine JSON or the roofline) -> tokens/s, speed-ups, the
+best budget; interpolation between measured budgets; a clear error without any step-time source."""
+
+import json
+
+import pytest
+
+from experiments import speed_projection as sp
+
+SWEEP = {"settings": {"block_size": 16}, "rows": [
+    {"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0},
+    {"method": "ddtree", "budget": 16, "temperature": 0.0, "mean_tau": 4.0},
+    {"method": "ddtree", "budget": 32, "temperature": 0.0, "mean_tau": 4.5},
+    {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 5.0},
+    {"method": "ddtree", "budget": 512, "temperature": 0.0, "mean_tau": 5.2},
+    {"method": "chain", "budget": None, "temperature": 1.0, "mean_tau": 2.0},
+    {"method": "ddtree", "budget": 16, "temperature": 1.0, "mean_tau": 2.5},
+    {"method": "ddtree", "budget": 64, "temperature": 1.0, "mean_tau": 3.0},
+]}
+
+
+@pytest.fixture
+def bench(tmp_path):
+    """bench_engine.py's output format: rows with B, method, budget, step_ms (two attention impls for one row)."""
+    rows = [{"B": 1, "method": "ar", "budget": None, "step_ms": 10.0, "attn_impl": "xla", "context": 2048},
+            {"B": 1, "method": "chain", "budget": None, "step_ms": 12.0, "attn_impl": "xla"},
+            {"B": 1, "method": "ddtree", "budget": 16, "step_ms": 13.0, "attn_impl": "xla"},
+            {"B": 1, "method": "ddtree", "budget": 16, "step_ms": 12.5, "attn_impl": "pallas"},
+            {"B": 1, "method": "ddtree", "budget": 64, "step_ms": 16.0, "attn_impl": "xla"},
+            {"B": 8, "method": "ar", "budget": None, "step_ms": 20.0, "attn_impl": "xla"}]
+    path = tmp_path / "engine_qwen3-8b_matmul-xla.json"
+    path.write_text(json.dumps({"benchmark": "engine_qwen3-8b", "device": "gpu:H200", "commit": "abc", "rows": rows}))
+    return str(path)
+
+
+def test_projection_from_a_bench_json(bench, monkeypatch):
+    monkeypatch.setattr(sp, "roofline_available", lambda: False)
+    result = sp.speed_projection(SWEEP, bench=bench)
+    assert result["step_times"]["source"] == "bench_engine" and result["step_times"]["commit"] == "abc"
+    row = {(r["temperature"], r["method"], r["budget"]): r for r in result["rows"]}
+    ar, chain = row[(0.0, "ar", None)], row[(0.0, "chain", None)]
+    assert ar["tokens_per_s"] == pytest.approx(100.0) and chain["tokens_per_s"] == pytest.approx(250.0)
+    b16 = row[(0.0, "ddtree", 16)]  # the faster of the two implementations
+    assert b16["step_ms"] == pytest.approx(12.5) and b16["step_source"] == "measured"
+    assert b16["tokens_per_s"] == pytest.approx(4.0 / 0.0125)
+    assert b16["speedup_vs_ar"] == pytest.approx(3.2) and b16["speedup_vs_chain"] == pytest.approx(320 / 250)
+    b32 = row[(0.0, "ddtree", 32)]  # interpolated in N = budget + 1 between 16 (N 17) and 64 (N 65)
+    assert b32["step_source"] == "interpolated" and b32["step_ms"] == pytest.approx(12.5 + (16 / 48) * 3.5)
+    assert row[(0.0, "ddtree", 512)]["step_ms"] is None  # outside the measured range, no roofline
+    assert result["best_budget"]["T=0"]["budget"] == max(
+        (r for r in result["rows"] if r["temperature"] == 0.0 and r["method"] == "ddtree" and r["tokens_per_s"]),
+        key=lambda r: r["tokens_per_s"])["budget"]
+    assert set(result["best_budget"]) == {"T=0", "T=1"}
+    table = sp.format_table(result)
+    assert "best budget at T=0" in table and "interpolated" in table
+    with pytest.raises(sp.NoStepTimes, match="batch 4"):
+        sp.speed_projection(SWEEP, bench=bench, batch=4)
+
+
+def test_roofline_scales_budgets_outside_the_measured_range(bench):
+    if not sp.roofline_available():
+        pytest.skip("no roofline model")
+    result = sp.speed_projection(SWEEP, bench=bench)
+    b512 = next(r for r in result["rows"] if r["budget"] == 512)
+    assert b512["step_source"] == "roofline-scaled" and b512["step_ms"] > 16.0
+
+
+def test_projection_from_the_roofline():
+    if not sp.roofline_available():
+        pytest.skip("no roofline model")
+    result = sp.speed_projection(SWEEP, use_roofline=True)
+    assert result["step_times"]["source"] == "roofline"
+    steps = [r["step_ms"] for r in result["rows"] if r["temperature"] == 0.0 and r["method"] == "ddtree"]
+    assert all(s > 0 for s in steps) and steps == sorted(steps)  # more slots, no faster
+    ar = next(r for r in result["rows"] if r["method"] == "ar")
+    assert ar["speedup_vs_ar"] == 1.0 and ar["step_source"] == "roofline"
+
+
+def test_no_step_times_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sp, "roofline_available", lambda: False)
+    monkeypatch.setattr(sp, "find_bench_json", lambda root=None: None)
+    with pytest.raises(sp.NoStepTimes, match="bench_engine.py"):
+        sp.speed_projection(SWEEP)
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(SWEEP))
+    assert sp.main(["--sweep", str(path), "--out", str(tmp_path / "out.json")]) == 2
+    assert "no step times" in capsys.readouterr().err
+    assert sp.main(["--sweep", str(tmp_path / "missing.json")]) == 2
+
+
+def test_cli_writes_json(bench, tmp_path, capsys):
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(SWEEP))
+    out = tmp_path / "speed.json"
+    assert sp.main(["--sweep", str(path), "--bench", bench, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["best_budget"]
+    assert "speedup vs AR" in capsys.readouterr().out
