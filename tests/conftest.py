@@ -1,5 +1,5 @@
 """Test session setup: CPU JAX with 8 virtual devices (for the sharding tests), quiet Pallas warnings; the tiny
-trained pair and compilation-cache directory of the study tests (tests/experiments, the study notebooks)."""
+trained pair of the study tests (tests/experiments, the study notebooks)."""
 
 import contextlib
 import io
@@ -30,11 +30,3 @@ def tiny_pair_dir(tmp_path_factory):
         assert main(["all", "--config", os.path.join(ROOT, "configs", "train_tiny.json"), "--out", str(out),
                      "--no-progress", "--commit", "tiny-test"]) == 0
     return str(out)
-
-
-@pytest.fixture(scope="session")
-def study_cache_dir(tmp_path_factory):
-    """A persistent JAX compilation cache directory for this session's study tests (`persistent_compile_cache`),
-    handed to the notebook kernels they start (JAX_COMPILATION_CACHE_DIR), so a notebook re-running a test's
-    configuration does not compile it again."""
-    return str(tmp_path_factory.mktemp("jax_compilation_cache"))

@@ -32,13 +32,11 @@ def test_notebook_executes(path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name in STUDIES], ids=lambda p: p.name)
-def test_study_notebook_executes_on_the_tiny_pair(path, monkeypatch, tiny_pair_dir, study_cache_dir):
+def test_study_notebook_executes_on_the_tiny_pair(path, monkeypatch, tiny_pair_dir):
     monkeypatch.setenv("DDTREE_PAIR_DIR", tiny_pair_dir)
     monkeypatch.setenv("DDTREE_NB_SMALL", "1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", study_cache_dir)  # the study tests' compiled programs
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     nb = _execute(path)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert f"pair: {tiny_pair_dir}" in text and "small settings: True" in text
