@@ -29,6 +29,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 from ddtree_jax.checkpoint import load_hf, save_hf, to_hf_dict
 from ddtree_jax.train import corpus as corpus_mod
@@ -39,6 +41,7 @@ from ddtree_jax.train import tokenizer as tok_mod
 from ddtree_jax.train.common import train_settings
 
 STAGES = ("tokenizer", "target", "drafter", "all")
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
 def load_config(path: str, overrides: list[str] = ()) -> dict:
@@ -75,6 +78,10 @@ class Run:
         self.show_progress = show_progress
         self.config_path = config_path
         self.seed = int(cfg.get("seed", 0))
+        export = cfg.get("export_dtype", "float32")
+        if export not in EXPORT_DTYPES:
+            raise ValueError(f"export_dtype must be one of {sorted(EXPORT_DTYPES)}, got {export!r}")
+        self.export_dtype = EXPORT_DTYPES[export]  # the safetensors dtype of the exported target and drafter
 
     # -- paths ---------------------------------------------------------------------------------
     def path(self, *parts) -> str:
@@ -139,11 +146,11 @@ class Run:
                                            resume=self.resume, show_progress=self.show_progress)
         if os.path.exists(self.target_dir):
             shutil.rmtree(self.target_dir)
-        save_hf(self.target_dir, config, params)
+        save_hf(self.target_dir, config, params, dtype=self.export_dtype)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(self.path("tokenizer", name), os.path.join(self.target_dir, name))
         _patch_json(os.path.join(self.target_dir, "config.json"), eos_token_id=ids["eos"], pad_token_id=ids["pad"],
-                    torch_dtype="float32")
+                    torch_dtype=self.cfg.get("export_dtype", "float32"))
         results.update(config=to_hf_dict(config), size_mb=_dir_mb(self.target_dir))
         self.update_provenance(target=results, wall_s={"target": results["wall_s"]})
         return results
@@ -161,9 +168,9 @@ class Run:
                                             show_progress=self.show_progress)
         if os.path.exists(self.drafter_dir):
             shutil.rmtree(self.drafter_dir)
-        save_hf(self.drafter_dir, config, params, vocab_size=target_config.vocab_size)
+        save_hf(self.drafter_dir, config, params, vocab_size=target_config.vocab_size, dtype=self.export_dtype)
         _patch_json(os.path.join(self.drafter_dir, "config.json"), num_target_layers=target_config.num_layers,
-                    torch_dtype="float32")
+                    torch_dtype=self.cfg.get("export_dtype", "float32"))
         frozen = ["model.embed_tokens.weight"] + ([] if target_config.tie_word_embeddings else ["lm_head.weight"])
         results.update(config=to_hf_dict(config, target_config.vocab_size), size_mb=_dir_mb(self.drafter_dir),
                        frozen_from_target=frozen)

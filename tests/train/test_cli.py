@@ -5,6 +5,9 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+from safetensors import safe_open
 
 from ddtree_jax.checkpoint import load_hf, load_tokenizer
 from ddtree_jax.config import DFlashConfig, Qwen3Config
@@ -18,13 +21,18 @@ def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path,
     out = str(tmp_path / "run")
     config = os.path.join(REPO, "configs", "train_tiny.json")
     assert main(["all", "--config", config, "--out", out, "--commit", "0123abc", "--no-progress",
-                 "--set", "drafter.train.steps=12"]) == 0
+                 "--set", "drafter.train.steps=12", "--set", "export_dtype=bfloat16"]) == 0
     brief = json.loads(capsys.readouterr().out)
     assert brief["commit"] == "0123abc" and brief["drafter"]["steps"] == 12
 
     assert sorted(os.listdir(os.path.join(out, "target"))) == ["config.json", "model.safetensors", "tokenizer.json",
                                                                 "tokenizer_config.json"]
     assert sorted(os.listdir(os.path.join(out, "drafter"))) == ["config.json", "model.safetensors"]
+    for part in ("target", "drafter"):  # exported as bfloat16 (--set export_dtype=bfloat16)
+        with safe_open(os.path.join(out, part, "model.safetensors"), framework="numpy") as f:
+            assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+        with open(os.path.join(out, part, "config.json")) as f:
+            assert json.load(f)["torch_dtype"] == "bfloat16"
     target_config, target_params = load_hf(os.path.join(out, "target"), jnp.float32)
     drafter_config, drafter_params = load_hf(os.path.join(out, "drafter"), jnp.float32)
     assert isinstance(target_config, Qwen3Config) and isinstance(drafter_config, DFlashConfig)
@@ -62,3 +70,9 @@ def _leaves(tree):
     import jax
 
     return jax.tree.leaves(tree)
+
+
+def test_bad_export_dtype_is_named(tmp_path):
+    config = os.path.join(REPO, "configs", "train_tiny.json")
+    with pytest.raises(ValueError, match="export_dtype .* 'float16'"):
+        main(["tokenizer", "--config", config, "--out", str(tmp_path), "--no-progress", "--set", "export_dtype=float16"])
