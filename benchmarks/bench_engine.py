@@ -31,12 +31,13 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.common import device_description, markdown_table, write_result  # noqa: E402
+from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
 from ddtree_jax.config import DFlashConfig, Qwen3Config  # noqa: E402
 from ddtree_jax.engine.drafters import DFlashDrafter  # noqa: E402
 from ddtree_jax.engine.generate import prefill  # noqa: E402
 from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args  # noqa: E402
-from ddtree_jax.engine.step import append_stage, decode_step, draft_stage, tree_stage, verification_stage, verify_forward  # noqa: E402
+from ddtree_jax.engine.step import (append_stage, decode_step, draft_stage, target_impls, tree_stage,  # noqa: E402
+                                    verification_stage, verify_forward)
 from ddtree_jax.models import dflash, qwen3, target_module  # noqa: E402
 
 SHAPES = {
@@ -65,14 +66,6 @@ def random_pair(shape: str, dtype, seed: int = 0) -> Pair:
     return Pair(target_config, target_params, drafter)
 
 
-def _median(compiled, args, repeats):
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def _compile(fn, args):
@@ -82,7 +75,7 @@ def _compile(fn, args):
 
 
 def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int, temperature: float, top_p: float,
-               repeats: int, attn_impl: str = "xla", matmul_impl: str = "xla", seed: int = 0) -> dict:
+               repeats: int, attn_impl: str = "xla", matmul_impl: str = "xla", moe_impl: str = "auto", seed: int = 0) -> dict:
     config, block = pair.target_config, pair.drafter.config.block_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
@@ -90,48 +83,48 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     _, params, drafter, ids, lengths, sampling, keys, stop, max_new_arr = request_args(
         pair, prompts, temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new)
     shape = dict(max_new_tokens=max_new, method=method, budget=budget, block_size=block)
-    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, attn_impl=attn_impl,
-                                            matmul_impl=matmul_impl))(params, drafter, ids, lengths,
-                                                                                      sampling, keys)
+    impls = dict(attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl)
+    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, **impls))(
+        params, drafter, ids, lengths, sampling, keys)
     row = {"B": batch, "method": method, "budget": budget if method == "ddtree" else None, "context": context,
-           "attn_impl": attn_impl, "matmul_impl": matmul_impl}
+           "attn_impl": attn_impl, "matmul_impl": matmul_impl, "moe_impl": moe_impl}
 
     def step_fn(params, drafter, state, sampling, keys, stop, max_new_arr):
         return decode_step(config, params, drafter, state, sampling, keys, stop, max_new_arr, method=method,
-                           budget=budget, block_size=block, attn_impl=attn_impl, matmul_impl=matmul_impl)
+                           budget=budget, block_size=block, **impls)
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     step, row["step_compile_s"] = _compile(step_fn, step_args)
     state = step(*step_args)  # warm-up step: the drafter now has context features to append
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
-    row["step_ms"] = _median(step, step_args, repeats) * 1e3
+    row["step_ms"] = median_seconds(step, *step_args, runs=repeats) * 1e3
 
     draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
     if method == "ar":
         draft_logits, row["draft_ms"] = None, 0.0
     else:
         fn, _ = _compile(lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus))
-        row["draft_ms"] = _median(fn, (drafter, draft_state, state.bonus), repeats) * 1e3
+        row["draft_ms"] = median_seconds(fn, *(drafter, draft_state, state.bonus), runs=repeats) * 1e3
         draft_logits = fn(drafter, draft_state, state.bonus)
     tree = jax.jit(lambda l, b: tree_stage(l, b, method=method, budget=budget))(draft_logits, state.bonus)
     slots = tree.tokens.shape[1]
     row["slots"] = slots
 
-    fn, row["verify_compile_s"] = _compile(lambda p, c, t: verify_forward(config, p, c, t, attn_impl=attn_impl, matmul_impl=matmul_impl), (params, state.target_cache, tree))
-    row["verify_forward_ms"] = _median(fn, (params, state.target_cache, tree), repeats) * 1e3
+    fn, row["verify_compile_s"] = _compile(lambda p, c, t: verify_forward(config, p, c, t, **impls), (params, state.target_cache, tree))
+    row["verify_forward_ms"] = median_seconds(fn, *(params, state.target_cache, tree), runs=repeats) * 1e3
     logits = fn(params, state.target_cache, tree)[0]
 
     plain_ids = tree.tokens
     target = target_module(config)
     fn, _ = _compile(lambda p, c, t: target.prefill(config, p, c, t, jnp.full((batch,), slots, jnp.int32),
-                                                           attn_impl=attn_impl, matmul_impl=matmul_impl),
+                                                    **target_impls(config, **impls)),
                      (params, state.target_cache, plain_ids))
-    row["plain_forward_ms"] = _median(fn, (params, state.target_cache, plain_ids), repeats) * 1e3
+    row["plain_forward_ms"] = median_seconds(fn, *(params, state.target_cache, plain_ids), runs=repeats) * 1e3
 
     for impl in ("xla", "pallas"):
         fn, _ = _compile(lambda t, l, s, k, i: verification_stage(t, l, s, k, i, sampling_impl=impl),
                          (tree, logits, sampling, keys, state.step))
-        row[f"verification_{impl}_ms"] = _median(fn, (tree, logits, sampling, keys, state.step), repeats) * 1e3
+        row[f"verification_{impl}_ms"] = median_seconds(fn, *(tree, logits, sampling, keys, state.step), runs=repeats) * 1e3
     row["non_forward_ms"] = row["step_ms"] - row["draft_ms"] - row["verify_forward_ms"]
     row["non_forward_share"] = row["non_forward_ms"] / row["step_ms"]
     row["verify_over_plain"] = row["verify_forward_ms"] / row["plain_forward_ms"]

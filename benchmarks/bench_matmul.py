@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.common import device_description, markdown_table, write_result  # noqa: E402
+from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
 from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, dense  # noqa: E402
 from kernels.decode_matmul import grouped_matmul, matmul  # noqa: E402
 
@@ -58,14 +57,6 @@ def _nbytes(weight) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weight))
 
 
-def _median(fn, *args, runs=7):
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
 
 
 def _timed(op, xs, weight):
@@ -74,17 +65,7 @@ def _timed(op, xs, weight):
     def run(xs, weight):
         return jax.lax.fori_loop(0, REPS, lambda i, acc: acc + op(xs[i], weight).astype(jnp.float32).sum(), 0.0)
 
-    return _median(run, xs, weight) / REPS
-
-
-def copy_bandwidth() -> float:
-    x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.bfloat16)
-
-    @jax.jit
-    def copies(x):
-        return jax.lax.fori_loop(0, REPS, lambda i, y: y * jnp.asarray(1, y.dtype) + jnp.asarray(i, y.dtype), x)
-
-    return 2 * x.size * x.dtype.itemsize * REPS / _median(copies, x)
+    return median_seconds(run, xs, weight) / REPS
 
 
 def main() -> None:
@@ -95,7 +76,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="M = 1 and 17 only")
     args = parser.parse_args()
     rows_list = [1, 17] if args.quick else [int(m) for m in args.rows.split(",")]
-    copy_bw = copy_bandwidth() if jax.default_backend() == "gpu" else float("nan")
+    copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
     print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     results = []
     key = jax.random.key(1)

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
-from benchmarks.common import device_description, markdown_table, write_result  # noqa: E402
+from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
 from ddtree_jax.sampling import SamplingParams  # noqa: E402
 from ddtree_jax.tree import build_tree  # noqa: E402
 from ddtree_jax.verify import verify_step  # noqa: E402
@@ -54,27 +54,6 @@ def _repeated(tree, logits, params, key, *, impl, reps):
     return jax.lax.fori_loop(0, reps, body, jnp.int32(0))
 
 
-def _median_time(fn, runs=7):
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
-
-
-def copy_bandwidth() -> float:
-    """bytes/s (read + write) of an XLA copy of 1 GiB, REPS copies inside one jit."""
-    x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.bfloat16)
-
-    @jax.jit
-    def copies(x):
-        return jax.lax.fori_loop(0, REPS, lambda i, y: y * jnp.asarray(1, y.dtype) + jnp.asarray(i, y.dtype), x)
-
-    return 2 * x.size * x.dtype.itemsize * REPS / _median_time(lambda: copies(x))
-
-
 def run_case(batch, slots, vocab, top_p, copy_bw, seed=0):
     depth = 8
     tree = _tree(batch, slots, depth, vocab, seed)
@@ -86,7 +65,7 @@ def run_case(batch, slots, vocab, top_p, copy_bw, seed=0):
         start = time.perf_counter()
         jax.block_until_ready(_repeated(tree, logits, params, key, impl=impl, reps=REPS))
         out[f"{impl}_compile_s"] = time.perf_counter() - start
-        out[f"{impl}_us"] = _median_time(lambda: _repeated(tree, logits, params, key, impl=impl, reps=REPS)) / REPS * 1e6
+        out[f"{impl}_us"] = median_seconds(lambda: _repeated(tree, logits, params, key, impl=impl, reps=REPS)) / REPS * 1e6
     keys = jax.random.split(key, batch)
     a = verify_step(tree, logits, params, keys, impl="xla")
     b = verify_step(tree, logits, params, keys, impl="pallas")
@@ -118,7 +97,7 @@ def main() -> None:
         cases, vocabs = [(b, n) for b in (1, 8) for n in (17, 65)], [163840]
     else:
         cases = [(b, n) for b in (1, 8, 32) for n in (9, 17, 65, 257)]
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(REPS)
     print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for vocab in vocabs:

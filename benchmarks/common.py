@@ -39,6 +39,31 @@ def time_call(fn, inputs: list, *, warmup: int = 3, reps: int = 50) -> dict:
     }
 
 
+def median_seconds(fn, *args, runs: int = 7) -> float:
+    """Median wall seconds of fn(*args) + block_until_ready over `runs` calls, after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(reps: int = 20) -> float:
+    """bytes/s (read + write) of an XLA elementwise copy of 1 GiB of bf16, `reps` copies inside one jit
+    (the achievable-bandwidth roof the kernels are compared with, measured in the same run)."""
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.bfloat16)
+
+    @jax.jit
+    def copies(x):
+        return jax.lax.fori_loop(0, reps, lambda i, y: y * jnp.asarray(1, y.dtype) + jnp.asarray(i, y.dtype), x)
+
+    return 2 * x.size * x.dtype.itemsize * reps / median_seconds(copies, x)
+
+
 def write_result(name: str, payload: dict, commit: str, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)

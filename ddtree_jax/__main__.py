@@ -241,8 +241,8 @@ def _bench_command(args: argparse.Namespace) -> int:
         print(f"{row['method']:<8}{'' if row['budget'] is None else row['budget']:>7}"
               f"{'' if row['block_size'] is None else row['block_size']:>6}{row['tokens_per_s']:>11.1f}"
               f"{row['mean_tau']:>10.2f}{speedup:>9}{row['compile_s']:>11.1f}")
-    print(f"(tokens/s: all prompts' tokens over their summed median run times, prefill included; "
-          f"speedup: tokens/s over AR's)")
+    print("(tokens/s: all prompts' tokens over their summed median run times, prefill included; "
+          "speedup: tokens/s over AR's)")
     if args.temperature == 0 and any(row.get("same_text_as_ar") is False for row in rows):
         differ = [row["method"] + ("" if row["budget"] is None else f" {row['budget']}") for row in rows
                   if row.get("same_text_as_ar") is False]

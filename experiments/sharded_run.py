@@ -10,8 +10,10 @@ each budget) it times the fused decode step, the drafter forward and the target'
 the slope, from which a 61-layer step is extrapolated; `python -m ddtree_jax.roofline` gives the model
 to compare with.
 
-The parameters are Auto-sharded: XLA partitions the dense computation between the pinned shardings
-(the Pallas kernels are not yet wrapped in shard_map, so runs use the XLA attention and MoE paths).
+The parameters are Auto-sharded: XLA partitions the dense computation between the pinned shardings.
+Under EP the routed experts run in the "ep" shard_map region (models/moe.py: each device's 48 experts on
+the tokens it already holds, a psum over "model"); `--attn-impl pallas` runs the tree-attention kernel
+per shard (batch over "data", heads over "model", `sharding.regions`).
 
 Usage (2 GPUs): python experiments/sharded_run.py --model 2 --layers 2,4 --budgets 8,16,32,64 --commit C
        (8 CPU devices, tiny): XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/sharded_run.py --tiny
@@ -96,6 +98,11 @@ def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pa
     return Pair(config, target_params, drafter)
 
 
+# the routed experts' dispatch per layout: TP leaves "auto" (gather / dense) to the XLA partitioner, each
+# device reading its column slice of the chosen experts; EP runs the "ep" shard_map region (models/moe.py)
+MOE_IMPL = {"tp": "auto", "ep": "ep"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
@@ -109,6 +116,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--attn-impl", default="xla", choices=["xla", "pallas"])
     args = parser.parse_args()
     model = args.model or jax.device_count() // args.data
     mesh = make_mesh(model=model, data=args.data)
@@ -126,7 +134,8 @@ def main() -> None:
             with jax.set_mesh(mesh):
                 for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
                     row = bench_case(pair, 1, method, budget, context=args.context, temperature=args.temperature,
-                                     top_p=1.0, repeats=args.repeats)
+                                     top_p=1.0, repeats=args.repeats, moe_impl=MOE_IMPL[layout],
+                                     attn_impl=args.attn_impl)
                     row.update(layout=layout, layers=layers, init_s=init_s, mesh=[args.data, model])
                     rows.append(row)
                     print(f"{layout} layers={layers} {method:6s} budget={budget:3d}: step {row['step_ms']:8.2f} ms  "

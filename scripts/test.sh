@@ -3,4 +3,6 @@
 #   scripts/test.sh -m "not slow"     # the quick local loop
 source "$(dirname "$0")/_venv.sh"
 cd "$repo_root"
-exec python -m pytest -n 2 --dist loadfile -q "$@"
+# --max-worker-restart=0: a crashed worker ends the run with an error (xdist's loadfile scheduler would
+# otherwise wait forever for the crashed worker's remaining files)
+exec python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q "$@"

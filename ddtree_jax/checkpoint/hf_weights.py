@@ -16,7 +16,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
 from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
 

@@ -32,9 +32,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     `kernels.tree_attention` directly, as the absorbed MLA does).
     """
     if resolve_attention_impl(impl) == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
-        from kernels.tree_attention import tree_attention
-
-        return tree_attention((q,), (k,), v, mask, scale=scale)
+        return sharded_tree_attention((q,), (k,), v, mask, scale=scale)
     batch, steps, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
@@ -47,3 +45,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     weights = weights / jnp.maximum(weights.sum(axis=-1, keepdims=True), 1e-30)
     out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(batch, steps, q_heads, v.shape[-1]).astype(q.dtype)
+
+
+def sharded_tree_attention(q_parts, k_parts, v: jax.Array, mask: jax.Array, *, scale: float | None) -> jax.Array:
+    """`kernels.tree_attention`, per shard when a mesh is set (`sharding.regions`): batch over "data",
+    query heads over "model" with their KV heads (a single shared KV head, MQA / absorbed MLA, is
+    replicated). A kernel call XLA cannot partition would otherwise run whole on every device."""
+    from functools import partial
+
+    from kernels.tree_attention import tree_attention
+    from ddtree_jax.sharding.regions import heads, rows, shard_call
+
+    kv = heads(4) if k_parts[0].shape[2] > 1 else rows(4)
+    specs = (tuple(heads(4) for _ in q_parts), tuple(kv for _ in k_parts), kv, rows(3))
+    return shard_call(partial(tree_attention, scale=scale), (tuple(q_parts), tuple(k_parts), v, mask), specs, heads(4))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.config import DeepSeekV3Config
-from ddtree_jax.models.attention import attention, resolve_attention_impl
+from ddtree_jax.models.attention import attention, resolve_attention_impl, sharded_tree_attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
 from ddtree_jax.models.moe import MOE_IMPLS, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
 from ddtree_jax.models.quant import dense
@@ -201,11 +201,10 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
     if resolve_attention_impl(attn_impl) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
-        from kernels.tree_attention import tree_attention
-
         dtype = q_latent.dtype
-        out_latent = tree_attention((q_latent, q_rot.astype(dtype)), (latent_cache.astype(dtype), rope_cache.astype(dtype)),
-                                    latent_cache.astype(dtype), mask, scale=softmax_scale(c))
+        out_latent = sharded_tree_attention((q_latent, q_rot.astype(dtype)),
+                                            (latent_cache.astype(dtype), rope_cache.astype(dtype)),
+                                            latent_cache.astype(dtype), mask, scale=softmax_scale(c))
     else:
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
         keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]

@@ -22,21 +22,37 @@ ragged 0.74 / 9.9 / 31 / 67 (217 at N 4096); bf16 and FP8 experts: gather 0.23 /
 reference 8 (bf16) and 28 (FP8) up to N = 384. Hence gather up to N ~ E and the reference beyond, until
 the grouped kernel makes "ragged" the large-N choice. All impls are equal up to float reassociation
 (tests/models/test_moe.py; in bf16 "gather" also skips the reference's rounding of dequantised weights
-to bf16, accumulating in float32); static shapes, no host sync. Under expert parallelism the gathers and
-ragged_dot need a shard_map with a token all-to-all (not here).
+to bf16, accumulating in float32); static shapes, no host sync.
+
+On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
+- "ep": expert parallel, the routed experts split over "model" (rule table "ep": 384 / 8 = 48 per
+  device). A `shard_map` region: the tokens, already on every device of "model" (attention's output
+  projection ends in an all-reduce), meet the device's own experts; assignments to other devices' experts
+  weigh 0; a psum over "model" combines. Inside, "gather" while the step's assignments are at most the
+  device's experts, else the dense product over its experts. Without a mesh "ep" is "gather".
+- "pallas": the grouped kernel cannot be partitioned by XLA, so under a mesh it runs in a region too,
+  on the TP table's split (each expert's FFN columns over "model"), partial sums psum-ed.
+- "gather" / "ragged" / "reference" are left to the XLA partitioner (right for TP, where each device
+  reads its column slice of the chosen experts; under the EP table it would gather expert weights
+  across devices: use "ep").
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.layers import linear, swiglu
 from ddtree_jax.models.quant import INT4_GROUP, Int4Weight, dense
 
-MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "reference")
+MODEL = "model"  # the mesh axis of tensor / expert parallelism (sharding.rules.MODEL; not imported: cycle)
+
+MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
 
 
 def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -65,15 +81,21 @@ def _shared(p: dict, x: jax.Array) -> jax.Array:
     return swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
 
 
+def routed_dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """x [..., D], experts / weights [..., k] -> [..., D]: every expert of p on every token, combined by a
+    dense [..., E] routing matrix (INT4 / FP8 experts dequantised to x's dtype)."""
+    num_experts = p["expert_gate"].shape[0]
+    dense_weights = (jax.nn.one_hot(experts, num_experts) * weights[..., None]).sum(-2)  # [..., E]
+    gate = jnp.einsum("...d,eid->...ei", x, dense(p["expert_gate"], x.dtype))
+    up = jnp.einsum("...d,eid->...ei", x, dense(p["expert_up"], x.dtype))
+    out = jnp.einsum("...ei,edi->...ed", jax.nn.silu(gate) * up, dense(p["expert_down"], x.dtype))
+    return jnp.einsum("...ed,...e->...d", out, dense_weights.astype(out.dtype))
+
+
 def moe_reference(config: DeepSeekV3Config, p: dict, x: jax.Array) -> jax.Array:
     """Routed experts (every expert evaluated, weighted by a dense [.., E] routing matrix) + shared expert."""
     experts, weights = route(config, p["router"], p["router_bias"], x)
-    dense_weights = (jax.nn.one_hot(experts, config.n_routed_experts) * weights[..., None]).sum(-2)  # [..., E]
-    gate = jnp.einsum("...d,eid->...ei", x, dense(p["expert_gate"], x.dtype))  # INT4 experts: dequantised here
-    up = jnp.einsum("...d,eid->...ei", x, dense(p["expert_up"], x.dtype))
-    out = jnp.einsum("...ei,edi->...ed", jax.nn.silu(gate) * up, dense(p["expert_down"], x.dtype))
-    routed = jnp.einsum("...ed,...e->...d", out, dense_weights.astype(out.dtype))
-    return routed + _shared(p, x)
+    return routed_dense(p, x, experts, weights) + _shared(p, x)
 
 
 def _take(weight, index: jax.Array):
@@ -166,6 +188,48 @@ def choose_impl(config: DeepSeekV3Config, num_tokens: int) -> str:
     return "gather" if num_tokens * config.num_experts_per_tok <= config.n_routed_experts else "reference"
 
 
+def _routed_expert_parallel(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """The per-device program of "ep": this device's E / m experts (the routed experts split over "model")
+    on the assignments that chose one of them (the others weigh 0), then the sum over devices. Dispatch
+    on the device: "gather" while the assignments are at most its experts, else the dense local product."""
+    local_experts = p["expert_gate"].shape[0]
+    first = lax.axis_index(MODEL) * local_experts
+    mine = (experts >= first) & (experts < first + local_experts)
+    local_ids = jnp.where(mine, experts - first, 0)
+    local_weights = jnp.where(mine, weights, 0.0)
+    routed = routed_gather if experts.size <= local_experts else routed_dense
+    return lax.psum(routed(p, x, local_ids, local_weights), MODEL)
+
+
+def _routed_tensor_parallel(impl: str, p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """The per-device program of a Pallas dispatch under TP: every expert's FFN columns split over "model"
+    ("expert_mlp": gate / up by output rows, down by input columns), partial sums combined by a psum."""
+    return lax.psum(_ROUTED[impl](p, x, experts, weights), MODEL)
+
+
+_ROUTED = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas}
+_EXPERT_NAMES = ("expert_gate", "expert_up", "expert_down")
+
+
+def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """"ep", and "pallas" under a mesh: the routed experts as a manual region (`sharding.regions`). Tokens
+    (replicated over "model", split by batch over "data") meet the experts where they live, results are
+    summed over "model"; without a mesh "ep" is "gather" and "pallas" runs as is."""
+    from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
+
+    if context_mesh() is None:
+        return _ROUTED["gather" if impl == "ep" else impl](p, x, experts, weights)
+    if impl == "ep":
+        specs = {"expert_gate": P(MODEL, None, None), "expert_up": P(MODEL, None, None), "expert_down": P(MODEL, None, None)}
+        fn = _routed_expert_parallel
+    else:  # the TP rule table's "expert_mlp" split
+        specs = {"expert_gate": P(None, MODEL, None), "expert_up": P(None, MODEL, None), "expert_down": P(None, None, MODEL)}
+        fn = functools.partial(_routed_tensor_parallel, impl)
+    experts_only = {name: p[name] for name in _EXPERT_NAMES}
+    return shard_call(fn, (experts_only, x, experts, weights), (specs, rows(2), rows(2), rows(2)), rows(2),
+                      reduce_axes=(MODEL,))
+
+
 def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") -> jax.Array:
     """Routed experts + shared expert, x [..., D] -> [..., D]; impl one of MOE_IMPLS (module docstring)."""
     if impl not in MOE_IMPLS:
@@ -177,5 +241,8 @@ def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") 
     if impl == "reference":
         return moe_reference(config, p, x)
     experts, weights = route(config, p["router"], p["router_bias"], flat)
-    routed = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas}[impl](p, flat, experts, weights)
+    if impl in ("ep", "pallas"):
+        routed = _routed_on_mesh(impl, p, flat, experts, weights)
+    else:
+        routed = _ROUTED[impl](p, flat, experts, weights)
     return routed.reshape(lead + (width,)) + _shared(p, x)

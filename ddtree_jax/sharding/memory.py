@@ -425,7 +425,7 @@ def plan_memory(config, *, drafter: DFlashConfig | None = None, layout="tp8", ba
         raise ValueError(f"usable_fraction must be in (0, 1], got {usable_fraction!r}")
     if device_bytes <= 0 or headroom_bytes < 0:
         raise ValueError(f"device_bytes must be > 0 and headroom_bytes >= 0, got {device_bytes!r}, {headroom_bytes!r}")
-    c, width = config, _dtype_bytes(cache_dtype)
+    c = config
     weights = weight_bytes(c, layout, expert_format=expert_format, dense_format=dense_format)
     slots = budget + 1
     rows = -(-batch // layout.data)

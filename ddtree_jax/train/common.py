@@ -127,3 +127,52 @@ def progress(total: int, initial: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True, mininterval=1.0)
+
+
+def open_checkpoints(checkpoint_dir: str | None, settings: dict, state, resume: bool):
+    """(Checkpoints or None, first step, state): the newest checkpoint's step and state with `resume`, else
+    step 0 with `state` (and any earlier checkpoints of that directory removed)."""
+    checkpoints = Checkpoints(checkpoint_dir, settings["keep_checkpoints"]) if checkpoint_dir else None
+    if checkpoints is None:
+        return None, 0, state
+    if resume and (found := checkpoints.restore_latest(state)) is not None:
+        return checkpoints, found[0], found[1]
+    checkpoints.clear()
+    return checkpoints, 0, state
+
+
+def training_loop(name: str, state, step_fn, *, steps: int, start: int, settings: dict, evaluate, checkpoints,
+                  log: Log | None, history: list, show_progress: bool):
+    """Steps `start`..`steps` of a training run; returns (state, wall seconds).
+
+    step_fn(state, step) -> (state, metrics): metrics holds "grad_norm" and the scalars that are averaged
+    over each `log_every` window (logged, shown on the progress bar and appended to `history` as
+    "train_<name>"). evaluate(state) -> (log record, history entry, message) runs every `eval_every`
+    steps (not at the last: the caller evaluates the final state). Checkpoints every `checkpoint_every`
+    steps and at the last."""
+    lr = schedule(settings)
+    window: list[dict] = []
+    began = time.perf_counter()
+    bar = progress(steps, start, name, show_progress)
+    for step in range(start, steps):
+        state, metrics = step_fn(state, step)
+        window.append(metrics)
+        done = step + 1
+        if done % settings["log_every"] == 0 or done == steps:
+            means = {k: float(jnp.mean(jnp.stack([m[k] for m in window]))) for k in metrics if k != "grad_norm"}
+            window = []
+            bar.set_postfix(**{k: f"{v:.3f}" for k, v in means.items()}, lr=f"{float(lr(done)):.2e}")
+            if log:
+                log.write(step=done, **means, grad_norm=float(metrics["grad_norm"]))
+            history.append({"step": done, **{f"train_{k}": v for k, v in means.items()}})
+        if settings["eval_every"] and done % settings["eval_every"] == 0 and done != steps:
+            record, entry, message = evaluate(state)
+            bar.write(f"{name} step {done}: {message}")
+            if log:
+                log.write(step=done, **record)
+            history.append({"step": done, **entry})
+        if checkpoints and settings["checkpoint_every"] and (done % settings["checkpoint_every"] == 0 or done == steps):
+            checkpoints.save(done, state)
+        bar.update(1)
+    bar.close()
+    return state, time.perf_counter() - began

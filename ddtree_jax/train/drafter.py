@@ -20,7 +20,6 @@ acceptance length of linear DFlash when the target's greedy choice is the data t
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,8 @@ import optax
 
 from ddtree_jax.config import DFlashConfig, Qwen3Config, default_tapped_layers
 from ddtree_jax.models import dflash, qwen3
-from ddtree_jax.train.common import (DTYPES, Checkpoints, Log, cast, count_params, on_device, optimizer, progress,
-                                     schedule)
+from ddtree_jax.train.common import (DTYPES, Log, cast, count_params, on_device, open_checkpoints, optimizer,
+                                     training_loop)
 from ddtree_jax.train.data import Batches, eval_batches
 from ddtree_jax.train.target import with_tapped
 
@@ -190,50 +189,32 @@ def train(config: DFlashConfig, target: Qwen3Config, target_params: dict, settin
     num_anchors = int(settings.get("num_anchors", 64))
     steps, batch_size = settings["steps"], settings["batch_size"]
     state = init_state(config, settings, seed)
-    checkpoints = Checkpoints(checkpoint_dir, settings["keep_checkpoints"]) if checkpoint_dir else None
-    start = 0
-    if resume and checkpoints is not None and (found := checkpoints.restore_latest(state)) is not None:
-        start, state = found
-    elif checkpoints is not None:
-        checkpoints.clear()
+    checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
     batches = Batches(train_seqs, batch_size, seed + 1)
     heldout = eval_batches(heldout_seqs, batch_size, settings["eval_batches"])
     log = Log(log_path, fresh=start == 0) if log_path else None
     step_fn = make_step(config, target, settings, gamma, num_anchors, seed, dtype)
     eval_fn = make_eval(config, target, gamma, num_anchors)  # evaluated in float32, as the exported weights run
-    lr = schedule(settings)
-    history, window = [], []
+    history = []
     for r in log.records(start) if (log and start) else []:  # a resumed run keeps the earlier history
         if "loss" in r:
             history.append({"step": r["step"], "train_loss": r["loss"], "train_accept_length": r["accept_length"]})
         elif "heldout" in r and r["step"] < steps:
             history.append({"step": r["step"], "heldout_loss": r["heldout"]["loss"],
                             "heldout_accept_length": r["heldout"]["accept_length"]})
-    began = time.perf_counter()
-    bar = progress(steps, start, "drafter", show_progress)
-    for step in range(start, steps):
+
+    def periodic_eval(state):
+        held = evaluate(eval_fn, state["params"], target_params, heldout, seed)
+        return ({"heldout": held}, {"heldout_loss": held["loss"], "heldout_accept_length": held["accept_length"]},
+                f"held-out loss {held['loss']:.4f}, accept length {held['accept_length']:.3f}")
+
+    def train_step(state, step):
         state, metrics = step_fn(state, target_params, jnp.asarray(batches.batch(step)))
-        window.append((metrics["loss"], metrics["accept_length"]))
-        done = step + 1
-        if done % settings["log_every"] == 0 or done == steps:
-            loss = float(jnp.mean(jnp.stack([w[0] for w in window])))
-            accept = float(jnp.mean(jnp.stack([w[1] for w in window])))
-            window = []
-            bar.set_postfix(loss=f"{loss:.3f}", tau=f"{accept:.2f}", lr=f"{float(lr(done)):.2e}")
-            if log:
-                log.write(step=done, loss=loss, accept_length=accept, grad_norm=float(metrics["grad_norm"]))
-            history.append({"step": done, "train_loss": loss, "train_accept_length": accept})
-        if settings["eval_every"] and done % settings["eval_every"] == 0 and done != steps:
-            held = evaluate(eval_fn, state["params"], target_params, heldout, seed)
-            bar.write(f"drafter step {done}: held-out loss {held['loss']:.4f}, accept length {held['accept_length']:.3f}")
-            if log:
-                log.write(step=done, heldout=held)
-            history.append({"step": done, "heldout_loss": held["loss"], "heldout_accept_length": held["accept_length"]})
-        if checkpoints and settings["checkpoint_every"] and (done % settings["checkpoint_every"] == 0 or done == steps):
-            checkpoints.save(done, state)
-        bar.update(1)
-    bar.close()
-    wall = time.perf_counter() - began
+        return state, {"loss": metrics["loss"], "accept_length": metrics["accept_length"], "grad_norm": metrics["grad_norm"]}
+
+    state, wall = training_loop("drafter", state, train_step, steps=steps, start=start, settings=settings,
+                                evaluate=periodic_eval, checkpoints=checkpoints, log=log, history=history,
+                                show_progress=show_progress)
     params = state["params"]
     held = evaluate(eval_fn, params, target_params, heldout, seed)
     if log:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,8 @@ import optax
 
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models import qwen3
-from ddtree_jax.train.common import (DTYPES, Checkpoints, Log, cast, count_params, on_device, optimizer, progress,
-                                     schedule)
+from ddtree_jax.train.common import (DTYPES, Log, cast, count_params, on_device, open_checkpoints, optimizer,
+                                     training_loop)
 from ddtree_jax.train.data import Batches, eval_batches
 
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps",
@@ -103,48 +102,27 @@ def train(config: Qwen3Config, settings: dict, train_seqs: np.ndarray, heldout_s
     dtype = DTYPES[settings["dtype"]]
     steps, batch_size = settings["steps"], settings["batch_size"]
     state = init_state(config, settings, seed)
-    checkpoints = Checkpoints(checkpoint_dir, settings["keep_checkpoints"]) if checkpoint_dir else None
-    start = 0
-    if resume and checkpoints is not None and (found := checkpoints.restore_latest(state)) is not None:
-        start, state = found
-    elif checkpoints is not None:
-        checkpoints.clear()
+    checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
     batches = Batches(train_seqs, batch_size, seed)
     heldout = eval_batches(heldout_seqs, batch_size, settings["eval_batches"])
     train_eval = eval_batches(train_seqs, batch_size, settings["eval_batches"])
     log = Log(log_path, fresh=start == 0) if log_path else None
     step_fn = make_step(config, settings, dtype)
-    lr = schedule(settings)
-    history, window = [], []
+    history = []
     for r in log.records(start) if (log and start) else []:  # a resumed run keeps the earlier history
         if "loss" in r:
             history.append({"step": r["step"], "train_loss": r["loss"]})
         elif "heldout_loss" in r and "train_eval_loss" not in r:
             history.append({"step": r["step"], "heldout_loss": r["heldout_loss"]})
-    began = time.perf_counter()
-    bar = progress(steps, start, "target", show_progress)
-    for step in range(start, steps):
-        state, metrics = step_fn(state, jnp.asarray(batches.batch(step)))
-        window.append(metrics["loss"])
-        done = step + 1
-        if done % settings["log_every"] == 0 or done == steps:
-            loss = float(jnp.mean(jnp.stack(window)))
-            window = []
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(lr(done)):.2e}")
-            if log:
-                log.write(step=done, loss=loss, grad_norm=float(metrics["grad_norm"]))
-            history.append({"step": done, "train_loss": loss})
-        if settings["eval_every"] and done % settings["eval_every"] == 0 and done != steps:
-            held = evaluate(config, state["params"], heldout)
-            bar.write(f"target step {done}: held-out loss {held:.4f} (ppl {math.exp(held):.2f})")
-            if log:
-                log.write(step=done, heldout_loss=held, heldout_ppl=math.exp(held))
-            history.append({"step": done, "heldout_loss": held})
-        if checkpoints and settings["checkpoint_every"] and (done % settings["checkpoint_every"] == 0 or done == steps):
-            checkpoints.save(done, state)
-        bar.update(1)
-    bar.close()
-    wall = time.perf_counter() - began
+
+    def periodic_eval(state):
+        held = evaluate(config, state["params"], heldout)
+        return ({"heldout_loss": held, "heldout_ppl": math.exp(held)}, {"heldout_loss": held},
+                f"held-out loss {held:.4f} (ppl {math.exp(held):.2f})")
+
+    state, wall = training_loop("target", state, lambda s, i: step_fn(s, jnp.asarray(batches.batch(i))), steps=steps,
+                                start=start, settings=settings, evaluate=periodic_eval, checkpoints=checkpoints,
+                                log=log, history=history, show_progress=show_progress)
     params = state["params"]
     held = evaluate(config, params, heldout)
     train_eval_loss = evaluate(config, params, train_eval)

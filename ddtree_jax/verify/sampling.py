@@ -162,9 +162,12 @@ def verify_sampling(
         check_tree_lists(candidates, next_token, next_sibling)
     if resolve_impl(impl) == "pallas":
         from kernels.tree_sampling import tree_sampling_from_probs
+        from ddtree_jax.sharding.regions import rows, shard_call
 
-        return tree_sampling_from_probs(candidates, next_token, next_sibling, target_probs, coins, final_coins,
-                                        max_accept=max_accept, threshold_single=threshold_single, threshold_acc=threshold_acc)
+        kernel = functools.partial(tree_sampling_from_probs, max_accept=max_accept, threshold_single=threshold_single,
+                                   threshold_acc=threshold_acc)
+        args = (candidates, next_token, next_sibling, target_probs, coins, final_coins)
+        return shard_call(kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(1)), rows(1))
     return _verify_sampling_jit(
         jnp.asarray(candidates, jnp.int32),
         jnp.asarray(next_token, jnp.int32),

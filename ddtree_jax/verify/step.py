@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -62,10 +64,14 @@ def verify_step(
     coins = draw_coins(split[:, 1], (slots,))
     if impl == "pallas":
         from kernels.tree_sampling import tree_sampling_from_logits
+        from ddtree_jax.sharding.regions import rows, shard_call
 
-        result, slot_valid = tree_sampling_from_logits(
-            tree.tokens, next_token, next_sibling, target_logits, params, coins, draw_coins(split[:, 2], ()),
-            max_accept=tree.max_depth, threshold_single=threshold_single, threshold_acc=threshold_acc)
+        # per shard on a mesh: rows over "data"; vocab-split logits are gathered over "model" on the way in
+        kernel = functools.partial(tree_sampling_from_logits, max_accept=tree.max_depth,
+                                   threshold_single=threshold_single, threshold_acc=threshold_acc)
+        args = (tree.tokens, next_token, next_sibling, target_logits, params, coins, draw_coins(split[:, 2], ()))
+        result, slot_valid = shard_call(kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(1), rows(2), rows(1)),
+                                        rows(1))
         return _mask_invalid_rows(result, slot_valid, tree)
     probs = processed_probs(target_logits, params)
     if method == "sampling":

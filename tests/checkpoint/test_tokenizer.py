@@ -9,7 +9,7 @@ import types
 import pytest
 import regex
 
-from ddtree_jax.checkpoint import Tokenizer, load_tokenizer
+from ddtree_jax.checkpoint import load_tokenizer
 from ddtree_jax.checkpoint import tokenizer as tokenizer_module
 from ddtree_jax.checkpoint.tokenizer import KIMI_PAT_STR, read_tiktoken_ranks
 

@@ -203,3 +203,11 @@ def test_the_fused_sampling_kernel_gives_the_same_generation():
     out = {impl: np.asarray(generate(*args, max_new_tokens=24, method="ddtree", budget=8, block_size=8,
                                      sampling_impl=impl).tokens) for impl in ("xla", "pallas")}
     np.testing.assert_array_equal(out["pallas"], out["xla"])
+
+
+def test_moe_impl_needs_an_moe_target():
+    common = dict(sampling=SamplingParams.create(3, temperature=0.0), keys=row_keys(jax.random.key(3), jnp.arange(3)),
+                  stop_tokens=jnp.full((3, 1), -1, jnp.int32), max_new=jnp.full((3,), 4, jnp.int32))
+    with pytest.raises(ValueError, match="moe_impl='ep' needs an MoE target; Qwen3Config"):
+        generate(TARGET, T_PARAMS, None, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=4,
+                 method="ar", moe_impl="ep")

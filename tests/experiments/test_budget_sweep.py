@@ -2,14 +2,13 @@
 expectation per step, the plot and the CLI."""
 
 import json
-import math
 import os
 
 import numpy as np
 import pytest
 
 from experiments import budget_sweep
-from experiments.studies import load_study_pair, pair_dirs
+from experiments.studies import pair_dirs
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import pytest
 from ddtree_jax.config import DeepSeekV3Config, Qwen3Config
 from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.attention import attention
-from ddtree_jax.tree import ancestor_mask, build_tree
+from tests.models.impl_parity import forward_by_impl, relerr
+
 
 QWEN = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, tapped_layers=(0, 1))
@@ -20,26 +21,13 @@ DSV3 = DeepSeekV3Config(vocab_size=50, hidden_size=32, intermediate_size=48, moe
                         tapped_layers=(0, 1))
 
 
-def _relerr(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-
-
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_prefill_and_tree_verify_equal_the_xla_path(family):
     module, config = (qwen3, QWEN) if family == "qwen3" else (deepseek_v3, DSV3)
     params = module.init_params(config, jax.random.key(0))
-    rng = np.random.default_rng(1)
-    prefix = jnp.asarray(rng.integers(0, 50, (2, 9)), jnp.int32)
-    lengths = jnp.asarray([9, 3], jnp.int32)
-    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
-    outs = {}
-    for impl in ("xla", "pallas"):
-        cache = module.create_cache(config, 2, 32, jnp.float32)
-        pre, _, cache = module.prefill(config, params, cache, prefix, lengths, attn_impl=impl)
-        ver, feats, _ = module.verify(config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl=impl)
-        outs[impl] = (pre[0], pre[1, :3], ver, feats)
+    outs = forward_by_impl(module, config, params, "attn_impl")
     for got, want in zip(outs["pallas"], outs["xla"]):
-        assert _relerr(got, want) < 1e-5
+        assert relerr(got, want) < 1e-5
 
 
 def test_attention_entry_dispatches_and_falls_back_for_odd_head_dims():

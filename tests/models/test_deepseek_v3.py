@@ -7,6 +7,7 @@ import pytest
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3
+from tests.models.impl_parity import relerr
 
 CONFIG = DeepSeekV3Config(vocab_size=50, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=3,
                           first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
@@ -76,9 +77,6 @@ def _naive(params, seq):
     return _naive_at(params, jnp.asarray(padded), len(seq) - 1)
 
 
-def _relerr(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-
 
 def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params):
     """Latent-cache prefill (ragged rows), tree verify (each slot = its root-to-node path run causally
@@ -91,7 +89,7 @@ def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params
     lengths = np.array([5, 0], np.int32)
     cache = deepseek_v3.create_cache(TINY, 2, 40, jnp.float32)
     pre_logits, _, cache = deepseek_v3.prefill(TINY, tiny_params, cache, jnp.asarray(prefix), jnp.asarray(lengths))
-    assert _relerr(pre_logits[0, 4], _naive(tiny_params, prefix[0, :5])) < 1e-5
+    assert relerr(pre_logits[0, 4], _naive(tiny_params, prefix[0, :5])) < 1e-5
     tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 7, jnp.array([9, 11], jnp.int32))
     logits, features, cache = deepseek_v3.verify(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
     assert features.shape == (2, 8, 64)
@@ -105,7 +103,7 @@ def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params
                 j = parents[b, j]
             paths[b, i] = path[::-1]
             seq = np.concatenate([prefix[b, : lengths[b]], tokens[b, path[::-1]]])
-            assert _relerr(logits[b, i], _naive(tiny_params, seq)) < 1e-5, (b, i)
+            assert relerr(logits[b, i], _naive(tiny_params, seq)) < 1e-5, (b, i)
     deepest = [int(np.argmax(np.asarray(tree.depths[b]))) for b in range(2)]
     accept = np.full((2, 4), -1, np.int32)
     for b in range(2):
@@ -116,7 +114,7 @@ def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params
     cont, _, _ = deepseek_v3.prefill(TINY, tiny_params, cache, jnp.asarray(new), jnp.ones(2, jnp.int32))
     for b in range(2):
         seq = np.concatenate([prefix[b, : lengths[b]], tokens[b, paths[b, deepest[b]]], new[b]])
-        assert _relerr(cont[b, 0], _naive(tiny_params, seq)) < 1e-5
+        assert relerr(cont[b, 0], _naive(tiny_params, seq)) < 1e-5
 
 
 def test_scanned_layers_equal_the_unrolled_loop(tiny_params):

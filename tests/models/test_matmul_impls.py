@@ -9,30 +9,18 @@ import pytest
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.layers import linear
-from ddtree_jax.tree import ancestor_mask, build_tree
+from tests.models.impl_parity import forward_by_impl, relerr
+
 
 CONFIG = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=8, tapped_layers=(0, 1))
 
 
-def _relerr(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-
-
 def test_prefill_and_verify_equal_the_xla_path():
     params = qwen3.init_params(CONFIG, jax.random.key(0), norm_jitter=0.1)
-    rng = np.random.default_rng(1)
-    prefix = jnp.asarray(rng.integers(0, 61, (2, 9)), jnp.int32)
-    lengths = jnp.asarray([9, 3], jnp.int32)
-    tree = build_tree((rng.standard_normal((2, 3, 61)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
-    outs = {}
-    for impl in ("xla", "pallas"):
-        cache = qwen3.create_cache(CONFIG, 2, 32, jnp.float32)
-        pre, pre_feats, cache = qwen3.prefill(CONFIG, params, cache, prefix, lengths, matmul_impl=impl)
-        ver, feats, _ = qwen3.verify(CONFIG, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), matmul_impl=impl)
-        outs[impl] = (pre[0], pre[1, :3], pre_feats[0], ver, feats)
+    outs = forward_by_impl(qwen3, CONFIG, params, "matmul_impl", vocab=61)
     for got, want in zip(outs["pallas"], outs["xla"]):
-        assert _relerr(got, want) < 1e-5
+        assert relerr(got, want) < 1e-5
 
 
 def test_switch_errors():

@@ -10,6 +10,7 @@ import pytest
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3, moe
 from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, quantize_int4
+from tests.models.impl_parity import relerr
 
 # 16 experts in 4 groups (top-2 groups), 3 per token; hidden 160 spans two 128-wide FP8 blocks, and both
 # expert input widths (160, 32) are multiples of the INT4 group.
@@ -41,9 +42,6 @@ def _layer(fmt: str, seed: int = 0) -> dict:
     return p
 
 
-def _relerr(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-
 
 @jax.jit
 def _reference(p, x):
@@ -66,7 +64,7 @@ def test_dispatches_equal_the_reference(fmt, steps):
     for impl, fn in _DISPATCH.items():
         got = fn(p, x)
         assert got.shape == x.shape and got.dtype == x.dtype
-        assert _relerr(got, want) < 1e-5, (impl, _relerr(got, want))
+        assert relerr(got, want) < 1e-5, (impl, relerr(got, want))
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4"])
@@ -81,7 +79,7 @@ def test_crowded_and_empty_experts(fmt):
         x = jax.random.normal(jax.random.key(steps), (2, steps, CONFIG.hidden_size))
         want = _reference(p, x)
         for impl, fn in _DISPATCH.items():
-            assert _relerr(fn(p, x), want) < 1e-5, (impl, steps)
+            assert relerr(fn(p, x), want) < 1e-5, (impl, steps)
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4"])
@@ -91,7 +89,7 @@ def test_bfloat16_activations(fmt):
     want = _reference(p, x).astype(jnp.float32)
     for impl, fn in _DISPATCH.items():
         got = fn(p, x)
-        assert got.dtype == jnp.bfloat16 and _relerr(got.astype(jnp.float32), want) < 2e-2, impl
+        assert got.dtype == jnp.bfloat16 and relerr(got.astype(jnp.float32), want) < 2e-2, impl
 
 
 def test_auto_rule_and_unknown_impl():
@@ -119,4 +117,4 @@ def test_prefill_and_verify_take_each_impl():
         outs[impl] = (pre, ver)
     for impl in ("auto", "gather", "ragged", "pallas"):
         for got, want in zip(outs[impl], outs["reference"]):
-            assert _relerr(got, want) < 1e-5, impl
+            assert relerr(got, want) < 1e-5, impl

@@ -9,6 +9,7 @@ from ddtree_jax.config import Qwen3Config, default_tapped_layers
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 from ddtree_jax.tree import ancestor_mask, build_tree
+from tests.models.impl_parity import relerr
 
 CONFIG = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, rope_theta=10_000.0, tapped_layers=(0, 2))
@@ -42,9 +43,6 @@ def _reference(params, seq):
     return _causal_at(params, jnp.asarray(padded), len(seq) - 1)
 
 
-def _relerr(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-
 
 def _prefill_ragged(params, tokens, lengths, capacity=48):
     cache = _cache(tokens.shape[0], capacity)
@@ -58,13 +56,13 @@ def test_prefill_then_decode_equals_full_forward(params):
     lengths = np.array([5, 1, 9])
     logits, _, cache = _prefill_ragged(params, tokens, lengths)
     for b in range(3):
-        assert _relerr(logits[b, : lengths[b]], full[b, : lengths[b]]) < TOL
+        assert relerr(logits[b, : lengths[b]], full[b, : lengths[b]]) < TOL
     # decode one token at a time from each row's own length
     for step in range(12 - lengths.max()):
         pos = lengths + step
         step_logits, _, cache = qwen3.prefill(CONFIG, params, cache, jnp.asarray(tokens[np.arange(3), pos][:, None]), jnp.ones(3, jnp.int32))
         for b in range(3):
-            assert _relerr(step_logits[b, 0], full[b, pos[b]]) < TOL
+            assert relerr(step_logits[b, 0], full[b, pos[b]]) < TOL
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + 12 - lengths.max())
 
 
@@ -99,8 +97,8 @@ def test_verify_logits_equal_the_causal_path(params, budget):
         for i in range(int(tree.num_nodes[b])):
             seq = np.concatenate([prefix[b, : lengths[b]], _path_tokens(tree, b, i)]).astype(np.int32)
             ref_logits, ref_features = _reference(params, seq)
-            assert _relerr(logits[b, i], ref_logits) < TOL, (b, i)
-            assert _relerr(features[b, i], ref_features) < TOL  # the tapped layers' outputs there
+            assert relerr(logits[b, i], ref_logits) < TOL, (b, i)
+            assert relerr(features[b, i], ref_features) < TOL  # the tapped layers' outputs there
 
 
 def test_commit_then_continue_equals_uninterrupted_decoding(params):
@@ -131,7 +129,7 @@ def test_commit_then_continue_equals_uninterrupted_decoding(params):
         accepted_tokens = [int(tree.tokens[b, s]) for s in accept[b, : num_accepted[b] + 1]]
         seq = np.concatenate([prefix[b, : lengths[b]], accepted_tokens, new[b]]).astype(np.int32)
         for j in range(3):
-            assert _relerr(cont[b, j], _reference(params, seq[: len(seq) - 2 + j])[0]) < TOL
+            assert relerr(cont[b, j], _reference(params, seq[: len(seq) - 2 + j])[0]) < TOL
     picked = np.asarray(gather_accepted(features, jnp.asarray(accept), jnp.asarray(num_accepted)))
     for b in range(batch):
         n = num_accepted[b]

@@ -1,7 +1,6 @@
 """Every notebook runs headless, top to bottom, in a small configuration. The study notebooks (budget sweep,
 ordering ablation) run on the session's tiny trained pair, with the study tests' compilation cache."""
 
-import os
 import pathlib
 
 import nbformat

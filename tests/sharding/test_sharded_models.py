@@ -9,51 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.engine import DFlashDrafter, generate
 from ddtree_jax.models import deepseek_v3, dflash
 from ddtree_jax.models.quant import Int4Weight, quantize_int4
 from ddtree_jax.sampling import SamplingParams, row_keys
 from ddtree_jax.sharding.mesh import make_mesh
-from ddtree_jax.sharding.rules import batch_sharding, param_specs, partition_spec, shard_params
-from ddtree_jax.tree import ancestor_mask, build_tree
-
-CONFIG = DeepSeekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=128, num_layers=3,
-                          first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
-                          n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, num_heads=4,
-                          q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                          tapped_layers=(0, 2))
-DRAFTER = DFlashConfig(hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8,
-                       block_size=4, mask_token_id=63, target_layers=(0, 2))
-
-
-@pytest.fixture(scope="module")
-def params():
-    p = deepseek_v3.init_params(CONFIG, jax.random.key(0), norm_jitter=0.1)
-    for name in ("expert_gate", "expert_up", "expert_down"):
-        p["moe_layers"][name] = quantize_int4(np.asarray(p["moe_layers"][name]))
-    return p
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return make_mesh(model=4, data=2)
-
-
-def _prefill_verify(params, mesh=None):
-    rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, 64, (2, 7)), jnp.int32)
-    lengths = jnp.asarray([7, 4], jnp.int32)
-    tree = build_tree((rng.standard_normal((2, 3, 64)) * 2).astype(np.float32), 6, jnp.asarray([3, 5], jnp.int32))
-    cache = deepseek_v3.create_cache(CONFIG, 2, 24, jnp.float32)
-    if mesh is not None:  # caches and inputs split by batch over "data"
-        cache = jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh, a.ndim, 1 if a.ndim == 5 else 0)), cache)
-        ids = jax.device_put(ids, batch_sharding(mesh, 2))
-    pre, _, cache = jax.jit(lambda p, c, i, l: deepseek_v3.prefill(CONFIG, p, c, i, l))(params, cache, ids, lengths)
-    ver, feats, _ = jax.jit(lambda p, c: deepseek_v3.verify(CONFIG, p, c, tree.tokens, tree.depths, ancestor_mask(tree)))(
-        params, cache)
-    return pre, ver, feats
-
+from ddtree_jax.sharding.rules import param_specs, partition_spec, shard_params
+from tests.sharding.tiny_k2 import CONFIG, DRAFTER, prefill_verify
 
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_sharded_prefill_and_verify_equal_unsharded(params, mesh, layout):
@@ -63,7 +25,7 @@ def test_sharded_prefill_and_verify_equal_unsharded(params, mesh, layout):
     want_spec = (None, None, "model", None) if layout == "tp" else (None, "model", None, None)
     assert tuple(gate.packed.sharding.spec) == want_spec
     assert len(gate.packed.addressable_shards) == 8
-    for got, want in zip(_prefill_verify(sharded, mesh), _prefill_verify(params)):
+    for got, want in zip(prefill_verify(sharded, mesh), prefill_verify(params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
@@ -71,7 +33,7 @@ def test_sharded_prefill_and_verify_equal_unsharded(params, mesh, layout):
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_sharded_generation_equals_unsharded(params, mesh, layout):
     """Whole DDTree generations (decode steps with drafting, tree, verify, sampling, commit), greedy and
-    at T = 1 with top-p, with the target and the drafter sharded."""
+    at T = 1 with top-p, with the target and the drafter sharded (EP: the experts' "ep" region)."""
     drafter_params = dflash.init_params(DRAFTER, 32, jax.random.key(1))
 
     def pair(target_params, drafter_params):
@@ -87,7 +49,9 @@ def test_sharded_generation_equals_unsharded(params, mesh, layout):
                       keys=row_keys(jax.random.key(2), jnp.arange(2)), stop_tokens=jnp.full((2, 1), -1, jnp.int32),
                       max_new=jnp.full((2,), 12, jnp.int32), max_new_tokens=12, method="ddtree", budget=6, block_size=4)
         want = generate(CONFIG, params, pair(params, drafter_params), prompts, lengths, **common)
-        got = generate(CONFIG, sharded, pair(sharded, sharded_drafter), prompts, lengths, **common)
+        with jax.set_mesh(mesh):  # EP: the routed experts in the "ep" shard_map region
+            got = generate(CONFIG, sharded, pair(sharded, sharded_drafter), prompts, lengths, **common,
+                           moe_impl={"tp": "auto", "ep": "ep"}[layout])
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
         np.testing.assert_array_equal(np.asarray(got.accepted), np.asarray(want.accepted))
 

@@ -1,0 +1,28 @@
+"""Shared by the implementation-switch tests: a prefill + tree verify of a fixed batch (2 rows of 9 and 3
+prompt tokens, then a 7-slot tree) under each value of one switch (attn_impl, matmul_impl), and the
+relative error used to compare them."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.tree import ancestor_mask, build_tree
+
+
+def relerr(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+
+
+def forward_by_impl(module, config, params, switch: str, impls=("xla", "pallas"), vocab: int = 50) -> dict:
+    """{impl: (row 0's prefill logits, row 1's first 3, prefill features of row 0, verify logits, verify
+    features)} with `switch`=impl passed to the model's prefill and verify."""
+    rng = np.random.default_rng(1)
+    prefix = jnp.asarray(rng.integers(0, vocab, (2, 9)), jnp.int32)
+    lengths = jnp.asarray([9, 3], jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, vocab)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
+    outs = {}
+    for impl in impls:
+        cache = module.create_cache(config, 2, 32, jnp.float32)
+        pre, pre_feats, cache = module.prefill(config, params, cache, prefix, lengths, **{switch: impl})
+        ver, feats, _ = module.verify(config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), **{switch: impl})
+        outs[impl] = (pre[0], pre[1, :3], pre_feats[0], ver, feats)
+    return outs

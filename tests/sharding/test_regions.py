@@ -1,0 +1,97 @@
+"""Manual regions (`sharding.regions`): the Pallas kernels and the expert-parallel MoE inside shard_map, on
+8 fake CPU devices (kernels in interpret mode). Sharded = unsharded for the tiny K2 target: tree attention
+split by batch and heads, "ep" experts split 4 ways, the grouped kernel on the TP split; tree sampling
+split by rows; and the spec fitting (axes that do not divide fall back to replication, a reduction
+axis that cannot stay split is an error)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ddtree_jax.models import deepseek_v3, moe
+from ddtree_jax.sampling import SamplingParams, row_keys
+from ddtree_jax.sharding.regions import context_mesh, fit_specs, shard_call
+from ddtree_jax.sharding.rules import shard_params
+from ddtree_jax.tree import build_tree
+from ddtree_jax.verify import verify_step
+from tests.sharding.tiny_k2 import CONFIG, prefill_verify
+
+
+def _close(got, want, tol=2e-5):
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def unsharded(params):
+    return prefill_verify(params, moe_impl="reference")
+
+
+@pytest.mark.parametrize("layout,moe_impl", [("ep", "ep"), ("tp", "pallas")])
+def test_pallas_attention_and_moe_regions_equal_unsharded(params, mesh, unsharded, layout, moe_impl):
+    sharded = shard_params(params, deepseek_v3.param_axes(CONFIG), mesh, layout)
+    got = prefill_verify(sharded, mesh, in_mesh_context=True, attn_impl="pallas", moe_impl=moe_impl)
+    _close(got, unsharded)
+
+
+def test_ep_without_a_mesh_is_gather(params):
+    x = jax.random.normal(jax.random.key(3), (5, CONFIG.hidden_size))
+    p = jax.tree.map(lambda a: a[1], params["moe_layers"])  # one MoE layer
+    want = moe.moe(CONFIG, p, x, impl="gather")
+    np.testing.assert_array_equal(np.asarray(moe.moe(CONFIG, p, x, impl="ep")), np.asarray(want))
+
+
+def test_ep_region_many_tokens_uses_the_dense_local_product(params, mesh):
+    """48 tokens * 3 > 4 local experts: each device's dense product over its own experts."""
+    p = jax.tree.map(lambda a: a[1], params["moe_layers"])
+    x = jax.random.normal(jax.random.key(4), (48, CONFIG.hidden_size))
+    want = moe.moe_reference(CONFIG, p, x)
+    sharded = shard_params({"moe_layers": params["moe_layers"]}, {"moe_layers": deepseek_v3.param_axes(CONFIG)["moe_layers"]},
+                           mesh, "ep")["moe_layers"]
+    layer = jax.tree.map(lambda a: a[1], sharded)
+    with jax.set_mesh(mesh):
+        run = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="ep"))
+        assert "shard_map" in str(run.trace(layer, x).jaxpr)  # the region, not the unsharded fallback
+        got = run(layer, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_tree_sampling_kernel_region_equals_unsharded(mesh):
+    rng = np.random.default_rng(5)
+    batch, vocab = 4, 128
+    tree = build_tree(jnp.asarray(rng.standard_normal((batch, 3, vocab)) * 2, jnp.float32), 6,
+                      jnp.asarray([3, 5, 7, 2], jnp.int32))
+    logits = jnp.asarray(rng.standard_normal((batch, tree.tokens.shape[1], vocab)) * 3, jnp.float32)
+    params = SamplingParams.create(batch, temperature=[1.0, 0.7, 0.0, 1.3], top_p=[0.9, 1.0, 1.0, 0.8], top_k=[0, 20, 0, 0])
+    keys = row_keys(jax.random.key(6), jnp.arange(batch))
+    step = jax.jit(functools.partial(verify_step, impl="pallas"))
+    want = step(tree, logits, params, keys)
+    with jax.set_mesh(mesh):
+        got = step(tree, logits, params, keys)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_fit_specs_and_shard_call(mesh):
+    x = jnp.arange(6 * 8, dtype=jnp.float32).reshape(6, 8)  # 6 rows: not divisible by "data"'s... 2 is fine, 4 not
+    in_fit, out_fit, dropped = fit_specs(mesh, (x,), (P("data", "model"),), P("data", "model"))
+    assert in_fit == (P("data", "model"),) and out_fit == P("data", "model") and not dropped
+    odd = jnp.zeros((3, 8))
+    in_fit, out_fit, dropped = fit_specs(mesh, (odd, x), (P("data", None), P(None, "model")), P("data", "model"))
+    assert dropped == {"data"} and in_fit == (P(None, None), P(None, "model")) and out_fit == P(None, "model")
+
+    def row_sums(block):  # a contraction split over "model": partial sums, then the psum
+        return lax.psum(block.sum(-1), "model")
+
+    assert context_mesh() is None
+    with jax.set_mesh(mesh):
+        assert context_mesh() is not None
+        got = jax.jit(lambda a: shard_call(row_sums, (a,), (P("data", "model"),), P("data"), reduce_axes=("model",)))(x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x.sum(-1)))
+        with pytest.raises(ValueError, match="mesh axis 'model' .* does not divide"):
+            shard_call(row_sums, (jnp.zeros((2, 6)),), (P("data", "model"),), P("data"), reduce_axes=("model",))
