@@ -13,6 +13,7 @@ a few at most; the lossy rows (threshold_acc < 1) should fail both.
 
   python experiments/sampling_correctness.py --samples 1000000 --out results/   # GPU grid
   python experiments/sampling_correctness.py --quick                            # small CPU version
+  python experiments/sampling_correctness.py --impl pallas --samples 200000      # through the fused kernel (GPU)
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Problem:
         return jnp.asarray(transition, jnp.float32), jnp.asarray(draft, jnp.float32)
 
 
-def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed: int) -> dict:
+def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed: int, impl: str = "xla") -> dict:
     problem = dataclasses.replace(problem, budget=config.budget, depth=config.depth)
     transition, draft = problem.tables()
     filter_kwargs = FILTERS[config.filter]
@@ -98,6 +99,7 @@ def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed:
         emitted, accepted = simulate(
             transition, draft, params, jnp.full((n,), problem.root, jnp.int32), jax.random.key(seed * 1000003 + done),
             budget=problem.budget, num_steps=3, order=config.order, method=config.method, threshold_acc=config.threshold_acc,
+            impl=impl if config.method == "sampling" else "xla",
         )
         emitted, first = np.asarray(emitted), np.asarray(accepted[:, 0], np.float64)
         np.add.at(counts, (emitted[:, 0], emitted[:, 1], emitted[:, 2]), 1)
@@ -146,11 +148,13 @@ def _grid_one_shape(quick: bool, filters: tuple[str, ...] | None) -> list[Config
 
 
 def run_grid(configs: list[Config], samples: int, chunk: int, seed: int = 1, problem: Problem = Problem(),
-             progress: bool = True, on_row=None) -> list[dict]:
-    """Runs every configuration; `on_row(rows)` is called after each (e.g. to save partial results)."""
+             progress: bool = True, on_row=None, impl: str = "xla") -> list[dict]:
+    """Runs every configuration; `on_row(rows)` is called after each (e.g. to save partial results).
+    impl: `verify_step`'s implementation for the exact-sampling rows ("pallas": the fused tree-sampling
+    kernel of kernels/tree_sampling.py; the sample-then-walk rows always run in XLA)."""
     rows = []
     for i, config in enumerate(tqdm(configs, desc="configs", disable=not progress)):
-        rows.append(run_config(problem, config, samples, chunk, seed + i))
+        rows.append(run_config(problem, config, samples, chunk, seed + i, impl))
         if on_row is not None:
             on_row(rows)
     return rows
@@ -176,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--filters", default=None, help="comma-separated subset of: " + ", ".join(FILTERS))
     parser.add_argument("--shapes", default="10x3", help="tree shapes BUDGETxDEPTH, comma-separated (default 10x3)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--impl", default="xla", choices=["xla", "pallas", "auto"],
+                        help="verification implementation (pallas: the fused kernel; interpret mode off GPU)")
     parser.add_argument("--commit", default="unknown", help="the commit being measured (recorded in the output)")
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs"), help="directory for the JSON and CSV")
     args = parser.parse_args(argv)
@@ -187,13 +193,13 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": str(jax.devices()[0]), "commit": args.commit, "problem": dataclasses.asdict(Problem()),
-            "samples": samples}
+            "samples": samples, "impl": args.impl}
 
     def save(rows, table=None):
         with open(os.path.join(args.out, "sampling_correctness.json"), "w") as f:
             json.dump({**meta, "rows": rows, "table": table or format_table(rows)}, f, indent=2)
 
-    rows = run_grid(configs, samples, chunk, args.seed, on_row=save)
+    rows = run_grid(configs, samples, chunk, args.seed, on_row=save, impl=args.impl)
     table = format_table(rows)
     print(table)
     exact = [r for r in rows if not r["lossy"]]
