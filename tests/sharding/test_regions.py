@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax.models import deepseek_v3, moe
 from ddtree_jax.sampling import SamplingParams, row_keys
 from ddtree_jax.sharding.regions import context_mesh, fit_specs, shard_call
-from ddtree_jax.sharding.rules import shard_params
+from ddtree_jax.sharding.rules import MODEL, shard_params
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_step
 from tests.sharding.tiny_k2 import CONFIG, prefill_verify
@@ -37,6 +37,10 @@ def test_pallas_attention_and_moe_regions_equal_unsharded(params, mesh, unsharde
     sharded = shard_params(params, deepseek_v3.param_axes(CONFIG), mesh, layout)
     got = prefill_verify(sharded, mesh, in_mesh_context=True, attn_impl="pallas", moe_impl=moe_impl)
     _close(got, unsharded)
+
+
+def test_moe_names_the_rule_tables_model_axis():
+    assert moe.MODEL == MODEL  # models/moe.py spells it out (importing sharding there would be a cycle)
 
 
 def test_ep_without_a_mesh_is_gather(params):
