@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.attention import attention, resolve_attention_impl, sharded_tree_attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
-from ddtree_jax.models.moe import MOE_IMPLS, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
+from ddtree_jax.models.moe import EXPERT_AXES, MOE_IMPLS, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
 from ddtree_jax.models.quant import dense
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
@@ -65,9 +65,9 @@ def param_shapes(config: DeepSeekV3Config) -> dict:
         **_attention_shapes(c),
         "router": ((e, c.hidden_size), ("experts", "embed")),
         "router_bias": ((e,), ("experts",)),
-        "expert_gate": ((e, i, c.hidden_size), ("experts", "expert_mlp", "embed")),
-        "expert_up": ((e, i, c.hidden_size), ("experts", "expert_mlp", "embed")),
-        "expert_down": ((e, c.hidden_size, i), ("experts", "embed", "expert_mlp")),
+        "expert_gate": ((e, i, c.hidden_size), EXPERT_AXES["expert_gate"]),
+        "expert_up": ((e, i, c.hidden_size), EXPERT_AXES["expert_up"]),
+        "expert_down": ((e, c.hidden_size, i), EXPERT_AXES["expert_down"]),
         "shared_gate": ((shared, c.hidden_size), ("mlp", "embed")),
         "shared_up": ((shared, c.hidden_size), ("mlp", "embed")),
         "shared_down": ((c.hidden_size, shared), ("embed", "mlp")),

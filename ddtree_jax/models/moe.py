@@ -44,7 +44,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.layers import linear, swiglu
@@ -53,6 +52,10 @@ from ddtree_jax.models.quant import INT4_GROUP, Int4Weight, dense
 MODEL = "model"  # the mesh axis of tensor / expert parallelism (sharding.rules.MODEL; not imported: cycle)
 
 MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
+# logical axes of one layer's routed-expert weights (deepseek_v3.param_shapes uses these; the rule tables
+# of sharding/rules.py map them to mesh axes, here and for the manual regions below)
+EXPERT_AXES = {"expert_gate": ("experts", "expert_mlp", "embed"), "expert_up": ("experts", "expert_mlp", "embed"),
+               "expert_down": ("experts", "embed", "expert_mlp")}
 
 
 def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -208,7 +211,6 @@ def _routed_tensor_parallel(impl: str, p: dict, x: jax.Array, experts: jax.Array
 
 
 _ROUTED = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas}
-_EXPERT_NAMES = ("expert_gate", "expert_up", "expert_down")
 
 
 def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
@@ -216,16 +218,14 @@ def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weight
     (replicated over "model", split by batch over "data") meet the experts where they live, results are
     summed over "model"; without a mesh "ep" is "gather" and "pallas" runs as is."""
     from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
+    from ddtree_jax.sharding.rules import partition_spec
 
     if context_mesh() is None:
         return _ROUTED["gather" if impl == "ep" else impl](p, x, experts, weights)
-    if impl == "ep":
-        specs = {"expert_gate": P(MODEL, None, None), "expert_up": P(MODEL, None, None), "expert_down": P(MODEL, None, None)}
-        fn = _routed_expert_parallel
-    else:  # the TP rule table's "expert_mlp" split
-        specs = {"expert_gate": P(None, MODEL, None), "expert_up": P(None, MODEL, None), "expert_down": P(None, None, MODEL)}
-        fn = functools.partial(_routed_tensor_parallel, impl)
-    experts_only = {name: p[name] for name in _EXPERT_NAMES}
+    # the experts' specs from the rule tables: "ep" splits "experts", "tp" each expert's "expert_mlp"
+    layout, fn = ("ep", _routed_expert_parallel) if impl == "ep" else ("tp", functools.partial(_routed_tensor_parallel, impl))
+    specs = {name: partition_spec(axes, layout) for name, axes in EXPERT_AXES.items()}
+    experts_only = {name: p[name] for name in EXPERT_AXES}
     return shard_call(fn, (experts_only, x, experts, weights), (specs, rows(2), rows(2), rows(2)), rows(2),
                       reduce_axes=(MODEL,))
 
