@@ -17,7 +17,11 @@ Kernel (Triton lowering via `pl.pallas_call`; interpret mode on CPU): flash-deco
 row block, key split): the G query heads x T tree queries of a KV head form G * T rows; each program
 takes BM of them against one split of the keys, in blocks of BS keys, with an online softmax, and
 writes (unnormalised output, running max, running sum); XLA merges the splits by log-sum-exp. Splits
-are sized so that the grid fills the GPU even at B = 1 with one KV head.
+are sized so that the grid fills the GPU even at B = 1 with one KV head. Tiling (`BlockConfig`: keys
+per block, warps, pipeline stages) defaults to the largest that fits the shared memory
+(`default_block_config`); absorbed MLA passes v=None so the latent block is loaded once for both the
+scores and the values (without that, 64 query rows x 576 dims with two stages asked the H200 for
+353 KB of shared memory against 227 KB and did not launch).
 
 `tree_attention_reference` is the twin: the models' XLA attention over the concatenated parts.
 """
@@ -25,6 +29,7 @@ are sized so that the grid fills the GPU even at B = 1 with one KV head.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +39,35 @@ from jax.experimental.pallas import triton as plgpu
 
 from ddtree_jax.models.attention import attention as xla_attention
 
-BLOCK_S = 64  # keys per inner block
 MAX_BLOCK_M = 64  # query rows per program
 TARGET_PROGRAMS = 264  # two per SM of an H200
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory a program may plan for (the H200 allows 227 KB)
+# (keys per inner block, pipeline stages), best first; the first whose tiles fit SMEM_BUDGET is the default
+BLOCK_CHOICES = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
+
+
+class BlockConfig(NamedTuple):
+    """Static tiling of one kernel launch: keys per inner block, Triton warps and pipeline stages."""
+    block_s: int
+    num_warps: int
+    num_stages: int
+
+
+def shared_memory_bytes(block_m: int, key_dims, value_dim: int, config: BlockConfig, values_from_keys: bool) -> int:
+    """Planned shared memory of a program: its query tile plus `num_stages` key (and value) tiles, bf16."""
+    per_key = sum(key_dims) + (0 if values_from_keys else value_dim)
+    return 2 * (block_m * sum(key_dims) + config.num_stages * config.block_s * per_key)
+
+
+def default_block_config(block_m: int, key_dims, value_dim: int, values_from_keys: bool) -> BlockConfig:
+    """The first of BLOCK_CHOICES whose tiles fit SMEM_BUDGET; 8 warps when the [BM, Dv] float32
+    accumulator would exceed ~128 registers a thread with 4 (absorbed MLA: Dv = 512)."""
+    num_warps = 8 if block_m * value_dim / (4 * 32) > 128 else 4  # accumulator floats per thread at 4 warps
+    for block_s, stages in BLOCK_CHOICES:
+        config = BlockConfig(block_s, num_warps, stages)
+        if shared_memory_bytes(block_m, key_dims, value_dim, config, values_from_keys) <= SMEM_BUDGET:
+            return config
+    return BlockConfig(16, num_warps, 1)
 
 
 def _on_cpu() -> bool:
@@ -48,12 +79,14 @@ def _pow2(n: int) -> int:
 
 
 def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, block_m: int, block_s: int,
-                      split_size: int, scale: float):
+                      split_size: int, scale: float, values_from_keys: bool):
     # len_ref: i32 [B] keys visible per row (kv_lengths); mask_ref: i8 [T_pad, S] this row's mask
     # q parts: [BM, D_p] this program's query rows (row r = g * T_pad + t); k parts: [S, D_p] of this KV head;
-    # v_ref: [S, Dv]; outputs: acc f32 [BM, Dv], m f32 [BM], l f32 [BM]
+    # v_ref: [S, Dv] (absent when values_from_keys: the values are key part 0, loaded once for both products);
+    # outputs: acc f32 [BM, Dv], m f32 [BM], l f32 [BM]
     q_refs, k_refs = refs[:num_parts], refs[num_parts: 2 * num_parts]
-    v_ref, acc_ref, m_ref, l_ref = refs[2 * num_parts:]
+    v_ref = None if values_from_keys else refs[2 * num_parts]
+    acc_ref, m_ref, l_ref = refs[2 * num_parts + (0 if values_from_keys else 1):]
     b, row_block, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_len = len_ref[b]
     s_start = split * split_size
@@ -61,7 +94,7 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
     num_blocks = jnp.maximum(pl.cdiv(s_stop - s_start, block_s), 0)
     queries = [q_ref[...] for q_ref in q_refs]
     first_t = (row_block * block_m) % t_pad
-    dv = v_ref.shape[-1]
+    dv = (k_refs[0] if values_from_keys else v_ref).shape[-1]
 
     def body(i, carry):
         acc, m, l = carry
@@ -69,8 +102,10 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
         cols = s0 + jnp.arange(block_s)
         live = cols < s_stop
         scores = jnp.zeros((block_m, block_s), jnp.float32)
+        key_blocks = []
         for q, k_ref in zip(queries, k_refs):
             k = plgpu.load(k_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
+            key_blocks.append(k)
             scores += lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if block_m >= t_pad:  # the block holds whole groups: repeat the [T_pad, BS] mask per group
             tile = plgpu.load(mask_ref.at[:, pl.ds(s0, block_s)], mask=live[None, :], other=0)
@@ -83,7 +118,7 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
         safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
         p = jnp.exp(scores - safe[:, None])  # exp(-inf) = 0 for hidden keys
         correction = jnp.exp(jnp.where(m > -jnp.inf, m - safe, -jnp.inf))
-        v = plgpu.load(v_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
+        v = key_blocks[0] if values_from_keys else plgpu.load(v_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
         acc = acc * correction[:, None] + lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                                           preferred_element_type=jnp.float32)
         return acc, m_new, l * correction + jnp.sum(p, axis=1)
@@ -96,18 +131,25 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _tree_attention(q_parts, k_parts, v, mask, kv_lengths, *, scale: float, interpret: bool):
+def _block_m(group: int, steps: int) -> int:
+    return min(MAX_BLOCK_M, max(16, group * _pow2(steps)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def _tree_attention(q_parts, k_parts, v, mask, kv_lengths, *, scale: float, config: BlockConfig, interpret: bool):
+    values_from_keys = v is None
     batch, steps, q_heads, _ = q_parts[0].shape
-    capacity, kv_heads, dv = k_parts[0].shape[1], k_parts[0].shape[2], v.shape[-1]
+    capacity, kv_heads = k_parts[0].shape[1], k_parts[0].shape[2]
+    dv = (k_parts[0] if values_from_keys else v).shape[-1]
     group = q_heads // kv_heads
     t_pad = _pow2(steps)
     rows = group * t_pad
-    block_m = min(MAX_BLOCK_M, max(16, rows))
+    block_m = _block_m(group, steps)
+    block_s = config.block_s
     rows_pad = pl.cdiv(rows, block_m) * block_m
     row_blocks = rows_pad // block_m
-    splits = max(1, min(pl.cdiv(TARGET_PROGRAMS, batch * kv_heads * row_blocks), pl.cdiv(capacity, BLOCK_S)))
-    split_size = pl.cdiv(pl.cdiv(capacity, splits), BLOCK_S) * BLOCK_S
+    splits = max(1, min(pl.cdiv(TARGET_PROGRAMS, batch * kv_heads * row_blocks), pl.cdiv(capacity, block_s)))
+    split_size = pl.cdiv(pl.cdiv(capacity, splits), block_s) * block_s
     splits = pl.cdiv(capacity, split_size)
 
     def arrange(q):  # [B, T, Hq, D] -> [B, Hkv, rows_pad, D], row = g * T_pad + t
@@ -123,21 +165,21 @@ def _tree_attention(q_parts, k_parts, v, mask, kv_lengths, *, scale: float, inte
     v_spec = pl.BlockSpec((None, capacity, None, dv), lambda b, h, r, s: (b, 0, h, 0))
     out_part = lambda *tail: pl.BlockSpec((None, None, None, block_m) + tail,  # noqa: E731
                                           lambda b, h, r, s: (b, h, s, r) + (0,) * len(tail))
-    kernel = functools.partial(_attention_kernel, num_parts=len(q_parts), t_pad=t_pad, block_m=block_m, block_s=BLOCK_S,
-                               split_size=split_size, scale=scale)
+    kernel = functools.partial(_attention_kernel, num_parts=len(q_parts), t_pad=t_pad, block_m=block_m, block_s=block_s,
+                               split_size=split_size, scale=scale, values_from_keys=values_from_keys)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, row_blocks, splits),
         in_specs=[pl.BlockSpec((batch,), lambda *_: (0,)), pl.BlockSpec((None, t_pad, capacity), lambda b, h, r, s: (b, 0, 0))]
-        + q_specs + k_specs + [v_spec],
+        + q_specs + k_specs + ([] if values_from_keys else [v_spec]),
         out_specs=[out_part(dv), out_part(), out_part()],
         out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad, dv), jnp.float32),
                    jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32),
                    jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(kv_lengths.astype(jnp.int32), mask_i8, *queries, *k_parts, v)
+    )(kv_lengths.astype(jnp.int32), mask_i8, *queries, *k_parts, *([] if values_from_keys else [v]))
     # log-sum-exp merge of the key splits; rows that see no key come out zero (as the reference)
     top = jnp.max(m, axis=2, keepdims=True)
     weight = jnp.where(m > -jnp.inf, jnp.exp(m - jnp.where(top > -jnp.inf, top, 0.0)), 0.0)
@@ -153,16 +195,20 @@ def visible_lengths(mask: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(mask, keys + 1, 0), axis=(1, 2)).astype(jnp.int32)
 
 
-def tree_attention(q_parts, k_parts, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
-                   kv_lengths: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
+def tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, scale: float | None = None,
+                   kv_lengths: jax.Array | None = None, config: BlockConfig | None = None,
+                   interpret: bool | None = None) -> jax.Array:
     """Attention of T queries per row over S cached keys, scores summed over key parts.
 
     Args:
       q_parts: tuple of [B, T, Hq, D_p] query parts (GQA: one; MLA: latent and rope parts);
       k_parts: the matching key parts [B, S, Hkv, D_p] (Hq a multiple of Hkv); every D_p a power of two.
-      v: [B, S, Hkv, Dv] values (MLA: the latent itself, no copy); mask: bool [B, T, S].
+      v: [B, S, Hkv, Dv] values, or None: the values are key part 0 (absorbed MLA: the latent), read
+        once per key block for both products.
+      mask: bool [B, T, S].
       scale: softmax scale (default 1 / sqrt(sum of D_p)); kv_lengths: int32 [B], keys >= it are
         neither read nor seen (default `visible_lengths(mask)`).
+      config: the launch's tiling (default `default_block_config`, sized to the shared memory).
     Returns:
       [B, T, Hq, Dv] in the queries' dtype (softmax and sums in float32); rows with no visible key are 0.
     """
@@ -178,18 +224,26 @@ def tree_attention(q_parts, k_parts, v: jax.Array, mask: jax.Array, *, scale: fl
             raise ValueError(f"head dims must be powers of two (split the keys into parts), got {q.shape[-1]}")
     if q_heads % kv_heads:
         raise ValueError(f"query heads {q_heads} are not a multiple of KV heads {kv_heads}")
-    if v.shape[:3] != (batch, capacity, kv_heads):
+    if v is not None and v.shape[:3] != (batch, capacity, kv_heads):
         raise ValueError(f"values must be [B, S, Hkv, Dv] = ({batch}, {capacity}, {kv_heads}, .), got {v.shape}")
     if mask.shape != (batch, steps, capacity):
         raise ValueError(f"mask must be [B, T, S] = ({batch}, {steps}, {capacity}), got {mask.shape}")
-    scale = sum(q.shape[-1] for q in q_parts) ** -0.5 if scale is None else float(scale)
+    key_dims = tuple(q.shape[-1] for q in q_parts)
+    value_dim = key_dims[0] if v is None else v.shape[-1]
+    if config is None:
+        config = default_block_config(_block_m(q_heads // kv_heads, steps), key_dims, value_dim, v is None)
+    elif not isinstance(config, BlockConfig) or config.block_s & (config.block_s - 1) or config.block_s < 16:
+        raise ValueError(f"config must be a BlockConfig with block_s a power of two >= 16, got {config!r}")
+    scale = sum(key_dims) ** -0.5 if scale is None else float(scale)
     kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
-    return _tree_attention(q_parts, k_parts, v, mask, kv_lengths, scale=scale,
+    return _tree_attention(q_parts, k_parts, v, mask, kv_lengths, scale=scale, config=BlockConfig(*config),
                            interpret=_on_cpu() if interpret is None else bool(interpret))
 
 
-def tree_attention_reference(q_parts, k_parts, v: jax.Array, mask: jax.Array, *, scale: float | None = None) -> jax.Array:
-    """The twin: `models.attention` (XLA) over the concatenated parts."""
+def tree_attention_reference(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *,
+                             scale: float | None = None) -> jax.Array:
+    """The twin: `models.attention` (XLA) over the concatenated parts (v None: key part 0)."""
     q = jnp.concatenate(q_parts, axis=-1)
     k = jnp.concatenate(k_parts, axis=-1)
+    v = k_parts[0] if v is None else v
     return xla_attention(q, k, v, mask, scale=scale)

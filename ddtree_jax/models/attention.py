@@ -47,15 +47,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     return out.reshape(batch, steps, q_heads, v.shape[-1]).astype(q.dtype)
 
 
-def sharded_tree_attention(q_parts, k_parts, v: jax.Array, mask: jax.Array, *, scale: float | None) -> jax.Array:
+def sharded_tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, scale: float | None) -> jax.Array:
     """`kernels.tree_attention`, per shard when a mesh is set (`sharding.regions`): batch over "data",
     query heads over "model" with their KV heads (a single shared KV head, MQA / absorbed MLA, is
-    replicated). A kernel call XLA cannot partition would otherwise run whole on every device."""
+    replicated). A kernel call XLA cannot partition would otherwise run whole on every device.
+    v None: the values are key part 0 (absorbed MLA's latent)."""
     from functools import partial
 
     from kernels.tree_attention import tree_attention
     from ddtree_jax.sharding.regions import heads, rows, shard_call
 
     kv = heads(4) if k_parts[0].shape[2] > 1 else rows(4)
+    if v is None:
+        specs = (tuple(heads(4) for _ in q_parts), tuple(kv for _ in k_parts), rows(3))
+        return shard_call(lambda q, k, m: tree_attention(q, k, None, m, scale=scale), (tuple(q_parts), tuple(k_parts), mask),
+                          specs, heads(4))
     specs = (tuple(heads(4) for _ in q_parts), tuple(kv for _ in k_parts), kv, rows(3))
     return shard_call(partial(tree_attention, scale=scale), (tuple(q_parts), tuple(k_parts), v, mask), specs, heads(4))

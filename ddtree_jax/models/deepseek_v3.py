@@ -204,7 +204,7 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
         dtype = q_latent.dtype
         out_latent = sharded_tree_attention((q_latent, q_rot.astype(dtype)),
                                             (latent_cache.astype(dtype), rope_cache.astype(dtype)),
-                                            latent_cache.astype(dtype), mask, scale=softmax_scale(c))
+                                            None, mask, scale=softmax_scale(c))  # values: the latent key part
     else:
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
         keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]

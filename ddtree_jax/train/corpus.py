@@ -54,10 +54,13 @@ def list_files(root: str, include: list[str] | tuple[str, ...] = (), exclude: li
 
 
 def build_manifest(root: str | None = None, *, include=(), exclude=(), held_out_fraction: float = 0.05,
-                   max_files: int | None = None) -> dict:
+                   max_files: int | None = None, source: str | None = None) -> dict:
     """The corpus manifest: every kept file with its split, size and sha256. Files that are not valid
     UTF-8 (the standard library's tests keep a few on purpose) are listed under `skipped`.
-    `max_files` keeps the first files in path order (for quick test configs)."""
+    `max_files` keeps the first files in path order (for quick test configs). `python_version` is the
+    running interpreter's when root is its standard library (the default) and None for another root,
+    which `source` then describes (e.g. "CPython 3.12.1 standard library")."""
+    own_stdlib = root is None or os.path.abspath(root) == os.path.abspath(stdlib_root())
     root = os.path.abspath(root or stdlib_root())
     if not 0.0 < held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
@@ -81,7 +84,8 @@ def build_manifest(root: str | None = None, *, include=(), exclude=(), held_out_
                          "widen the corpus or change held_out_fraction")
     return {
         "root": root,
-        "python_version": platform.python_version(),
+        "source": source or ("the running interpreter's standard library" if own_stdlib else None),
+        "python_version": platform.python_version() if own_stdlib else None,
         "python_implementation": sys.implementation.name,
         "include": list(include), "exclude": list(exclude), "held_out_fraction": held_out_fraction,
         "max_files": max_files,
@@ -97,7 +101,7 @@ def manifest_from_config(corpus_cfg: dict) -> dict:
     return build_manifest(corpus_cfg.get("root"), include=tuple(corpus_cfg.get("include", ())),
                           exclude=tuple(corpus_cfg.get("exclude", ())),
                           held_out_fraction=float(corpus_cfg.get("held_out_fraction", 0.05)),
-                          max_files=corpus_cfg.get("max_files"))
+                          max_files=corpus_cfg.get("max_files"), source=corpus_cfg.get("source"))
 
 
 def write_manifest(manifest: dict, path: str) -> None:

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.tree_attention import tree_attention, tree_attention_reference, visible_lengths
+from kernels.tree_attention import (SMEM_BUDGET, BlockConfig, default_block_config, shared_memory_bytes, tree_attention,
+                                    tree_attention_reference, visible_lengths)
 
 
 def _tree_mask(rng, batch, steps, capacity, lengths):
@@ -66,6 +67,31 @@ def test_rows_that_see_nothing_are_zero_and_kv_lengths_bound_the_keys():
     np.testing.assert_allclose(got, np.asarray(tree_attention_reference(q, k, v, jnp.asarray(clipped))), atol=2e-5)
 
 
+@pytest.mark.parametrize("config", [BlockConfig(16, 4, 1), BlockConfig(32, 8, 2), None])
+def test_mla_values_from_the_latent_key_part(config):
+    """v=None (absorbed MLA: the latent block serves scores and values) equals passing the latent as v,
+    for explicit tilings and the default."""
+    q, k, v, mask = _inputs(11, dtype=jnp.bfloat16, **CASES["mla"])
+    got = np.asarray(tree_attention(q, k, None, mask, config=config), np.float32)
+    ref = np.asarray(tree_attention_reference(q, k, None, mask), np.float32)
+    np.testing.assert_array_equal(ref, np.asarray(tree_attention_reference(q, k, v, mask), np.float32))
+    assert np.abs(got - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+def test_default_tiling_fits_the_shared_memory_at_the_k26_and_qwen3_shapes():
+    """Absorbed MLA (64 rows x (512 + 64) key dims): the old fixed tiling (64 keys, 2 stages, separate
+    value tile) made Triton ask the H200 for 353,280 bytes (refused); the estimate must be within 2 KB
+    of that, and the default must fit the budget."""
+    old = shared_memory_bytes(64, (512, 64), 512, BlockConfig(64, 4, 2), values_from_keys=False)
+    assert abs(old - 353_280) <= 2048 and old > SMEM_BUDGET
+    for block_m, dims, dv, shared in ((64, (512, 64), 512, True), (64, (512, 64), 512, False), (64, (128,), 128, False),
+                                      (16, (512, 64), 512, True)):
+        config = default_block_config(block_m, dims, dv, shared)
+        assert shared_memory_bytes(block_m, dims, dv, config, shared) <= SMEM_BUDGET, (block_m, dims, config)
+    assert default_block_config(64, (128,), 128, False) == BlockConfig(64, 4, 2)  # GQA keeps the full tiling
+    assert default_block_config(64, (512, 64), 512, True).num_warps == 8  # the [64, 512] f32 accumulator
+
+
 def test_a_wrong_mask_is_caught():
     q, k, v, mask = _inputs(6, **CASES["gqa"], dtype=jnp.float32)
     shifted = jnp.roll(mask, 1, axis=-1)
@@ -81,3 +107,5 @@ def test_bad_inputs_are_named():
         tree_attention(q, k, v, mask[:, :3])
     with pytest.raises(ValueError, match="matching query and key parts"):
         tree_attention(q, k + k, v, mask)
+    with pytest.raises(ValueError, match="block_s a power of two"):
+        tree_attention(q, k, v, mask, config=BlockConfig(24, 4, 1))
