@@ -42,8 +42,10 @@ from ddtree_jax.models.attention import attention as xla_attention
 MAX_BLOCK_M = 64  # query rows per program
 TARGET_PROGRAMS = 264  # two per SM of an H200
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory a program may plan for (the H200 allows 227 KB)
-# (keys per inner block, pipeline stages), best first; the first whose tiles fit SMEM_BUDGET is the default
-BLOCK_CHOICES = ((64, 2), (32, 2), (64, 1), (32, 1), (16, 1))
+# (keys per inner block, pipeline stages), best first; the first whose tiles fit SMEM_BUDGET is the default.
+# Order from `benchmarks/bench_attention.py --sweep` on the H200 (N = 17, 32k context, B = 1): GQA best at
+# (64, 2); absorbed MLA, where (64, 2) does not fit, best at (64, 1) with 8 warps (BENCHMARKS.md).
+BLOCK_CHOICES = ((64, 2), (64, 1), (32, 2), (32, 1), (16, 1))
 
 
 class BlockConfig(NamedTuple):
