@@ -42,7 +42,7 @@ def cache_capacity(prompt_len: int, max_new_tokens: int, method: str, budget: in
 
 def prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, *,
             max_new_tokens: int, method: str, budget: int, block_size: int, cache_dtype=jnp.float32,
-            attn_impl: str = "xla", matmul_impl: str = "xla", moe_impl: str = "auto") -> DecodeState:
+            attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> DecodeState:
     """Target prefill; the first token from the plain sampler; the drafter's context from the prompt's
     tapped hidden states (shared/spec/pipeline.md step 0)."""
     batch, prompt_len = prompts.shape
@@ -80,16 +80,18 @@ def prefill(target_config, target_params, drafter, prompts, prompt_lengths, samp
                                              "sampling_impl", "matmul_impl", "moe_impl"))
 def generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
              max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
-             order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32, attn_impl: str = "xla",
-             sampling_impl: str = "auto", matmul_impl: str = "xla", moe_impl: str = "auto"):
+             order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32, attn_impl: str = "auto",
+             sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto"):
     """Generates up to max_new[b] <= max_new_tokens tokens per row, as one compiled program.
 
     Args:
       prompts int32 [B, T] (row b's first prompt_lengths[b] real); sampling: SamplingParams [B];
       keys: typed PRNG keys [B], one per request; stop_tokens int32 [B, K] (-1 = unused); max_new int32 [B].
       attn_impl / sampling_impl / matmul_impl: attention, tree-sampling and target-matmul implementations
-        (sampling "auto" = the fused Pallas kernel of kernels/tree_sampling.py on GPU, XLA elsewhere;
-        attention and matmul default to XLA until their kernels are measured on the GPU).
+        ("auto" everywhere = XLA off GPU; on GPU: the fused tree-sampling kernel, the tree-attention
+        kernel for GQA tree verify and the weight-streaming matmul for quantised / large bf16 weights,
+        where the H200 benchmarks measured them faster: `models.attention.resolve_attention_impl`,
+        `models.layers.resolve_matmul_impl`).
       moe_impl: the MoE targets' expert dispatch (`models.moe.MOE_IMPLS`; "ep" under an expert-parallel
         mesh set with `jax.set_mesh`).
     Returns:

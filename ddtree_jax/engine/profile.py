@@ -58,7 +58,7 @@ def _measure(fn, args: tuple, repeats: int):
 def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int = 32, block_size: int | None = None,
                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0, seed: int = 0, order: str = "draft", verify_method: str = "sampling",
-                attn_impl: str = "xla", sampling_impl: str = "auto", warmup_steps: int = 1,
+                attn_impl: str = "auto", sampling_impl: str = "auto", warmup_steps: int = 1,
                 repeats: int = 5) -> dict[str, float]:
     """Median seconds of each stage of one decode step, of the fused step, and the non-forward share.
 

@@ -102,7 +102,7 @@ def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str,
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
-def target_impls(target_config, *, attn_impl: str = "xla", matmul_impl: str = "xla", moe_impl: str = "auto") -> dict:
+def target_impls(target_config, *, attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> dict:
     """The implementation keywords of the target's prefill / verify: attention and matmul for every family,
     the MoE dispatch (`models.moe.MOE_IMPLS`, e.g. "ep" on an expert-parallel mesh) for DeepSeek-V3 / K2."""
     impls = {"attn_impl": attn_impl, "matmul_impl": matmul_impl}
@@ -113,8 +113,8 @@ def target_impls(target_config, *, attn_impl: str = "xla", matmul_impl: str = "x
     return impls
 
 
-def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree, *, attn_impl: str = "xla",
-                   matmul_impl: str = "xla", moe_impl: str = "auto"):
+def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree, *, attn_impl: str = "auto",
+                   matmul_impl: str = "auto", moe_impl: str = "auto"):
     """The target's tree-verify pass: (logits [B, N, V], tapped [B, N, F*D], cache with the tree K/V written)."""
     impls = target_impls(target_config, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl)
     return target_module(target_config).verify(target_config, target_params, cache, tree.tokens, tree.depths,
@@ -167,8 +167,8 @@ def emit_stage(state: DecodeState, result: VerifyResult, stop_tokens: jax.Array,
 
 def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
                 stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
-                order: str = "draft", verify_method: str = "sampling", attn_impl: str = "xla",
-                sampling_impl: str = "auto", matmul_impl: str = "xla", moe_impl: str = "auto") -> DecodeState:
+                order: str = "draft", verify_method: str = "sampling", attn_impl: str = "auto",
+                sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> DecodeState:
     """Advances every active row by one speculative step (see the module docstring): the stages above,
     in order (`engine.profile` times each of them alone)."""
     active = ~state.done

@@ -1,6 +1,6 @@
 """The one attention entry point of the models, with an `impl` switch: "xla" (the plain reference
 below), "pallas" (`kernels.tree_attention`: flash-decoding over the cache, streaming only the keys a
-row can see; interpret mode off GPU) or "auto" (pallas on GPU, xla elsewhere)."""
+row can see; interpret mode off GPU) or "auto" (by measurement, `resolve_attention_impl`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,22 @@ import jax
 import jax.numpy as jnp
 
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
+# "auto" on GPU, from benchmarks/bench_attention.py on one H200 (BENCHMARKS.md, commit a67bcf3): the kernel
+# beats XLA 1.9-2.3x for GQA with N = 17 tree queries (contexts 8k-128k), ties at N = 65 (0.94-0.99x)
+# and loses on absorbed MLA (0.2-0.7x, Triton reaches 30-56 TFLOP/s there); so "auto" takes it for GQA
+# with at most AUTO_PALLAS_MAX_QUERIES queries per row and XLA for MLA and longer blocks (prefill).
+AUTO_PALLAS_MAX_QUERIES = 32
 
 
-def resolve_attention_impl(impl: str) -> str:
+def resolve_attention_impl(impl: str, *, queries: int | None = None, mla: bool = False) -> str:
+    """"xla" or "pallas" for a call with `queries` query positions per row (None: a decode / verify
+    step) of a GQA (mla=False) or absorbed-MLA layer; "auto" is xla off GPU."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() != "gpu" or mla:
+            return "xla"
+        return "pallas" if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES else "xla"
     return impl
 
 
@@ -31,7 +40,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     Head dims that are not powers of two fall back to "xla" under "pallas" (split keys into parts and call
     `kernels.tree_attention` directly, as the absorbed MLA does).
     """
-    if resolve_attention_impl(impl) == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
+    if resolve_attention_impl(impl, queries=q.shape[1]) == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
         return sharded_tree_attention((q,), (k,), v, mask, scale=scale)
     batch, steps, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]

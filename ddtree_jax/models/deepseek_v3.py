@@ -200,7 +200,7 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
-    if resolve_attention_impl(attn_impl) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
+    if resolve_attention_impl(attn_impl, queries=steps, mla=True) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
         dtype = q_latent.dtype
         out_latent = sharded_tree_attention((q_latent, q_rot.astype(dtype)),
                                             (latent_cache.astype(dtype), rope_cache.astype(dtype)),

@@ -20,18 +20,36 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 MATMUL_IMPLS = ("xla", "pallas", "auto")
+# "auto" on GPU, from benchmarks/bench_matmul.py on one H200 (BENCHMARKS.md, commit a67bcf3, M = 1 and 17):
+# the kernel wins 1.6-2.6x on INT4 and block-FP8 weights (XLA's reference dequantises the whole weight
+# per call) and 1.1-1.8x on bf16 weights of >= 32M elements (Qwen3-8B gate/up/down, K2.6 dense FFN at
+# M = 17), ties or loses on smaller bf16 projections; rows beyond the measured 17 stay on XLA for bf16.
+AUTO_PALLAS_MIN_ELEMENTS = 32 * 1024 * 1024
+AUTO_PALLAS_MAX_ROWS = 17
+
+
+def resolve_matmul_impl(impl: str, x: jax.Array, weight) -> str:
+    """"xla" or "pallas" for x [..., in] @ weight [out, in].T; "auto" is xla off GPU."""
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if jax.default_backend() != "gpu":
+        return "xla"
+    if not isinstance(weight, jax.Array):  # INT4 / block-FP8 (models.quant)
+        return "pallas"
+    rows = math.prod(x.shape[:-1])
+    return "pallas" if weight.size >= AUTO_PALLAS_MIN_ELEMENTS and rows <= AUTO_PALLAS_MAX_ROWS else "xla"
 
 
 def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:
     """x [..., in] @ weight[out, in].T -> [..., out]; a quantised weight (models.quant) is dequantised
     to x's dtype first in "xla" (the reference); "pallas" streams it through
-    `kernels.decode_matmul.matmul` (dequantised in registers; interpret mode off GPU); "auto" = pallas
-    on GPU, xla elsewhere."""
+    `kernels.decode_matmul.matmul` (dequantised in registers; interpret mode off GPU); "auto": by
+    measurement (`resolve_matmul_impl`), xla off GPU."""
     from ddtree_jax.models.quant import dense
 
-    if impl not in MATMUL_IMPLS:
-        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
-    if impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu"):
+    if resolve_matmul_impl(impl, x, weight) == "pallas":
         from kernels.decode_matmul import matmul
 
         return matmul(x, weight)

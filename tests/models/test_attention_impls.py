@@ -38,3 +38,21 @@ def test_attention_entry_dispatches_and_falls_back_for_odd_head_dims():
                                np.asarray(attention(q, k, v, mask, impl="xla")), rtol=1e-6)
     with pytest.raises(ValueError, match="attention impl"):
         attention(q, k, v, mask, impl="flash")
+
+
+def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatch):
+    """"auto": XLA off GPU; on GPU the kernel for GQA calls with <= 32 query positions (tree verify,
+    decode), XLA for absorbed MLA and long blocks (BENCHMARKS.md, tree-verify attention)."""
+    import importlib
+
+    attention_mod = importlib.import_module("ddtree_jax.models.attention")  # the package re-exports the function
+
+    resolve = attention_mod.resolve_attention_impl
+    assert resolve("auto", queries=17) == "xla"  # this machine is a CPU
+    monkeypatch.setattr(attention_mod.jax, "default_backend", lambda: "gpu")
+    assert resolve("auto", queries=17) == "pallas" and resolve("auto") == "pallas"
+    assert resolve("auto", queries=attention_mod.AUTO_PALLAS_MAX_QUERIES + 1) == "xla"
+    assert resolve("auto", queries=1, mla=True) == "xla"
+    assert resolve("xla", queries=17) == "xla" and resolve("pallas", queries=512, mla=True) == "pallas"
+    with pytest.raises(ValueError, match="attention impl must be one of"):
+        resolve("flash")

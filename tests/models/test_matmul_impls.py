@@ -42,3 +42,21 @@ def test_greedy_generation_is_unchanged():
     out = {impl: np.asarray(generate(*args, max_new_tokens=12, method="ddtree", budget=8, block_size=8,
                                      matmul_impl=impl).tokens) for impl in ("xla", "pallas")}
     np.testing.assert_array_equal(out["pallas"], out["xla"])
+
+
+def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatch):
+    """"auto": XLA off GPU; on GPU the kernel for INT4 / FP8 weights at any row count and for bf16
+    weights of >= 32M elements at <= 17 rows (BENCHMARKS.md, weight-streaming matmul)."""
+    from ddtree_jax.models import layers
+    from ddtree_jax.models.quant import Int4Weight
+
+    resolve = layers.resolve_matmul_impl
+    int4 = Int4Weight(jnp.zeros((64, 4), jnp.int32), jnp.zeros((64, 1), jnp.bfloat16))
+    x1, x17, x65 = (jnp.zeros((1, m, 4096), jnp.bfloat16) for m in (1, 17, 65))
+    big, small = jnp.zeros((12288, 4096), jnp.bfloat16), jnp.zeros((1024, 4096), jnp.bfloat16)
+    assert resolve("auto", x1, big) == "xla"  # this machine is a CPU
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    assert resolve("auto", x1, big) == "pallas" and resolve("auto", x17, big) == "pallas"
+    assert resolve("auto", x65, big) == "xla" and resolve("auto", x1, small) == "xla"
+    assert resolve("auto", x65, int4) == "pallas"
+    assert resolve("xla", x1, int4) == "xla" and resolve("pallas", x65, small) == "pallas"
