@@ -75,7 +75,10 @@ def _compile(fn, args):
 
 
 def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int, temperature: float, top_p: float,
-               repeats: int, attn_impl: str = "xla", matmul_impl: str = "xla", moe_impl: str = "auto", seed: int = 0) -> dict:
+               repeats: int, attn_impl: str = "xla", matmul_impl: str = "xla", moe_impl: str = "auto", seed: int = 0,
+               step_only: bool = False) -> dict:
+    """One row (module docstring); step_only: the fused step alone, without the per-stage breakdown (each
+    stage is one more compilation of the model: 30-75 s per case for the Qwen3-8B shape on the H200)."""
     config, block = pair.target_config, pair.drafter.config.block_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
@@ -98,6 +101,9 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     state = step(*step_args)  # warm-up step: the drafter now has context features to append
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     row["step_ms"] = median_seconds(step, *step_args, runs=repeats) * 1e3
+    if step_only:
+        row["slots"] = {"ar": 1, "chain": block}.get(method, budget + 1)
+        return row
 
     draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
     if method == "ar":
@@ -142,10 +148,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--attn-impls", default="xla", help="comma-separated: xla, pallas (one row set each)")
-    parser.add_argument("--matmul-impl", default="xla", choices=["xla", "pallas"],
+    parser.add_argument("--attn-impls", default="xla", help="comma-separated: xla, pallas, auto (one row set each)")
+    parser.add_argument("--matmul-impl", default="xla", choices=["xla", "pallas", "auto"],
                         help="the target's dense matmuls (kernels/decode_matmul.py with pallas)")
     parser.add_argument("--quick", action="store_true", help="B = 1, budgets 16 and 64, AR + DDTree")
+    parser.add_argument("--step-only", action="store_true",
+                        help="time the fused step alone (no per-stage breakdown: about half the compilations)")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.budgets, args.methods = "1", "16,64", "ar,ddtree"
@@ -165,13 +173,23 @@ def main() -> None:
     rows = []
     for batch, method, budget, attn_impl in cases:
         row = bench_case(pair, batch, method, budget, context=args.context, temperature=args.temperature,
-                         top_p=args.top_p, repeats=args.repeats, attn_impl=attn_impl, matmul_impl=args.matmul_impl)
+                         top_p=args.top_p, repeats=args.repeats, attn_impl=attn_impl, matmul_impl=args.matmul_impl,
+                         step_only=args.step_only)
         rows.append(row)
-        print(f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms  draft "
-              f"{row['draft_ms']:7.2f}  verify fwd {row['verify_forward_ms']:8.2f}  plain fwd {row['plain_forward_ms']:8.2f}"
-              f"  verification xla {row['verification_xla_ms']:7.3f} pallas {row['verification_pallas_ms']:7.3f}  "
-              f"non-fwd {100 * row['non_forward_share']:5.1f}%  (compile step {row['step_compile_s']:.0f} s)", flush=True)
+        head = f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms"
+        if args.step_only:
+            print(f"{head}  (compile step {row['step_compile_s']:.0f} s)", flush=True)
+        else:
+            print(f"{head}  draft {row['draft_ms']:7.2f}  verify fwd {row['verify_forward_ms']:8.2f}  plain fwd "
+                  f"{row['plain_forward_ms']:8.2f}  verification xla {row['verification_xla_ms']:7.3f} pallas "
+                  f"{row['verification_pallas_ms']:7.3f}  non-fwd {100 * row['non_forward_share']:5.1f}%  "
+                  f"(compile step {row['step_compile_s']:.0f} s)", flush=True)
         write_result(f"engine_{args.shape}_matmul-{args.matmul_impl}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
+    if args.step_only:
+        print("\n" + markdown_table(["B", "method", "budget", "N", "attention", "step ms", "step compile s"],
+                                    [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"],
+                                      r["step_compile_s"]] for r in rows]))
+        return
     header = ["B", "method", "budget", "N", "attention", "step ms", "draft ms", "verify fwd ms", "plain fwd ms", "verify/plain",
               "verification xla ms", "verification pallas ms", "non-forward %"]
     table = [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"], r["draft_ms"], r["verify_forward_ms"],

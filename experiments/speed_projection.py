@@ -1,7 +1,8 @@
 """Speed projection: this pair's measured tau per budget x a Qwen3-8B-shaped step time -> predicted tokens/s.
 
 The embedded pair is too small for its own step times to mean anything; its acceptance behaviour is what
-transfers. This combines the budget sweep's tau (`experiments/budget_sweep.py` JSON: mean tau per method,
+transfers. This combines the budget sweep's tau (`experiments/budget_sweep.py` JSON: the pooled tau, all
+tokens / all decode steps, per method (--tau mean: the mean of per-generation taus instead),
 budget and temperature) with the decode-step time of a Qwen3-8B target + Qwen3-8B-DFlash-b16 drafter
 (block 16, like the embedded drafter) at the same method and budget, from, in order:
 
@@ -117,8 +118,18 @@ def ddtree_step(times: dict, budget: int, *, roofline_fn=None) -> tuple[float | 
     return times[("ddtree", near)] * roofline_fn(budget) / roofline_fn(near), "roofline-scaled"
 
 
-def project(sweep: dict, step_source: dict, *, roofline_fn=None) -> dict:
-    """Rows per (temperature, column) and the best budget per temperature (module docstring)."""
+TAU_KINDS = ("pooled", "mean")
+
+
+def project(sweep: dict, step_source: dict, *, roofline_fn=None, tau_kind: str = "pooled") -> dict:
+    """Rows per (temperature, column) and the best budget per temperature (module docstring).
+
+    tau_kind: "pooled" (all tokens / all decode steps of the column: what a workload's throughput is,
+    total tokens over total step time) or "mean" (the mean over generations of each one's tau, which a
+    few long, repetitive generations with very high tau can dominate)."""
+    if tau_kind not in TAU_KINDS:
+        raise ValueError(f"tau_kind must be one of {TAU_KINDS}, got {tau_kind!r}")
+    key = f"{tau_kind}_tau"
     times, batch = step_source["times"], step_source.get("batch", 1)
     if ("ar", None) not in times:
         raise NoStepTimes(f"the step times ({step_source['source']}) have no AR row at batch {batch}")
@@ -129,7 +140,7 @@ def project(sweep: dict, step_source: dict, *, roofline_fn=None) -> dict:
         chain = next((r for r in at_t if r["method"] == "chain"), None)
         chain_tps = None
         if chain is not None and ("chain", None) in times:
-            chain_tps = chain["mean_tau"] / times[("chain", None)]
+            chain_tps = chain[key] / times[("chain", None)]
         rows.append({"temperature": temperature, "method": "ar", "budget": None, "tau": 1.0, "step_ms": ar_s * 1e3,
                      "step_source": "measured" if step_source["source"] == "bench_engine" else "roofline",
                      "tokens_per_s": 1.0 / ar_s, "aggregate_tokens_per_s": batch / ar_s, "speedup_vs_ar": 1.0,
@@ -141,8 +152,8 @@ def project(sweep: dict, step_source: dict, *, roofline_fn=None) -> dict:
                 step, how = ddtree_step(times, r["budget"], roofline_fn=roofline_fn)
             if step_source["source"] == "roofline" and step is not None:
                 how = "roofline"
-            tps = None if step is None else r["mean_tau"] / step
-            rows.append({"temperature": temperature, "method": r["method"], "budget": r["budget"], "tau": r["mean_tau"],
+            tps = None if step is None else r[key] / step
+            rows.append({"temperature": temperature, "method": r["method"], "budget": r["budget"], "tau": r[key],
                          "step_ms": None if step is None else step * 1e3, "step_source": how, "tokens_per_s": tps,
                          "aggregate_tokens_per_s": None if tps is None else tps * batch,
                          "speedup_vs_ar": None if tps is None else tps * ar_s,
@@ -152,12 +163,12 @@ def project(sweep: dict, step_source: dict, *, roofline_fn=None) -> dict:
             top = max(tree, key=lambda r: r["tokens_per_s"])
             best[f"T={temperature:g}"] = {"budget": top["budget"], "tokens_per_s": top["tokens_per_s"],
                                           "speedup_vs_ar": top["speedup_vs_ar"], "speedup_vs_chain": top["speedup_vs_chain"]}
-    return {"rows": rows, "best_budget": best}
+    return {"rows": rows, "best_budget": best, "tau_kind": tau_kind}
 
 
 def format_table(result: dict) -> str:
     src = result["step_times"]
-    head = ["T", "method", "budget", "tau", "step ms", "step from", "tok/s per row", "speedup vs AR", "speedup vs chain"]
+    head = ["T", "method", "budget", f"tau ({result.get('tau_kind', 'mean')})", "step ms", "step from", "tok/s per row", "speedup vs AR", "speedup vs chain"]
     lines = [f"step times: {src['source']} ({src.get('path') or src.get('model')}), batch {src.get('batch')}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
@@ -175,9 +186,9 @@ def format_table(result: dict) -> str:
 
 
 def speed_projection(sweep: dict | str, *, bench: str | None = None, use_roofline: bool = False, batch: int = 1,
-                     context: int = 2048, overhead_us: float = 0.0) -> dict:
-    """The projection from a sweep result (dict or JSON path); step times as the module docstring says.
-    Raises NoStepTimes with a clear message when there is no source."""
+                     context: int = 2048, overhead_us: float = 0.0, tau_kind: str = "pooled") -> dict:
+    """The projection from a sweep result (dict or JSON path); step times as the module docstring says;
+    tau_kind as `project`. Raises NoStepTimes with a clear message when there is no source."""
     if isinstance(sweep, str):
         with open(sweep) as f:
             sweep = json.load(f)
@@ -199,7 +210,7 @@ def speed_projection(sweep: dict | str, *, bench: str | None = None, use_rooflin
         ctx = source.get("context") or context
         roofline_fn = lambda b: roofline_step("ddtree", b, batch=batch, context=ctx)  # noqa: E731
     block = (sweep.get("settings") or {}).get("block_size")
-    result = project(sweep, source, roofline_fn=roofline_fn)
+    result = project(sweep, source, roofline_fn=roofline_fn, tau_kind=tau_kind)
     result.update(study="speed_projection", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   step_times={k: v for k, v in source.items() if k != "times"} | {
                       "times_ms": {f"{m}{'' if b is None else f' {b}'}": t * 1e3 for (m, b), t in source["times"].items()}},
@@ -219,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=2048, help="roofline context length")
     parser.add_argument("--overhead-us", type=float, default=0.0, help="added to every step (tree, sampling, launches)")
+    parser.add_argument("--tau", default="pooled", choices=TAU_KINDS,
+                        help="pooled: all tokens / all steps of a column (throughput; default); mean: mean per-generation tau")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "speed_projection.json"))
     args = parser.parse_args(argv)
     if not os.path.exists(args.sweep):
@@ -226,7 +239,7 @@ def main(argv=None) -> int:
         return 2
     try:
         result = speed_projection(args.sweep, bench=args.bench, use_roofline=args.roofline, batch=args.batch,
-                                  context=args.context, overhead_us=args.overhead_us)
+                                  context=args.context, overhead_us=args.overhead_us, tau_kind=args.tau)
     except NoStepTimes as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

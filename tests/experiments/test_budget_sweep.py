@@ -76,8 +76,14 @@ def test_targets_logic():
     t = budget_sweep.targets(rows)
     assert t["tau_budget64_T0"] == 4.2 and t["tau_budget64_T0_at_least_4"] is True
     assert t["ddtree_above_chain"]["T=0"] == {"per_budget": {8: True, 64: True}, "all": True}
+    assert "pooled" not in t  # rows without pooled taus
     rows[2]["mean_tau"] = 2.9
     assert budget_sweep.targets(rows)["ddtree_above_chain"]["T=0"]["all"] is False
+    for r, pooled in zip(rows, (2.5, 1.9, 2.6, 3.9)):  # pooled view: judged on its own numbers
+        r["pooled_tau"] = pooled
+    p = budget_sweep.targets(rows)["pooled"]
+    assert p["tau_budget64_T0"] == 3.9 and p["tau_budget64_T0_at_least_4"] is False
+    assert p["ddtree_above_chain"]["T=0"] == {"per_budget": {8: True, 64: True}, "all": True}
 
 
 def test_cli_writes_json_and_plot(tiny_pair_dir, tmp_path, capsys):

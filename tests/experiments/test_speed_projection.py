@@ -8,14 +8,14 @@ import pytest
 from experiments import speed_projection as sp
 
 SWEEP = {"settings": {"block_size": 16}, "rows": [
-    {"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0},
-    {"method": "ddtree", "budget": 16, "temperature": 0.0, "mean_tau": 4.0},
-    {"method": "ddtree", "budget": 32, "temperature": 0.0, "mean_tau": 4.5},
-    {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 5.0},
-    {"method": "ddtree", "budget": 512, "temperature": 0.0, "mean_tau": 5.2},
-    {"method": "chain", "budget": None, "temperature": 1.0, "mean_tau": 2.0},
-    {"method": "ddtree", "budget": 16, "temperature": 1.0, "mean_tau": 2.5},
-    {"method": "ddtree", "budget": 64, "temperature": 1.0, "mean_tau": 3.0},
+    {"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0, "pooled_tau": 2.4},
+    {"method": "ddtree", "budget": 16, "temperature": 0.0, "mean_tau": 4.0, "pooled_tau": 3.2},
+    {"method": "ddtree", "budget": 32, "temperature": 0.0, "mean_tau": 4.5, "pooled_tau": 3.6},
+    {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 5.0, "pooled_tau": 4.0},
+    {"method": "ddtree", "budget": 512, "temperature": 0.0, "mean_tau": 5.2, "pooled_tau": 4.16},
+    {"method": "chain", "budget": None, "temperature": 1.0, "mean_tau": 2.0, "pooled_tau": 1.6},
+    {"method": "ddtree", "budget": 16, "temperature": 1.0, "mean_tau": 2.5, "pooled_tau": 2.0},
+    {"method": "ddtree", "budget": 64, "temperature": 1.0, "mean_tau": 3.0, "pooled_tau": 2.4},
 ]}
 
 
@@ -35,7 +35,7 @@ def bench(tmp_path):
 
 def test_projection_from_a_bench_json(bench, monkeypatch):
     monkeypatch.setattr(sp, "roofline_available", lambda: False)
-    result = sp.speed_projection(SWEEP, bench=bench)
+    result = sp.speed_projection(SWEEP, bench=bench, tau_kind="mean")
     assert result["step_times"]["source"] == "bench_engine" and result["step_times"]["commit"] == "abc"
     row = {(r["temperature"], r["method"], r["budget"]): r for r in result["rows"]}
     ar, chain = row[(0.0, "ar", None)], row[(0.0, "chain", None)]
@@ -55,6 +55,18 @@ def test_projection_from_a_bench_json(bench, monkeypatch):
     assert "best budget at T=0" in table and "interpolated" in table
     with pytest.raises(sp.NoStepTimes, match="batch 4"):
         sp.speed_projection(SWEEP, bench=bench, batch=4)
+
+
+def test_pooled_tau_is_the_default(bench, monkeypatch):
+    """Throughput over a workload is all tokens / all steps: the pooled tau, not the mean of per-generation
+    taus (which a few long repetitive generations dominate)."""
+    monkeypatch.setattr(sp, "roofline_available", lambda: False)
+    result = sp.speed_projection(SWEEP, bench=bench)
+    assert result["tau_kind"] == "pooled" and "tau (pooled)" in sp.format_table(result)
+    b16 = next(r for r in result["rows"] if r["temperature"] == 0.0 and r["budget"] == 16)
+    assert b16["tau"] == 3.2 and b16["tokens_per_s"] == pytest.approx(3.2 / 0.0125)
+    with pytest.raises(ValueError, match="tau_kind must be one of"):
+        sp.speed_projection(SWEEP, bench=bench, tau_kind="median")
 
 
 def test_roofline_scales_budgets_outside_the_measured_range(bench):
