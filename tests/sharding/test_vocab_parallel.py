@@ -1,0 +1,52 @@
+"""The drafter's per-depth top-K over a vocabulary split across "model" (sharding/vocab_parallel.py) equals the
+unsharded selection: same ids (ties included), values within float32 rounding, on 8 fake CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.sharding.mesh import make_mesh
+from ddtree_jax.sharding.vocab_parallel import sharded_top_k_log_probs
+from ddtree_jax.tree.select import top_k_log_probs
+
+
+def _logits(seed, shape, dtype=jnp.float32, ties=False):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 3
+    if ties:  # coarse values: many exact ties, across shard boundaries too
+        x = np.round(x)
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("impl", ["vocab_parallel", "gathered"])
+@pytest.mark.parametrize("model,data", [(4, 2), (8, 1), (2, 1)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_equals_the_unsharded_selection(impl, model, data, ties):
+    mesh = make_mesh(model=model, data=data)
+    logits = _logits(model * 10 + ties, (4, 15, 1024), ties=ties)  # [B, L, V]
+    want_values, want_ids = top_k_log_probs(logits, 16, impl="xla")
+    with jax.set_mesh(mesh):
+        values, ids = jax.jit(lambda x: sharded_top_k_log_probs(x, 16, impl=impl))(logits)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(values), np.asarray(want_values), rtol=0, atol=2e-6)
+
+
+def test_bf16_logits_and_no_mesh():
+    logits = _logits(3, (2, 7, 512), jnp.bfloat16)
+    want = top_k_log_probs(logits, 8, impl="xla")
+    got = sharded_top_k_log_probs(logits, 8)  # no mesh set: the unsharded selection itself
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    with jax.set_mesh(make_mesh(model=8, data=1)):
+        values, ids = sharded_top_k_log_probs(logits, 8)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(values), np.asarray(want[0]), atol=2e-6)
+
+
+def test_bad_requests_are_named():
+    with jax.set_mesh(make_mesh(model=8, data=1)):
+        with pytest.raises(ValueError, match="does not divide"):
+            sharded_top_k_log_probs(jnp.zeros((1, 2, 100)), 4)
+        with pytest.raises(ValueError, match=r"k must be in \[1, V / P = 8\]"):
+            sharded_top_k_log_probs(jnp.zeros((1, 2, 64)), 9)
+        with pytest.raises(ValueError, match="vocab top-k impl"):
+            sharded_top_k_log_probs(jnp.zeros((1, 2, 64)), 4, impl="allreduce")
