@@ -19,9 +19,10 @@ takes BM of them against one split of the keys, in blocks of BS keys, with an on
 writes (unnormalised output, running max, running sum); XLA merges the splits by log-sum-exp. Splits
 are sized so that the grid fills the GPU even at B = 1 with one KV head. Tiling (`BlockConfig`: keys
 per block, warps, pipeline stages) defaults to the largest that fits the shared memory
-(`default_block_config`); absorbed MLA passes v=None so the latent block is loaded once for both the
-scores and the values (without that, 64 query rows x 576 dims with two stages asked the H200 for
-353 KB of shared memory against 227 KB and did not launch).
+(`default_block_config`; the fixed tiling of the first version asked the H200 for 353 KB at the MLA
+shape, against 227 KB, and did not launch). Absorbed MLA passes v=None, so the latent block is read from
+memory once for both products (Triton still stages it twice in shared memory: the value product needs
+another operand layout).
 
 `tree_attention_reference` is the twin: the models' XLA attention over the concatenated parts.
 """
@@ -41,7 +42,7 @@ from ddtree_jax.models.attention import attention as xla_attention
 
 MAX_BLOCK_M = 64  # query rows per program
 TARGET_PROGRAMS = 264  # two per SM of an H200
-SMEM_BUDGET = 200 * 1024  # bytes of shared memory a program may plan for (the H200 allows 227 KB)
+SMEM_BUDGET = 224 * 1024  # bytes a program may plan for: the H200 allows 232,448; the estimate is within 2 KB
 # (keys per inner block, pipeline stages), best first; the first whose tiles fit SMEM_BUDGET is the default.
 # Order from `benchmarks/bench_attention.py --sweep` on the H200 (N = 17, 32k context, B = 1): GQA best at
 # (64, 2); absorbed MLA, where (64, 2) does not fit, best at (64, 1) with 8 warps (BENCHMARKS.md).
@@ -55,19 +56,20 @@ class BlockConfig(NamedTuple):
     num_stages: int
 
 
-def shared_memory_bytes(block_m: int, key_dims, value_dim: int, config: BlockConfig, values_from_keys: bool) -> int:
-    """Planned shared memory of a program: its query tile plus `num_stages` key (and value) tiles, bf16."""
-    per_key = sum(key_dims) + (0 if values_from_keys else value_dim)
-    return 2 * (block_m * sum(key_dims) + config.num_stages * config.block_s * per_key)
+def shared_memory_bytes(block_m: int, key_dims, value_dim: int, config: BlockConfig) -> int:
+    """Planned shared memory of a program: its bf16 query tile plus `num_stages` key and value tiles. The
+    value tile counts also when the values are key part 0: Triton stages it separately for the second
+    product. Within 2 KB of what Triton asked the H200 for in every case measured (BENCHMARKS.md)."""
+    return 2 * (block_m * sum(key_dims) + config.num_stages * config.block_s * (sum(key_dims) + value_dim))
 
 
-def default_block_config(block_m: int, key_dims, value_dim: int, values_from_keys: bool) -> BlockConfig:
+def default_block_config(block_m: int, key_dims, value_dim: int) -> BlockConfig:
     """The first of BLOCK_CHOICES whose tiles fit SMEM_BUDGET; 8 warps when the [BM, Dv] float32
     accumulator would exceed ~128 registers a thread with 4 (absorbed MLA: Dv = 512)."""
     num_warps = 8 if block_m * value_dim / (4 * 32) > 128 else 4  # accumulator floats per thread at 4 warps
     for block_s, stages in BLOCK_CHOICES:
         config = BlockConfig(block_s, num_warps, stages)
-        if shared_memory_bytes(block_m, key_dims, value_dim, config, values_from_keys) <= SMEM_BUDGET:
+        if shared_memory_bytes(block_m, key_dims, value_dim, config) <= SMEM_BUDGET:
             return config
     return BlockConfig(16, num_warps, 1)
 
@@ -233,7 +235,7 @@ def tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, sc
     key_dims = tuple(q.shape[-1] for q in q_parts)
     value_dim = key_dims[0] if v is None else v.shape[-1]
     if config is None:
-        config = default_block_config(_block_m(q_heads // kv_heads, steps), key_dims, value_dim, v is None)
+        config = default_block_config(_block_m(q_heads // kv_heads, steps), key_dims, value_dim)
     elif not isinstance(config, BlockConfig) or config.block_s & (config.block_s - 1) or config.block_s < 16:
         raise ValueError(f"config must be a BlockConfig with block_s a power of two >= 16, got {config!r}")
     scale = sum(key_dims) ** -0.5 if scale is None else float(scale)

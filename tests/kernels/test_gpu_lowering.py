@@ -93,7 +93,7 @@ def test_tree_attention_lowers_for_triton(hopper, case):
     q = tuple(spec((batch, steps, q_heads, d), jnp.bfloat16) for d in dims)
     k = tuple(spec((batch, capacity, kv_heads, d), jnp.bfloat16) for d in dims)
     v = None if mla else spec((batch, capacity, kv_heads, dv), jnp.bfloat16)
-    config = default_block_config(_block_m(q_heads // kv_heads, steps), dims, dv, mla)
+    config = default_block_config(_block_m(q_heads // kv_heads, steps), dims, dv)
     text = _tree_attention.trace(q, k, v, spec((batch, steps, capacity), jnp.bool_), spec((batch,), jnp.int32), scale=0.1,
                                  config=config, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert "tree_attention" in text
