@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from ddtree_jax.sharding.regions import axis_size, context_mesh
-from ddtree_jax.sharding.rules import MODEL
+from ddtree_jax.sharding.regions import axis_size, context_mesh, shard_call
+from ddtree_jax.sharding.rules import DATA, MODEL
 from ddtree_jax.tree.select import top_k_log_probs
 
 VOCAB_TOPK_IMPLS = ("gathered", "vocab_parallel")
@@ -83,23 +83,19 @@ def sharded_top_k_log_probs(logits: jax.Array, k: int, *, impl: str = "vocab_par
         raise ValueError(f"vocabulary {vocab} does not divide over the {parts} devices of the {MODEL!r} axis")
     if not 1 <= k <= vocab // parts:
         raise ValueError(f"k must be in [1, V / P = {vocab // parts}] for a vocabulary split {parts} ways, got {k}")
-    lead = [None] * (logits.ndim - 1)
-    data = "data" if "data" in mesh.axis_names and logits.shape[0] % axis_size(mesh, "data") == 0 else None
-    lead[0] = data
-    in_spec = PartitionSpec(*lead, MODEL)
-    out_spec = PartitionSpec(*lead, None)
+    # batch over "data" where it divides (shard_call drops it otherwise), vocabulary over "model"
+    in_spec = PartitionSpec(DATA, *([None] * (logits.ndim - 2)), MODEL)
+    out_spec = PartitionSpec(DATA, *([None] * (logits.ndim - 1)))
 
     if impl == "gathered":
-        def gathered(x):
+        def fn(x):
             full = lax.all_gather(x, MODEL, axis=x.ndim - 1, tiled=True)
             return top_k_log_probs(full, k, impl="xla")
-        fn = gathered
     else:
         def fn(x):
             values, ids = _local_top_k(x, k, vocab // parts)
             return _merge(lax.all_gather(values, MODEL), lax.all_gather(ids, MODEL), k)
 
-    return jax.shard_map(fn, mesh=mesh, in_specs=(in_spec,), out_specs=(out_spec, out_spec), check_vma=False)(logits)
-
+    return shard_call(fn, (logits,), (in_spec,), (out_spec, out_spec), reduce_axes=(MODEL,), mesh=mesh)
 
 __all__ = ["VOCAB_TOPK_IMPLS", "sharded_top_k_log_probs"]
