@@ -117,6 +117,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--attn-impl", default="xla", choices=["xla", "pallas"])
+    parser.add_argument("--step-only", action="store_true",
+                        help="time the fused step alone (one compilation per case instead of four); the per-layer "
+                             "time is then the slope of the step time")
     args = parser.parse_args()
     model = args.model or jax.device_count() // args.data
     mesh = make_mesh(model=model, data=args.data)
@@ -135,20 +138,23 @@ def main() -> None:
                 for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
                     row = bench_case(pair, 1, method, budget, context=args.context, temperature=args.temperature,
                                      top_p=1.0, repeats=args.repeats, moe_impl=MOE_IMPL[layout],
-                                     attn_impl=args.attn_impl)
+                                     attn_impl=args.attn_impl, step_only=args.step_only)
                     row.update(layout=layout, layers=layers, init_s=init_s, mesh=[args.data, model])
                     rows.append(row)
-                    print(f"{layout} layers={layers} {method:6s} budget={budget:3d}: step {row['step_ms']:8.2f} ms  "
-                          f"verify fwd {row['verify_forward_ms']:8.2f} ms  draft {row['draft_ms']:7.2f} ms", flush=True)
+                    parts = "" if args.step_only else (f"  verify fwd {row['verify_forward_ms']:8.2f} ms  "
+                                                       f"draft {row['draft_ms']:7.2f} ms")
+                    print(f"{layout} layers={layers} {method:6s} budget={budget:3d}: step {row['step_ms']:8.2f} ms{parts}"
+                          f"  (compile {row['step_compile_s']:.0f} s)", flush=True)
                     write_result("sharded_run" + ("_tiny" if args.tiny else ""), {"rows": rows}, args.commit)
     if len(depths) >= 2:  # per-layer slope and a 61-layer extrapolation per (layout, method, budget)
-        print("\nper-layer verify-forward time (slope between depths) and the 61-layer extrapolation:")
+        timed = "step_ms" if args.step_only else "verify_forward_ms"
+        print(f"\nper-layer time (slope of {timed} between depths) and the 61-layer extrapolation:")
         lo, hi = min(depths), max(depths)
         for layout in args.layouts.split(","):
             for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
                 pick = {r["layers"]: r for r in rows if r["layout"] == layout and r["method"] == method
                         and (r["budget"] or 0) == budget}
-                per_layer = (pick[hi]["verify_forward_ms"] - pick[lo]["verify_forward_ms"]) / (hi - lo)
+                per_layer = (pick[hi][timed] - pick[lo][timed]) / (hi - lo)
                 rest = pick[lo]["step_ms"] - lo * per_layer
                 print(f"  {layout} {method:6s} budget={budget:3d}: {per_layer:7.3f} ms / layer; 61 layers -> "
                       f"{rest + 61 * per_layer:8.2f} ms per step")
