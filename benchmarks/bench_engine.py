@@ -76,7 +76,7 @@ def _compile(fn, args):
 
 def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int, temperature: float, top_p: float,
                repeats: int, attn_impl: str = "xla", matmul_impl: str = "xla", moe_impl: str = "auto", seed: int = 0,
-               step_only: bool = False) -> dict:
+               step_only: bool = False, layer_loop: str = "auto") -> dict:
     """One row (module docstring); step_only: the fused step alone, without the per-stage breakdown (each
     stage is one more compilation of the model: 30-75 s per case for the Qwen3-8B shape on the H200)."""
     config, block = pair.target_config, pair.drafter.config.block_size
@@ -86,11 +86,11 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     _, params, drafter, ids, lengths, sampling, keys, stop, max_new_arr = request_args(
         pair, prompts, temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new)
     shape = dict(max_new_tokens=max_new, method=method, budget=budget, block_size=block)
-    impls = dict(attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl)
+    impls = dict(attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl, layer_loop=layer_loop)
     state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, **impls))(
         params, drafter, ids, lengths, sampling, keys)
     row = {"B": batch, "method": method, "budget": budget if method == "ddtree" else None, "context": context,
-           "attn_impl": attn_impl, "matmul_impl": matmul_impl, "moe_impl": moe_impl}
+           "attn_impl": attn_impl, "matmul_impl": matmul_impl, "moe_impl": moe_impl, "layer_loop": layer_loop}
 
     def step_fn(params, drafter, state, sampling, keys, stop, max_new_arr):
         return decode_step(config, params, drafter, state, sampling, keys, stop, max_new_arr, method=method,
@@ -151,6 +151,8 @@ def main() -> None:
     parser.add_argument("--attn-impls", default="xla", help="comma-separated: xla, pallas, auto (one row set each)")
     parser.add_argument("--matmul-impl", default="xla", choices=["xla", "pallas", "auto"],
                         help="the target's dense matmuls (kernels/decode_matmul.py with pallas)")
+    parser.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
+                        help="the target's layer loop (auto: the model's default)")
     parser.add_argument("--quick", action="store_true", help="B = 1, budgets 16 and 64, AR + DDTree")
     parser.add_argument("--step-only", action="store_true",
                         help="time the fused step alone (no per-stage breakdown: about half the compilations)")
@@ -174,7 +176,7 @@ def main() -> None:
     for batch, method, budget, attn_impl in cases:
         row = bench_case(pair, batch, method, budget, context=args.context, temperature=args.temperature,
                          top_p=args.top_p, repeats=args.repeats, attn_impl=attn_impl, matmul_impl=args.matmul_impl,
-                         step_only=args.step_only)
+                         step_only=args.step_only, layer_loop=args.layer_loop)
         rows.append(row)
         head = f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms"
         if args.step_only:
@@ -184,7 +186,7 @@ def main() -> None:
                   f"{row['plain_forward_ms']:8.2f}  verification xla {row['verification_xla_ms']:7.3f} pallas "
                   f"{row['verification_pallas_ms']:7.3f}  non-fwd {100 * row['non_forward_share']:5.1f}%  "
                   f"(compile step {row['step_compile_s']:.0f} s)", flush=True)
-        write_result(f"engine_{args.shape}_matmul-{args.matmul_impl}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
+        write_result(f"engine_{args.shape}_matmul-{args.matmul_impl}_loop-{args.layer_loop}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
     if args.step_only:
         print("\n" + markdown_table(["B", "method", "budget", "N", "attention", "step ms", "step compile s"],
                                     [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"],

@@ -42,14 +42,16 @@ def cache_capacity(prompt_len: int, max_new_tokens: int, method: str, budget: in
 
 def prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, *,
             max_new_tokens: int, method: str, budget: int, block_size: int, cache_dtype=jnp.float32,
-            attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> DecodeState:
+            attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
+            layer_loop: str = "auto") -> DecodeState:
     """Target prefill; the first token from the plain sampler; the drafter's context from the prompt's
     tapped hidden states (shared/spec/pipeline.md step 0)."""
     batch, prompt_len = prompts.shape
     capacity = cache_capacity(prompt_len, max_new_tokens, method, budget, block_size)
     target = target_module(target_config)
     cache = target.create_cache(target_config, batch, capacity, cache_dtype)
-    impls = target_impls(target_config, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl)
+    impls = target_impls(target_config, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
+                         layer_loop=layer_loop)
     logits, features, cache = target.prefill(target_config, target_params, cache, prompts, prompt_lengths, **impls)
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     first_keys = jax.vmap(lambda k: jax.random.fold_in(k, PREFILL_SALT))(keys)  # steps fold in 0, 1, ...
@@ -77,11 +79,11 @@ def prefill(target_config, target_params, drafter, prompts, prompt_lengths, samp
 
 @functools.partial(jax.jit, static_argnames=("target_config", "max_new_tokens", "method", "budget", "block_size",
                                              "order", "verify_method", "cache_dtype", "attn_impl",
-                                             "sampling_impl", "matmul_impl", "moe_impl"))
+                                             "sampling_impl", "matmul_impl", "moe_impl", "layer_loop"))
 def generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
              max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
              order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32, attn_impl: str = "auto",
-             sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto"):
+             sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto", layer_loop: str = "auto"):
     """Generates up to max_new[b] <= max_new_tokens tokens per row, as one compiled program.
 
     Args:
@@ -94,6 +96,8 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
         `models.layers.resolve_matmul_impl`).
       moe_impl: the MoE targets' expert dispatch (`models.moe.MOE_IMPLS`; "ep" under an expert-parallel
         mesh set with `jax.set_mesh`).
+      layer_loop: the target's layer loop, "scan" (`lax.scan` over the stacked layers: one layer in the
+        program) or "unrolled"; "auto": the model's default.
     Returns:
       GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
     """
@@ -101,7 +105,8 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys,
                     max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                    cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl)
+                    cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
+                    layer_loop=layer_loop)
     first_stop = (state.bonus[:, None] == stop_tokens).any(1)
     state = dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
 
@@ -112,7 +117,7 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
         return decode_step(target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new,
                            method=method, budget=budget, block_size=block_size, order=order,
                            verify_method=verify_method, attn_impl=attn_impl, sampling_impl=sampling_impl,
-                           matmul_impl=matmul_impl, moe_impl=moe_impl)
+                           matmul_impl=matmul_impl, moe_impl=moe_impl, layer_loop=layer_loop)
 
     state = jax.lax.while_loop(cond, body, state)
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)

@@ -102,10 +102,14 @@ def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str,
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
-def target_impls(target_config, *, attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> dict:
+def target_impls(target_config, *, attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
+                 layer_loop: str = "auto") -> dict:
     """The implementation keywords of the target's prefill / verify: attention and matmul for every family,
-    the MoE dispatch (`models.moe.MOE_IMPLS`, e.g. "ep" on an expert-parallel mesh) for DeepSeek-V3 / K2."""
+    the MoE dispatch (`models.moe.MOE_IMPLS`, e.g. "ep" on an expert-parallel mesh) for DeepSeek-V3 / K2,
+    and the layer loop ("scan" or "unrolled"; "auto": the model's default)."""
     impls = {"attn_impl": attn_impl, "matmul_impl": matmul_impl}
+    if layer_loop != "auto":
+        impls["layer_loop"] = layer_loop
     if isinstance(target_config, DeepSeekV3Config):
         impls["moe_impl"] = moe_impl
     elif moe_impl != "auto":
@@ -114,9 +118,10 @@ def target_impls(target_config, *, attn_impl: str = "auto", matmul_impl: str = "
 
 
 def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree, *, attn_impl: str = "auto",
-                   matmul_impl: str = "auto", moe_impl: str = "auto"):
+                   matmul_impl: str = "auto", moe_impl: str = "auto", layer_loop: str = "auto"):
     """The target's tree-verify pass: (logits [B, N, V], tapped [B, N, F*D], cache with the tree K/V written)."""
-    impls = target_impls(target_config, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl)
+    impls = target_impls(target_config, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
+                         layer_loop=layer_loop)
     return target_module(target_config).verify(target_config, target_params, cache, tree.tokens, tree.depths,
                                                ancestor_mask(tree), **impls)
 
@@ -168,7 +173,8 @@ def emit_stage(state: DecodeState, result: VerifyResult, stop_tokens: jax.Array,
 def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
                 stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
                 order: str = "draft", verify_method: str = "sampling", attn_impl: str = "auto",
-                sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto") -> DecodeState:
+                sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
+                layer_loop: str = "auto") -> DecodeState:
     """Advances every active row by one speculative step (see the module docstring): the stages above,
     in order (`engine.profile` times each of them alone)."""
     active = ~state.done
@@ -176,7 +182,7 @@ def decode_step(target_config, target_params, drafter, state: DecodeState, sampl
     draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
     tree = tree_stage(draft_logits, state.bonus, method=method, budget=budget)
     logits, tapped, cache = verify_forward(target_config, target_params, state.target_cache, tree, attn_impl=attn_impl,
-                                           matmul_impl=matmul_impl, moe_impl=moe_impl)
+                                           matmul_impl=matmul_impl, moe_impl=moe_impl, layer_loop=layer_loop)
     result = verification_stage(tree, logits, sampling, keys, state.step, order=order, verify_method=verify_method,
                                 sampling_impl=sampling_impl)
     cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)

@@ -13,8 +13,9 @@ and k experts per token there are N = M * k (token, expert) assignments:
   dequantised (N slots, spare ones empty); else all E are dequantised in XLA. This is the interface the
   Pallas INT4 grouped kernel fills in: XLA on GPU expands ragged_dot into a dense product over every
   group (G * N rows), k times the reference's work once N >= E.
-- "auto" (prefill / verify default), static from the shapes: "gather" while N <= n_routed_experts,
-  else "reference".
+- "auto" (prefill / verify default), static from the shapes (`choose_impl`): off GPU "gather" while
+  N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 128, else "pallas" (the grouped
+  kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep").
 
 Measured on one H200, one K2.6-shaped layer (E 384, k 8, D 7168, I 2048), bf16 activations, ms:
 INT4 gather 0.32 / 3.4 / 9.4 / 27 at N = 8 / 136 / 384 / 1088, reference 19 / 19 / 19 / 20 (39 at N 4096),
@@ -28,8 +29,9 @@ On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
 - "ep": expert parallel, the routed experts split over "model" (rule table "ep": 384 / 8 = 48 per
   device). A `shard_map` region: the tokens, already on every device of "model" (attention's output
   projection ends in an all-reduce), meet the device's own experts; assignments to other devices' experts
-  weigh 0; a psum over "model" combines. Inside, "gather" while the step's assignments are at most the
-  device's experts, else the dense product over its experts. Without a mesh "ep" is "gather".
+  weigh 0; a psum over "model" combines. Inside (`local_expert_impl`), "gather" while the step's
+  assignments are at most the device's experts (GPU: at most 128), else the grouped kernel on GPU and
+  the dense product over its experts elsewhere. Without a mesh "ep" is "gather".
 - "pallas": the grouped kernel cannot be partitioned by XLA, so under a mesh it runs in a region too,
   on the TP table's split (each expert's FFN columns over "model"), partial sums psum-ed.
 - "gather" / "ragged" / "reference" are left to the XLA partitioner (right for TP, where each device
@@ -185,22 +187,43 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 
-def choose_impl(config: DeepSeekV3Config, num_tokens: int) -> str:
-    """The "auto" rule: "gather" while the assignments (tokens * k) are at most the experts (it reads N
-    experts, the reference all E), else "reference" (faster than XLA's ragged_dot on GPU: module docstring)."""
-    return "gather" if num_tokens * config.num_experts_per_tok <= config.n_routed_experts else "reference"
+# On GPU the grouped Pallas kernel beats "gather" from about this many assignments (one K2.6 INT4 layer,
+# gate + up + down: gather 0.32 / 3.4 ms at N = 8 / 136, the kernel ~0.77 / ~2.8 ms; BENCHMARKS.md)
+GPU_GATHER_MAX_ASSIGNMENTS = 128
 
 
-def _routed_expert_parallel(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+def choose_impl(config: DeepSeekV3Config, num_tokens: int, backend: str | None = None) -> str:
+    """The "auto" rule, static from the shapes. Off GPU: "gather" while the assignments (tokens * k) are at
+    most the experts (it reads N experts, the reference all E), else "reference" (module docstring). On
+    GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS, else the grouped kernel ("pallas": it reads each
+    chosen expert once, packed). backend: jax.default_backend() when None."""
+    assignments = num_tokens * config.num_experts_per_tok
+    if (backend or jax.default_backend()) == "gpu":
+        return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
+    return "gather" if assignments <= config.n_routed_experts else "reference"
+
+
+def local_expert_impl(num_assignments: int, local_experts: int, backend: str | None = None) -> str:
+    """The dispatch inside the "ep" region over a device's own experts: "gather" while the assignments are
+    at most its experts (GPU: at most GPU_GATHER_MAX_ASSIGNMENTS), else the grouped kernel on GPU
+    ("pallas") or the dense product over its experts elsewhere ("dense")."""
+    if (backend or jax.default_backend()) == "gpu":
+        return "gather" if num_assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
+    return "gather" if num_assignments <= local_experts else "dense"
+
+
+def _routed_expert_parallel(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array,
+                            local_impl: str | None = None) -> jax.Array:
     """The per-device program of "ep": this device's E / m experts (the routed experts split over "model")
-    on the assignments that chose one of them (the others weigh 0), then the sum over devices. Dispatch
-    on the device: "gather" while the assignments are at most its experts, else the dense local product."""
+    on the assignments that chose one of them (the others weigh 0; the kernel runs them as local expert 0's
+    rows), then the sum over devices. Dispatch on the device: `local_expert_impl` unless given."""
     local_experts = p["expert_gate"].shape[0]
     first = lax.axis_index(MODEL) * local_experts
     mine = (experts >= first) & (experts < first + local_experts)
     local_ids = jnp.where(mine, experts - first, 0)
     local_weights = jnp.where(mine, weights, 0.0)
-    routed = routed_gather if experts.size <= local_experts else routed_dense
+    local_impl = local_impl or local_expert_impl(experts.size, local_experts)
+    routed = {"gather": routed_gather, "pallas": routed_pallas, "dense": routed_dense}[local_impl]
     return lax.psum(routed(p, x, local_ids, local_weights), MODEL)
 
 
@@ -213,7 +236,8 @@ def _routed_tensor_parallel(impl: str, p: dict, x: jax.Array, experts: jax.Array
 _ROUTED = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas}
 
 
-def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array,
+                    local_impl: str | None = None) -> jax.Array:
     """"ep", and "pallas" under a mesh: the routed experts as a manual region (`sharding.regions`). Tokens
     (replicated over "model", split by batch over "data") meet the experts where they live, results are
     summed over "model"; without a mesh "ep" is "gather" and "pallas" runs as is."""
@@ -223,7 +247,8 @@ def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weight
     if context_mesh() is None:
         return _ROUTED["gather" if impl == "ep" else impl](p, x, experts, weights)
     # the experts' specs from the rule tables: "ep" splits "experts", "tp" each expert's "expert_mlp"
-    layout, fn = ("ep", _routed_expert_parallel) if impl == "ep" else ("tp", functools.partial(_routed_tensor_parallel, impl))
+    layout, fn = (("ep", functools.partial(_routed_expert_parallel, local_impl=local_impl)) if impl == "ep"
+                  else ("tp", functools.partial(_routed_tensor_parallel, impl)))
     specs = {name: partition_spec(axes, layout) for name, axes in EXPERT_AXES.items()}
     experts_only = {name: p[name] for name in EXPERT_AXES}
     return shard_call(fn, (experts_only, x, experts, weights), (specs, rows(2), rows(2), rows(2)), rows(2),

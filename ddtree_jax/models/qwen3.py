@@ -72,56 +72,96 @@ def _head(config: Qwen3Config, params: dict, h, matmul_impl: str = "xla") -> jax
     return linear(h, head(config, params), matmul_impl).astype(jnp.float32)
 
 
-def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl, matmul_impl="xla"):
-    """Shared body: embeds, runs every layer (unrolled), returns (logits f32, tapped [B, T, F*D], cache)."""
+LAYER_LOOPS = ("scan", "unrolled")
+
+
+def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl, matmul_impl="xla",
+         layer_loop: str = "unrolled"):
+    """Shared body: embeds, runs every layer, returns (logits f32, tapped [B, T, F*D], cache).
+
+    layer_loop "unrolled": a Python loop (one copy of the layer per layer in the program). "scan":
+    `lax.scan` over the stacked layer parameters and the layer index (the program holds one layer).
+    Both carry the full stacked cache.k / cache.v [L, B, S, H, D] and write layer l's new rows into
+    them in place (read slice l, `write_rows`, put it back): no per-layer copies are stacked.
+    """
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     h = params["embed"][tokens]
     cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
-    tapped = []
-    new_k, new_v = [], []
-    for layer in range(config.num_layers):
-        p = jax.tree.map(lambda w: w[layer], params["layers"])
-        if cache is None:
-            kv_update = lambda k, v: (k, v)  # noqa: E731
-        else:
-            def kv_update(k, v, layer=layer):
-                ck = write_rows(cache.k[layer], k, write_start)
-                cv = write_rows(cache.v[layer], v, write_start)
-                new_k.append(ck)
-                new_v.append(cv)
-                return ck, cv
+
+    taps = list(dict.fromkeys(config.tapped_layers))  # distinct tapped layers -> their slot in `tapped`
+    tap_slot = jnp.asarray([taps.index(layer) if layer in taps else len(taps) for layer in range(config.num_layers)],
+                           jnp.int32)  # untapped layers write the scratch slot len(taps)
+
+    def step(carry, xs):  # carry (h, tapped, k_all, v_all) (no k / v without a cache); xs (layer params, index)
+        p, layer = xs
+        h, tapped, kv = carry[0], carry[1], list(carry[2:])
+
+        def kv_update(k, v):
+            if cache is None:
+                return k, v
+            attend = []
+            for i, (full, new_rows) in enumerate(zip(kv, (k, v))):
+                rows = write_rows(jax.lax.dynamic_index_in_dim(full, layer, 0, keepdims=False), new_rows, write_start)
+                kv[i] = jax.lax.dynamic_update_index_in_dim(full, rows, layer, 0)
+                attend.append(rows)
+            return tuple(attend)
+
         h = _layer(config, p, h, cos, sin, kv_update, mask, attn_impl, matmul_impl)
-        if layer in config.tapped_layers:
-            tapped.append(h)
+        tapped = jax.lax.dynamic_update_index_in_dim(tapped, h, tap_slot[layer], 0)
+        return (h, tapped, *kv), None
+
+    # the tapped layers' outputs [F + 1, B, T, D] ride in the carry (not an [L, B, T, D] per-layer output)
+    carry = (h, jnp.zeros((len(taps) + 1,) + h.shape, h.dtype))
+    carry += () if cache is None else (cache.k, cache.v)
+    if layer_loop == "scan":
+        carry, _ = jax.lax.scan(step, carry, (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32)))
+    else:
+        for layer in range(config.num_layers):
+            carry, _ = step(carry, (jax.tree.map(lambda w: w[layer], params["layers"]), layer))
+    h, tapped = carry[0], carry[1]
     if cache is not None:
-        cache = KVCache(jnp.stack(new_k), jnp.stack(new_v), cache.lengths)
-    features = jnp.concatenate(tapped, axis=-1) if tapped else jnp.zeros(h.shape[:2] + (0,), h.dtype)
+        cache = KVCache(carry[2], carry[3], cache.lengths)
+    features = (jnp.concatenate([tapped[taps.index(layer)] for layer in config.tapped_layers], axis=-1)
+                if taps else jnp.zeros(h.shape[:2] + (0,), h.dtype))
     return _head(config, params, h, matmul_impl), features, cache
 
 
 def forward_logits(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla",
-                   matmul_impl: str = "xla") -> jax.Array:
-    """Plain causal forward, no cache: input_ids int32 [B, T] -> logits float32 [B, T, V]."""
-    return forward_features(config, params, input_ids, attn_impl=attn_impl, matmul_impl=matmul_impl)[0]
+                   matmul_impl: str = "xla", layer_loop: str = "unrolled") -> jax.Array:
+    """Plain causal forward, no cache: input_ids int32 [B, T] -> logits float32 [B, T, V].
+
+    layer_loop: "unrolled" (default; one copy of the layer per layer in the program) or "scan"
+    (`lax.scan` over the stacked layers: the program holds one layer); see `_run`."""
+    return forward_features(config, params, input_ids, attn_impl=attn_impl, matmul_impl=matmul_impl,
+                            layer_loop=layer_loop)[0]
 
 
 def forward_features(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla",
-                     matmul_impl: str = "xla"):
+                     matmul_impl: str = "xla", layer_loop: str = "unrolled"):
     """Plain causal forward, no cache: (logits float32 [B, T, V], tapped hidden [B, T, F*D]) for
-    input_ids int32 [B, T]; the tapped layers' outputs are what the DFlash drafter trains on."""
+    input_ids int32 [B, T]; the tapped layers' outputs are what the DFlash drafter trains on.
+
+    layer_loop: "unrolled" (default; one copy of the layer per layer in the program) or "scan"
+    (`lax.scan` over the stacked layers: the program holds one layer); see `_run`."""
     steps = input_ids.shape[1]
     positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), input_ids.shape)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (input_ids.shape[0], steps, steps))
-    logits, features, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl, matmul_impl)
+    logits, features, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl, matmul_impl,
+                               layer_loop)
     return logits, features
 
 
 def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *, attn_impl: str = "xla",
-            matmul_impl: str = "xla"):
+            matmul_impl: str = "xla", layer_loop: str = "unrolled"):
     """Causal pass over new tokens appended at each row's length.
 
     Args:
       input_ids: int32 [B, T], row b's first num_new[b] entries are real (the rest padding).
       num_new: int32 [B].
+      layer_loop: "unrolled" (default; one copy of the layer per layer in the program) or "scan"
+        (`lax.scan` over the stacked layers: the program holds one layer); both write the new rows
+        into the stacked cache in place (see `_run`).
     Returns:
       (logits float32 [B, T, V], tapped hidden [B, T, F*D], cache with lengths += num_new).
     """
@@ -131,12 +171,13 @@ def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Ar
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     rows = jnp.arange(cache.capacity, dtype=jnp.int32)
     mask = rows[None, None, :] <= positions[:, :, None]  # causal over the committed prefix + new tokens
-    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl)
+    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl,
+                                   layer_loop)
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
 def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array, tree_mask: jax.Array, *,
-           attn_impl: str = "xla", matmul_impl: str = "xla"):
+           attn_impl: str = "xla", matmul_impl: str = "xla", layer_loop: str = "unrolled"):
     """The tree-verify pass: N slots at positions lengths + depth.
 
     Slot i's K/V are written at cache row lengths + i; slot i attends the committed prefix and the
@@ -144,6 +185,9 @@ def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array,
 
     Args:
       tokens, depths: int32 [B, N] (a DraftTree's tokens and depths); tree_mask: bool [B, N, N].
+      layer_loop: "unrolled" (default; one copy of the layer per layer in the program) or "scan"
+        (`lax.scan` over the stacked layers: the program holds one layer); both write the tree K/V
+        into the stacked cache in place (see `_run`).
     Returns:
       (logits float32 [B, N, V], tapped hidden [B, N, F*D], cache with the tree K/V written).
     """
@@ -156,7 +200,7 @@ def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array,
     in_tree = (rel >= 0) & (rel < slots)
     tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
     mask = (rel < 0) | (in_tree & tree_part)
-    return _run(config, params, tokens, positions, mask, cache, start, attn_impl, matmul_impl)
+    return _run(config, params, tokens, positions, mask, cache, start, attn_impl, matmul_impl, layer_loop)
 
 
 def embedding(params: dict) -> jax.Array:

@@ -156,3 +156,63 @@ def test_a_write_past_the_cache_end_is_an_error(params):
     cache = _cache(1, capacity=8)
     with pytest.raises(ValueError, match="KV cache too small: a row needs 9 rows, capacity is 8"):
         qwen3.prefill(CONFIG, params, cache, jnp.zeros((1, 9), jnp.int32), jnp.array([9], jnp.int32))
+
+
+# --- layer_loop: "scan" (lax.scan over the stacked layers) against "unrolled" (one layer copy per layer)
+
+LOOP_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def loop_params():
+    return qwen3.init_params(CONFIG, jax.random.key(11), norm_jitter=0.3)
+
+
+def _assert_loops_agree(outs):
+    """outs: {layer_loop: (logits, features[, cache])}; float leaves within LOOP_TOL, int leaves equal."""
+    scan, unrolled = jax.tree.leaves(outs["scan"]), jax.tree.leaves(outs["unrolled"])
+    assert len(scan) == len(unrolled)
+    for a, b in zip(scan, unrolled):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if jnp.issubdtype(b.dtype, jnp.integer):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            assert np.abs(np.asarray(b)).max() > 0  # not a vacuous comparison
+            assert relerr(a, b) < LOOP_TOL
+
+
+def test_scan_equals_unrolled_forward(loop_params):
+    tokens = jnp.asarray(np.random.default_rng(21).integers(0, CONFIG.vocab_size, (2, 10)), jnp.int32)
+    outs = {loop: qwen3.forward_features(CONFIG, loop_params, tokens, layer_loop=loop) for loop in qwen3.LAYER_LOOPS}
+    _assert_loops_agree(outs)
+    assert outs["scan"][1].shape == (2, 10, len(CONFIG.tapped_layers) * CONFIG.hidden_size)
+    logits = {loop: qwen3.forward_logits(CONFIG, loop_params, tokens, layer_loop=loop) for loop in qwen3.LAYER_LOOPS}
+    _assert_loops_agree(logits)
+
+
+def test_scan_equals_unrolled_prefill_on_ragged_rows(loop_params):
+    rng = np.random.default_rng(22)
+    prefix = rng.integers(0, CONFIG.vocab_size, (3, 8)).astype(np.int32)
+    _, _, cache = _prefill_ragged(loop_params, prefix, np.array([3, 0, 8]), capacity=24)  # ragged start rows
+    new = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (3, 7)), jnp.int32)
+    num_new = jnp.array([7, 2, 4], jnp.int32)
+    outs = {loop: qwen3.prefill(CONFIG, loop_params, cache, new, num_new, layer_loop=loop) for loop in qwen3.LAYER_LOOPS}
+    _assert_loops_agree(outs)
+    np.testing.assert_array_equal(np.asarray(outs["scan"][2].lengths), [10, 2, 12])
+
+
+def test_scan_equals_unrolled_verify_on_a_tree(loop_params):
+    tree, prefix, lengths = _tree_case(23, 3, budget=9)
+    _, _, cache = _prefill_ragged(loop_params, prefix, lengths, capacity=24)
+    outs = {loop: qwen3.verify(CONFIG, loop_params, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop)
+            for loop in qwen3.LAYER_LOOPS}
+    _assert_loops_agree(outs)
+    np.testing.assert_array_equal(np.asarray(outs["scan"][2].lengths), lengths)
+
+
+def test_an_unknown_layer_loop_is_an_error(loop_params):
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match=r"layer_loop must be one of \('scan', 'unrolled'\), got 'loop'"):
+        qwen3.forward_logits(CONFIG, loop_params, tokens, layer_loop="loop")
+    with pytest.raises(ValueError, match="'loop'"):
+        qwen3.prefill(CONFIG, loop_params, _cache(1, capacity=8), tokens, jnp.array([4], jnp.int32), layer_loop="loop")

@@ -65,6 +65,21 @@ def test_ep_region_many_tokens_uses_the_dense_local_product(params, mesh):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def test_ep_region_with_the_grouped_kernel_locally(params, mesh, monkeypatch):
+    """The GPU rule for many assignments inside "ep": each device's grouped kernel (interpret mode here)
+    over its own experts, the other devices' assignments run as local expert 0 with weight 0."""
+    monkeypatch.setattr(moe, "local_expert_impl", lambda *args, **kwargs: "pallas")
+    p = jax.tree.map(lambda a: a[1], params["moe_layers"])
+    x = jax.random.normal(jax.random.key(6), (12, CONFIG.hidden_size))
+    want = moe.moe_reference(CONFIG, p, x)
+    sharded = shard_params({"moe_layers": params["moe_layers"]}, {"moe_layers": deepseek_v3.param_axes(CONFIG)["moe_layers"]},
+                           mesh, "ep")["moe_layers"]
+    layer = jax.tree.map(lambda a: a[1], sharded)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="ep"))(layer, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_tree_sampling_kernel_region_equals_unsharded(mesh):
     rng = np.random.default_rng(5)
     batch, vocab = 4, 128
