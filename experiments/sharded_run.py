@@ -130,6 +130,7 @@ def main() -> None:
     for layout in args.layouts.split(","):
         for layers in depths:
             config = k26_config(layers, args.tiny)
+            pair = None  # drop the previous model first: two deep ones do not fit side by side
             start = time.perf_counter()
             pair = sharded_pair(config, drafter_config(config, args.drafter_layers, args.tiny), mesh, layout, dtype)
             jax.block_until_ready(pair.target_params)

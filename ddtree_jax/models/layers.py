@@ -23,9 +23,12 @@ MATMUL_IMPLS = ("xla", "pallas", "auto")
 # "auto" on GPU, from benchmarks/bench_matmul.py on one H200 (BENCHMARKS.md, commit a67bcf3, M = 1 and 17):
 # the kernel wins 1.6-2.6x on INT4 and block-FP8 weights (XLA's reference dequantises the whole weight
 # per call) and 1.1-1.8x on bf16 weights of >= 32M elements (Qwen3-8B gate/up/down, K2.6 dense FFN at
-# M = 17), ties or loses on smaller bf16 projections; rows beyond the measured 17 stay on XLA for bf16.
-AUTO_PALLAS_MIN_ELEMENTS = 32 * 1024 * 1024
-AUTO_PALLAS_MAX_ROWS = 17
+# M = 17), ties or loses on smaller bf16 projections. But inside the whole Qwen3-8B forward (one H200,
+# commit ee6cecd, benchmarks/bench_forward.py) the kernel on those bf16 weights made the unrolled AR
+# forward slower, 15.9 ms against 10.0 ms with XLA at B = 1, T = 1, and tied it from T = 17 on (B = 8, T = 65:
+# 43.4 against 44.1 ms). Our guess, not profiled: a custom call needs its weight materialised, so each
+# layer's slice of the stacked weights is copied, while XLA's dot reads it in place. So "auto" keeps bf16
+# weights on XLA and gives the kernel only the quantised ones, which XLA must dequantise anyway.
 
 
 def resolve_matmul_impl(impl: str, x: jax.Array, weight) -> str:
@@ -36,10 +39,7 @@ def resolve_matmul_impl(impl: str, x: jax.Array, weight) -> str:
         return impl
     if jax.default_backend() != "gpu":
         return "xla"
-    if not isinstance(weight, jax.Array):  # INT4 / block-FP8 (models.quant)
-        return "pallas"
-    rows = math.prod(x.shape[:-1])
-    return "pallas" if weight.size >= AUTO_PALLAS_MIN_ELEMENTS and rows <= AUTO_PALLAS_MAX_ROWS else "xla"
+    return "xla" if isinstance(weight, jax.Array) else "pallas"  # pallas: INT4 / block-FP8 (models.quant)
 
 
 def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:
