@@ -91,7 +91,7 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
       keys: typed PRNG keys [B], one per request; stop_tokens int32 [B, K] (-1 = unused); max_new int32 [B].
       attn_impl / sampling_impl / matmul_impl: attention, tree-sampling and target-matmul implementations
         ("auto" everywhere = XLA off GPU; on GPU: the fused tree-sampling kernel, the tree-attention
-        kernel for GQA tree verify and the weight-streaming matmul for quantised / large bf16 weights,
+        kernel for GQA tree verify and the weight-streaming matmul for quantised weights at <= 32 rows,
         where the H200 benchmarks measured them faster: `models.attention.resolve_attention_impl`,
         `models.layers.resolve_matmul_impl`).
       moe_impl: the MoE targets' expert dispatch (`models.moe.MOE_IMPLS`; "ep" under an expert-parallel

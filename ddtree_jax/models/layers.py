@@ -28,7 +28,10 @@ MATMUL_IMPLS = ("xla", "pallas", "auto")
 # forward slower, 15.9 ms against 10.0 ms with XLA at B = 1, T = 1, and tied it from T = 17 on (B = 8, T = 65:
 # 43.4 against 44.1 ms). Our guess, not profiled: a custom call needs its weight materialised, so each
 # layer's slice of the stacked weights is copied, while XLA's dot reads it in place. So "auto" keeps bf16
-# weights on XLA and gives the kernel only the quantised ones, which XLA must dequantise anyway.
+# weights on XLA and gives the kernel only the quantised ones, which XLA must dequantise anyway, at up
+# to AUTO_PALLAS_MAX_ROWS rows. At M = 65 and 257 the kernel lost to dequantise + XLA on INT4 (0.25-0.64x),
+# and at M = 257 on FP8 (0.54x), while it won at M = 1, 8 and 17 (1.2-3.4x).
+AUTO_PALLAS_MAX_ROWS = 32
 
 
 def resolve_matmul_impl(impl: str, x: jax.Array, weight) -> str:
@@ -39,7 +42,9 @@ def resolve_matmul_impl(impl: str, x: jax.Array, weight) -> str:
         return impl
     if jax.default_backend() != "gpu":
         return "xla"
-    return "xla" if isinstance(weight, jax.Array) else "pallas"  # pallas: INT4 / block-FP8 (models.quant)
+    if isinstance(weight, jax.Array):  # bf16 / float weights
+        return "xla"
+    return "pallas" if math.prod(x.shape[:-1]) <= AUTO_PALLAS_MAX_ROWS else "xla"  # INT4 / block-FP8 (models.quant)
 
 
 def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:

@@ -50,3 +50,20 @@ def test_bad_requests_are_named():
             sharded_top_k_log_probs(jnp.zeros((1, 2, 64)), 9)
         with pytest.raises(ValueError, match="vocab top-k impl"):
             sharded_top_k_log_probs(jnp.zeros((1, 2, 64)), 4, impl="allreduce")
+
+
+def test_build_tree_with_the_vocab_parallel_top_k():
+    """build_tree(topk_impl="vocab_parallel") under a 4 x 2 mesh builds the unsharded tree (same tokens,
+    parents, depths; log-weights within float32 rounding); a bad topk_impl names itself."""
+    from ddtree_jax.tree import build_tree
+
+    logits = _logits(21, (4, 7, 1024))
+    roots = jnp.arange(4, dtype=jnp.int32)
+    want = build_tree(logits, 24, roots)
+    with jax.set_mesh(make_mesh(model=4, data=2)):
+        got = build_tree(logits, 24, roots, topk_impl="vocab_parallel")
+    for field in ("tokens", "parents", "depths", "ranks", "num_nodes"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), err_msg=field)
+    np.testing.assert_allclose(np.asarray(got.logw), np.asarray(want.logw), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="'sharded'"):
+        build_tree(logits, 24, roots, topk_impl="sharded")
