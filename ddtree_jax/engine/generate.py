@@ -77,6 +77,15 @@ def prefill(target_config, target_params, drafter, prompts, prompt_lengths, samp
     )
 
 
+def start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
+                max_new, **prefill_options) -> DecodeState:
+    """`prefill`, then rows whose first token is a stop token or whose max_new <= 1 are marked done: the
+    state the decode loop starts from (`generate`'s while_loop, `engine.host_loop`)."""
+    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, **prefill_options)
+    first_stop = (state.bonus[:, None] == stop_tokens).any(1)
+    return dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
+
+
 @functools.partial(jax.jit, static_argnames=("target_config", "max_new_tokens", "method", "budget", "block_size",
                                              "order", "verify_method", "cache_dtype", "attn_impl",
                                              "sampling_impl", "matmul_impl", "moe_impl", "layer_loop"))
@@ -103,12 +112,10 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys,
-                    max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                    cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
-                    layer_loop=layer_loop)
-    first_stop = (state.bonus[:, None] == stop_tokens).any(1)
-    state = dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
+    state = start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
+                        max_new, max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
+                        cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
+                        layer_loop=layer_loop)
 
     def cond(s):
         return ~jnp.all(s.done) & (s.step < max_new_tokens)
