@@ -50,14 +50,19 @@ def test_ep_without_a_mesh_is_gather(params):
     np.testing.assert_array_equal(np.asarray(moe.moe(CONFIG, p, x, impl="ep")), np.asarray(want))
 
 
+def _ep_sharded_layer(params, mesh):
+    """MoE layer 1 of the tiny K2 target with its experts split over "model" (the EP rule table)."""
+    sharded = shard_params({"moe_layers": params["moe_layers"]}, {"moe_layers": deepseek_v3.param_axes(CONFIG)["moe_layers"]},
+                           mesh, "ep")["moe_layers"]
+    return jax.tree.map(lambda a: a[1], sharded)
+
+
 def test_ep_region_many_tokens_uses_the_dense_local_product(params, mesh):
     """48 tokens * 3 > 4 local experts: each device's dense product over its own experts."""
     p = jax.tree.map(lambda a: a[1], params["moe_layers"])
     x = jax.random.normal(jax.random.key(4), (48, CONFIG.hidden_size))
     want = moe.moe_reference(CONFIG, p, x)
-    sharded = shard_params({"moe_layers": params["moe_layers"]}, {"moe_layers": deepseek_v3.param_axes(CONFIG)["moe_layers"]},
-                           mesh, "ep")["moe_layers"]
-    layer = jax.tree.map(lambda a: a[1], sharded)
+    layer = _ep_sharded_layer(params, mesh)
     with jax.set_mesh(mesh):
         run = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="ep"))
         assert "shard_map" in str(run.trace(layer, x).jaxpr)  # the region, not the unsharded fallback
@@ -72,9 +77,7 @@ def test_ep_region_with_the_grouped_kernel_locally(params, mesh, monkeypatch):
     p = jax.tree.map(lambda a: a[1], params["moe_layers"])
     x = jax.random.normal(jax.random.key(6), (12, CONFIG.hidden_size))
     want = moe.moe_reference(CONFIG, p, x)
-    sharded = shard_params({"moe_layers": params["moe_layers"]}, {"moe_layers": deepseek_v3.param_axes(CONFIG)["moe_layers"]},
-                           mesh, "ep")["moe_layers"]
-    layer = jax.tree.map(lambda a: a[1], sharded)
+    layer = _ep_sharded_layer(params, mesh)
     with jax.set_mesh(mesh):
         got = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="ep"))(layer, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
