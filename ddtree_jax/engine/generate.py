@@ -81,6 +81,9 @@ def start_state(target_config, target_params, drafter, prompts, prompt_lengths, 
                 max_new, **prefill_options) -> DecodeState:
     """`prefill`, then rows whose first token is a stop token or whose max_new <= 1 are marked done: the
     state the decode loop starts from (`generate`'s while_loop, `engine.host_loop`)."""
+    method = prefill_options.get("method")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, **prefill_options)
     first_stop = (state.bonus[:, None] == stop_tokens).any(1)
     return dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
@@ -110,8 +113,6 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
     Returns:
       GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     state = start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
                         max_new, max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
                         cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
