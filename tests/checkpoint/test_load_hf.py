@@ -126,3 +126,35 @@ def test_deepseek_family_configs_in_both_layouts():
         parse_config({**text, "scoring_func": "softmax"})
     with pytest.raises(ValueError, match="text_config"):
         parse_config({"model_type": "kimi_k25"})
+
+
+def test_kimi_style_yarn_drafter_loads_and_runs_on_the_deepseek_target(tmp_path):
+    """A DFlash drafter directory in the Kimi-K2.5-DFlash config layout (model_type qwen3, older
+    `rope_theta` + `rope_scaling: {type: yarn}` keys, `dflash_config` with target_layer_ids) loads with
+    load_pair beside the HF-written DeepSeek-V3 fixture target, taps the layers it names, and the engine
+    runs it: greedy DDTree and chain equal AR greedy (lossless for any drafter)."""
+    from ddtree_jax.engine.run import load_pair, run
+
+    target_dir = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny"
+    vocab, hidden = 97, 32
+    drafter = DFlashConfig(hidden_size=hidden, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                           block_size=4, mask_token_id=vocab - 1, target_layers=(0, 2), rope_theta=50_000.0,
+                           rope_type="yarn", rope_factor=4.0, rope_original_max_position=16)
+    save_hf(str(tmp_path), drafter, dflash.init_params(drafter, hidden, jax.random.key(7), norm_jitter=0.1),
+            vocab_size=vocab)
+    kimi_layout = {  # the key set of Kimi-K2.5-DFlash's config.json, at this tiny size
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 50_000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        "dflash_config": {"block_size": 4, "mask_token_id": vocab - 1, "target_layer_ids": [0, 2]},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(kimi_layout))
+    pair = load_pair(str(target_dir), str(tmp_path))
+    assert pair.drafter.config == drafter
+    assert pair.target_config.tapped_layers == (0, 2)
+    prompts = [[5, 17, 3, 60, 2, 9], [41, 8]]
+    common = dict(block_size=None, max_new_tokens=10, temperature=0.0)
+    ar = run(pair, prompts, method="ar", budget=8, **common)["tokens"]
+    assert run(pair, prompts, method="ddtree", budget=8, **common)["tokens"] == ar
+    assert run(pair, prompts, method="chain", budget=8, **common)["tokens"] == ar
