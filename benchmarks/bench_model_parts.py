@@ -17,8 +17,11 @@ and prints `sum of parts` = embed + layers * mla + dense_mlp + (layers - 1) * mo
 measured forward: a forward much slower than its parts has a cost outside them (layer-loop copies,
 cache writes), a part much slower at T = 1 than at T = 9 is the part to fix.
 
+`--profile moe:gather,forward:scan` adds, for those parts, the device time of each XLA op (from a
+`jax.profiler` trace, `benchmarks/op_profile.py`).
+
 Usage: python benchmarks/bench_model_parts.py --commit $(git rev-parse --short HEAD) [--layers 2]
-       [--slots 1,9] [--tiny]   (--tiny: the tiny K2-shaped model, a CPU check of the script)
+       [--slots 1,9] [--profile moe:gather] [--tiny]   (--tiny: the tiny K2-shaped model, a CPU check of the script)
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
+from benchmarks.op_profile import format_op_table, op_times  # noqa: E402
 from ddtree_jax.models import deepseek_v3  # noqa: E402
 from ddtree_jax.models.cache import KVCache  # noqa: E402
 from ddtree_jax.models.layers import linear, rms_norm, swiglu  # noqa: E402
@@ -56,8 +60,10 @@ def layer_slice(stack: dict, index: int) -> dict:
     return jax.tree.map(lambda a: a[index], stack)
 
 
-def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls, loops) -> dict:
-    """{part: ms} at B = 1, T = slots (module docstring)."""
+def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls, loops,
+               profile: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """({part: ms}, {part: per-op rows}) at B = 1, T = slots (module docstring); the parts named in
+    `profile` are also profiled op by op (`benchmarks.op_profile.op_times`)."""
     key = jax.random.key(slots)
     c = config
     tokens = jax.random.randint(key, (1, slots), 0, c.vocab_size - 1)
@@ -67,10 +73,13 @@ def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
     dense0 = layer_slice(params["dense_layers"], 0)
     moe0 = layer_slice(params["moe_layers"], 0) if c.num_moe_layers else None
-    ms = {}
+    ms, ops = {}, {}
 
-    def timed(name, fn, *args):
-        ms[name] = median_seconds(jax.jit(fn), *args, runs=runs) * 1e3
+    def timed(name, fn, *args, jitted=False):
+        fn = fn if jitted else jax.jit(fn)
+        ms[name] = median_seconds(fn, *args, runs=runs) * 1e3
+        if name in profile:
+            ops[name] = op_times(fn, *args, runs=runs)
 
     timed("embed", lambda e, t: e[t], params["embed"], tokens)
 
@@ -88,13 +97,12 @@ def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls
     timed("head", lambda n, w, x: linear(rms_norm(x, n, c.rms_norm_eps), w).astype(jnp.float32),
           params["final_norm"], deepseek_v3.head(c, params), x)
     for loop in loops:
-        fn = jax.jit(lambda p, cache, t, loop=loop: deepseek_v3.prefill(
-            c, p, cache, t, jnp.full((1,), slots, jnp.int32), layer_loop=loop)[0], donate_argnums=())
-        ms[f"forward:{loop}"] = median_seconds(fn, params, cache, tokens, runs=runs) * 1e3
+        timed(f"forward:{loop}", lambda p, cache, t, loop=loop: deepseek_v3.prefill(
+            c, p, cache, t, jnp.full((1,), slots, jnp.int32), layer_loop=loop)[0], params, cache, tokens)
     moe_ms = ms.get("moe:auto", next((v for k, v in ms.items() if k.startswith("moe:")), 0.0))
     ms["sum_of_parts"] = (ms["embed"] + c.num_layers * ms["mla"] + c.first_k_dense_replace * ms["dense_mlp"]
                           + c.num_moe_layers * moe_ms + ms["head"])
-    return ms
+    return ms, ops
 
 
 def main() -> None:
@@ -107,6 +115,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--moe-impls", default="auto,gather,pallas")
     parser.add_argument("--loops", default="scan,unrolled")
+    parser.add_argument("--profile", default="", help="parts to profile op by op (e.g. moe:gather,forward:scan)")
     args = parser.parse_args()
     if args.layers < 1:
         raise SystemExit(f"--layers must be >= 1, got {args.layers}")
@@ -118,14 +127,19 @@ def main() -> None:
         moe_impls = [m for m in moe_impls if m != "pallas"]
     print(f"device: {device_description()}; layers {args.layers}; context {args.context}; commit {args.commit}",
           flush=True)
-    results = {}
+    profile = tuple(p for p in args.profile.split(",") if p)
+    results, op_rows = {}, {}
     for slots in (int(s) for s in args.slots.split(",")):
-        results[slots] = time_parts(config, params, slots, context=args.context, runs=args.runs, moe_impls=moe_impls,
-                                    loops=[lp for lp in args.loops.split(",") if lp])
+        results[slots], ops = time_parts(config, params, slots, context=args.context, runs=args.runs,
+                                         moe_impls=moe_impls, loops=[lp for lp in args.loops.split(",") if lp],
+                                         profile=profile)
         print(f"T={slots}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[slots].items()), flush=True)
+        for name, rows in ops.items():
+            print(f"T={slots} {name}, per op:\n{format_op_table(rows)}", flush=True)
+            op_rows[f"{slots}:{name}"] = rows[:40]
         write_result("model_parts" + ("_tiny" if args.tiny else ""),
-                     {"layers": args.layers, "context": args.context, "ms": {str(k): v for k, v in results.items()}},
-                     args.commit)
+                     {"layers": args.layers, "context": args.context, "ms": {str(k): v for k, v in results.items()},
+                      "ops": op_rows}, args.commit)
     names = list(next(iter(results.values())))
     print(markdown_table(["part (ms)"] + [f"T = {s}" for s in results],
                          [[n] + [f"{results[s].get(n, float('nan')):.3f}" for s in results] for n in names]))
