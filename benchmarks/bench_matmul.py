@@ -13,7 +13,12 @@ Whole forwards (the issue's second table) come from `benchmarks/bench_engine.py 
 
 Targets (issue 12): each matmul >= 80% of the copy bandwidth for M <= 65.
 
+`--grouped-sweep 1,4,9,17` instead times the grouped INT4 kernel's tilings (`SWEEP_TILES`: column
+width, K step, split-K, warps, stages) on the K2.6 gate and down expert shapes at those token counts,
+printing the default against the best per case.
+
 Usage: python benchmarks/bench_matmul.py --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
+       python benchmarks/bench_matmul.py --commit C --grouped-sweep 1,4,9,17
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
 from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, dense  # noqa: E402
-from kernels.decode_matmul import grouped_matmul, matmul  # noqa: E402
+from kernels.decode_matmul import BLOCK_K, BLOCK_N, GroupedTiles, grouped_matmul, grouped_plan, matmul  # noqa: E402
 
 REPS = 10
 SHAPES = {
@@ -68,13 +73,62 @@ def _timed(op, xs, weight):
     return median_seconds(run, xs, weight) / REPS
 
 
+# the tilings `--grouped-sweep` times: column width x K step x K splits (None: grouped_plan's rule), then
+# warps / stages around the default
+SWEEP_TILES = ([GroupedTiles(block_n=bn, block_k=bk, splits=sp) for bn in (32, 64, 128) for bk in (256, 512)
+                for sp in (None, 1, 2, 4, 8)]
+               + [GroupedTiles(num_warps=8), GroupedTiles(num_stages=2), GroupedTiles(num_stages=4),
+                  GroupedTiles(block_n=32, block_k=512, num_stages=4), GroupedTiles(block_n=128, num_warps=8)])
+
+
+def grouped_sweep(tokens_list, copy_bw: float, key, commit: str, tiles_list=SWEEP_TILES, experts: int = 384,
+                  projections=(("gate", 2048, 7168), ("down", 7168, 2048))) -> list[dict]:
+    """Times each tiling of the grouped INT4 kernel on K2.6 expert shapes at T tokens x top-8 (routing drawn
+    uniformly, the same per T for every tiling); bytes = the distinct experts' packed weights + scales."""
+    rows = []
+    for proj, n, k in projections:
+        weight = Int4Weight(jax.random.randint(key, (experts, n, k // 8), -(2**31), 2**31 - 1, jnp.int32),
+                            jnp.full((experts, n, k // 32), 0.01, jnp.bfloat16))
+        for tokens in tokens_list:
+            assign = tokens * 8
+            chosen = np.random.default_rng(tokens).integers(0, experts, assign)
+            sizes = jnp.asarray(np.bincount(chosen, minlength=experts), jnp.int32)
+            distinct = len(set(chosen.tolist()))
+            nbytes = distinct * n * k * (0.5 + 2 / 32)
+            xs = jax.random.normal(key, (REPS, assign, k), jnp.bfloat16)
+            for tiles in tiles_list:
+                seconds = _timed(lambda x, w, tiles=tiles: grouped_matmul(x, w, sizes, tiles=tiles), xs, weight)
+                splits = grouped_plan(assign, experts, n, k, tiles)[2]
+                row = {"projection": proj, "N": n, "K": k, "T": tokens, "assignments": assign, "distinct_experts": distinct,
+                       "block_n": tiles.block_n, "block_k": tiles.block_k, "splits": splits,
+                       "splits_rule": tiles.splits is None, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
+                       "us": seconds * 1e6, "GBps": nbytes / seconds / 1e9, "of_copy": nbytes / seconds / copy_bw}
+                rows.append(row)
+                write_result("grouped_sweep", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
+            best = min((r for r in rows if r["projection"] == proj and r["T"] == tokens), key=lambda r: r["us"])
+            default = next(r for r in rows if r["projection"] == proj and r["T"] == tokens and r["splits_rule"]
+                           and (r["block_n"], r["block_k"], r["num_warps"], r["num_stages"]) == (BLOCK_N, BLOCK_K, 4, 3))
+            print(f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
+                  f"({100 * default['of_copy']:4.0f}% of copy); best {best['us']:8.1f} us ({100 * best['of_copy']:4.0f}%) at "
+                  f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
+                  f"stages {best['num_stages']}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--shapes", default="qwen3-8b,k2.6")
     parser.add_argument("--rows", default="1,8,17,65,257")
     parser.add_argument("--quick", action="store_true", help="M = 1 and 17 only")
+    parser.add_argument("--grouped-sweep", default="", help="only sweep the grouped INT4 kernel's tilings at these "
+                        "token counts (e.g. 1,4,9,17; K2.6 gate and down projections)")
     args = parser.parse_args()
+    if args.grouped_sweep:
+        copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
+        print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+        grouped_sweep([int(t) for t in args.grouped_sweep.split(",")], copy_bw, jax.random.key(1), args.commit)
+        return
     rows_list = [1, 17] if args.quick else [int(m) for m in args.rows.split(",")]
     copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
     print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)

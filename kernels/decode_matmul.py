@@ -27,6 +27,7 @@ are 128-aligned in K and divide 128 in N, so each tile has one scale.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -195,47 +196,73 @@ def matmul_reference(x: jax.Array, weight) -> jax.Array:
 # --- the grouped (MoE) variant: rows sorted by expert, each expert's weights streamed once per row tile ---------
 
 
-def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: int, block_k: int, precision):
+@dataclasses.dataclass(frozen=True)
+class GroupedTiles:
+    """The grouped kernel's tiling. block_n: output columns per program; block_k: contraction elements per
+    step (INT4: a multiple of 256; FP8: 128, one scale per tile); splits: K splits (split-K), None = as
+    many as fill TARGET_PROGRAMS with the step's row tiles; num_warps / num_stages: Triton's."""
+
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self, kind: str) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        need = {"int4": 8 * INT4_GROUP, "fp8": FP8_BLOCK, "dense": 16}[kind]
+        if self.block_k % need or (kind == "fp8" and self.block_k != FP8_BLOCK):
+            raise ValueError(f"block_k {self.block_k} does not suit {kind} weights (a multiple of {need}"
+                             + (f", exactly {FP8_BLOCK}" if kind == "fp8" else "") + ")")
+        if kind == "fp8" and FP8_BLOCK % self.block_n:
+            raise ValueError(f"block_n {self.block_n} must divide {FP8_BLOCK} for FP8 weights")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"splits must be >= 1 or None, got {self.splits}")
+
+
+def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: int, block_n: int, block_k: int,
+                    k_per_split: int, precision):
     # tile_ref: i32 [3, T]: (expert, first row, rows) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4)
     # weights: [E, N, K] array | (packed i32 [E, N, K / 8], scale [E, N, K / 32]) | (f8 [E, N, K], f32 scales)
-    # o_ref: [A_pad, N_pad] output, written at the tile's rows
+    # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows
     *weight_refs, o_ref = refs
-    n_tile, tile = pl.program_id(0), pl.program_id(1)
+    n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert, first, count = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile]
-    rows = n_tile * BLOCK_N + jnp.arange(BLOCK_N)
+    rows = n_tile * block_n + jnp.arange(block_n)
     row_ok = (rows < n)[:, None]
 
     @pl.when(count > 0)
     def _():
         def body(i, acc):
-            k0 = i * block_k
+            k0 = split * k_per_split + i * block_k
             if kind == "int4":
                 packed_ref, scale_ref = weight_refs
                 words, groups = block_k // 8, block_k // INT4_GROUP
-                packed = plgpu.load(packed_ref.at[expert, pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // 8, words)],
+                packed = plgpu.load(packed_ref.at[expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
                                     mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :], other=0)
-                scale = plgpu.load(scale_ref.at[expert, pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // INT4_GROUP, groups)],
+                scale = plgpu.load(scale_ref.at[expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
                                    mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
                                    other=0.0).astype(jnp.float32)
-                scale = jnp.broadcast_to(scale[:, :, None], (BLOCK_N, groups, INT4_GROUP // 8)).reshape(BLOCK_N, words)
+                scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
                 for plane in range(8):
                     w = ((((packed >> (4 * plane)) & 0xF) - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
                     acc = acc + _dot_t(x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)], w, precision)
                 return acc
             w_ref = weight_refs[0]
             cols = k0 + jnp.arange(block_k)
-            w = plgpu.load(w_ref.at[expert, pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
+            w = plgpu.load(w_ref.at[expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0, block_k)],
                            mask=row_ok & (cols < k)[None, :], other=0.0).astype(jnp.float32)
             if kind == "fp8":
                 scale_ref = weight_refs[1]
-                w = w * scale_ref[expert, jnp.minimum((n_tile * BLOCK_N) // FP8_BLOCK, scale_ref.shape[1] - 1),
+                w = w * scale_ref[expert, jnp.minimum((n_tile * block_n) // FP8_BLOCK, scale_ref.shape[1] - 1),
                                   jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[2] - 1)]
             return acc + _dot_t(x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.astype(x_ref.dtype), precision)
 
-        acc = lax.fori_loop(0, pl.cdiv(k, block_k), body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
+        acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         out_rows = first + jnp.arange(block_m)
-        plgpu.store(o_ref.at[pl.ds(first, block_m), pl.ds(n_tile * BLOCK_N, BLOCK_N)], acc.astype(o_ref.dtype),
+        plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc,
                     mask=(out_rows < first + count)[:, None])
 
 
@@ -254,43 +281,61 @@ def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array
     return jnp.stack([expert.astype(jnp.int32), first.astype(jnp.int32), rows.astype(jnp.int32)])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _grouped_2d(x, weight, group_sizes, *, interpret: bool):
+def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -> tuple[int, int, int, int]:
+    """(block_m, max_tiles, splits, k_per_split) for `rows` assignments over `experts` experts."""
+    block_m = _block_m(max(1, rows // max(1, min(experts, rows))))  # rows per expert on average, >= 16
+    max_tiles = min(experts, rows) + rows // block_m + 1  # every non-empty group: one partial tile at most
+    k_tiles = pl.cdiv(k, tiles.block_k)
+    if tiles.splits is None:  # fill the GPU with the row tiles a step is likely to have (one per expert touched)
+        programs = pl.cdiv(n, tiles.block_n) * min(experts, rows)
+        splits = max(1, min(pl.cdiv(TARGET_PROGRAMS, programs), k_tiles // 2 or 1))
+    else:
+        splits = min(tiles.splits, k_tiles)
+    k_per_split = pl.cdiv(k_tiles, splits) * tiles.block_k
+    return block_m, max_tiles, pl.cdiv(k_tiles * tiles.block_k, k_per_split), k_per_split
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
+def _grouped_2d(x, weight, group_sizes, *, interpret: bool, tiles: GroupedTiles):
     rows, k = x.shape
     experts, n = weight.shape[0], weight.shape[-2]
+    kind = "int4" if isinstance(weight, Int4Weight) else "fp8" if isinstance(weight, Fp8BlockWeight) else "dense"
+    tiles.check(kind)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    block_m = _block_m(max(1, rows // max(1, min(experts, rows))))  # rows per expert on average, >= 16
-    block_k = FP8_BLOCK if isinstance(weight, Fp8BlockWeight) else BLOCK_K
-    max_tiles = min(experts, rows) + rows // block_m + 1  # every non-empty group: one partial tile at most
-    tiles = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
-    k_pad = pl.cdiv(k, block_k) * block_k
+    block_m, max_tiles, splits, k_per_split = grouped_plan(rows, experts, n, k, tiles)
+    tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
+    k_pad = splits * k_per_split
     a_pad = rows + block_m  # a tile may read block_m rows from its first row
     x_pad = jnp.pad(x, ((0, a_pad - rows), (0, k_pad - k)))
-    n_tiles = pl.cdiv(n, BLOCK_N)
-    if isinstance(weight, Int4Weight):
-        kind, inputs = "int4", (x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1), weight.packed, weight.scale)
-    elif isinstance(weight, Fp8BlockWeight):
-        kind, inputs = "fp8", (x_pad, weight.weight, weight.scale_inv)
+    n_tiles = pl.cdiv(n, tiles.block_n)
+    if kind == "int4":
+        inputs = (x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1), weight.packed, weight.scale)
+    elif kind == "fp8":
+        inputs = (x_pad, weight.weight, weight.scale_inv)
     else:
-        kind, inputs = "dense", (x_pad, weight)
+        inputs = (x_pad, weight)
     out = pl.pallas_call(
-        functools.partial(_grouped_kernel, kind=kind, n=n, k=k, block_m=block_m, block_k=block_k, precision=precision),
-        grid=(n_tiles, max_tiles),
-        in_specs=[_whole(tiles.shape)] + [_whole(a.shape) for a in inputs],
-        out_specs=_whole((a_pad, n_tiles * BLOCK_N)),
-        out_shape=jax.ShapeDtypeStruct((a_pad, n_tiles * BLOCK_N), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        functools.partial(_grouped_kernel, kind=kind, n=n, k=k, block_m=block_m, block_n=tiles.block_n,
+                          block_k=tiles.block_k, k_per_split=k_per_split, precision=precision),
+        grid=(n_tiles, splits, max_tiles),
+        in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],
+        out_specs=_whole((splits, a_pad, n_tiles * tiles.block_n)),
+        out_shape=jax.ShapeDtypeStruct((splits, a_pad, n_tiles * tiles.block_n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"grouped_matmul_{kind}",
-    )(tiles, *inputs)
-    return out[:rows, :n]
+    )(tile_table, *inputs)
+    # rows no tile covers (the padding) hold garbage in every split: sliced off before they are read
+    return out[:, :rows, :n].sum(axis=0).astype(x.dtype)
 
 
-def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, interpret: bool | None = None) -> jax.Array:
+def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, interpret: bool | None = None,
+                   tiles: GroupedTiles | None = None) -> jax.Array:
     """Rows of x [A, K] sorted by expert (group_sizes int32 [E], summing to A) against stacked expert
     weights [E, N, K] (array, Int4Weight or Fp8BlockWeight) -> [A, N] in x's dtype: row a is
     x[a] @ W[e(a)]^T. Each expert's weights stream once per row tile of its group; experts without
-    rows are never read (the decode case: a step touches a few of 384 experts)."""
+    rows are never read (the decode case: a step touches a few of 384 experts). tiles: the tiling
+    (`GroupedTiles`; default `default_grouped_tiles` for the weight's format)."""
     shape = weight.shape
     if len(shape) != 3:
         raise ValueError(f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape}")
@@ -300,7 +345,14 @@ def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, interpret: b
         raise ValueError(f"group_sizes must have one entry per expert ({shape[0]},), got {group_sizes.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
-    return _grouped_2d(x, weight, group_sizes, interpret=_on_cpu() if interpret is None else bool(interpret))
+    tiles = tiles or default_grouped_tiles(weight)
+    return _grouped_2d(x, weight, group_sizes, interpret=_on_cpu() if interpret is None else bool(interpret),
+                       tiles=tiles)
+
+
+def default_grouped_tiles(weight) -> GroupedTiles:
+    """The default tiling per weight format (FP8: 128-wide K steps, one block scale per tile)."""
+    return GroupedTiles(block_k=FP8_BLOCK) if isinstance(weight, Fp8BlockWeight) else GroupedTiles()
 
 
 def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array) -> jax.Array:

@@ -2,6 +2,8 @@
 bf16 / f32 activations, plain, INT4 and block-FP8 weights, ragged M and K / N that are not multiples
 of the tiles (masked edges), leading batch dimensions, and the errors."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,8 +12,10 @@ from ddtree_jax.models.quant import Fp8BlockWeight, quantize_int4
 from kernels.decode_matmul import (
     BLOCK_K,
     BLOCK_N,
+    GroupedTiles,
     grouped_matmul,
     grouped_matmul_reference,
+    grouped_plan,
     matmul,
     matmul_reference,
     row_tiles,
@@ -102,6 +106,39 @@ def test_grouped_matches_the_reference(kind, rows):
     got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes)))
     ref = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(sizes)))
     assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
+@pytest.mark.parametrize("tiles", [GroupedTiles(block_n=32, splits=3), GroupedTiles(block_n=128, block_k=512, splits=2),
+                                   GroupedTiles(block_n=16, splits=1)])
+def test_grouped_tilings_and_split_k_match_the_reference(kind, tiles):
+    """Other tile widths and explicit K splits (partial sums over splits; K = 3 tiles + a ragged edge, so
+    3 splits put one tile in each and 2 splits leave the second one short)."""
+    if kind == "fp8":
+        tiles = dataclasses.replace(tiles, block_k=128, block_n=min(tiles.block_n, 64))
+    rng = np.random.default_rng(tiles.block_n + (tiles.splits or 0) + len(kind))
+    experts, n, k, rows = 5, 2 * tiles.block_n + 3, 3 * tiles.block_k - 96, 11
+    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
+    w = _expert_weights(rng, experts, n, k, kind)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes), tiles=tiles))
+    ref = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(sizes)))
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
+    _, _, splits, _ = grouped_plan(rows, experts, n, k, tiles)
+    assert splits == min(tiles.splits, 3)
+
+
+def test_grouped_plan_fills_the_gpu_at_decode_and_bad_tilings_are_named():
+    # one token, top-8: 8 row tiles of 32 column tiles (gate, N 2048) -> 2 K splits; at 72 rows none
+    assert grouped_plan(8, 384, 2048, 7168, GroupedTiles())[2] == 2
+    assert grouped_plan(72, 384, 2048, 7168, GroupedTiles())[2] == 1
+    w = _expert_weights(np.random.default_rng(0), 2, 64, 256, "int4")
+    with pytest.raises(ValueError, match="block_k 128 does not suit int4"):
+        grouped_matmul(jnp.zeros((3, 256)), w, jnp.asarray([3, 0], jnp.int32), tiles=GroupedTiles(block_k=128))
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 48"):
+        grouped_matmul(jnp.zeros((3, 256)), w, jnp.asarray([3, 0], jnp.int32), tiles=GroupedTiles(block_n=48))
+    with pytest.raises(ValueError, match="splits must be >= 1 or None, got 0"):
+        grouped_matmul(jnp.zeros((3, 256)), w, jnp.asarray([3, 0], jnp.int32), tiles=GroupedTiles(splits=0))
 
 
 def test_row_tiles_cover_each_group_once():

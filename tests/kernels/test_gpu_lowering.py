@@ -68,7 +68,7 @@ def test_decode_matmul_lowers_for_triton(hopper, kind):
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
 def test_grouped_matmul_lowers_for_triton(hopper, kind):
     from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
-    from kernels.decode_matmul import _grouped_2d
+    from kernels.decode_matmul import _grouped_2d, default_grouped_tiles
 
     experts, n, k = 384, 2048, 7168  # Kimi K2.6 experts
     weight = {
@@ -77,9 +77,10 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
         "fp8": Fp8BlockWeight(spec((experts, n, k), jnp.float8_e4m3fn),
                               spec((experts, n // 128, k // 128), jnp.float32)),
     }[kind]
-    text = _grouped_2d.trace(spec((136, k), jnp.bfloat16), weight, spec((experts,), jnp.int32),
-                             interpret=False).lower(lowering_platforms=("cuda",)).as_text()
-    assert "grouped_matmul" in text
+    for rows in (8, 136):  # one token (split-K), a budget-16 tree
+        text = _grouped_2d.trace(spec((rows, k), jnp.bfloat16), weight, spec((experts,), jnp.int32), interpret=False,
+                                 tiles=default_grouped_tiles(weight)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "grouped_matmul" in text
 
 
 @pytest.mark.parametrize("case", ["gqa", "mla"])
