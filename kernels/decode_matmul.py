@@ -196,13 +196,24 @@ def matmul_reference(x: jax.Array, weight) -> jax.Array:
 # --- the grouped (MoE) variant: rows sorted by expert, each expert's weights streamed once per row tile ---------
 
 
+# The grouped kernel's defaults, from `benchmarks/bench_matmul.py --grouped-sweep` (one H200, K2.6 INT4 gate
+# [2048, 7168] and down [7168, 2048] at T = 1 and 9 tokens x top-8, 2026-12-01): 128 columns, 256-wide K
+# steps and 4 K splits took 97 / 80 / 476 / 459 us (gate T 1, down T 1, gate T 9, down T 9) where 64
+# columns with the fill-the-GPU split rule took 116 / 87 / 560 / 459; the best single tiling per case
+# was at most 12% faster than this one.
+GROUPED_BLOCK_N = 128
+DECODE_SPLITS = 4  # K splits while the step has at most DECODE_ROWS rows (decode and tree verify)
+DECODE_ROWS = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedTiles:
     """The grouped kernel's tiling. block_n: output columns per program; block_k: contraction elements per
-    step (INT4: a multiple of 256; FP8: 128, one scale per tile); splits: K splits (split-K), None = as
-    many as fill TARGET_PROGRAMS with the step's row tiles; num_warps / num_stages: Triton's."""
+    step (INT4: a multiple of 256; FP8: 128, one scale per tile); splits: K splits (split-K), None =
+    DECODE_SPLITS up to DECODE_ROWS rows, else 1 (the f32 partial sums are splits x rows x N: small only
+    at decode sizes); num_warps / num_stages: Triton's."""
 
-    block_n: int = BLOCK_N
+    block_n: int = GROUPED_BLOCK_N
     block_k: int = BLOCK_K
     splits: int | None = None
     num_warps: int = 4
@@ -289,9 +300,8 @@ def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -
     block_m = _block_m(max(1, rows // max(1, min(experts, rows))))  # rows per expert on average, >= 16
     max_tiles = min(experts, rows) + rows // block_m + 1  # every non-empty group: one partial tile at most
     k_tiles = pl.cdiv(k, tiles.block_k)
-    if tiles.splits is None:  # fill the GPU with the row tiles a step is likely to have (one per expert touched)
-        programs = pl.cdiv(n, tiles.block_n) * min(experts, rows)
-        splits = max(1, min(pl.cdiv(TARGET_PROGRAMS, programs), k_tiles // 2 or 1))
+    if tiles.splits is None:
+        splits = max(1, min(DECODE_SPLITS, k_tiles // 2)) if rows <= DECODE_ROWS else 1
     else:
         splits = min(tiles.splits, k_tiles)
     k_per_split = pl.cdiv(k_tiles, splits) * tiles.block_k

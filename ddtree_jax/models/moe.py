@@ -14,14 +14,15 @@ and k experts per token there are N = M * k (token, expert) assignments:
   Pallas INT4 grouped kernel fills in: XLA on GPU expands ragged_dot into a dense product over every
   group (G * N rows), k times the reference's work once N >= E.
 - "auto" (prefill / verify default), static from the shapes (`choose_impl`): off GPU "gather" while
-  N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 128, else "pallas" (the grouped
+  N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 16, else "pallas" (the grouped
   kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep").
 
 Measured on one H200, one K2.6-shaped layer (E 384, k 8, D 7168, I 2048), bf16 activations, ms:
 INT4 gather 0.32 / 3.4 / 9.4 / 27 at N = 8 / 136 / 384 / 1088, reference 19 / 19 / 19 / 20 (39 at N 4096),
 ragged 0.74 / 9.9 / 31 / 67 (217 at N 4096); bf16 and FP8 experts: gather 0.23 / 2.7 / 7.5 / 22,
-reference 8 (bf16) and 28 (FP8) up to N = 384. Hence gather up to N ~ E and the reference beyond, until
-the grouped kernel makes "ragged" the large-N choice. All impls are equal up to float reassociation
+reference 8 (bf16) and 28 (FP8) up to N = 384 (an earlier session's wall-clock medians). Hence, off GPU,
+gather up to N ~ E and the reference beyond; on GPU the grouped kernel ("pallas") from N = 17 on
+(GPU_GATHER_MAX_ASSIGNMENTS: device times of 2026-12-01 beside it). All impls are equal up to float reassociation
 (tests/models/test_moe.py; in bf16 "gather" also skips the reference's rounding of dequantised weights
 to bf16, accumulating in float32); static shapes, no host sync.
 
@@ -30,7 +31,7 @@ On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
   device). A `shard_map` region: the tokens, already on every device of "model" (attention's output
   projection ends in an all-reduce), meet the device's own experts; assignments to other devices' experts
   weigh 0; a psum over "model" combines. Inside (`local_expert_impl`), "gather" while the step's
-  assignments are at most the device's experts (GPU: at most 128), else the grouped kernel on GPU and
+  assignments are at most the device's experts (GPU: at most 16), else the grouped kernel on GPU and
   the dense product over its experts elsewhere. Without a mesh "ep" is "gather".
 - "pallas": the grouped kernel cannot be partitioned by XLA, so under a mesh it runs in a region too,
   on the TP table's split (each expert's FFN columns over "model"), partial sums psum-ed.
@@ -187,9 +188,12 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 
-# On GPU the grouped Pallas kernel beats "gather" from about this many assignments (one K2.6 INT4 layer,
-# gate + up + down: gather 0.32 / 3.4 ms at N = 8 / 136, the kernel ~0.77 / ~2.8 ms; BENCHMARKS.md)
-GPU_GATHER_MAX_ASSIGNMENTS = 128
+# On GPU "gather" up to this many assignments, the grouped Pallas kernel beyond. One K2.6 INT4 MoE layer
+# (router + shared expert + routed, one H200, device time from benchmarks/bench_model_parts.py --profile,
+# 2026-12-01): gather 0.30 / 0.45 / 0.84 / 1.82 ms at 8 / 16 / 32 / 72 assignments (T = 1 / 2 / 4 / 9
+# tokens), the grouped kernel 0.29 / 0.47 / 0.72 / 0.76 ms: a tie up to 16, the kernel from 32 on
+# (2.4x at 72). The 128 used before predates the kernel's split-K and its loop-free row tiles.
+GPU_GATHER_MAX_ASSIGNMENTS = 16
 
 
 def choose_impl(config: DeepSeekV3Config, num_tokens: int, backend: str | None = None) -> str:

@@ -129,9 +129,11 @@ def test_grouped_tilings_and_split_k_match_the_reference(kind, tiles):
 
 
 def test_grouped_plan_fills_the_gpu_at_decode_and_bad_tilings_are_named():
-    # one token, top-8: 8 row tiles of 32 column tiles (gate, N 2048) -> 2 K splits; at 72 rows none
-    assert grouped_plan(8, 384, 2048, 7168, GroupedTiles())[2] == 2
-    assert grouped_plan(72, 384, 2048, 7168, GroupedTiles())[2] == 1
+    # decode and tree-verify sizes: 4 K splits (fewer where K has fewer than 8 tiles); prefill sizes: none
+    assert grouped_plan(8, 384, 2048, 7168, GroupedTiles())[2] == 4
+    assert grouped_plan(512, 384, 7168, 2048, GroupedTiles())[2] == 4
+    assert grouped_plan(8, 4, 64, 768, GroupedTiles())[2] == 1  # 3 K tiles
+    assert grouped_plan(513, 384, 2048, 7168, GroupedTiles())[2] == 1
     w = _expert_weights(np.random.default_rng(0), 2, 64, 256, "int4")
     with pytest.raises(ValueError, match="block_k 128 does not suit int4"):
         grouped_matmul(jnp.zeros((3, 256)), w, jnp.asarray([3, 0], jnp.int32), tiles=GroupedTiles(block_k=128))

@@ -96,13 +96,14 @@ def test_auto_rule_and_unknown_impl():
     assert moe.choose_impl(CONFIG, 5) == "gather"  # 15 assignments <= 16 experts
     assert moe.choose_impl(CONFIG, 6) == "reference"
     assert moe.choose_impl(CONFIG, 6, backend="cpu") == "reference"
-    # GPU: gather up to GPU_GATHER_MAX_ASSIGNMENTS (128), then the grouped kernel
-    assert moe.choose_impl(CONFIG, 128 // CONFIG.num_experts_per_tok, backend="gpu") == "gather"
-    assert moe.choose_impl(CONFIG, 128 // CONFIG.num_experts_per_tok + 1, backend="gpu") == "pallas"
+    # GPU: gather up to GPU_GATHER_MAX_ASSIGNMENTS (16: two K2.6 tokens), then the grouped kernel
+    assert moe.GPU_GATHER_MAX_ASSIGNMENTS == 16
+    assert moe.choose_impl(CONFIG, 16 // CONFIG.num_experts_per_tok, backend="gpu") == "gather"
+    assert moe.choose_impl(CONFIG, 16 // CONFIG.num_experts_per_tok + 1, backend="gpu") == "pallas"
     assert moe.local_expert_impl(4, 4, backend="cpu") == "gather"
     assert moe.local_expert_impl(5, 4, backend="cpu") == "dense"
-    assert moe.local_expert_impl(100, 48, backend="gpu") == "gather"
-    assert moe.local_expert_impl(129, 48, backend="gpu") == "pallas"
+    assert moe.local_expert_impl(16, 48, backend="gpu") == "gather"
+    assert moe.local_expert_impl(17, 48, backend="gpu") == "pallas"
     p = _layer("float")
     x = jax.random.normal(jax.random.key(0), (1, 1, CONFIG.hidden_size))
     np.testing.assert_array_equal(np.asarray(moe.moe(CONFIG, p, x)), np.asarray(moe.moe(CONFIG, p, x, impl="gather")))
