@@ -234,13 +234,14 @@ class GroupedTiles:
 
 def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: int, block_n: int, block_k: int,
                     k_per_split: int, precision):
-    # tile_ref: i32 [3, T]: (expert, first row, rows) of each row tile (rows 0 = unused tile)
+    # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4)
-    # weights: [E, N, K] array | (packed i32 [E, N, K / 8], scale [E, N, K / 32]) | (f8 [E, N, K], f32 scales)
+    # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
+    #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place
     # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows
     *weight_refs, o_ref = refs
     n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    expert, first, count = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile]
+    expert, first, count, layer = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile], tile_ref[3, tile]
     rows = n_tile * block_n + jnp.arange(block_n)
     row_ok = (rows < n)[:, None]
 
@@ -251,9 +252,10 @@ def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: 
             if kind == "int4":
                 packed_ref, scale_ref = weight_refs
                 words, groups = block_k // 8, block_k // INT4_GROUP
-                packed = plgpu.load(packed_ref.at[expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
+                packed = plgpu.load(packed_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
                                     mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :], other=0)
-                scale = plgpu.load(scale_ref.at[expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
+                scale = plgpu.load(scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n),
+                                                pl.ds(k0 // INT4_GROUP, groups)],
                                    mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
                                    other=0.0).astype(jnp.float32)
                 scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
@@ -263,12 +265,12 @@ def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: 
                 return acc
             w_ref = weight_refs[0]
             cols = k0 + jnp.arange(block_k)
-            w = plgpu.load(w_ref.at[expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0, block_k)],
+            w = plgpu.load(w_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0, block_k)],
                            mask=row_ok & (cols < k)[None, :], other=0.0).astype(jnp.float32)
             if kind == "fp8":
                 scale_ref = weight_refs[1]
-                w = w * scale_ref[expert, jnp.minimum((n_tile * block_n) // FP8_BLOCK, scale_ref.shape[1] - 1),
-                                  jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[2] - 1)]
+                w = w * scale_ref[layer, expert, jnp.minimum((n_tile * block_n) // FP8_BLOCK, scale_ref.shape[2] - 1),
+                                  jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[3] - 1)]
             return acc + _dot_t(x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.astype(x_ref.dtype), precision)
 
         acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -309,14 +311,16 @@ def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def _grouped_2d(x, weight, group_sizes, *, interpret: bool, tiles: GroupedTiles):
+def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: GroupedTiles):
+    # weight: stacked [L, E, N, K] (a plain [E, N, K] arrives as L = 1, layer 0); layer: int32 []
     rows, k = x.shape
-    experts, n = weight.shape[0], weight.shape[-2]
+    experts, n = weight.shape[1], weight.shape[-2]
     kind = "int4" if isinstance(weight, Int4Weight) else "fp8" if isinstance(weight, Fp8BlockWeight) else "dense"
     tiles.check(kind)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     block_m, max_tiles, splits, k_per_split = grouped_plan(rows, experts, n, k, tiles)
     tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
+    tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
     k_pad = splits * k_per_split
     a_pad = rows + block_m  # a tile may read block_m rows from its first row
     x_pad = jnp.pad(x, ((0, a_pad - rows), (0, k_pad - k)))
@@ -342,16 +346,28 @@ def _grouped_2d(x, weight, group_sizes, *, interpret: bool, tiles: GroupedTiles)
     return out[:, :rows, :n].sum(axis=0).astype(x.dtype)
 
 
-def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, interpret: bool | None = None,
-                   tiles: GroupedTiles | None = None) -> jax.Array:
+def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, layer: jax.Array | int | None = None,
+                   interpret: bool | None = None, tiles: GroupedTiles | None = None) -> jax.Array:
     """Rows of x [A, K] sorted by expert (group_sizes int32 [E], summing to A) against stacked expert
     weights [E, N, K] (array, Int4Weight or Fp8BlockWeight) -> [A, N] in x's dtype: row a is
     x[a] @ W[e(a)]^T. Each expert's weights stream once per row tile of its group; experts without
     rows are never read (the decode case: a step touches a few of 384 experts). tiles: the tiling
-    (`GroupedTiles`; default `default_grouped_tiles` for the weight's format)."""
+    (`GroupedTiles`; default `default_grouped_tiles` for the weight's format).
+
+    layer: with weights of every layer stacked, [L, E, N, K], the layer to use (int32 scalar, may be
+    traced: a scan's counter). The kernel reads that layer in place: slicing it out first would copy
+    the layer's experts (8.4 GB for a K2.6 INT4 layer) on every call, since a Pallas call takes each
+    operand as one buffer."""
     shape = weight.shape
-    if len(shape) != 3:
-        raise ValueError(f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape}")
+    if layer is None:
+        if len(shape) != 3:
+            raise ValueError(f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape} "
+                             "(all layers' [L, E, N, K]: pass layer=)")
+        weight = jax.tree.map(lambda a: a[None], weight)  # L = 1: a bitcast
+        layer = 0
+    elif len(shape) != 4:
+        raise ValueError(f"with layer= grouped_matmul takes every layer's expert weights [L, E, N, K], got shape {shape}")
+    shape = shape[-3:]
     if x.ndim != 2 or x.shape[1] != shape[2]:
         raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
     if group_sizes.shape != (shape[0],):
@@ -359,8 +375,8 @@ def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, interpret: b
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     tiles = tiles or default_grouped_tiles(weight)
-    return _grouped_2d(x, weight, group_sizes, interpret=_on_cpu() if interpret is None else bool(interpret),
-                       tiles=tiles)
+    return _grouped_2d(x, weight, group_sizes, jnp.asarray(layer, jnp.int32),
+                       interpret=_on_cpu() if interpret is None else bool(interpret), tiles=tiles)
 
 
 def default_grouped_tiles(weight) -> GroupedTiles:
@@ -368,8 +384,11 @@ def default_grouped_tiles(weight) -> GroupedTiles:
     return GroupedTiles(block_k=FP8_BLOCK) if isinstance(weight, Fp8BlockWeight) else GroupedTiles()
 
 
-def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array) -> jax.Array:
-    """The twin: each row against its expert's dequantised weights (gathered per row)."""
+def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array, *, layer=None) -> jax.Array:
+    """The twin: each row against its expert's dequantised weights (gathered per row); layer: as in
+    `grouped_matmul` (sliced out here)."""
+    if layer is not None:
+        weight = jax.tree.map(lambda a: a[layer], weight)
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
     w = dense(weight, x.dtype)[expert]  # [A, N, K]
     return jnp.einsum("ak,ank->an", x, w, preferred_element_type=jnp.float32).astype(x.dtype)

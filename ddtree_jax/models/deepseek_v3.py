@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.attention import attention, resolve_attention_impl, sharded_tree_attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
-from ddtree_jax.models.moe import EXPERT_AXES, MOE_IMPLS, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
+from ddtree_jax.models.moe import EXPERT_AXES, MOE_IMPLS, LayerOf, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
 from ddtree_jax.models.quant import dense
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
@@ -248,13 +248,23 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
     for kind, count in (("dense_layers", c.first_k_dense_replace), ("moe_layers", c.num_moe_layers)):
         if not count:
             continue
-        xs = (params[kind], cache.k[first: first + count], cache.v[first: first + count])
+        # the routed experts stay stacked (loop invariants) and reach the layer as LayerOf(stack, layer): the
+        # grouped kernel reads its layer in place instead of a per-layer slice copy (models/moe.py)
+        stacks = {name: params[kind][name] for name in EXPERT_AXES if name in params[kind]}
+        rest = {name: value for name, value in params[kind].items() if name not in stacks}
+        xs = (rest, cache.k[first: first + count], cache.v[first: first + count], jnp.arange(count, dtype=jnp.int32))
+
+        def step(h, inputs, kind=kind, stacks=stacks):
+            p, latent_cache, rope_cache, layer = inputs
+            p = {**p, **{name: LayerOf(stack, layer) for name, stack in stacks.items()}}
+            return layer_fn(kind)(h, (p, latent_cache, rope_cache))
+
         if layer_loop == "scan":
-            h, (lat, rope, hs) = jax.lax.scan(layer_fn(kind), h, xs)
+            h, (lat, rope, hs) = jax.lax.scan(step, h, xs)
         else:
             per_layer = []
             for layer in range(count):
-                h, out = layer_fn(kind)(h, jax.tree.map(lambda a: a[layer], xs))
+                h, out = step(h, jax.tree.map(lambda a: a[layer], xs))
                 per_layer.append(out)
             lat, rope, hs = (jnp.stack(parts) for parts in zip(*per_layer))
         latents.append(lat)

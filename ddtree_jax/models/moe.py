@@ -42,11 +42,14 @@ On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models.layers import linear, swiglu
@@ -59,6 +62,31 @@ MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
 # of sharding/rules.py map them to mesh axes, here and for the manual regions below)
 EXPERT_AXES = {"expert_gate": ("experts", "expert_mlp", "embed"), "expert_up": ("experts", "expert_mlp", "embed"),
                "expert_down": ("experts", "embed", "expert_mlp")}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `layer` (int32 []) of every MoE layer's stacked expert weights `stack` [L, E, ...] (array or
+    quantised weight), not sliced out. The model's layer loops pass the routed experts this way: the
+    grouped kernel reads the layer in place and "gather" indexes (layer, expert) in one gather, where a
+    slice would copy the layer's experts (8.4 GB per K2.6 INT4 layer) before every Pallas call. Paths
+    that need the whole layer anyway ("reference", "ragged" over all experts) slice it (`get`)."""
+
+    stack: Any
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    def get(self):
+        return jax.tree.map(lambda a: a[self.layer], self.stack)
+
+
+def _layer(weight):
+    """A layer's expert weights as a value (slices a LayerOf)."""
+    return weight.get() if isinstance(weight, LayerOf) else weight
 
 
 def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -92,9 +120,9 @@ def routed_dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) 
     dense [..., E] routing matrix (INT4 / FP8 experts dequantised to x's dtype)."""
     num_experts = p["expert_gate"].shape[0]
     dense_weights = (jax.nn.one_hot(experts, num_experts) * weights[..., None]).sum(-2)  # [..., E]
-    gate = jnp.einsum("...d,eid->...ei", x, dense(p["expert_gate"], x.dtype))
-    up = jnp.einsum("...d,eid->...ei", x, dense(p["expert_up"], x.dtype))
-    out = jnp.einsum("...ei,edi->...ed", jax.nn.silu(gate) * up, dense(p["expert_down"], x.dtype))
+    gate = jnp.einsum("...d,eid->...ei", x, dense(_layer(p["expert_gate"]), x.dtype))
+    up = jnp.einsum("...d,eid->...ei", x, dense(_layer(p["expert_up"]), x.dtype))
+    out = jnp.einsum("...ei,edi->...ed", jax.nn.silu(gate) * up, dense(_layer(p["expert_down"]), x.dtype))
     return jnp.einsum("...ed,...e->...d", out, dense_weights.astype(out.dtype))
 
 
@@ -105,7 +133,10 @@ def moe_reference(config: DeepSeekV3Config, p: dict, x: jax.Array) -> jax.Array:
 
 
 def _take(weight, index: jax.Array):
-    """Rows `index` of the leading (experts) axis of a plain or quantised weight, kept in its stored form."""
+    """Rows `index` of the leading (experts) axis of a plain or quantised weight, kept in its stored form;
+    of a LayerOf, one gather at (layer, index)."""
+    if isinstance(weight, LayerOf):
+        return jax.tree.map(lambda a: a[weight.layer, index], weight.stack)
     return jax.tree.map(lambda a: jnp.take(a, index, axis=0), weight)
 
 
@@ -162,7 +193,7 @@ def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
         gate_w, up_w, down_w = (_take(p[name], ids) for name in ("expert_gate", "expert_up", "expert_down"))
     else:
         group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-        gate_w, up_w, down_w = p["expert_gate"], p["expert_up"], p["expert_down"]
+        gate_w, up_w, down_w = (_layer(p[name]) for name in ("expert_gate", "expert_up", "expert_down"))
     xs = x[order // k]  # [N, D], rows grouped by expert
     h = jax.nn.silu(_ragged(xs, dense(gate_w, x.dtype), group_sizes)) * _ragged(xs, dense(up_w, x.dtype), group_sizes)
     out_sorted = _ragged(h, dense(down_w, x.dtype), group_sizes)  # [N, D]
@@ -182,8 +213,14 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     order = jnp.argsort(flat, stable=True)  # sorted position -> assignment
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
     xs = x[order // k]
-    h = jax.nn.silu(grouped_matmul(xs, p["expert_gate"], group_sizes)) * grouped_matmul(xs, p["expert_up"], group_sizes)
-    out_sorted = grouped_matmul(h, p["expert_down"], group_sizes)
+
+    def grouped(rows, weight):
+        if isinstance(weight, LayerOf):  # read in place: no per-layer copy of the experts
+            return grouped_matmul(rows, weight.stack, group_sizes, layer=weight.layer)
+        return grouped_matmul(rows, weight, group_sizes)
+
+    h = jax.nn.silu(grouped(xs, p["expert_gate"])) * grouped(xs, p["expert_up"])
+    out_sorted = grouped(h, p["expert_down"])
     out = out_sorted[jnp.argsort(order)].reshape(tokens, k, -1)
     return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
@@ -254,6 +291,8 @@ def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weight
     layout, fn = (("ep", functools.partial(_routed_expert_parallel, local_impl=local_impl)) if impl == "ep"
                   else ("tp", functools.partial(_routed_tensor_parallel, impl)))
     specs = {name: partition_spec(axes, layout) for name, axes in EXPERT_AXES.items()}
+    specs = {name: LayerOf(PartitionSpec(None, *spec), PartitionSpec()) if isinstance(p[name], LayerOf) else spec
+             for name, spec in specs.items()}  # a stack's layer axis and the layer index: replicated
     experts_only = {name: p[name] for name in EXPERT_AXES}
     return shard_call(fn, (experts_only, x, experts, weights), (specs, rows(2), rows(2), rows(2)), rows(2),
                       reduce_axes=(MODEL,))

@@ -4,6 +4,7 @@ of the tiles (masked edges), leading batch dimensions, and the errors."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -126,6 +127,27 @@ def test_grouped_tilings_and_split_k_match_the_reference(kind, tiles):
     assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
     _, _, splits, _ = grouped_plan(rows, experts, n, k, tiles)
     assert splits == min(tiles.splits, 3)
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
+def test_grouped_reads_one_layer_of_stacked_weights_in_place(kind):
+    """layer=: every layer's experts stacked [L, E, N, K], the layer a traced scalar (as in a scan)."""
+    rng = np.random.default_rng(len(kind))
+    layers, experts, n, k, rows = 3, 4, 70, 2 * BLOCK_K, 9
+    per_layer = [_expert_weights(rng, experts, n, k, kind) for _ in range(layers)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    sizes = jnp.asarray(np.bincount(rng.integers(0, experts, rows), minlength=experts), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    run = jax.jit(lambda x, w, i: grouped_matmul(x, w, sizes, layer=i))
+    for layer in range(layers):
+        got = np.asarray(run(x, stacked, jnp.int32(layer)))
+        ref = np.asarray(grouped_matmul_reference(x, per_layer[layer], sizes))
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6, layer
+        np.testing.assert_array_equal(ref, np.asarray(grouped_matmul_reference(x, stacked, sizes, layer=layer)))
+    with pytest.raises(ValueError, match=r"with layer= grouped_matmul takes every layer's expert weights \[L, E, N, K\]"):
+        grouped_matmul(x, per_layer[0], sizes, layer=0)
+    with pytest.raises(ValueError, match="pass layer="):
+        grouped_matmul(x, stacked, sizes)
 
 
 def test_grouped_plan_fills_the_gpu_at_decode_and_bad_tilings_are_named():

@@ -71,15 +71,17 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
     from kernels.decode_matmul import _grouped_2d, default_grouped_tiles
 
     experts, n, k = 384, 2048, 7168  # Kimi K2.6 experts
+    layers = 60  # every MoE layer's experts stacked; the kernel reads one in place
     weight = {
-        "dense": spec((experts, n, k), jnp.bfloat16),
-        "int4": Int4Weight(spec((experts, n, k // 8), jnp.int32), spec((experts, n, k // 32), jnp.bfloat16)),
-        "fp8": Fp8BlockWeight(spec((experts, n, k), jnp.float8_e4m3fn),
-                              spec((experts, n // 128, k // 128), jnp.float32)),
+        "dense": spec((layers, experts, n, k), jnp.bfloat16),
+        "int4": Int4Weight(spec((layers, experts, n, k // 8), jnp.int32), spec((layers, experts, n, k // 32), jnp.bfloat16)),
+        "fp8": Fp8BlockWeight(spec((layers, experts, n, k), jnp.float8_e4m3fn),
+                              spec((layers, experts, n // 128, k // 128), jnp.float32)),
     }[kind]
     for rows in (8, 136):  # one token (split-K), a budget-16 tree
-        text = _grouped_2d.trace(spec((rows, k), jnp.bfloat16), weight, spec((experts,), jnp.int32), interpret=False,
-                                 tiles=default_grouped_tiles(weight)).lower(lowering_platforms=("cuda",)).as_text()
+        text = _grouped_2d.trace(spec((rows, k), jnp.bfloat16), weight, spec((experts,), jnp.int32), spec((), jnp.int32),
+                                 interpret=False, tiles=default_grouped_tiles(weight)).lower(
+            lowering_platforms=("cuda",)).as_text()
         assert "grouped_matmul" in text
 
 

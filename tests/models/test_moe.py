@@ -127,3 +127,27 @@ def test_prefill_and_verify_take_each_impl():
     for impl in ("auto", "gather", "ragged", "pallas"):
         for got, want in zip(outs[impl], outs["reference"]):
             assert relerr(got, want) < 1e-5, impl
+
+
+def test_stacked_layers_reach_each_dispatch_in_place():
+    """Two MoE layers: the layer loops hand the experts over as LayerOf(stack, layer) (no per-layer slice);
+    gather / pallas / ep (no mesh) read the right layer: scan and unrolled equal the reference."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, num_layers=3)
+    params = deepseek_v3.init_params(config, jax.random.key(6))
+    ids = jnp.asarray(np.random.default_rng(6).integers(0, 50, (2, 5)), jnp.int32)
+    outs = {}
+    for impl in ("reference", "gather", "pallas", "ep"):
+        for loop in ("scan", "unrolled"):
+            cache = deepseek_v3.create_cache(config, 2, 8, jnp.float32)
+            outs[impl, loop] = deepseek_v3.prefill(config, params, cache, ids, jnp.array([5, 3], jnp.int32),
+                                                   moe_impl=impl, layer_loop=loop)[0]
+    sliced = {**params, "moe_layers": {**params["moe_layers"]}}
+    for name in moe.EXPERT_AXES:  # a different second layer would change the logits: each layer is read
+        sliced["moe_layers"][name] = jax.tree.map(lambda a: a.at[1].set(a[0]), params["moe_layers"][name])
+    changed = deepseek_v3.prefill(config, sliced, deepseek_v3.create_cache(config, 2, 8, jnp.float32), ids,
+                                  jnp.array([5, 3], jnp.int32), moe_impl="reference")[0]
+    assert relerr(changed, outs["reference", "scan"]) > 1e-3
+    for key, got in outs.items():
+        assert relerr(got, outs["reference", "scan"]) < 1e-5, key
