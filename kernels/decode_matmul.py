@@ -23,6 +23,12 @@ Block FP8 (DeepSeek-V3 style): float8_e4m3fn [N, K] with float32 scales per 128 
 are 128-aligned in K and divide 128 in N, so each tile has one scale.
 
 `matmul_reference` is the twin: dequantise to x's dtype and contract (what `layers.linear` does).
+
+The grouped (MoE) variant, `grouped_matmul`: rows sorted by expert against stacked experts [E, N, K] (or
+every layer's, [L, E, N, K], with `layer=`: read in place, no per-layer copy). Grid (N tiles, K splits,
+row tiles); a table of (expert, first row, rows, layer) per row tile, built without loops
+(`row_tiles`); tiling in `GroupedTiles` (defaults from `bench_matmul.py --grouped-sweep`). Twin:
+`grouped_matmul_reference`.
 """
 
 from __future__ import annotations

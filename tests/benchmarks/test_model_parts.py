@@ -1,0 +1,32 @@
+"""benchmarks/bench_model_parts.py and benchmarks/op_profile.py on the tiny K2-shaped model (CPU): every
+part is timed, the sum of parts follows its formula, and the op profile finds the program's ops."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.bench_model_parts import time_parts
+from benchmarks.op_profile import format_op_table, op_times
+from experiments.sharded_run import _init_target, k26_config
+
+
+def test_parts_are_timed_and_summed():
+    config = k26_config(3, tiny=True)  # 1 dense + 2 MoE layers
+    params = jax.jit(lambda k: _init_target(config, k, jnp.float32))(jax.random.key(0))
+    ms, ops = time_parts(config, params, 2, context=16, runs=1, moe_impls=["auto", "gather"], loops=["scan"],
+                         profile=("moe:gather",))
+    assert set(ms) == {"embed", "mla", "dense_mlp", "moe:auto", "moe:gather", "head", "forward:scan", "sum_of_parts"}
+    assert all(v > 0 for v in ms.values())
+    want = ms["embed"] + 3 * ms["mla"] + ms["dense_mlp"] + 2 * ms["moe:auto"] + ms["head"]
+    assert ms["sum_of_parts"] == pytest.approx(want)
+    assert list(ops) == ["moe:gather"] and ops["moe:gather"][0]["us_per_run"] > 0
+
+
+def test_op_times_sums_each_op_of_the_program():
+    fn = jax.jit(lambda x: jnp.sin(x @ x.T).sum() + jnp.cos(x).mean())
+    rows = op_times(fn, jnp.ones((256, 256)), runs=2)
+    assert rows and all(r["us_per_run"] > 0 and r["events_per_run"] > 0 for r in rows)
+    assert [r["us_per_run"] for r in rows] == sorted((r["us_per_run"] for r in rows), reverse=True)
+    assert "total device time" in format_op_table(rows, top=3)
+    with pytest.raises(ValueError, match="runs must be >= 1, got 0"):
+        op_times(fn, jnp.ones((4, 4)), runs=0)
