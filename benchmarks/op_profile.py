@@ -16,12 +16,15 @@ import collections
 import glob
 import os
 import tempfile
+import warnings
 
 import jax
 
 
 def _stats(event) -> dict:
-    return {name: value for name, value in event.stats}
+    with warnings.catch_warnings():  # the binding's stat type warns that it has no __module__ (harmless)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return {name: value for name, value in event.stats}
 
 
 def _device_planes(profile) -> list:
