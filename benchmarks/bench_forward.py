@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.bench_engine import SHAPES  # noqa: E402
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, write_result  # noqa: E402
-from ddtree_jax.models import qwen3  # noqa: E402
+from ddtree_jax.models import qwen3, target_module  # noqa: E402
 from ddtree_jax.models.cache import KVCache  # noqa: E402
 
 
@@ -53,11 +53,12 @@ def kv_bytes(config, batch: int, context: int, dtype=jnp.bfloat16) -> int:
 
 
 def filled_cache(config, batch: int, context: int, slots: int, key) -> KVCache:
-    """A bf16 cache of capacity context + slots with `context` committed rows of random K/V."""
-    shape = (config.num_layers, batch, context + slots, config.num_kv_heads, config.head_dim)
+    """A bf16 cache in the target's own layout (K / V for Qwen3, latent / rope key for MLA) of capacity
+    context + slots, with `context` committed rows of random values."""
+    empty = target_module(config).create_cache(config, batch, context + slots, jnp.bfloat16)
     k_key, v_key = jax.random.split(key)
-    return KVCache(jax.random.normal(k_key, shape, jnp.bfloat16), jax.random.normal(v_key, shape, jnp.bfloat16),
-                   jnp.full((batch,), context, jnp.int32))
+    return KVCache(jax.random.normal(k_key, empty.k.shape, jnp.bfloat16),
+                   jax.random.normal(v_key, empty.v.shape, jnp.bfloat16), jnp.full((batch,), context, jnp.int32))
 
 
 def bench_forward(config, params, batch: int, slots: int, *, context: int, matmul_impl: str, layer_loop: str,

@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
 from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, dense  # noqa: E402
-from kernels.decode_matmul import BLOCK_K, BLOCK_N, GroupedTiles, grouped_matmul, grouped_plan, matmul  # noqa: E402
+from kernels.decode_matmul import GroupedTiles, grouped_matmul, grouped_plan, matmul  # noqa: E402
 
 REPS = 10
 SHAPES = {
@@ -106,8 +106,8 @@ def grouped_sweep(tokens_list, copy_bw: float, key, commit: str, tiles_list=SWEE
                 rows.append(row)
                 write_result("grouped_sweep", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
             best = min((r for r in rows if r["projection"] == proj and r["T"] == tokens), key=lambda r: r["us"])
-            default = next(r for r in rows if r["projection"] == proj and r["T"] == tokens and r["splits_rule"]
-                           and (r["block_n"], r["block_k"], r["num_warps"], r["num_stages"]) == (BLOCK_N, BLOCK_K, 4, 3))
+            case = rows[-len(tiles_list):]  # this case's rows, in tiles_list order
+            default = next((r for r, t in zip(case, tiles_list) if t == GroupedTiles()), best)
             print(f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
                   f"({100 * default['of_copy']:4.0f}% of copy); best {best['us']:8.1f} us ({100 * best['of_copy']:4.0f}%) at "
                   f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "

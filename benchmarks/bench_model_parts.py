@@ -38,22 +38,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
+from benchmarks.bench_forward import filled_cache  # noqa: E402
 from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
 from benchmarks.op_profile import format_op_table, op_times  # noqa: E402
 from ddtree_jax.models import deepseek_v3  # noqa: E402
-from ddtree_jax.models.cache import KVCache  # noqa: E402
 from ddtree_jax.models.layers import linear, rms_norm, swiglu  # noqa: E402
 from ddtree_jax.models.moe import moe  # noqa: E402
 from sharded_run import _init_target, k26_config  # noqa: E402
-
-
-def filled_cache(config, context: int, slots: int, key) -> KVCache:
-    """A bf16 latent cache with `context` random committed rows and room for `slots` more, B = 1."""
-    cache = deepseek_v3.create_cache(config, 1, context + slots, jnp.bfloat16)
-    k1, k2 = jax.random.split(key)
-    latent = jax.random.normal(k1, cache.k.shape, jnp.bfloat16) * 0.5
-    rope = jax.random.normal(k2, cache.v.shape, jnp.bfloat16) * 0.5
-    return KVCache(latent, rope, jnp.full((1,), context, jnp.int32))
 
 
 def layer_slice(stack: dict, index: int) -> dict:
@@ -68,7 +59,7 @@ def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls
     c = config
     tokens = jax.random.randint(key, (1, slots), 0, c.vocab_size - 1)
     x = (jax.random.normal(key, (1, slots, c.hidden_size), jnp.float32) * 0.5).astype(jnp.bfloat16)
-    cache = filled_cache(c, context, slots, key)
+    cache = filled_cache(c, 1, context, slots, key)
     positions = context + jnp.arange(slots, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
     dense0 = layer_slice(params["dense_layers"], 0)

@@ -65,8 +65,14 @@ def _plan(rows: int, n: int, k: int, block_k: int) -> tuple[int, int, int, int]:
     n_tiles = pl.cdiv(n, BLOCK_N)
     k_tiles = pl.cdiv(k, block_k)
     splits = max(1, min(pl.cdiv(TARGET_PROGRAMS, n_tiles * m_tiles), k_tiles // 2 or 1))
+    return (block_m, m_tiles) + _split_k(k_tiles, splits, block_k)
+
+
+def _split_k(k_tiles: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(splits, k_per_split): K tiles dealt to `splits` splits, as many whole tiles each; the split count
+    shrinks where rounding leaves a split empty."""
     k_per_split = pl.cdiv(k_tiles, splits) * block_k
-    return block_m, m_tiles, pl.cdiv(k_tiles * block_k, k_per_split), k_per_split
+    return pl.cdiv(k_tiles * block_k, k_per_split), k_per_split
 
 
 def _dot_t(x, w, precision):
@@ -206,7 +212,7 @@ def matmul_reference(x: jax.Array, weight) -> jax.Array:
 # [2048, 7168] and down [7168, 2048] at T = 1 and 9 tokens x top-8, 2026-12-01): 128 columns, 256-wide K
 # steps and 4 K splits took 97 / 80 / 476 / 459 us (gate T 1, down T 1, gate T 9, down T 9) where 64
 # columns with the fill-the-GPU split rule took 116 / 87 / 560 / 459; the best single tiling per case
-# was at most 12% faster than this one.
+# took at most 12% less time than this one.
 GROUPED_BLOCK_N = 128
 DECODE_SPLITS = 4  # K splits while the step has at most DECODE_ROWS rows (decode and tree verify)
 DECODE_ROWS = 512
@@ -312,8 +318,7 @@ def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -
         splits = max(1, min(DECODE_SPLITS, k_tiles // 2)) if rows <= DECODE_ROWS else 1
     else:
         splits = min(tiles.splits, k_tiles)
-    k_per_split = pl.cdiv(k_tiles, splits) * tiles.block_k
-    return block_m, max_tiles, pl.cdiv(k_tiles * tiles.block_k, k_per_split), k_per_split
+    return (block_m, max_tiles) + _split_k(k_tiles, splits, tiles.block_k)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
