@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from kernels.tree_attention import (BlockConfig, _block_m, default_block_config, shared_memory_bytes,  # noqa: E402
+from ddtree_kernels.tree_attention import (BlockConfig, _block_m, default_block_config, shared_memory_bytes,  # noqa: E402
                                     tree_attention, tree_attention_reference)
 
 REPS = 5

@@ -32,7 +32,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
 from ddtree_jax.sharding.mesh import make_mesh  # noqa: E402
 from ddtree_jax.sharding.rules import MODEL  # noqa: E402
-from ddtree_jax.sharding.vocab_parallel import sharded_top_k_log_probs  # noqa: E402
+from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs  # noqa: E402
 
 REPS = 10
 

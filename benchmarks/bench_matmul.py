@@ -33,8 +33,8 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, dense  # noqa: E402
-from kernels.decode_matmul import GroupedTiles, grouped_matmul, grouped_plan, matmul  # noqa: E402
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense  # noqa: E402
+from ddtree_kernels.decode_matmul import GroupedTiles, grouped_matmul, grouped_plan, matmul  # noqa: E402
 
 REPS = 10
 SHAPES = {

@@ -87,7 +87,7 @@ def main() -> None:
                         "instead of skipping them with lax.cond")
     args = parser.parse_args()
     if args.no_cond:
-        import kernels.tree_sampling
+        import ddtree_kernels.tree_sampling
 
         kernels.tree_sampling.SKIP_WITH_COND = False
     vocabs = [int(v) for v in args.vocabs.split(",")]

@@ -117,8 +117,10 @@ def _stop_tokens(pair, chat: bool) -> list[int]:
 
 
 def _sampling(args: argparse.Namespace) -> dict:
+    from ddtree_jax.options import DecodeOptions
+
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                order=args.order)
+                options=DecodeOptions(order=args.order))
 
 
 def _profile_rows(pair, prompt, columns, args) -> list[tuple[str, dict]]:
@@ -286,7 +288,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--order", default="draft", choices=["draft", "reverse", "random"])
+    parser.add_argument("--order", default="draft", choices=["draft", "reverse", "random"],
+                        help="sibling verification order (default: draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
     parser.add_argument("--profile", action="store_true",
@@ -335,7 +338,47 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="also write every number (per prompt too) to FILE")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench_command)
+
+    plan = sub.add_parser("dispatch", help="what one decode step runs: every 'auto' choice for a target, method and budget")
+    plan.add_argument("--config", default="configs/kimi_k2_6.json",
+                      help="HF config.json of the target, or a directory holding one (default configs/kimi_k2_6.json)")
+    plan.add_argument("--backend", default=None, choices=["gpu", "cpu", "tpu"], help="default: this machine's")
+    plan.add_argument("--method", default="ddtree", choices=["ddtree", "chain", "ar"])
+    plan.add_argument("--budget", type=int, default=32)
+    plan.add_argument("--block-size", type=int, default=16, help="drafter block size (chain slots; default 16)")
+    plan.add_argument("--batch", type=int, default=1)
+    for name in ("attn-impl", "matmul-impl", "moe-impl", "verify-impl", "layer-loop", "topk-impl"):
+        plan.add_argument(f"--{name}", default="auto", help=f"DecodeOptions.{name.replace('-', '_')} (default auto)")
+    plan.set_defaults(func=_dispatch_command)
     return parser
+
+
+def _dispatch_command(args: argparse.Namespace) -> int:
+    from ddtree_jax import dispatch
+    from ddtree_jax.checkpoint.hf_config import parse_config, read_config
+    from ddtree_jax.options import DecodeOptions
+
+    options = DecodeOptions(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl, moe_impl=args.moe_impl,
+                            verify_impl=args.verify_impl, layer_loop=args.layer_loop, topk_impl=args.topk_impl)
+    if args.budget < 1 or args.block_size < 2 or args.batch < 1:
+        raise ValueError(f"--budget >= 1, --block-size >= 2 and --batch >= 1, got {args.budget}, {args.block_size}, {args.batch}")
+    path = args.config if os.path.isdir(args.config) else os.path.dirname(os.path.abspath(args.config))
+    if not os.path.isdir(args.config) and os.path.basename(args.config) != "config.json":
+        import json as json_module
+
+        with open(args.config) as f:
+            config = parse_config(json_module.load(f))
+    else:
+        config = parse_config(read_config(path))
+    backend = args.backend or dispatch.backend()
+    rows = dispatch.decode_plan(options, config, method=args.method, budget=args.budget, block_size=args.block_size,
+                                batch=args.batch, backend_name=backend)
+    print(f"{type(config).__name__} ({args.config}), {args.method}"
+          f"{f' budget {args.budget}' if args.method == 'ddtree' else ''}, batch {args.batch}, backend {backend}")
+    width = max(len(r.stage) for r in rows)
+    for r in rows:
+        print(f"  {r.stage:<{width}}  {r.choice:<10}  {r.why}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

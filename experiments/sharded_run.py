@@ -41,7 +41,7 @@ from ddtree_jax.config import DeepSeekV3Config, DFlashConfig  # noqa: E402
 from ddtree_jax.engine.drafters import DFlashDrafter  # noqa: E402
 from ddtree_jax.engine.run import Pair  # noqa: E402
 from ddtree_jax.models import deepseek_v3, dflash  # noqa: E402
-from ddtree_jax.models.quant import INT4_GROUP, Int4Weight  # noqa: E402
+from ddtree_kernels.quant import INT4_GROUP, Int4Weight  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_shardings  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,25 +1,18 @@
-"""Shared machinery of the studies on a trained target + DFlash drafter pair (issue 9).
+"""Shared machinery of the studies on a trained target + DFlash drafter pair.
 
-`study_generate` is the engine's generation (`engine.generate.generate`: prefill, then a
-`while_loop` of decode steps built from the same stage functions of `engine.step`) with what the
-studies need and the engine does not expose:
+`study_generate` is the engine's own generation (`engine.generate.generate_recorded`: the same prefill and
+while_loop of `engine.step.traced_decode_step` as `generate`) with an observer of each step's trace that
+records, for every row and decode step: the number of accepted draft tokens, the drafter's **surrogate**
+for that step's tree (1 + sum over non-root nodes of the drafter's path probability,
+`tree.render.surrogate_tau`, computed from the tree actually built) and the **exact-mode expectation** of
+the step's acceptance length given that tree and the target's logits at its slots (1 + sum over non-root
+nodes of the product of the target's processed probabilities along the path: the analytic E[tau | tree]
+of exact tree verification). The sibling order and the lossy thresholds are `DecodeOptions` fields (one
+compilation per order and threshold pair); per-row stopping before `max_new_tokens` (`row_max_new`) uses
+the engine's per-row max_new, so short runs reuse a long run's program.
 
-* per-step records, for every row and decode step: the number of accepted draft tokens, the
-  drafter's **surrogate** for that step's tree (1 + sum over non-root nodes of the drafter's path
-  probability, `tree.render.surrogate_tau`, computed from the tree actually built) and the
-  **exact-mode expectation** of the step's acceptance length given that tree and the target's
-  logits at its slots (1 + sum over non-root nodes of the product of the target's processed
-  probabilities along the path: the analytic E[tau | tree] of exact tree verification,
-  `notebooks/sampling_correctness.ipynb` section 2);
-* the lossy verification thresholds of `verify_step` (`threshold_acc`, `threshold_single`), which
-  `generate` keeps at 1 (exact);
-* the sibling order as a runtime input (`verify_step_any_order`: verify_step's key split, coins and
-  verifier, with the order picked by a traced index), so one compiled program serves every order;
-* per-row stopping before `max_new_tokens` (`row_max_new`), so short runs reuse a long run's program.
-
-With thresholds 1 it emits exactly what `generate` emits for the same request keys (tested; and
-`verify_step_any_order` equals `verify_step` for every order and threshold, tested), so its tau is the
-engine's tau.
+With exact thresholds it emits exactly what `generate` emits for the same request keys (it is the same
+loop; tested), so its tau is the engine's tau.
 
 Where the pair lives: `pair_dirs()` reads `DDTREE_PAIR_DIR` (a directory holding `target/` and
 `drafter/`, as `python -m ddtree_jax.train` writes them), else `checkpoints/embedded`.
@@ -27,40 +20,21 @@ Where the pair lives: `pair_dirs()` reads `DDTREE_PAIR_DIR` (a directory holding
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.engine.generate import generate_recorded
+from ddtree_jax.engine.run import Pair, check_request, load_pair, request_args, resolve_block_size
+from ddtree_jax.engine.step import StepTrace
+from ddtree_jax.options import ORDER_POLICIES, DecodeOptions
+from ddtree_jax.sampling import processed_probs
+from ddtree_jax.tree import DraftTree
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from ddtree_jax.engine.generate import prefill  # noqa: E402
-from ddtree_jax.engine.run import Pair, check_request, load_pair, request_args, resolve_block_size  # noqa: E402
-from ddtree_jax.engine.step import (  # noqa: E402
-    DecodeState,
-    append_stage,
-    commit_stage,
-    draft_stage,
-    emit_stage,
-    tree_stage,
-    verify_forward,
-)
-from ddtree_jax.sampling import processed_probs  # noqa: E402
-from ddtree_jax.sampling.coins import draw_coins  # noqa: E402
-from ddtree_jax.sampling.probs import valid_rows  # noqa: E402
-from ddtree_jax.tree import DraftTree, verification_order  # noqa: E402
-from ddtree_jax.tree.structure import ORDER_POLICIES  # noqa: E402
-from ddtree_jax.verify import VerifyResult, verify_sampling  # noqa: E402
-from ddtree_jax.verify.sampling import resolve_impl  # noqa: E402
-from ddtree_jax.verify.step import _mask_invalid_rows  # noqa: E402
-
 DEFAULT_PAIR_DIR = os.path.join(REPO, "checkpoints", "embedded")
 PAIR_ENV = "DDTREE_PAIR_DIR"
 EXACT = (1.0, 1.0)  # (threshold_acc, threshold_single) of exact verification
@@ -151,89 +125,24 @@ def expected_tau_exact(tree: DraftTree, target_logits: jax.Array, sampling) -> j
     return 1.0 + jnp.where(root, 0.0, path).sum(axis=1)
 
 
-# --- verification with the sibling order as a runtime input ---------------------------------------------------------
-
-def verify_step_any_order(tree: DraftTree, target_logits: jax.Array, sampling, keys: jax.Array, order_index: jax.Array, *,
-                          threshold_acc: float = 1.0, threshold_single: float = 1.0, impl: str = "auto") -> VerifyResult:
-    """`verify.verify_step(method="sampling")` with the sibling order chosen by a traced index into
-    ORDER_POLICIES (draft, reverse, random), so one compiled program serves every order. The same key split
-    (order, node coins, final coin), coins and verifiers as verify_step; tests check the results are equal."""
-    batch, slots = tree.tokens.shape
-    split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)
-    lists = [verification_order(tree, name, split[:, 0]) for name in ORDER_POLICIES]
-    next_token = jnp.stack([nt for nt, _ in lists])[order_index]
-    next_sibling = jnp.stack([ns for _, ns in lists])[order_index]
-    coins = draw_coins(split[:, 1], (slots,))
-    final_coins = draw_coins(split[:, 2], ())
-    if resolve_impl(impl) == "pallas":
-        from kernels.tree_sampling import tree_sampling_from_logits
-
-        result, slot_valid = tree_sampling_from_logits(
-            tree.tokens, next_token, next_sibling, target_logits, sampling, coins, final_coins, max_accept=tree.max_depth,
-            threshold_single=threshold_single, threshold_acc=threshold_acc)
-        return _mask_invalid_rows(result, slot_valid, tree)
-    result = verify_sampling(tree.tokens, next_token, next_sibling, processed_probs(target_logits, sampling), coins,
-                             final_coins, max_accept=tree.max_depth, threshold_single=threshold_single,
-                             threshold_acc=threshold_acc, check=False)
-    return _mask_invalid_rows(result, valid_rows(target_logits), tree)
-
-
 # --- the generation loop with records --------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("target_config", "max_new_tokens", "method", "budget", "block_size",
-                                             "threshold_acc", "threshold_single", "sampling_impl"))
-def _study_generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
-                    max_new, order_index, *, max_new_tokens: int, method: str, budget: int, block_size: int,
-                    threshold_acc: float, threshold_single: float, sampling_impl: str):
-    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys,
-                    max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size)
-    first_stop = (state.bonus[:, None] == stop_tokens).any(1)
-    state = dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
-    batch = prompts.shape[0]
-    records = {
-        "accepted": jnp.full((max_new_tokens, batch), -1, jnp.int32),
-        "surrogate": jnp.zeros((max_new_tokens, batch), jnp.float32),
-        "expected": jnp.zeros((max_new_tokens, batch), jnp.float32),
-        "active": jnp.zeros((max_new_tokens, batch), bool),
+def step_record(trace: StepTrace, sampling) -> dict:
+    """The observer of `generate_recorded`: per row, the step's accepted count (-1 when inactive), the
+    drafter's surrogate and the exact-mode expectation for the tree built, and whether the row was active."""
+    return {
+        "accepted": jnp.where(trace.active, trace.result.num_accepted, -1),
+        "surrogate": surrogate_tau_jnp(trace.tree),
+        "expected": expected_tau_exact(trace.tree, trace.target_logits, sampling),
+        "active": trace.active,
     }
-
-    def cond(carry):
-        s, _ = carry
-        return ~jnp.all(s.done) & (s.step < max_new_tokens)
-
-    def body(carry):
-        s, rec = carry
-        active = ~s.done
-        draft_state = append_stage(drafter, s.draft_state, s.ctx_features, s.ctx_count, method=method)
-        draft_logits = draft_stage(drafter, draft_state, s.bonus, method=method, block_size=block_size)
-        tree = tree_stage(draft_logits, s.bonus, method=method, budget=budget)
-        logits, tapped, cache = verify_forward(target_config, target_params, s.target_cache, tree)
-        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, s.step))(keys)  # as engine.step.verification_stage
-        result = verify_step_any_order(tree, logits, sampling, step_keys, order_index, threshold_acc=threshold_acc,
-                                       threshold_single=threshold_single, impl=sampling_impl)
-        cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
-        output, num_generated, steps, accepted, done, bonus = emit_stage(s, result, stop_tokens, max_new)
-        rec = {
-            "accepted": rec["accepted"].at[s.step].set(jnp.where(active, result.num_accepted, -1)),
-            "surrogate": rec["surrogate"].at[s.step].set(surrogate_tau_jnp(tree)),
-            "expected": rec["expected"].at[s.step].set(expected_tau_exact(tree, logits, sampling)),
-            "active": rec["active"].at[s.step].set(active),
-        }
-        new = DecodeState(target_cache=cache, draft_state=draft_state, bonus=bonus,
-                          ctx_features=ctx_features.astype(s.ctx_features.dtype), ctx_count=ctx_count, output=output,
-                          num_generated=num_generated, steps=steps, accepted=accepted, done=done, step=s.step + 1)
-        return new, rec
-
-    state, records = jax.lax.while_loop(cond, body, (state, records))
-    return {"tokens": state.output, "num_generated": state.num_generated, "steps": state.steps,
-            "accepted_total": state.accepted, **records}
 
 
 def study_generate(pair: Pair, prompt_ids: list[list[int]], *, method: str = "ddtree", budget: int = 32,
                    block_size: int | None = None, max_new_tokens: int, temperature: float, top_k: int = 0,
                    top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, request_ids=None, stop_tokens=(),
                    order: str = "draft", threshold_acc: float = 1.0, threshold_single: float = 1.0,
-                   sampling_impl: str = "auto", batch_size: int | None = None, width: int | None = None,
+                   verify_impl: str = "auto", batch_size: int | None = None, width: int | None = None,
                    row_max_new: int | None = None) -> dict:
     """Generates for every prompt (one row each) and returns numpy arrays:
 
@@ -262,10 +171,10 @@ def study_generate(pair: Pair, prompt_ids: list[list[int]], *, method: str = "dd
     chunk = batch_size or total  # every call has `chunk` rows: runs of any size share one compilation
     if order not in ORDER_POLICIES:
         raise ValueError(f"order must be one of {ORDER_POLICIES}, got {order!r}")
-    order_index = jnp.asarray(ORDER_POLICIES.index(order), jnp.int32)
-    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block,
-                  threshold_acc=float(threshold_acc), threshold_single=float(threshold_single),
-                  sampling_impl=sampling_impl)
+    options = DecodeOptions(order=order, threshold_acc=float(threshold_acc), threshold_single=float(threshold_single),
+                            verify_impl=verify_impl)
+    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, options=options,
+                  recorder=step_record)
     parts = []
     for start in range(0, total, chunk):
         idx = list(range(start, min(start + chunk, total)))
@@ -276,7 +185,10 @@ def study_generate(pair: Pair, prompt_ids: list[list[int]], *, method: str = "dd
                             width=width, request_ids=request_ids[idx])
         if row_max_new is not None:
             args = args[:-1] + (jnp.full((chunk,), row_max_new, jnp.int32),)
-        out = jax.device_get(_study_generate(*args, order_index, **static))
+        result, records = jax.device_get(generate_recorded(*args, **static))
+        out = {"tokens": result.tokens, "num_generated": result.num_generated, "steps": result.steps,
+               "accepted_total": result.accepted, **records}
+        out["accepted"] = np.where(out["active"], out["accepted"], -1)  # steps after the loop ended: inactive
         parts.append({k: np.asarray(v)[:, :real] if k in RECORD_KEYS else np.asarray(v)[:real] for k, v in out.items()})
     res = {k: np.concatenate([p[k] for p in parts], axis=1 if k in RECORD_KEYS else 0) for k in parts[0]}
     steps = res["steps"]

@@ -34,4 +34,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
-export PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$repo_root:$repo_root/kernels${PYTHONPATH:+:$PYTHONPATH}"

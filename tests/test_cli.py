@@ -85,8 +85,8 @@ def test_bench_profile_prints_the_stage_table(capsys):
     assert main(["bench", *TINY, "--methods", "chain", "--prompt-ids", "1,2,3,4", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "per-stage times of one decode step" in out
-    header = next(line for line in out.splitlines() if line.startswith("method") and "verify fwd" in line)
-    assert header.split() == ["method", "draft", "tree", "verify", "fwd", "verification", "commit", "sum", "step",
+    header = next(line for line in out.splitlines() if line.startswith("method") and "target fwd" in line)
+    assert header.split() == ["method", "draft", "tree", "target", "fwd", "walk", "commit", "sum", "step",
                               "non-fwd"]
     row = next(line for line in out.splitlines() if line.startswith("chain ") and line.endswith("%"))
     assert all(float(v) > 0 for v in row.split()[1:-1])
@@ -221,3 +221,14 @@ def test_generate_chat_stops_at_eos_and_end_of_turn(tmp_path, monkeypatch, capsy
     assert seen["stop_tokens"] == [3, 2] and seen["prompt"] == [1, 4, 6, 2, 1, 5]
     assert "tau = 1.50 tokens/step, 10.0 tokens/s" in out and out.splitlines()[-1] == "4"
     assert main(common) == 0 and seen["stop_tokens"] == []  # no chat: no stop tokens
+
+
+def test_dispatch_prints_every_choice(capsys):
+    assert main(["dispatch", "--backend", "gpu", "--budget", "32", "--config", "configs/kimi_k2_6.json"]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeekV3Config" in out and "budget 32" in out
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "pallas" in lines["tree-forward"] or any("MoE" in line and "pallas" in line for line in out.splitlines())
+    assert any(line.strip().startswith("rejection walk") and "pallas" in line for line in out.splitlines())
+    assert main(["dispatch", "--attn-impl", "flash"]) == 2
+    assert "DecodeOptions.attn_impl must be one of" in capsys.readouterr().err

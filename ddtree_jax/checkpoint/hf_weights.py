@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
-from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 
 _LAYER_NAMES = {  # our name -> HF suffix within a layer
     "input_norm": "input_layernorm.weight",

@@ -1,4 +1,5 @@
-"""Prefill hand-over and the generation loop (an on-device while_loop over decode steps)."""
+"""Prefill hand-over and the generation loop (an on-device while_loop over decode steps); `generate_recorded`
+is the same loop with per-step records taken by an observer of each step's `StepTrace` (the studies)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.engine.step import METHODS, DecodeState, decode_step, steps_per_token, target_impls
+from collections.abc import Callable
+
+from ddtree_jax.engine.step import DecodeState, StepTrace, traced_decode_step, steps_per_token
 from ddtree_jax.models import target_module
+from ddtree_jax.options import DecodeOptions, check_method
 from ddtree_jax.sampling import SamplingParams, sample
 
 PREFILL_SALT = 2**31 - 1  # the first token's coin: a fold-in no decode step uses
@@ -42,17 +46,15 @@ def cache_capacity(prompt_len: int, max_new_tokens: int, method: str, budget: in
 
 def prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, *,
             max_new_tokens: int, method: str, budget: int, block_size: int, cache_dtype=jnp.float32,
-            attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
-            layer_loop: str = "auto") -> DecodeState:
+            options: DecodeOptions = DecodeOptions()) -> DecodeState:
     """Target prefill; the first token from the plain sampler; the drafter's context from the prompt's
-    tapped hidden states (shared/spec/pipeline.md step 0)."""
+    tapped hidden states."""
     batch, prompt_len = prompts.shape
     capacity = cache_capacity(prompt_len, max_new_tokens, method, budget, block_size)
     target = target_module(target_config)
     cache = target.create_cache(target_config, batch, capacity, cache_dtype)
-    impls = target_impls(target_config, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
-                         layer_loop=layer_loop)
-    logits, features, cache = target.prefill(target_config, target_params, cache, prompts, prompt_lengths, **impls)
+    logits, features, cache = target.prefill(target_config, target_params, cache, prompts, prompt_lengths,
+                                             **options.target_impls(target_config))
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     first_keys = jax.vmap(lambda k: jax.random.fold_in(k, PREFILL_SALT))(keys)  # steps fold in 0, 1, ...
     bonus = sample(last, sampling, first_keys)
@@ -78,54 +80,92 @@ def prefill(target_config, target_params, drafter, prompts, prompt_lengths, samp
 
 
 def start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
-                max_new, **prefill_options) -> DecodeState:
+                max_new, *, max_new_tokens: int, method: str, budget: int, block_size: int, cache_dtype=jnp.float32,
+                options: DecodeOptions = DecodeOptions()) -> DecodeState:
     """`prefill`, then rows whose first token is a stop token or whose max_new <= 1 are marked done: the
     state the decode loop starts from (`generate`'s while_loop, `engine.host_loop`)."""
-    method = prefill_options.get("method")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, **prefill_options)
+    check_method(method)
+    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys,
+                    max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
+                    cache_dtype=cache_dtype, options=options)
     first_stop = (state.bonus[:, None] == stop_tokens).any(1)
     return dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "max_new_tokens", "method", "budget", "block_size",
-                                             "order", "verify_method", "cache_dtype", "attn_impl",
-                                             "sampling_impl", "matmul_impl", "moe_impl", "layer_loop"))
+Recorder = Callable[[StepTrace, SamplingParams], dict]
+
+
+def _decode_loop(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new, *,
+                 max_new_tokens, method, budget, block_size, options, recorder: Recorder | None):
+    """The while_loop over decode steps; with a recorder, also its records [max_new_tokens, B] per key."""
+    batch = state.bonus.shape[0]
+    if recorder is None:
+        records = {}
+    else:  # the records' shapes from one abstract evaluation of the recorder on a step's trace
+        trace_shape = jax.eval_shape(lambda s: traced_decode_step(
+            target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new, method=method,
+            budget=budget, block_size=block_size, options=options)[1], state)
+        shapes = jax.eval_shape(recorder, trace_shape, sampling)
+        records = {name: jnp.zeros((max_new_tokens,) + sd.shape, sd.dtype) for name, sd in shapes.items()}
+
+    def cond(carry):
+        s, _ = carry
+        return ~jnp.all(s.done) & (s.step < max_new_tokens)
+
+    def body(carry):
+        s, rec = carry
+        new, trace = traced_decode_step(target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new,
+                                        method=method, budget=budget, block_size=block_size, options=options)
+        if recorder is not None:
+            rec = {name: rec[name].at[s.step].set(value) for name, value in recorder(trace, sampling).items()}
+        return new, rec
+
+    del batch
+    return jax.lax.while_loop(cond, body, (state, records))
+
+
+_STATIC = ("target_config", "max_new_tokens", "method", "budget", "block_size", "cache_dtype", "options")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
              max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
-             order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32, attn_impl: str = "auto",
-             sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto", layer_loop: str = "auto"):
+             cache_dtype=jnp.float32, options: DecodeOptions = DecodeOptions()):
     """Generates up to max_new[b] <= max_new_tokens tokens per row, as one compiled program.
 
     Args:
       prompts int32 [B, T] (row b's first prompt_lengths[b] real); sampling: SamplingParams [B];
       keys: typed PRNG keys [B], one per request; stop_tokens int32 [B, K] (-1 = unused); max_new int32 [B].
-      attn_impl / sampling_impl / matmul_impl: attention, tree-sampling and target-matmul implementations
-        ("auto" everywhere = XLA off GPU; on GPU: the fused tree-sampling kernel, the tree-attention
-        kernel for GQA tree verify and the weight-streaming matmul for quantised weights at <= 32 rows,
-        where the H200 benchmarks measured them faster: `models.attention.resolve_attention_impl`,
-        `models.layers.resolve_matmul_impl`).
-      moe_impl: the MoE targets' expert dispatch (`models.moe.MOE_IMPLS`; "ep" under an expert-parallel
-        mesh set with `jax.set_mesh`).
-      layer_loop: the target's layer loop, "scan" (`lax.scan` over the stacked layers: one layer in the
-        program) or "unrolled"; "auto": the model's default.
+      method / budget / block_size: the decode method (`options.METHODS`), DDTree's node budget, the
+        drafter's block size.
+      options: how the step runs (`DecodeOptions`: attention, matmul, MoE, verification kernel, layer loop,
+        sibling order, verifier); every "auto" is resolved by `ddtree_jax.dispatch` (`decode_plan` lists
+        the choices).
     Returns:
       GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
     """
     state = start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
                         max_new, max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                        cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
-                        layer_loop=layer_loop)
-
-    def cond(s):
-        return ~jnp.all(s.done) & (s.step < max_new_tokens)
-
-    def body(s):
-        return decode_step(target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new,
-                           method=method, budget=budget, block_size=block_size, order=order,
-                           verify_method=verify_method, attn_impl=attn_impl, sampling_impl=sampling_impl,
-                           matmul_impl=matmul_impl, moe_impl=moe_impl, layer_loop=layer_loop)
-
-    state = jax.lax.while_loop(cond, body, state)
+                        cache_dtype=cache_dtype, options=options)
+    state, _ = _decode_loop(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new,
+                            max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
+                            options=options, recorder=None)
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("recorder",))
+def generate_recorded(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys,
+                      stop_tokens, max_new, *, recorder: Recorder, max_new_tokens: int, method: str = "ddtree",
+                      budget: int = 32, block_size: int = 8, cache_dtype=jnp.float32,
+                      options: DecodeOptions = DecodeOptions()):
+    """`generate` (same arguments, same tokens) that also records, at every decode step s, what
+    `recorder(trace, sampling)` returns (a dict of arrays, e.g. [B] per row) from the step's `StepTrace`.
+    recorder: a static, hashable function (a module-level def). Returns (GenerationResult, records: dict
+    name -> [max_new_tokens, ...], zeros after the last step)."""
+    state = start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
+                        max_new, max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
+                        cache_dtype=cache_dtype, options=options)
+    state, records = _decode_loop(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new,
+                                  max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
+                                  options=options, recorder=recorder)
+    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted), records

@@ -25,31 +25,27 @@ import jax.numpy as jnp
 
 from ddtree_jax.engine.generate import GenerationResult, start_state
 from ddtree_jax.engine.step import decode_step
+from ddtree_jax.options import DecodeOptions
 
-_START_STATIC = ("target_config", "max_new_tokens", "method", "budget", "block_size", "cache_dtype", "attn_impl",
-                 "matmul_impl", "moe_impl", "layer_loop")
+_START_STATIC = ("target_config", "max_new_tokens", "method", "budget", "block_size", "cache_dtype", "options")
 _start = jax.jit(start_state, static_argnames=_START_STATIC)
-_STEP_STATIC = ("target_config", "method", "budget", "block_size", "order", "verify_method", "attn_impl",
-                "sampling_impl", "matmul_impl", "moe_impl", "layer_loop")
+_STEP_STATIC = ("target_config", "method", "budget", "block_size", "options")
 # the state (argument 3) is donated: the cache and buffers are reused in place from step to step
 _step = jax.jit(decode_step, static_argnames=_STEP_STATIC, donate_argnums=(3,))
 
 
 def generate_host_loop(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
                        max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
-                       order: str = "draft", verify_method: str = "sampling", cache_dtype=jnp.float32,
-                       attn_impl: str = "auto", sampling_impl: str = "auto", matmul_impl: str = "auto",
-                       moe_impl: str = "auto", layer_loop: str = "auto", sync_every: int = 8) -> GenerationResult:
+                       cache_dtype=jnp.float32, options: DecodeOptions = DecodeOptions(),
+                       sync_every: int = 8) -> GenerationResult:
     """`generate` (same arguments, same tokens), with the step loop on the host. sync_every: steps queued
     between reads of the rows' done flags (>= 1). Each read is one host sync."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-    impls = dict(attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl, layer_loop=layer_loop)
     state = _start(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens, max_new,
                    max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                   cache_dtype=cache_dtype, **impls)
-    step = functools.partial(_step, target_config, method=method, budget=budget, block_size=block_size, order=order,
-                             verify_method=verify_method, sampling_impl=sampling_impl, **impls)
+                   cache_dtype=cache_dtype, options=options)
+    step = functools.partial(_step, target_config, method=method, budget=budget, block_size=block_size, options=options)
     for index in range(max_new_tokens):  # the while_loop's bound: at most max_new_tokens steps
         if index % sync_every == 0 and bool(jnp.all(state.done)):
             break

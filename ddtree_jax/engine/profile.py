@@ -6,14 +6,14 @@ alone, jit-compiled on its own, on the inputs that real step hands it:
 
   draft           the drafter's forward (`draft_stage`: DFlash draft logits [B, L, V]; 0 for AR)
   tree            `tree_stage`: build_tree (DDTree), build_chain (DFlash chain), the root alone (AR)
-  verify_forward  the target's tree-verify forward (`verify_forward`)
-  verification    tree rejection sampling (`verification_stage`: verify_step)
+  tree_forward    the target's forward over the tree (`tree_forward_stage`)
+  walk            the tree rejection walk (`walk_stage`: verify_step)
   commit          target cache commit + accepted features, output / stop bookkeeping (`commit_stage`,
                   `emit_stage`) and the drafter's context append of the accepted features
                   (`append_stage`, which decode_step runs at the top of the next step)
 
-plus `step`, the whole fused decode step, `stages_sum`, and `non_forward_share` = (tree +
-verification + commit) / step: the share of a step spent outside the two models' forwards. Times
+plus `step`, the whole fused decode step, `stages_sum`, and `non_forward_share` = (tree + walk +
+commit) / step: the share of a step spent outside the two models' forwards. Times
 are medians over `repeats` runs in seconds, each run ended by `jax.block_until_ready`. The stages
 compiled alone lose the fusion across stage boundaries, so `stages_sum` may exceed `step`.
 """
@@ -33,13 +33,14 @@ from ddtree_jax.engine.step import (
     decode_step,
     draft_stage,
     emit_stage,
+    tree_forward_stage,
     tree_stage,
-    verification_stage,
-    verify_forward,
+    walk_stage,
 )
+from ddtree_jax.options import DecodeOptions
 
-STAGES = ("draft", "tree", "verify_forward", "verification", "commit")
-NON_FORWARD = ("tree", "verification", "commit")
+STAGES = ("draft", "tree", "tree_forward", "walk", "commit")
+NON_FORWARD = ("tree", "walk", "commit")
 
 
 def _measure(fn, args: tuple, repeats: int):
@@ -57,8 +58,7 @@ def _measure(fn, args: tuple, repeats: int):
 
 def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int = 32, block_size: int | None = None,
                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                min_p: float = 0.0, seed: int = 0, order: str = "draft", verify_method: str = "sampling",
-                attn_impl: str = "auto", sampling_impl: str = "auto", warmup_steps: int = 1,
+                min_p: float = 0.0, seed: int = 0, options: DecodeOptions = DecodeOptions(), warmup_steps: int = 1,
                 repeats: int = 5) -> dict[str, float]:
     """Median seconds of each stage of one decode step, of the fused step, and the non-forward share.
 
@@ -75,13 +75,12 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
         max_new_tokens=max_new_tokens)
     shape = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block)
 
-    state = jax.jit(lambda *a: prefill(config, *a, **shape, attn_impl=attn_impl))(
+    state = jax.jit(lambda *a: prefill(config, *a, **shape, options=options))(
         params, drafter, prompts, lengths, sampling, keys)
 
     def step_fn(params, drafter, state, sampling, keys, stop, max_new):
         return decode_step(config, params, drafter, state, sampling, keys, stop, max_new, method=method, budget=budget,
-                           block_size=block, order=order,
-                           verify_method=verify_method, attn_impl=attn_impl, sampling_impl=sampling_impl)
+                           block_size=block, options=options)
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new)
     step = jax.jit(step_fn).lower(*step_args).compile()
@@ -98,14 +97,12 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
         draft_logits, times["draft"] = _measure(
             lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus),
             repeats)
-    tree, times["tree"] = _measure(lambda l, b: tree_stage(l, b, method=method, budget=budget),
+    tree, times["tree"] = _measure(lambda l, b: tree_stage(l, b, method=method, budget=budget, topk_impl=options.topk_impl),
                                    (draft_logits, state.bonus), repeats)
-    (logits, tapped, cache), times["verify_forward"] = _measure(
-        lambda p, c, t: verify_forward(config, p, c, t, attn_impl=attn_impl), (params, state.target_cache, tree), repeats)
-    result, times["verification"] = _measure(
-        lambda t, l, s, k, i: verification_stage(t, l, s, k, i, order=order, verify_method=verify_method,
-                                                 sampling_impl=sampling_impl),
-        (tree, logits, sampling, keys, state.step), repeats)
+    (logits, tapped, cache), times["tree_forward"] = _measure(
+        lambda p, c, t: tree_forward_stage(config, p, c, t, options), (params, state.target_cache, tree), repeats)
+    result, times["walk"] = _measure(lambda t, l, s, k, i: walk_stage(t, l, s, k, i, options),
+                                     (tree, logits, sampling, keys, state.step), repeats)
 
     def commit_fn(drafter, draft_state, cache, tapped, result, state, stop, max_new):
         cache, features, count = commit_stage(cache, tapped, result, ~state.done)
@@ -122,12 +119,12 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
 
 def format_stage_table(rows: list[tuple[str, dict[str, float]]]) -> str:
     """A text table of `stage_times` results, one (label, times) per line, times in milliseconds."""
-    header = (f"{'method':<14}{'draft':>9}{'tree':>9}{'verify fwd':>12}{'verification':>14}{'commit':>9}"
+    header = (f"{'method':<14}{'draft':>9}{'tree':>9}{'target fwd':>12}{'walk':>14}{'commit':>9}"
               f"{'sum':>9}{'step':>9}{'non-fwd':>9}")
     lines = [header, "-" * len(header)]
     for label, t in rows:
         ms = {k: v * 1e3 for k, v in t.items()}
-        lines.append(f"{label:<14}{ms['draft']:>9.3f}{ms['tree']:>9.3f}{ms['verify_forward']:>12.3f}"
-                     f"{ms['verification']:>14.3f}{ms['commit']:>9.3f}{ms['stages_sum']:>9.3f}{ms['step']:>9.3f}"
+        lines.append(f"{label:<14}{ms['draft']:>9.3f}{ms['tree']:>9.3f}{ms['tree_forward']:>12.3f}"
+                     f"{ms['walk']:>14.3f}{ms['commit']:>9.3f}{ms['stages_sum']:>9.3f}{ms['step']:>9.3f}"
                      f"{t['non_forward_share']:>8.1%}")
-    return "\n".join(lines) + "\n(milliseconds per decode step, median; non-fwd = (tree + verification + commit) / step)"
+    return "\n".join(lines) + "\n(milliseconds per decode step, median; non-fwd = (tree + walk + commit) / step)"

@@ -20,7 +20,7 @@ from ddtree_jax.checkpoint.hf_weights import load_weights
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
-from ddtree_jax.engine.step import METHODS
+from ddtree_jax.options import METHODS, DecodeOptions
 from ddtree_jax.models import dflash, qwen3, target_module
 from ddtree_jax.sampling import SamplingParams, row_keys
 
@@ -232,16 +232,16 @@ def _timed(compiled, args: tuple, repeats: int):
 
 
 def run(pair: Pair, prompt_ids: list[list[int]], *, method: str, budget: int, block_size: int | None, max_new_tokens: int,
-        temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, order: str = "draft",
-        stop_tokens: list[int] = (), repeats: int = 1) -> dict:
+        temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+        stop_tokens: list[int] = (), repeats: int = 1, options: DecodeOptions = DecodeOptions()) -> dict:
     """Compiles once, then generates `repeats` times; returns tokens, tau and timings (seconds).
-    Checks the request first (`check_request`)."""
+    Checks the request first (`check_request`); options: how the step runs (`DecodeOptions`)."""
     check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
     block = resolve_block_size(pair, method, block_size)
     batch = len(prompt_ids)
     args = request_args(pair, prompt_ids, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                         stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
-    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, order=order)
+    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, options=options)
     compiled, compile_s = _compile(args, static)
     result, run_s = _timed(compiled, args, repeats)
     tokens = np.asarray(result.tokens)
@@ -264,8 +264,8 @@ def bench_columns(budgets, methods=METHODS) -> list[tuple[str, int | None]]:
 
 def benchmark(pair: Pair, prompt_ids: list[list[int]], *, budgets=(32,), block_size: int | None = None,
               max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-              min_p: float = 0.0, seed: int = 0, order: str = "draft", stop_tokens=(), repeats: int = 1,
-              methods=METHODS, progress: bool = False) -> list[dict]:
+              min_p: float = 0.0, seed: int = 0, stop_tokens=(), repeats: int = 1, methods=METHODS,
+              progress: bool = False, options: DecodeOptions = DecodeOptions()) -> list[dict]:
     """AR vs DFlash chain vs DDTree (one column per budget) on the same prompts, one prompt at a time.
 
     Every prompt is padded to the longest, so each column compiles once (compile_s); prompt i runs with
@@ -288,7 +288,8 @@ def benchmark(pair: Pair, prompt_ids: list[list[int]], *, budgets=(32,), block_s
     try:
         for method, budget in columns:
             block = resolve_block_size(pair, method, block_size)
-            static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget or 1, block_size=block, order=order)
+            static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget or 1, block_size=block,
+                          options=options)
             if bar is not None:
                 bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: compile")
             compiled, compile_s = _compile(request_args(pair, prompt_ids[:1], request_ids=[0], **common), static)

@@ -1,14 +1,17 @@
-"""One compiled decode step: draft -> tree -> target verify -> verification -> commit -> emitted tokens.
+"""One compiled decode step: draft -> tree -> the target's tree forward -> the rejection walk -> commit ->
+emitted tokens.
 
-The data flow of shared/spec/pipeline.md. All shapes are static (budget, block size, batch); no host
-round trip. Methods share every stage after drafting:
+All shapes are static (budget, block size, batch); no host round trip. Methods share every stage after
+drafting:
   "ddtree"  build_tree(draft_logits, budget)       N = budget + 1 slots
   "chain"   build_chain(draft_logits)             N = block_size slots (linear DFlash)
   "ar"      no draft: the root alone               N = 1 (plain autoregressive decoding)
 
-The stages are functions of their own (append_stage, draft_stage, tree_stage, verify_forward,
-verification_stage, commit_stage, emit_stage): `decode_step` composes them, `engine.profile` times
-each alone on the inputs of a real step.
+The stages are functions of their own (append_stage, draft_stage, tree_stage, tree_forward_stage,
+walk_stage, commit_stage, emit_stage): `traced_decode_step` composes them and also returns a `StepTrace`
+(the tree, the target's logits, the walk's result) for observers such as the studies; `decode_step` is
+its state alone; `engine.profile` times each stage alone on the inputs of a real step. How each stage
+runs (kernels, layer loop, verifier, sibling order) is one `DecodeOptions`.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import target_module
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
+from ddtree_jax.options import METHODS, DecodeOptions
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams
 from ddtree_jax.tree import DraftTree, ancestor_mask, build_chain, build_tree
 from ddtree_jax.verify import VerifyResult, verify_step
 
-METHODS = ("ddtree", "chain", "ar")
+__all__ = ["METHODS", "DecodeOptions", "DecodeState", "StepTrace", "decode_step", "traced_decode_step", "root_only_tree",
+           "steps_per_token", "append_stage", "draft_stage", "tree_stage", "tree_forward_stage", "walk_stage",
+           "commit_stage", "emit_stage"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,47 +98,32 @@ def draft_stage(drafter, draft_state, bonus: jax.Array, *, method: str, block_si
     return drafter.draft(draft_state, bonus, block_size)
 
 
-def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str, budget: int) -> DraftTree:
+def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str, budget: int,
+               topk_impl: str = "auto") -> DraftTree:
     """The draft tree: build_tree (DDTree), build_chain (DFlash) or the root alone (AR)."""
     if method == "ar":
         return root_only_tree(bonus)
     if method == "ddtree":
-        return build_tree(draft_logits, budget, bonus, check_finite=False)
+        return build_tree(draft_logits, budget, bonus, topk_impl=topk_impl, check_finite=False)
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
-def target_impls(target_config, *, attn_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
-                 layer_loop: str = "auto") -> dict:
-    """The implementation keywords of the target's prefill / verify: attention and matmul for every family,
-    the MoE dispatch (`models.moe.MOE_IMPLS`, e.g. "ep" on an expert-parallel mesh) for DeepSeek-V3 / K2,
-    and the layer loop ("scan" or "unrolled"; "auto": the model's default)."""
-    impls = {"attn_impl": attn_impl, "matmul_impl": matmul_impl}
-    if layer_loop != "auto":
-        impls["layer_loop"] = layer_loop
-    if isinstance(target_config, DeepSeekV3Config):
-        impls["moe_impl"] = moe_impl
-    elif moe_impl != "auto":
-        raise ValueError(f"moe_impl={moe_impl!r} needs an MoE target; {type(target_config).__name__} has no experts")
-    return impls
+def tree_forward_stage(target_config, target_params, cache: KVCache, tree: DraftTree, options: DecodeOptions = DecodeOptions()):
+    """The target's forward over the tree's slots: (logits [B, N, V], tapped [B, N, F*D], cache with the
+    tree's K/V written)."""
+    return target_module(target_config).tree_forward(target_config, target_params, cache, tree.tokens, tree.depths,
+                                                     ancestor_mask(tree), **options.target_impls(target_config))
 
 
-def verify_forward(target_config, target_params, cache: KVCache, tree: DraftTree, *, attn_impl: str = "auto",
-                   matmul_impl: str = "auto", moe_impl: str = "auto", layer_loop: str = "auto"):
-    """The target's tree-verify pass: (logits [B, N, V], tapped [B, N, F*D], cache with the tree K/V written)."""
-    impls = target_impls(target_config, attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl,
-                         layer_loop=layer_loop)
-    return target_module(target_config).verify(target_config, target_params, cache, tree.tokens, tree.depths,
-                                               ancestor_mask(tree), **impls)
-
-
-def verification_stage(tree: DraftTree, logits: jax.Array, sampling: SamplingParams, keys: jax.Array, step: jax.Array, *,
-                       order: str = "draft", verify_method: str = "sampling", sampling_impl: str = "auto") -> VerifyResult:
-    """Tree rejection sampling with this step's keys (the request keys with the step folded in).
-    sampling_impl: `verify_step`'s impl ("auto": the fused Pallas kernel on GPU, XLA elsewhere); the
-    paper's sample-then-walk verifier has no kernel and always runs in XLA."""
+def walk_stage(tree: DraftTree, logits: jax.Array, sampling: SamplingParams, keys: jax.Array, step: jax.Array,
+               options: DecodeOptions = DecodeOptions()) -> VerifyResult:
+    """The tree rejection walk (`verify_step`) with this step's keys (the request keys with the step folded
+    in), in `options.order`, by `options.verifier` at `options.verify_impl` (the sample-then-walk verifier
+    has no kernel and always runs in XLA), with the options' acceptance thresholds (1.0: exact)."""
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-    impl = sampling_impl if verify_method == "sampling" else "xla"
-    return verify_step(tree, logits, sampling, step_keys, order=order, method=verify_method, impl=impl)
+    impl = options.verify_impl if options.verifier == "sampling" else "xla"
+    return verify_step(tree, logits, sampling, step_keys, order=options.order, verifier=options.verifier, impl=impl,
+                       threshold_single=options.threshold_single, threshold_acc=options.threshold_acc)
 
 
 def commit_stage(cache: KVCache, tapped: jax.Array, result: VerifyResult, active: jax.Array):
@@ -170,24 +160,34 @@ def emit_stage(state: DecodeState, result: VerifyResult, stop_tokens: jax.Array,
     return output, num_generated, steps, accepted, done, jnp.where(active, final, state.bonus)
 
 
-def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
-                stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
-                order: str = "draft", verify_method: str = "sampling", attn_impl: str = "auto",
-                sampling_impl: str = "auto", matmul_impl: str = "auto", moe_impl: str = "auto",
-                layer_loop: str = "auto") -> DecodeState:
-    """Advances every active row by one speculative step (see the module docstring): the stages above,
-    in order (`engine.profile` times each of them alone)."""
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """What one decode step computed, for observers (the studies): the tree [B, N], the target's logits at
+    its slots [B, N, V], the walk's result, and which rows were active (bool [B])."""
+
+    tree: DraftTree
+    target_logits: jax.Array
+    result: VerifyResult
+    active: jax.Array
+
+
+jax.tree_util.register_dataclass(StepTrace, data_fields=["tree", "target_logits", "result", "active"], meta_fields=[])
+
+
+def traced_decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams,
+                       keys: jax.Array, stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int,
+                       block_size: int, options: DecodeOptions = DecodeOptions()) -> tuple[DecodeState, StepTrace]:
+    """Advances every active row by one speculative step (see the module docstring): the stages above, in
+    order. Returns (the next state, the step's trace)."""
     active = ~state.done
     draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
     draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
-    tree = tree_stage(draft_logits, state.bonus, method=method, budget=budget)
-    logits, tapped, cache = verify_forward(target_config, target_params, state.target_cache, tree, attn_impl=attn_impl,
-                                           matmul_impl=matmul_impl, moe_impl=moe_impl, layer_loop=layer_loop)
-    result = verification_stage(tree, logits, sampling, keys, state.step, order=order, verify_method=verify_method,
-                                sampling_impl=sampling_impl)
+    tree = tree_stage(draft_logits, state.bonus, method=method, budget=budget, topk_impl=options.topk_impl)
+    logits, tapped, cache = tree_forward_stage(target_config, target_params, state.target_cache, tree, options)
+    result = walk_stage(tree, logits, sampling, keys, state.step, options)
     cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
     output, num_generated, steps, accepted, done, bonus = emit_stage(state, result, stop_tokens, max_new)
-    return DecodeState(
+    new_state = DecodeState(
         target_cache=cache,
         draft_state=draft_state,
         bonus=bonus,
@@ -200,3 +200,12 @@ def decode_step(target_config, target_params, drafter, state: DecodeState, sampl
         done=done,
         step=state.step + 1,
     )
+    return new_state, StepTrace(tree=tree, target_logits=logits, result=result, active=active)
+
+
+def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
+                stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
+                options: DecodeOptions = DecodeOptions()) -> DecodeState:
+    """`traced_decode_step`'s next state (the trace is dead code: XLA drops it)."""
+    return traced_decode_step(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new,
+                              method=method, budget=budget, block_size=block_size, options=options)[0]

@@ -1,15 +1,14 @@
 """Models: shared layers, attention, the Qwen3 and DeepSeek-V3 targets (MoE in moe), the DFlash drafter, KV caches."""
 
+from ddtree_jax.config import DeepSeekV3Config, Qwen3Config
 from ddtree_jax.models import deepseek_v3, dflash, moe, qwen3
 from ddtree_jax.models.attention import ATTENTION_IMPLS, attention
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 
 
 def target_module(config):
-    """The module implementing a target config's interface: create_cache, prefill, verify, forward_logits,
+    """The module implementing a target config's interface: create_cache, prefill, tree_forward, forward_logits,
     embedding, head (Qwen3Config -> qwen3, DeepSeekV3Config -> deepseek_v3)."""
-    from ddtree_jax.config import DeepSeekV3Config, Qwen3Config
-
     if isinstance(config, Qwen3Config):
         return qwen3
     if isinstance(config, DeepSeekV3Config):

@@ -63,7 +63,7 @@ def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 def commit(cache: KVCache, accept_index: jax.Array, num_accepted: jax.Array) -> KVCache:
     """Moves the accepted tree slots down and advances the lengths.
 
-    The N tree slots of the last verify sit at cache rows lengths .. lengths + N - 1 (slot i at row
+    The N tree slots of the last tree forward sit at cache rows lengths .. lengths + N - 1 (slot i at row
     lengths + i). Accepted slots accept_index[0..n] (root first, increasing) move to rows
     lengths .. lengths + n, in place; rows past that are left as scratch. Returns the cache with
     lengths += num_accepted + 1 (the root / bonus token and the accepted draft tokens).

@@ -1,10 +1,10 @@
 """The DeepSeek-V3 / Kimi K2.x target: MLA attention, dense first layers, sigmoid-routed MoE.
 
-`forward_logits` is the plain reference (expanded K/V over the sequence). `prefill` / `verify` run
+`forward_logits` is the plain reference (expanded K/V over the sequence). `prefill` / `tree_forward` run
 the absorbed form over a latent cache (kv_lora_rank + qk_rope_head_dim values per token and layer,
 one shared KV head), tested against the reference; `commit` from models.cache applies unchanged.
 The MoE block (routing and the expert dispatches) lives in models.moe: `forward_logits` uses
-`moe_reference` (every expert evaluated), `prefill` / `verify` an efficient dispatch (`moe_impl`,
+`moe_reference` (every expert evaluated), `prefill` / `tree_forward` an efficient dispatch (`moe_impl`,
 default "auto": gather for few tokens, else the every-expert form; "ragged" on request).
 
 Parameters: a dict with two stacks, "dense_layers" (the first `first_k_dense_replace` layers) and
@@ -16,11 +16,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ddtree_kernels.quant import dense
+
+from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
-from ddtree_jax.models.attention import attention, resolve_attention_impl, sharded_tree_attention
+from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
+from ddtree_jax.models.attention import attention, sharded_tree_attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
-from ddtree_jax.models.moe import EXPERT_AXES, MOE_IMPLS, LayerOf, moe, moe_reference, route  # noqa: F401  (route, MOE_IMPLS re-exported)
-from ddtree_jax.models.quant import dense
+from ddtree_jax.models.moe import EXPERT_AXES, LayerOf, moe, moe_reference, route  # noqa: F401  (route re-exported)
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
     axes_of,
@@ -200,7 +203,7 @@ def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, 
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
-    if resolve_attention_impl(attn_impl, queries=steps, mla=True) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
+    if dispatch.attention_impl(attn_impl, queries=steps, mla=True) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
         dtype = q_latent.dtype
         out_latent = sharded_tree_attention((q_latent, q_rot.astype(dtype)),
                                             (latent_cache.astype(dtype), rope_cache.astype(dtype)),
@@ -295,7 +298,7 @@ def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: j
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
-def verify(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
+def tree_forward(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
            tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla",
            layer_loop: str = "scan"):
     """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""

@@ -1,7 +1,7 @@
 """Shared layers as pure functions: RMSNorm, linear ([out, in] weights), SwiGLU, rotary embeddings.
 
 Weights keep HF's [out, in] layout and are contracted on their last axis (the layout that measured
-fastest for one-token matmuls on the H200: shared/spec/performance_notes.md).
+fastest for one-token matmuls on the H200).
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from ddtree_kernels.decode_matmul import matmul, matmul_reference
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
+
+from ddtree_jax import dispatch
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -19,46 +23,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-MATMUL_IMPLS = ("xla", "pallas", "auto")
-# "auto" on GPU, from benchmarks/bench_matmul.py on one H200 (BENCHMARKS.md, commit a67bcf3, M = 1 and 17):
-# the kernel wins 1.6-2.6x on INT4 and block-FP8 weights (XLA's reference dequantises the whole weight
-# per call) and 1.1-1.8x on bf16 weights of >= 32M elements (Qwen3-8B gate/up/down, K2.6 dense FFN at
-# M = 17), ties or loses on smaller bf16 projections. But inside the whole Qwen3-8B forward (one H200,
-# commit ee6cecd, benchmarks/bench_forward.py) the kernel on those bf16 weights made the unrolled AR
-# forward slower, 15.9 ms against 10.0 ms with XLA at B = 1, T = 1, and tied it from T = 17 on (B = 8, T = 65:
-# 43.4 against 44.1 ms). Our guess, not profiled: a custom call needs its weight materialised, so each
-# layer's slice of the stacked weights is copied, while XLA's dot reads it in place. So "auto" keeps bf16
-# weights on XLA and gives the kernel only the quantised ones, which XLA must dequantise anyway, at up
-# to AUTO_PALLAS_MAX_ROWS rows. At M = 65 and 257 the kernel lost to dequantise + XLA on INT4 (0.25-0.64x),
-# and at M = 257 on FP8 (0.54x), while it won at M = 1, 8 and 17 (1.2-3.4x).
-AUTO_PALLAS_MAX_ROWS = 32
-
-
-def resolve_matmul_impl(impl: str, x: jax.Array, weight) -> str:
-    """"xla" or "pallas" for x [..., in] @ weight [out, in].T; "auto" is xla off GPU."""
-    if impl not in MATMUL_IMPLS:
-        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    if jax.default_backend() != "gpu":
-        return "xla"
-    if isinstance(weight, jax.Array):  # bf16 / float weights
-        return "xla"
-    return "pallas" if math.prod(x.shape[:-1]) <= AUTO_PALLAS_MAX_ROWS else "xla"  # INT4 / block-FP8 (models.quant)
-
-
 def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:
-    """x [..., in] @ weight[out, in].T -> [..., out]; a quantised weight (models.quant) is dequantised
-    to x's dtype first in "xla" (the reference); "pallas" streams it through
-    `kernels.decode_matmul.matmul` (dequantised in registers; interpret mode off GPU); "auto": by
-    measurement (`resolve_matmul_impl`), xla off GPU."""
-    from ddtree_jax.models.quant import dense
-
-    if resolve_matmul_impl(impl, x, weight) == "pallas":
-        from kernels.decode_matmul import matmul
-
+    """x [..., in] @ weight[out, in].T -> [..., out]; a quantised weight (`ddtree_kernels.quant`) is
+    dequantised to x's dtype first in "xla" (`ddtree_kernels.decode_matmul.matmul_reference`); "pallas"
+    streams it through `ddtree_kernels.decode_matmul.matmul` (dequantised in registers; interpret mode
+    off GPU); "auto": `dispatch.matmul_impl`. float32 inputs are computed at float32."""
+    quantized = isinstance(weight, (Int4Weight, Fp8BlockWeight))
+    if dispatch.matmul_impl(impl, rows=math.prod(x.shape[:-1]), quantized=quantized) == "pallas":
         return matmul(x, weight)
-    return jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype))
+    return matmul_reference(x, weight)
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, impl: str = "xla") -> jax.Array:

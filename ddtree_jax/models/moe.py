@@ -13,7 +13,7 @@ and k experts per token there are N = M * k (token, expert) assignments:
   dequantised (N slots, spare ones empty); else all E are dequantised in XLA. This is the interface the
   Pallas INT4 grouped kernel fills in: XLA on GPU expands ragged_dot into a dense product over every
   group (G * N rows), k times the reference's work once N >= E.
-- "auto" (prefill / verify default), static from the shapes (`choose_impl`): off GPU "gather" while
+- "auto" (prefill / tree-forward default), static from the shapes (`dispatch.moe_impl`): off GPU "gather" while
   N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 16, else "pallas" (the grouped
   kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep").
 
@@ -22,7 +22,7 @@ INT4 gather 0.32 / 3.4 / 9.4 / 27 at N = 8 / 136 / 384 / 1088, reference 19 / 19
 ragged 0.74 / 9.9 / 31 / 67 (217 at N 4096); bf16 and FP8 experts: gather 0.23 / 2.7 / 7.5 / 22,
 reference 8 (bf16) and 28 (FP8) up to N = 384 (an earlier session's wall-clock medians). Hence, off GPU,
 gather up to N ~ E and the reference beyond; on GPU the grouped kernel ("pallas") from N = 17 on
-(GPU_GATHER_MAX_ASSIGNMENTS: device times of 2026-12-01 beside it). All impls are equal up to float reassociation
+(`dispatch.GPU_GATHER_MAX_ASSIGNMENTS`; BENCHMARKS.md, "MoE"). All impls are equal up to float reassociation
 (tests/models/test_moe.py; in bf16 "gather" also skips the reference's rounding of dequantised weights
 to bf16, accumulating in float32); static shapes, no host sync.
 
@@ -30,7 +30,7 @@ On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
 - "ep": expert parallel, the routed experts split over "model" (rule table "ep": 384 / 8 = 48 per
   device). A `shard_map` region: the tokens, already on every device of "model" (attention's output
   projection ends in an all-reduce), meet the device's own experts; assignments to other devices' experts
-  weigh 0; a psum over "model" combines. Inside (`local_expert_impl`), "gather" while the step's
+  weigh 0; a psum over "model" combines. Inside (`dispatch.local_expert_impl`), "gather" while the step's
   assignments are at most the device's experts (GPU: at most 16), else the grouped kernel on GPU and
   the dense product over its experts elsewhere. Without a mesh "ep" is "gather".
 - "pallas": the grouped kernel cannot be partitioned by XLA, so under a mesh it runs in a region too,
@@ -51,13 +51,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from ddtree_kernels.decode_matmul import grouped_matmul
+from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
+
+from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
+from ddtree_jax.dispatch import MOE_IMPLS
 from ddtree_jax.models.layers import linear, swiglu
-from ddtree_jax.models.quant import INT4_GROUP, Int4Weight, dense
+from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
+from ddtree_jax.sharding.rules import MODEL, partition_spec
 
-MODEL = "model"  # the mesh axis of tensor / expert parallelism (sharding.rules.MODEL; not imported: cycle)
-
-MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
 # logical axes of one layer's routed-expert weights (deepseek_v3.param_shapes uses these; the rule tables
 # of sharding/rules.py map them to mesh axes, here and for the manual regions below)
 EXPERT_AXES = {"expert_gate": ("experts", "expert_mlp", "embed"), "expert_up": ("experts", "expert_mlp", "embed"),
@@ -202,11 +205,9 @@ def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
 
 
 def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
-    """As `routed_ragged`, with `kernels.decode_matmul.grouped_matmul` for the three expert matmuls:
+    """As `routed_ragged`, with `ddtree_kernels.decode_matmul.grouped_matmul` for the three expert matmuls:
     INT4 / FP8 experts stay packed and are dequantised in registers; experts no assignment chose are
     never read. Interpret mode off GPU (slow: for tests)."""
-    from kernels.decode_matmul import grouped_matmul
-
     tokens, k = experts.shape
     num_experts = p["expert_gate"].shape[0]
     flat = experts.reshape(-1)
@@ -225,45 +226,17 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 
-# On GPU "gather" up to this many assignments, the grouped Pallas kernel beyond. One K2.6 INT4 MoE layer
-# (router + shared expert + routed, one H200, device time from benchmarks/bench_model_parts.py --profile,
-# 2026-12-01): gather 0.30 / 0.45 / 0.84 / 1.82 ms at 8 / 16 / 32 / 72 assignments (T = 1 / 2 / 4 / 9
-# tokens), the grouped kernel 0.29 / 0.47 / 0.72 / 0.76 ms: a tie up to 16, the kernel from 32 on
-# (2.4x at 72). The 128 used before predates the kernel's split-K and its loop-free row tiles.
-GPU_GATHER_MAX_ASSIGNMENTS = 16
-
-
-def choose_impl(config: DeepSeekV3Config, num_tokens: int, backend: str | None = None) -> str:
-    """The "auto" rule, static from the shapes. Off GPU: "gather" while the assignments (tokens * k) are at
-    most the experts (it reads N experts, the reference all E), else "reference" (module docstring). On
-    GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS, else the grouped kernel ("pallas": it reads each
-    chosen expert once, packed). backend: jax.default_backend() when None."""
-    assignments = num_tokens * config.num_experts_per_tok
-    if (backend or jax.default_backend()) == "gpu":
-        return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
-    return "gather" if assignments <= config.n_routed_experts else "reference"
-
-
-def local_expert_impl(num_assignments: int, local_experts: int, backend: str | None = None) -> str:
-    """The dispatch inside the "ep" region over a device's own experts: "gather" while the assignments are
-    at most its experts (GPU: at most GPU_GATHER_MAX_ASSIGNMENTS), else the grouped kernel on GPU
-    ("pallas") or the dense product over its experts elsewhere ("dense")."""
-    if (backend or jax.default_backend()) == "gpu":
-        return "gather" if num_assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
-    return "gather" if num_assignments <= local_experts else "dense"
-
-
 def _routed_expert_parallel(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array,
                             local_impl: str | None = None) -> jax.Array:
     """The per-device program of "ep": this device's E / m experts (the routed experts split over "model")
     on the assignments that chose one of them (the others weigh 0; the kernel runs them as local expert 0's
-    rows), then the sum over devices. Dispatch on the device: `local_expert_impl` unless given."""
+    rows), then the sum over devices. Dispatch on the device: `dispatch.local_expert_impl` unless given."""
     local_experts = p["expert_gate"].shape[0]
     first = lax.axis_index(MODEL) * local_experts
     mine = (experts >= first) & (experts < first + local_experts)
     local_ids = jnp.where(mine, experts - first, 0)
     local_weights = jnp.where(mine, weights, 0.0)
-    local_impl = local_impl or local_expert_impl(experts.size, local_experts)
+    local_impl = local_impl or dispatch.local_expert_impl(experts.size, local_experts)
     routed = {"gather": routed_gather, "pallas": routed_pallas, "dense": routed_dense}[local_impl]
     return lax.psum(routed(p, x, local_ids, local_weights), MODEL)
 
@@ -282,9 +255,6 @@ def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weight
     """"ep", and "pallas" under a mesh: the routed experts as a manual region (`sharding.regions`). Tokens
     (replicated over "model", split by batch over "data") meet the experts where they live, results are
     summed over "model"; without a mesh "ep" is "gather" and "pallas" runs as is."""
-    from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
-    from ddtree_jax.sharding.rules import partition_spec
-
     if context_mesh() is None:
         return _ROUTED["gather" if impl == "ep" else impl](p, x, experts, weights)
     # the experts' specs from the rule tables: "ep" splits "experts", "tp" each expert's "expert_mlp"
@@ -305,7 +275,7 @@ def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") 
     lead, width = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, width)
     if impl == "auto":
-        impl = choose_impl(config, flat.shape[0])
+        impl = dispatch.moe_impl(flat.shape[0] * config.num_experts_per_tok, config.n_routed_experts)
     if impl == "reference":
         return moe_reference(config, p, x)
     experts, weights = route(config, p["router"], p["router_bias"], flat)

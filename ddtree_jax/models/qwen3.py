@@ -176,7 +176,7 @@ def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Ar
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
-def verify(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array, tree_mask: jax.Array, *,
+def tree_forward(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array, tree_mask: jax.Array, *,
            attn_impl: str = "xla", matmul_impl: str = "xla", layer_loop: str = "unrolled"):
     """The tree-verify pass: N slots at positions lengths + depth.
 

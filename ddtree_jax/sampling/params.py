@@ -49,6 +49,10 @@ class SamplingParams:
             params.validate()
         return params
 
+    def as_rows(self) -> jax.Array:
+        """f32 [B, 4]: (temperature, top_k, top_p, min_p) per row, the layout the fused kernels take."""
+        return jnp.stack([self.temperature, self.top_k.astype(jnp.float32), self.top_p, self.min_p], axis=-1)
+
     @property
     def batch_size(self) -> int:
         return self.temperature.shape[0]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 
 DATA, MODEL = "data", "model"
 

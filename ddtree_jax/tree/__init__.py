@@ -5,6 +5,7 @@ from ddtree_jax.tree.draft_tree import DraftTree
 from ddtree_jax.tree.reference import ReferenceTree, build_tree_reference
 from ddtree_jax.tree.select import top_k_log_probs
 from ddtree_jax.tree.structure import ORDER_POLICIES, ancestor_mask, positions, verification_order
+from ddtree_jax.tree.vocab_parallel import VOCAB_TOPK_IMPLS, sharded_top_k_log_probs
 
 __all__ = [
     "DraftTree",
@@ -17,4 +18,6 @@ __all__ = [
     "ancestor_mask",
     "verification_order",
     "ORDER_POLICIES",
+    "VOCAB_TOPK_IMPLS",
+    "sharded_top_k_log_probs",
 ]

@@ -30,7 +30,9 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
-from ddtree_jax.tree.select import TOPK_IMPLS, top_k_log_probs
+from ddtree_jax.dispatch import BUILD_TOPK_IMPLS
+from ddtree_jax.tree.select import top_k_log_probs
+from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 
 
 def _check_inputs(draft_logits, budget: int) -> None:
@@ -148,16 +150,11 @@ def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
     return slot_level, slot_rank, slot_parent, slot_logw
 
 
-BUILD_TOPK_IMPLS = TOPK_IMPLS + ("vocab_parallel",)
-
-
 @functools.partial(jax.jit, static_argnames=("budget", "topk_impl"))
 def _build_tree_jit(draft_logits, root_tokens, *, budget: int, topk_impl: str) -> DraftTree:
     batch, depth_limit, vocab = draft_logits.shape
     k = min(budget, vocab)
     if topk_impl == "vocab_parallel":  # the vocabulary split over the mesh's "model" axis (LM head under TP)
-        from ddtree_jax.sharding.vocab_parallel import sharded_top_k_log_probs
-
         lp, ids = sharded_top_k_log_probs(draft_logits, k)
     else:
         lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
@@ -198,9 +195,9 @@ def build_tree(
       budget: static number of draft nodes (root not counted), >= 1; any V and L are allowed
         (fewer reachable nodes than `budget` leave padding slots).
       root_tokens: int32 [B] tokens for slot 0 (the bonus tokens), or None for 0.
-      topk_impl: per-depth top-K selection: one of `ddtree_jax.tree.select.TOPK_IMPLS`, or
+      topk_impl: per-depth top-K selection: one of `dispatch.TOPK_IMPLS`, or
         "vocab_parallel" for logits whose vocabulary is split over the "model" axis of the mesh set with
-        `jax.set_mesh` (`sharding.vocab_parallel`: local top-K and a K-candidate gather instead of
+        `jax.set_mesh` (`tree.vocab_parallel`: local top-K and a K-candidate gather instead of
         gathering the logits; 1.15-1.9x faster on 2 H200s, BENCHMARKS.md; without a mesh it is "xla").
       check_finite: when called eagerly, raise ValueError on NaN/inf logits (costs one host sync).
         Under an outer jit the check cannot raise; a non-finite row yields a root-only tree.

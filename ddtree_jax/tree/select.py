@@ -10,29 +10,19 @@ row in descending order, equal values -> lower token id first (the spec's rank o
                take `lax.top_k` over the chunk maxima, gather those K chunks in increasing chunk order
                (so positions stay in token-id order and top_k's lower-index tie-break is the id
                tie-break), and run `lax.top_k` over K * chunk candidates instead of V.
-- "auto":      "prefilter" when it shrinks the problem, else "xla".
+- "auto":      "prefilter" when it shrinks the problem, else "xla" (`dispatch.topk_impl`).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-TOPK_IMPLS = ("auto", "xla", "prefilter")
+from ddtree_jax import dispatch
+from ddtree_jax.dispatch import TOPK_IMPLS
 
-
-def _chunk_size(vocab: int, k: int) -> int:
-    """Power of two near sqrt(V / K): balances the two top_k sizes V / chunk and K * chunk."""
-    target = math.sqrt(vocab / max(k, 1))
-    return int(min(1024, max(8, 2 ** round(math.log2(max(target, 1.0))))))
-
-
-def _prefilter_pays(vocab: int, k: int) -> bool:
-    chunk = _chunk_size(vocab, k)
-    return vocab // chunk + k * chunk < vocab // 2
+__all__ = ["TOPK_IMPLS", "top_k_log_probs"]
 
 
 def top_k_log_probs(
@@ -49,20 +39,17 @@ def top_k_log_probs(
     Returns:
       (log_probs float32 [..., k] descending, token_ids int32 [..., k]).
     """
-    if impl not in TOPK_IMPLS:
-        raise ValueError(f"topk impl must be one of {TOPK_IMPLS}, got {impl!r}")
     vocab = draft_logits.shape[-1]
-    if not 1 <= k <= vocab:
+    if impl in TOPK_IMPLS and not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, V={vocab}], got {k}")
+    impl = dispatch.topk_impl(impl, vocab=vocab, k=k)
     log_probs = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
-    if impl == "auto":
-        impl = "prefilter" if _prefilter_pays(vocab, k) else "xla"
     if impl == "xla":
         values, ids = lax.top_k(log_probs, k)
         return values, ids.astype(jnp.int32)
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    return _top_k_prefilter(log_probs, k, chunk or _chunk_size(vocab, k))
+    return _top_k_prefilter(log_probs, k, chunk or dispatch.prefilter_chunk(vocab, k))
 
 
 def _top_k_prefilter(log_probs: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ddtree_jax.options import ORDER_POLICIES
 from ddtree_jax.tree.draft_tree import DraftTree
 
-ORDER_POLICIES = ("draft", "reverse", "random")
+__all__ = ["ORDER_POLICIES", "ancestor_mask", "positions", "verification_order"]
 
 
 def positions(tree: DraftTree, start: jax.Array) -> jax.Array:

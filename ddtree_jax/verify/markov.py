@@ -50,7 +50,7 @@ def expected_accepted(tree: DraftTree, b: int, probs: np.ndarray) -> float:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("budget", "num_steps", "order", "method", "threshold_single", "threshold_acc", "impl")
+    jax.jit, static_argnames=("budget", "num_steps", "order", "verifier", "threshold_single", "threshold_acc", "impl")
 )
 def simulate(
     transition_logits: jax.Array,
@@ -62,7 +62,7 @@ def simulate(
     budget: int,
     num_steps: int,
     order: str = "draft",
-    method: str = "sampling",
+    verifier: str = "sampling",
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     impl: str = "xla",
@@ -86,7 +86,7 @@ def simulate(
     for step in range(num_steps):
         tree = build_tree(draft_table[roots], budget, roots, check_finite=False)
         keys = row_keys(jax.random.fold_in(key, step), jnp.arange(samples))
-        result = verify_step(tree, transition_logits[tree.tokens], params, keys, order=order, method=method,
+        result = verify_step(tree, transition_logits[tree.tokens], params, keys, order=order, verifier=verifier,
                              threshold_single=threshold_single, threshold_acc=threshold_acc, impl=impl)
         n_out = result.num_accepted + 1
         target = jnp.where(cursor < n_out[:, None], written[:, None] + cursor, emitted.shape[1])

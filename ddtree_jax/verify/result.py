@@ -1,11 +1,11 @@
-"""`VerifyResult`: what every verifier returns."""
+"""`VerifyResult`: what every verifier returns (the kernels and `ddtree_kernels.sampling_reference` return
+its three arrays; the verifiers wrap them here)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,15 +30,3 @@ class VerifyResult:
 
 
 jax.tree_util.register_dataclass(VerifyResult, data_fields=["accept_index", "num_accepted", "tokens"], meta_fields=[])
-
-
-def emitted_tokens(candidates: jax.Array, accept: jax.Array, num_accepted: jax.Array, final: jax.Array) -> jax.Array:
-    """One row's `tokens` [S]: candidates of accept[1..n], then `final`, then -1.
-
-    candidates [N]; accept [S] (accept[0] = 0, -1 after the end); num_accepted and final: scalars.
-    """
-    steps = accept.shape[0]
-    positions = jnp.arange(steps)
-    accepted_tokens = candidates[jnp.maximum(accept, 0)]
-    tokens = jnp.where(positions < num_accepted, accepted_tokens[jnp.minimum(positions + 1, steps - 1)], -1)
-    return jnp.where(positions == num_accepted, final, tokens).astype(jnp.int32)

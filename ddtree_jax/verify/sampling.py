@@ -1,5 +1,6 @@
-"""Target-only tree rejection sampling: `verify_sampling`, the contract of `shared/spec/tree_sampling.md`
-implemented literally in JAX (one row at a time under vmap; a bounded loop over the nodes)."""
+"""Target-only tree rejection sampling: `verify_sampling`, the walk of `ddtree_kernels.sampling_reference`
+(one row at a time under vmap, a bounded loop over the nodes; its module docstring states the rule) with
+the eager checks of the tree lists, or the fused Pallas kernel."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from ddtree_jax.sampling.sample import inverse_cdf
-from ddtree_jax.verify.result import VerifyResult, emitted_tokens
+from ddtree_kernels.sampling_reference import walk_reference
+from ddtree_kernels.tree_sampling import tree_sampling_from_probs
+
+from ddtree_jax import dispatch
+from ddtree_jax.sharding.regions import rows, shard_call
+from ddtree_jax.verify.result import VerifyResult
 
 
 def check_tree_lists(candidates, next_token, next_sibling) -> None:
     """Eager checks of the tree lists (numpy; skipped for traced inputs).
 
     Raises ValueError on shape mismatches, indices out of [-1, N), and duplicate sibling tokens
-    (duplicates would double-count target mass: spec fact 2).
+    (duplicates would double-count target mass: a sibling's token would be tested twice).
     """
     if any(isinstance(a, jax.core.Tracer) for a in (candidates, next_token, next_sibling)):
         return
@@ -47,72 +51,9 @@ def check_tree_lists(candidates, next_token, next_sibling) -> None:
                 cur, steps = sib[b, cur], steps + 1
 
 
-IMPLS = ("xla", "pallas", "auto")
-
-
-def resolve_impl(impl: str) -> str:
-    """"auto" -> "pallas" on GPU, "xla" elsewhere (interpret-mode Pallas is for tests, not speed)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl
-
-
-def _walk_row(candidates, next_token, next_sibling, probs, coins, final_coin, *, max_accept, threshold_single, threshold_acc):
-    """One row. candidates/next_token/next_sibling/coins [N], probs [N, V], final_coin []."""
-    slots, vocab = probs.shape
-    steps = max_accept + 1
-
-    def body(_, state):
-        cur, row, prob_acc, n_acc, done, accept, excluded, last_rejected = state
-        active = ~done & (cur >= 0)
-        node = jnp.maximum(cur, 0)
-        tok = candidates[node]
-        p = probs[row, tok]
-        acc = prob_acc + p
-        take = active & (p > 0) & ((coins[row] < acc / max(threshold_acc, 1e-9)) | (p >= threshold_single))
-        reject = active & ~take
-        n_acc = n_acc + take
-        accept = jnp.where(take, accept.at[n_acc].set(node), accept)
-        excluded = jnp.where(reject, excluded.at[node].set(True), jnp.where(take, False, excluded))
-        last_rejected = jnp.where(take, -1, jnp.where(reject & (p > 0), tok, last_rejected))
-        prob_acc = jnp.where(take, 0.0, jnp.where(reject, acc, prob_acc))
-        new_row = jnp.where(take, node, row)
-        done = done | (~done & (cur < 0)) | (take & (n_acc == steps - 1))
-        cur = jnp.where(take, next_token[node], jnp.where(reject, next_sibling[node], cur))
-        return cur, new_row, prob_acc, n_acc, done, accept, excluded, last_rejected
-
-    init = (
-        next_token[0],
-        jnp.int32(0),
-        jnp.float32(0.0),
-        jnp.int32(0),
-        jnp.bool_(steps == 1),
-        jnp.full((steps,), -1, jnp.int32).at[0].set(0),
-        jnp.zeros((slots,), bool),
-        jnp.int32(-1),
-    )
-    # every iteration tests one node or ends the walk: N + 1 iterations always suffice
-    _, row, _, n_acc, _, accept, excluded, last_rejected = lax.fori_loop(0, slots + 1, body, init)
-
-    residual = probs[row]
-    if steps > 1:  # a bonus sample (all steps accepted) excludes nothing
-        drop = jnp.where(excluded & (n_acc < steps - 1), candidates, vocab)
-        residual = residual.at[drop].set(0.0, mode="drop")
-    final, has_mass = inverse_cdf(residual, final_coin)
-    final = jnp.where(has_mass, final, jnp.where(last_rejected >= 0, last_rejected, vocab - 1))
-
-    return accept, n_acc, emitted_tokens(candidates, accept, n_acc, final)
-
-
-@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc"))
-def _verify_sampling_jit(candidates, next_token, next_sibling, target_probs, coins, final_coins, *, max_accept, threshold_single, threshold_acc):
-    walk = functools.partial(
-        _walk_row, max_accept=max_accept, threshold_single=threshold_single, threshold_acc=threshold_acc
-    )
-    accept, n_acc, tokens = jax.vmap(walk)(candidates, next_token, next_sibling, target_probs, coins, final_coins)
-    return VerifyResult(accept_index=accept, num_accepted=n_acc, tokens=tokens)
+def _result(arrays) -> VerifyResult:
+    accept_index, num_accepted, tokens = arrays
+    return VerifyResult(accept_index=accept_index, num_accepted=num_accepted, tokens=tokens)
 
 
 def verify_sampling(
@@ -129,7 +70,7 @@ def verify_sampling(
     check: bool = True,
     impl: str = "xla",
 ) -> VerifyResult:
-    """Target-only tree rejection sampling, exactly the spec's walk (coin for coin).
+    """Target-only tree rejection sampling, exactly `walk_reference`'s walk (coin for coin).
 
     Args:
       candidates: int32 [B, N] token of each slot (slot 0 = root, its value unused).
@@ -143,8 +84,9 @@ def verify_sampling(
       check: when inputs are concrete, validate the lists and reject duplicate sibling tokens
         (ValueError). Traced inputs skip the check: trees from `build_tree` have distinct siblings by
         construction (distinct top-K tokens).
-      impl: "xla" (this module's vmap'd walk), "pallas" (`kernels.tree_sampling.tree_sampling_from_probs`,
-        interpret mode off GPU) or "auto" (pallas on GPU, else xla).
+      impl: "xla" (`ddtree_kernels.sampling_reference.walk_reference`), "pallas"
+        (`ddtree_kernels.tree_sampling.tree_sampling_from_probs`, interpret mode off GPU) or "auto"
+        (`dispatch.verify_impl`: pallas on GPU, else xla).
 
     Returns:
       VerifyResult with S = max_accept + 1.
@@ -160,15 +102,12 @@ def verify_sampling(
         raise ValueError(f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}")
     if check:
         check_tree_lists(candidates, next_token, next_sibling)
-    if resolve_impl(impl) == "pallas":
-        from kernels.tree_sampling import tree_sampling_from_probs
-        from ddtree_jax.sharding.regions import rows, shard_call
-
+    if dispatch.verify_impl(impl) == "pallas":
         kernel = functools.partial(tree_sampling_from_probs, max_accept=max_accept, threshold_single=threshold_single,
                                    threshold_acc=threshold_acc)
         args = (candidates, next_token, next_sibling, target_probs, coins, final_coins)
-        return shard_call(kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(1)), rows(1))
-    return _verify_sampling_jit(
+        return _result(shard_call(kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(1)), rows(1)))
+    return _result(walk_reference(
         jnp.asarray(candidates, jnp.int32),
         jnp.asarray(next_token, jnp.int32),
         jnp.asarray(next_sibling, jnp.int32),
@@ -178,4 +117,4 @@ def verify_sampling(
         max_accept=int(max_accept),
         threshold_single=float(threshold_single),
         threshold_acc=float(threshold_acc),
-    )
+    ))

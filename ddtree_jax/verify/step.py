@@ -6,17 +6,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from ddtree_kernels.tree_sampling import tree_sampling_from_logits
+
+from ddtree_jax import dispatch
+from ddtree_jax.options import VERIFIERS
+from ddtree_jax.sharding.regions import rows, shard_call
 
 from ddtree_jax.sampling.coins import draw_coins
 from ddtree_jax.sampling.params import SamplingParams
 from ddtree_jax.sampling.probs import INVALID_TOKEN, processed_probs, valid_rows
 from ddtree_jax.tree.draft_tree import DraftTree
 from ddtree_jax.tree.structure import verification_order
-from ddtree_jax.verify.greedy import verify_sample_then_walk
+from ddtree_jax.verify.follow import verify_sample_then_walk
 from ddtree_jax.verify.result import VerifyResult
-from ddtree_jax.verify.sampling import resolve_impl, verify_sampling
-
-METHODS = ("sampling", "sample_then_walk")
+from ddtree_jax.verify.sampling import verify_sampling
 
 
 def verify_step(
@@ -26,7 +29,7 @@ def verify_step(
     keys: jax.Array,
     *,
     order: str = "draft",
-    method: str = "sampling",
+    verifier: str = "sampling",
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     impl: str = "xla",
@@ -41,40 +44,43 @@ def verify_step(
       keys: typed PRNG keys [B], one per row and step (fold the request id and step in upstream);
         split into (sibling order, node coins, final coin).
       order: sibling order policy ("draft", "reverse", "random").
-      method: "sampling" (coin buckets, the spec) or "sample_then_walk" (the paper's verifier).
+      verifier: "sampling" (coin buckets: `verify_sampling`) or "sample_then_walk" (the DDTree paper's
+        verifier: `verify_sample_then_walk`; same law, another coin map); `options.VERIFIERS`.
       impl: "xla" (processed_probs + verify_sampling), "pallas" (the fused kernel of
-        `kernels.tree_sampling`: no [B, N, V] probabilities in HBM; interpret mode off GPU), or "auto"
-        (pallas on GPU, else xla). Same coins, same law; see the kernel's module docstring on rounding.
+        `ddtree_kernels.tree_sampling`: no [B, N, V] probabilities in HBM; interpret mode off GPU), or
+        "auto" (`dispatch.verify_impl`). Same coins, same law; see the kernel's module docstring on
+        rounding.
 
     Rows whose logits are invalid at a real slot (NaN, +inf, all -inf) return num_accepted 0 and
     tokens INVALID_TOKEN (-1).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if verifier not in VERIFIERS:
+        raise ValueError(f"verifier must be one of {VERIFIERS}, got {verifier!r}")
     batch, slots = tree.tokens.shape
     if target_logits.shape[:2] != (batch, slots):
         raise ValueError(f"target_logits must be [B, N, V] with [B, N] = ({batch}, {slots}), got {tuple(target_logits.shape)}")
     if keys.shape != (batch,):
         raise ValueError(f"keys must be one typed PRNG key per row, shape ({batch},), got {keys.shape}")
-    impl = resolve_impl(impl)
-    if impl == "pallas" and method != "sampling":
-        raise ValueError(f"impl='pallas' implements method='sampling' only, got method={method!r}")
+    if verifier == "sample_then_walk" and (threshold_single, threshold_acc) != (1.0, 1.0):
+        raise ValueError(f"the sample-then-walk verifier has no lossy thresholds, got threshold_single={threshold_single}, "
+                         f"threshold_acc={threshold_acc}")
+    impl = dispatch.verify_impl(impl)
+    if impl == "pallas" and verifier != "sampling":
+        raise ValueError(f"impl='pallas' implements verifier='sampling' only, got verifier={verifier!r}")
     split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)  # [B, 3]
     next_token, next_sibling = verification_order(tree, order, split[:, 0])
     coins = draw_coins(split[:, 1], (slots,))
     if impl == "pallas":
-        from kernels.tree_sampling import tree_sampling_from_logits
-        from ddtree_jax.sharding.regions import rows, shard_call
-
         # per shard on a mesh: rows over "data"; vocab-split logits are gathered over "model" on the way in
         kernel = functools.partial(tree_sampling_from_logits, max_accept=tree.max_depth,
                                    threshold_single=threshold_single, threshold_acc=threshold_acc)
-        args = (tree.tokens, next_token, next_sibling, target_logits, params, coins, draw_coins(split[:, 2], ()))
-        result, slot_valid = shard_call(kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(1), rows(2), rows(1)),
-                                        rows(1))
-        return _mask_invalid_rows(result, slot_valid, tree)
+        args = (tree.tokens, next_token, next_sibling, target_logits, params.as_rows(), coins,
+                draw_coins(split[:, 2], ()))
+        accept_index, num_accepted, tokens, slot_valid = shard_call(
+            kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(2), rows(1)), rows(1))
+        return mask_invalid_rows(VerifyResult(accept_index, num_accepted, tokens), slot_valid, tree)
     probs = processed_probs(target_logits, params)
-    if method == "sampling":
+    if verifier == "sampling":
         final_coins = draw_coins(split[:, 2], ())
         result = verify_sampling(
             tree.tokens, next_token, next_sibling, probs, coins, final_coins,
@@ -82,10 +88,10 @@ def verify_step(
         )
     else:
         result = verify_sample_then_walk(tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False)
-    return _mask_invalid_rows(result, valid_rows(target_logits), tree)
+    return mask_invalid_rows(result, valid_rows(target_logits), tree)
 
 
-def _mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:
+def mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:
     """Rows with invalid logits at a real slot: num_accepted 0, tokens INVALID_TOKEN."""
     row_ok = (slot_valid | ~tree.is_real).all(axis=1)
     steps = tree.max_depth + 1

@@ -15,7 +15,7 @@ import pytest
 from ddtree_jax.checkpoint import load_hf
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3, qwen3
-from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.config import DFlashConfig, Qwen3Config
-from ddtree_jax.engine import DFlashDrafter, generate
+from ddtree_jax.engine import DecodeOptions, DFlashDrafter, generate
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.sampling import SamplingParams, row_keys
 from tests.stats_helpers import ALPHA, chi_square_pvalue
@@ -194,14 +194,15 @@ def test_engine_runs_the_deepseek_family_target():
 
 @pytest.mark.slow
 def test_the_fused_sampling_kernel_gives_the_same_generation():
-    """generate(sampling_impl="pallas") (kernels/tree_sampling.py, interpret mode here) equals the XLA
+    """generate(options=DecodeOptions(verify_impl="pallas")) (ddtree_kernels/tree_sampling.py, interpret mode
+    here) equals the XLA
     verification on a sampled batch with top-p: same coins, and no rounding boundary is hit here."""
     from ddtree_jax.engine.run import random_tiny_pair, request_args
 
     pair = random_tiny_pair(0)
     args = request_args(pair, [[1, 2, 3, 4, 5], [7, 8]], temperature=1.0, top_p=0.9, seed=0, max_new_tokens=24)
     out = {impl: np.asarray(generate(*args, max_new_tokens=24, method="ddtree", budget=8, block_size=8,
-                                     sampling_impl=impl).tokens) for impl in ("xla", "pallas")}
+                                     options=DecodeOptions(verify_impl=impl)).tokens) for impl in ("xla", "pallas")}
     np.testing.assert_array_equal(out["pallas"], out["xla"])
 
 
@@ -210,4 +211,4 @@ def test_moe_impl_needs_an_moe_target():
                   stop_tokens=jnp.full((3, 1), -1, jnp.int32), max_new=jnp.full((3,), 4, jnp.int32))
     with pytest.raises(ValueError, match="moe_impl='ep' needs an MoE target; Qwen3Config"):
         generate(TARGET, T_PARAMS, None, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=4,
-                 method="ar", moe_impl="ep")
+                 method="ar", options=DecodeOptions(moe_impl="ep"))

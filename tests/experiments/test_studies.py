@@ -1,5 +1,5 @@
-"""The studies' generation loop: the engine's output for the same keys, verify_step's result for every order,
-and the per-step surrogate / exact expectation against direct computations."""
+"""The studies' generation loop: the engine's output for the same keys and options, and the per-step
+surrogate / exact expectation against direct computations."""
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,6 @@ from experiments.studies import (
     step_records,
     study_generate,
     surrogate_tau_jnp,
-    verify_step_any_order,
 )
 
 
@@ -34,21 +33,27 @@ def _tree(seed=0, batch=3, depth=4, vocab=12, budget=9):
     return build_tree(logits, budget, jnp.arange(batch, dtype=jnp.int32))
 
 
-@pytest.mark.parametrize("thresholds", [(1.0, 1.0), (0.5, 0.3)])
-def test_verify_any_order_equals_verify_step_for_every_order(thresholds):
-    tree = _tree()
-    logits = jax.random.normal(jax.random.key(1), (3, tree.num_slots, 12)) * 2.0
-    sampling = SamplingParams.create(3, temperature=[0.0, 0.7, 1.0])
-    keys = row_keys(jax.random.key(2), jnp.arange(3))
-    acc, single = thresholds
-    run = jax.jit(lambda i: verify_step_any_order(tree, logits, sampling, keys, i, threshold_acc=acc,
-                                                  threshold_single=single, impl="xla"))
-    for index, order in enumerate(("draft", "reverse", "random")):
-        want = jax.jit(lambda t, l, s, k: verify_step(t, l, s, k, order=order, threshold_acc=acc,
-                                                      threshold_single=single))(tree, logits, sampling, keys)
-        got = run(jnp.int32(index))
-        for name in ("tokens", "num_accepted", "accept_index"):
-            np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=order)
+@pytest.mark.parametrize("order", ["reverse", "random"])
+def test_study_generate_runs_the_engine_with_its_options(pair, order):
+    """Another order and lossy thresholds go through DecodeOptions to the engine's own loop: the tokens are
+    generate_recorded's (itself generate's loop) for the same options."""
+    from ddtree_jax.engine.generate import generate_recorded
+    from ddtree_jax.options import DecodeOptions
+    from experiments.studies import step_record
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    res = study_generate(pair, prompts, method="ddtree", budget=6, max_new_tokens=6, temperature=1.0, seed=1,
+                         order=order, threshold_acc=0.5, threshold_single=0.3)
+    args = request_args(pair, prompts, temperature=1.0, seed=1, max_new_tokens=6)
+    options = DecodeOptions(order=order, threshold_acc=0.5, threshold_single=0.3)
+    want, records = generate_recorded(*args, recorder=step_record, max_new_tokens=6, method="ddtree", budget=6,
+                                      block_size=pair.drafter.max_block_size, options=options)
+    np.testing.assert_array_equal(res["tokens"], np.asarray(want.tokens))
+    plain = generate(*args, max_new_tokens=6, method="ddtree", budget=6, block_size=pair.drafter.max_block_size,
+                     options=options)
+    np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(want.tokens))  # recording changes nothing
+    active = np.asarray(records["active"])
+    np.testing.assert_array_equal(active.sum(axis=0), np.asarray(want.steps))
 
 
 def test_surrogate_and_exact_expectation_match_direct_computations():

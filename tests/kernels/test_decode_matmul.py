@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.models.quant import Fp8BlockWeight, quantize_int4
-from kernels.decode_matmul import (
+from ddtree_kernels.quant import Fp8BlockWeight, quantize_int4
+from ddtree_kernels.decode_matmul import (
     BLOCK_K,
     BLOCK_N,
     GroupedTiles,

@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ddtree_jax.sampling import SamplingParams
-
 registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
 
 
@@ -33,14 +31,14 @@ def hopper(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
-    from kernels.tree_sampling import _from_logits_jit, _from_probs_jit
+    from ddtree_kernels.tree_sampling import _from_logits_jit, _from_probs_jit
 
     batch, slots, vocab = 2, 17, 163840
     lists = (spec((batch, slots), jnp.int32),) * 3
     coins = (spec((batch, slots)), spec((batch,)))
     static = dict(max_accept=8, threshold_single=1.0, threshold_acc=1.0, interpret=False)
-    text = _from_logits_jit.trace(*lists, spec((batch, slots, vocab), dtype), SamplingParams.create(batch), *coins,
-                                  **static).lower(lowering_platforms=("cuda",)).as_text()
+    text = _from_logits_jit.trace(*lists, spec((batch, slots, vocab), dtype), spec((batch, 4)), *coins,
+                                  **static, skip_with_cond=True).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("partial_stats", "search_count", "search_mass", "kept_mass", "walk_logits", "residual_logits", "final_logits"):
         assert f"tree_sampling_{name}" in text, name
     text = _from_probs_jit.trace(*lists, spec((batch, slots, vocab), jnp.float32), *coins,
@@ -51,8 +49,8 @@ def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
 def test_decode_matmul_lowers_for_triton(hopper, kind):
-    from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
-    from kernels.decode_matmul import _matmul_2d
+    from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
+    from ddtree_kernels.decode_matmul import _matmul_2d
 
     m, k, n = 17, 4096, 12288
     weight = {
@@ -67,8 +65,8 @@ def test_decode_matmul_lowers_for_triton(hopper, kind):
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
 def test_grouped_matmul_lowers_for_triton(hopper, kind):
-    from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight
-    from kernels.decode_matmul import _grouped_2d, default_grouped_tiles
+    from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
+    from ddtree_kernels.decode_matmul import _grouped_2d, default_grouped_tiles
 
     experts, n, k = 384, 2048, 7168  # Kimi K2.6 experts
     layers = 60  # every MoE layer's experts stacked; the kernel reads one in place
@@ -87,7 +85,7 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
 
 @pytest.mark.parametrize("case", ["gqa", "mla"])
 def test_tree_attention_lowers_for_triton(hopper, case):
-    from kernels.tree_attention import _block_m, _tree_attention, default_block_config
+    from ddtree_kernels.tree_attention import _block_m, _tree_attention, default_block_config
 
     batch, steps, q_heads, kv_heads, dims, dv = {"gqa": (8, 65, 32, 8, (128,), 128),  # Qwen3-8B, budget 64
                                                  "mla": (1, 17, 64, 1, (512, 64), 512)}[case]  # K2.6 on one GPU

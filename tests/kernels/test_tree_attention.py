@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.tree_attention import (SMEM_BUDGET, BlockConfig, default_block_config, shared_memory_bytes, tree_attention,
+from ddtree_kernels.tree_attention import (SMEM_BUDGET, BlockConfig, default_block_config, shared_memory_bytes, tree_attention,
                                     tree_attention_reference, visible_lengths)
 
 

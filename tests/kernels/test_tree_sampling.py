@@ -1,11 +1,11 @@
-"""kernels/tree_sampling.py (interpret mode on CPU) against its references.
+"""ddtree_kernels/tree_sampling.py (interpret mode on CPU) against its references.
 
 Row statistics against the sorting reference; mode (a) (processed probabilities) against
 `verify_sampling` coin for coin; mode (b) (fused from logits) against
 `verify_sampling(processed_probs(logits))`. The kernels reduce in another order than XLA, so a row
 may disagree only where a decision sits within float32 rounding of its boundary: the tests require
 >= 99.9% of rows to agree and check each disagreement with the float64 oracle of tests/kernels/margins.py.
-Then the spec's boundary cases, large vocabularies, mixed greedy/sampled batches, `verify_step(impl=
+Then the walk's boundary cases, large vocabularies, mixed greedy/sampled batches, `verify_step(impl=
 "pallas")` and the output law through the fused path.
 """
 
@@ -18,17 +18,30 @@ from ddtree_jax.sampling import COIN_MAX, COIN_MIN, SamplingParams, processed_pr
 from ddtree_jax.sampling.probs import INVALID_TOKEN
 from ddtree_jax.tree import build_tree, verification_order
 from ddtree_jax.verify import verify_greedy, verify_sampling, verify_step
-from kernels.tree_sampling import (
-    logit_key,
-    params_rows,
-    row_stats,
-    row_stats_reference,
-    tree_sampling_from_logits,
-    tree_sampling_from_logits_reference,
-    tree_sampling_from_probs,
-)
+from ddtree_jax.verify import VerifyResult
+from ddtree_kernels import tree_sampling
+from ddtree_kernels.tree_sampling import logit_key, params_rows, row_stats, row_stats_reference
 from tests.kernels.margins import row_margin
 from tests.verify.test_verify_sampling import EX_CAND, EX_NEXT, EX_SIB, _follow_some_children, _worked_example_probs
+
+def tree_sampling_from_probs(*args, **kwargs) -> VerifyResult:
+    """The kernel's arrays as the library's result type (what `verify_sampling(impl="pallas")` does)."""
+    return VerifyResult(*tree_sampling.tree_sampling_from_probs(*args, **kwargs))
+
+
+def _with_rows(kernel, candidates, next_token, next_sibling, logits, params, *rest, **kwargs):
+    *arrays, valid = kernel(candidates, next_token, next_sibling, logits, params.as_rows(), *rest, **kwargs)
+    return VerifyResult(*arrays), valid
+
+
+def tree_sampling_from_logits(*args, **kwargs):
+    """(VerifyResult, valid) from SamplingParams, as `verify_step(impl="pallas")` calls the kernel."""
+    return _with_rows(tree_sampling.tree_sampling_from_logits, *args, **kwargs)
+
+
+def tree_sampling_from_logits_reference(*args, **kwargs):
+    return _with_rows(tree_sampling.tree_sampling_from_logits_reference, *args, **kwargs)
+
 
 MARGIN_TOL = 1e-5  # float32 sums over up to V = 163840 values: disagreements beyond this are bugs
 
@@ -260,8 +273,8 @@ def test_verify_step_pallas_matches_xla_and_flags_invalid_rows():
     for name in ("accept_index", "num_accepted", "tokens"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
     assert (np.asarray(a.tokens[2]) == INVALID_TOKEN).all()
-    with pytest.raises(ValueError, match="method='sampling' only"):
-        verify_step(tree, jnp.asarray(target), params, keys, method="sample_then_walk", impl="pallas")
+    with pytest.raises(ValueError, match="verifier='sampling' only"):
+        verify_step(tree, jnp.asarray(target), params, keys, verifier="sample_then_walk", impl="pallas")
     with pytest.raises(ValueError, match="impl must be one of"):
         verify_step(tree, jnp.asarray(target), params, keys, impl="triton")
 
@@ -275,13 +288,13 @@ def test_bad_inputs_are_named():
         tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins, final, max_accept=-1)
     with pytest.raises(ValueError, match="coins must be"):
         tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins[:, :2], final, max_accept=2)
-    with pytest.raises(ValueError, match="params have batch"):
+    with pytest.raises(ValueError, match=r"sampling_params must be f32 \[B, 4\] = \(2, 4\)"):
         tree_sampling_from_logits(tree.tokens, nxt, sib, target, SamplingParams.create(3), coins, final, max_accept=2)
 
 
 def test_params_rows_repeat_per_slot():
     params = SamplingParams.create(2, temperature=[0.5, 1.0], top_k=[3, 0], top_p=[0.9, 1.0], min_p=[0.0, 0.1])
-    rows = np.asarray(params_rows(params, 3))
+    rows = np.asarray(params_rows(params.as_rows(), 3))
     assert rows.shape == (6, 4)
     np.testing.assert_allclose(rows[:3], [[0.5, 3, 0.9, 0.0]] * 3)
     np.testing.assert_allclose(rows[3:], [[1.0, 0, 1.0, 0.1]] * 3)

@@ -1,4 +1,4 @@
-"""The models with attn_impl="pallas" (kernels/tree_attention.py, interpret mode) equal the XLA path:
+"""The models with attn_impl="pallas" (ddtree_kernels/tree_attention.py, interpret mode) equal the XLA path:
 Qwen3 prefill + tree verify, and the DeepSeek-V3 absorbed MLA (two key parts, no [latent ; rope] copy)."""
 
 import jax
@@ -43,15 +43,13 @@ def test_attention_entry_dispatches_and_falls_back_for_odd_head_dims():
 def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatch):
     """"auto": XLA off GPU; on GPU the kernel for GQA calls with <= 32 query positions (tree verify,
     decode), XLA for absorbed MLA and long blocks (BENCHMARKS.md, tree-verify attention)."""
-    import importlib
+    from ddtree_jax import dispatch
 
-    attention_mod = importlib.import_module("ddtree_jax.models.attention")  # the package re-exports the function
-
-    resolve = attention_mod.resolve_attention_impl
+    resolve = dispatch.attention_impl
     assert resolve("auto", queries=17) == "xla"  # this machine is a CPU
-    monkeypatch.setattr(attention_mod.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     assert resolve("auto", queries=17) == "pallas" and resolve("auto") == "pallas"
-    assert resolve("auto", queries=attention_mod.AUTO_PALLAS_MAX_QUERIES + 1) == "xla"
+    assert resolve("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES + 1) == "xla"
     assert resolve("auto", queries=1, mla=True) == "xla"
     assert resolve("xla", queries=17) == "xla" and resolve("pallas", queries=512, mla=True) == "pallas"
     with pytest.raises(ValueError, match="attention impl must be one of"):

@@ -91,7 +91,7 @@ def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params
     pre_logits, _, cache = deepseek_v3.prefill(TINY, tiny_params, cache, jnp.asarray(prefix), jnp.asarray(lengths))
     assert relerr(pre_logits[0, 4], _naive(tiny_params, prefix[0, :5])) < 1e-5
     tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 7, jnp.array([9, 11], jnp.int32))
-    logits, features, cache = deepseek_v3.verify(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
+    logits, features, cache = deepseek_v3.tree_forward(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
     assert features.shape == (2, 8, 64)
     parents, tokens = np.asarray(tree.parents), np.asarray(tree.tokens)
     paths = {}
@@ -129,7 +129,7 @@ def test_scanned_layers_equal_the_unrolled_loop(tiny_params):
         cache = deepseek_v3.create_cache(TINY, 2, 24, jnp.float32)
         pre, pre_feats, cache = deepseek_v3.prefill(TINY, tiny_params, cache, prefix, jnp.array([6, 2], jnp.int32),
                                                     layer_loop=loop)
-        ver, feats, cache = deepseek_v3.verify(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree),
+        ver, feats, cache = deepseek_v3.tree_forward(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree),
                                                layer_loop=loop)
         outs[loop] = (pre, pre_feats, ver, feats, cache.k, cache.v)
     for got, want in zip(outs["scan"], outs["unrolled"]):

@@ -1,4 +1,4 @@
-"""The Qwen3 target with matmul_impl="pallas" (kernels/decode_matmul.py, interpret mode) equals the XLA
+"""The Qwen3 target with matmul_impl="pallas" (ddtree_kernels/decode_matmul.py, interpret mode) equals the XLA
 path: prefill and tree verify logits and tapped features, and a greedy engine generation."""
 
 import jax
@@ -28,36 +28,36 @@ def test_switch_errors():
     with pytest.raises(ValueError, match="matmul impl"):
         linear(x, jnp.ones((4, 8)), "cublas")
     with pytest.raises(NotImplementedError, match="not wired into the DeepSeek-V3 family"):
-        deepseek_v3.verify(None, {}, None, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+        deepseek_v3.tree_forward(None, {}, None, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
                            jnp.ones((1, 2, 2), bool), matmul_impl="pallas")
 
 
 @pytest.mark.slow
 def test_greedy_generation_is_unchanged():
     from ddtree_jax.engine.generate import generate
+    from ddtree_jax.options import DecodeOptions
     from ddtree_jax.engine.run import random_tiny_pair, request_args
 
     pair = random_tiny_pair(0)
     args = request_args(pair, [[1, 2, 3, 4, 5], [7, 8]], temperature=0.0, seed=0, max_new_tokens=12)
     out = {impl: np.asarray(generate(*args, max_new_tokens=12, method="ddtree", budget=8, block_size=8,
-                                     matmul_impl=impl).tokens) for impl in ("xla", "pallas")}
+                                     options=DecodeOptions(matmul_impl=impl)).tokens) for impl in ("xla", "pallas")}
     np.testing.assert_array_equal(out["pallas"], out["xla"])
 
 
 def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatch):
     """"auto": XLA off GPU; on GPU the kernel for INT4 / FP8 weights at <= 32 rows, XLA for bf16 weights
     (the kernel slowed the whole Qwen3-8B forward) and for quantised ones at more rows (BENCHMARKS.md)."""
-    from ddtree_jax.models import layers
-    from ddtree_jax.models.quant import Int4Weight
+    from ddtree_jax import dispatch
 
-    resolve = layers.resolve_matmul_impl
-    int4 = Int4Weight(jnp.zeros((64, 4), jnp.int32), jnp.zeros((64, 1), jnp.bfloat16))
-    x1, x17, x65 = (jnp.zeros((1, m, 4096), jnp.bfloat16) for m in (1, 17, 65))
-    big, small = jnp.zeros((12288, 4096), jnp.bfloat16), jnp.zeros((1024, 4096), jnp.bfloat16)
-    assert resolve("auto", x1, big) == "xla"  # this machine is a CPU
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
-    assert resolve("auto", x1, big) == "xla" and resolve("auto", x17, big) == "xla"
-    assert resolve("auto", x65, big) == "xla" and resolve("auto", x1, small) == "xla"
-    assert resolve("auto", x1, int4) == "pallas"
-    assert resolve("auto", x17, int4) == "pallas" and resolve("auto", x65, int4) == "xla"
-    assert resolve("xla", x1, int4) == "xla" and resolve("pallas", x65, small) == "pallas"
+    def resolve(impl, rows, quantized):
+        return dispatch.matmul_impl(impl, rows=rows, quantized=quantized)
+
+    assert resolve("auto", 1, True) == "xla"  # this machine is a CPU
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    assert resolve("auto", 1, False) == "xla" and resolve("auto", 17, False) == "xla"
+    assert resolve("auto", 65, False) == "xla"
+    assert resolve("auto", 1, True) == "pallas"
+    assert resolve("auto", 17, True) == "pallas" and resolve("auto", 65, True) == "xla"
+    assert resolve("auto", dispatch.AUTO_PALLAS_MAX_ROWS, True) == "pallas"
+    assert resolve("xla", 1, True) == "xla" and resolve("pallas", 65, False) == "pallas"

@@ -7,9 +7,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3, moe
-from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, quantize_int4
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, quantize_int4
 from tests.models.impl_parity import relerr
 
 # 16 experts in 4 groups (top-2 groups), 3 per token; hidden 160 spans two 128-wide FP8 blocks, and both
@@ -93,17 +94,18 @@ def test_bfloat16_activations(fmt):
 
 
 def test_auto_rule_and_unknown_impl():
-    assert moe.choose_impl(CONFIG, 5) == "gather"  # 15 assignments <= 16 experts
-    assert moe.choose_impl(CONFIG, 6) == "reference"
-    assert moe.choose_impl(CONFIG, 6, backend="cpu") == "reference"
+    k, experts = CONFIG.num_experts_per_tok, CONFIG.n_routed_experts
+    assert dispatch.moe_impl(5 * k, experts) == "gather"  # 15 assignments <= 16 experts
+    assert dispatch.moe_impl(6 * k, experts) == "reference"
+    assert dispatch.moe_impl(6 * k, experts, backend_name="cpu") == "reference"
     # GPU: gather up to GPU_GATHER_MAX_ASSIGNMENTS (16: two K2.6 tokens), then the grouped kernel
-    assert moe.GPU_GATHER_MAX_ASSIGNMENTS == 16
-    assert moe.choose_impl(CONFIG, 16 // CONFIG.num_experts_per_tok, backend="gpu") == "gather"
-    assert moe.choose_impl(CONFIG, 16 // CONFIG.num_experts_per_tok + 1, backend="gpu") == "pallas"
-    assert moe.local_expert_impl(4, 4, backend="cpu") == "gather"
-    assert moe.local_expert_impl(5, 4, backend="cpu") == "dense"
-    assert moe.local_expert_impl(16, 48, backend="gpu") == "gather"
-    assert moe.local_expert_impl(17, 48, backend="gpu") == "pallas"
+    assert dispatch.GPU_GATHER_MAX_ASSIGNMENTS == 16
+    assert dispatch.moe_impl(16, experts, backend_name="gpu") == "gather"
+    assert dispatch.moe_impl(17, experts, backend_name="gpu") == "pallas"
+    assert dispatch.local_expert_impl(4, 4, backend_name="cpu") == "gather"
+    assert dispatch.local_expert_impl(5, 4, backend_name="cpu") == "dense"
+    assert dispatch.local_expert_impl(16, 48, backend_name="gpu") == "gather"
+    assert dispatch.local_expert_impl(17, 48, backend_name="gpu") == "pallas"
     p = _layer("float")
     x = jax.random.normal(jax.random.key(0), (1, 1, CONFIG.hidden_size))
     np.testing.assert_array_equal(np.asarray(moe.moe(CONFIG, p, x)), np.asarray(moe.moe(CONFIG, p, x, impl="gather")))
@@ -122,7 +124,7 @@ def test_prefill_and_verify_take_each_impl():
     for impl in moe.MOE_IMPLS:
         cache = deepseek_v3.create_cache(CONFIG, 2, 16, jnp.float32)
         pre, _, cache = deepseek_v3.prefill(CONFIG, params, cache, ids, jnp.array([6, 4], jnp.int32), moe_impl=impl)
-        ver, _, _ = deepseek_v3.verify(CONFIG, params, cache, ids[:, :4], depths, tree_mask, moe_impl=impl)
+        ver, _, _ = deepseek_v3.tree_forward(CONFIG, params, cache, ids[:, :4], depths, tree_mask, moe_impl=impl)
         outs[impl] = (pre, ver)
     for impl in ("auto", "gather", "ragged", "pallas"):
         for got, want in zip(outs[impl], outs["reference"]):

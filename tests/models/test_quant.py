@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddtree_jax.models.quant import Fp8BlockWeight, Int4Weight, dense, quantize_int4
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense, quantize_int4
 
 
 def test_int4_bit_layout_by_hand():

@@ -91,7 +91,7 @@ def test_verify_logits_equal_the_causal_path(params, budget):
     batch = 3
     tree, prefix, lengths = _tree_case(budget, batch, budget)
     _, _, cache = _prefill_ragged(params, prefix, lengths)
-    logits, features, cache = qwen3.verify(CONFIG, params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
+    logits, features, cache = qwen3.tree_forward(CONFIG, params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)  # verify never moves lengths
     for b in range(batch):
         for i in range(int(tree.num_nodes[b])):
@@ -105,7 +105,7 @@ def test_commit_then_continue_equals_uninterrupted_decoding(params):
     batch, budget = 3, 12
     tree, prefix, lengths = _tree_case(7, batch, budget)
     _, _, cache = _prefill_ragged(params, prefix, lengths)
-    _, features, cache = qwen3.verify(CONFIG, params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
+    _, features, cache = qwen3.tree_forward(CONFIG, params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
     # accept a root-to-leaf path of varying length in each row (deepest node, its parent, root only)
     accept = np.full((batch, tree.max_depth + 1), -1, np.int32)
     num_accepted = np.zeros(batch, np.int32)
@@ -204,7 +204,7 @@ def test_scan_equals_unrolled_prefill_on_ragged_rows(loop_params):
 def test_scan_equals_unrolled_verify_on_a_tree(loop_params):
     tree, prefix, lengths = _tree_case(23, 3, budget=9)
     _, _, cache = _prefill_ragged(loop_params, prefix, lengths, capacity=24)
-    outs = {loop: qwen3.verify(CONFIG, loop_params, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop)
+    outs = {loop: qwen3.tree_forward(CONFIG, loop_params, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop)
             for loop in qwen3.LAYER_LOOPS}
     _assert_loops_agree(outs)
     np.testing.assert_array_equal(np.asarray(outs["scan"][2].lengths), lengths)

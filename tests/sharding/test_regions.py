@@ -13,6 +13,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ddtree_jax import dispatch
 from ddtree_jax.models import deepseek_v3, moe
 from ddtree_jax.sampling import SamplingParams, row_keys
 from ddtree_jax.sharding.regions import context_mesh, fit_specs, shard_call
@@ -73,7 +74,7 @@ def test_ep_region_many_tokens_uses_the_dense_local_product(params, mesh):
 def test_ep_region_with_the_grouped_kernel_locally(params, mesh, monkeypatch):
     """The GPU rule for many assignments inside "ep": each device's grouped kernel (interpret mode here)
     over its own experts, the other devices' assignments run as local expert 0 with weight 0."""
-    monkeypatch.setattr(moe, "local_expert_impl", lambda *args, **kwargs: "pallas")
+    monkeypatch.setattr(dispatch, "local_expert_impl", lambda *args, **kwargs: "pallas")
     p = jax.tree.map(lambda a: a[1], params["moe_layers"])
     x = jax.random.normal(jax.random.key(6), (12, CONFIG.hidden_size))
     want = moe.moe_reference(CONFIG, p, x)

@@ -11,7 +11,7 @@ import pytest
 
 from ddtree_jax.engine import DFlashDrafter, generate
 from ddtree_jax.models import deepseek_v3, dflash
-from ddtree_jax.models.quant import Int4Weight, quantize_int4
+from ddtree_kernels.quant import Int4Weight, quantize_int4
 from ddtree_jax.sampling import SamplingParams, row_keys
 from ddtree_jax.sharding.mesh import make_mesh
 from ddtree_jax.sharding.rules import param_specs, partition_spec, shard_params

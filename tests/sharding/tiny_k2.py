@@ -38,6 +38,6 @@ def prefill_verify(params, mesh=None, *, in_mesh_context: bool = False, **impls)
     with context:
         pre, _, cache = jax.jit(lambda p, c, i, l: deepseek_v3.prefill(CONFIG, p, c, i, l, **impls))(
             params, cache, ids, lengths)
-        ver, feats, _ = jax.jit(lambda p, c: deepseek_v3.verify(CONFIG, p, c, tree.tokens, tree.depths,
+        ver, feats, _ = jax.jit(lambda p, c: deepseek_v3.tree_forward(CONFIG, p, c, tree.tokens, tree.depths,
                                                                  ancestor_mask(tree), **impls))(params, cache)
     return pre, ver, feats

@@ -29,10 +29,10 @@ SETTINGS = {
 }
 
 
-def _run(setting, order="draft", method="sampling", seed=1, **thresholds):
+def _run(setting, order="draft", verifier="sampling", seed=1, **thresholds):
     params = SamplingParams.create(SAMPLES, **SETTINGS[setting])
     emitted, accepted = simulate(TRANSITION, DRAFT, params, jnp.full((SAMPLES,), ROOT, jnp.int32), jax.random.key(seed),
-                                 budget=BUDGET, num_steps=3, order=order, method=method, **thresholds)
+                                 budget=BUDGET, num_steps=3, order=order, verifier=verifier, **thresholds)
     probs = transition_probs(TRANSITION, SamplingParams.create(1, **SETTINGS[setting]))
     return np.asarray(emitted), np.asarray(accepted), probs
 
@@ -73,7 +73,7 @@ def test_expected_acceptance_matches_the_analytic_sum_for_every_order(order):
 
 
 def test_sample_then_walk_has_the_same_law():
-    emitted, accepted, probs = _run("T0.7-topk3", method="sample_then_walk", seed=4)
+    emitted, accepted, probs = _run("T0.7-topk3", verifier="sample_then_walk", seed=4)
     assert _law_pvalue(emitted, probs) > ALPHA
     analytic = expected_accepted(_first_tree(), 0, probs)
     assert abs(accepted[:, 0].mean() - analytic) < 4.5 * accepted[:, 0].std() / np.sqrt(SAMPLES)
@@ -128,5 +128,7 @@ def test_verify_step_is_deterministic_per_row_and_flags_invalid_rows():
     d = verify_step(tree, bad, params, keys)
     assert (np.asarray(d.tokens[5]) == INVALID_TOKEN).all() and int(d.num_accepted[5]) == 0
     np.testing.assert_array_equal(np.asarray(d.tokens[:5]), np.asarray(verify_step(tree, logits, params, keys).tokens[:5]))
-    with pytest.raises(ValueError, match="method must be one of"):
-        verify_step(tree, logits, params, keys, method="eagle")
+    with pytest.raises(ValueError, match="verifier must be one of"):
+        verify_step(tree, logits, params, keys, verifier="eagle")
+    with pytest.raises(ValueError, match="no lossy thresholds"):
+        verify_step(tree, logits, params, keys, verifier="sample_then_walk", threshold_acc=0.5)

@@ -2,11 +2,10 @@
 
   y = x @ W^T,  x [M, K] (bf16 / f32, M = batch x tokens, 1 .. a few hundred),  W [N, K] ("out, in",
   the HF layout the loader keeps) as a plain array, an INT4 pack-quantized weight or a block-FP8
-  weight (`ddtree_jax.models.quant`), dequantised in registers.
+  weight (`ddtree_kernels.quant`), dequantised in registers.
 
 Why a kernel: at M <= ~256 every weight byte is used M times, so the matmul is a stream of W through
-HBM; plain XLA reaches a fraction of the bandwidth at these shapes (shared/spec/performance_notes.md:
-a Qwen3-8B one-token forward at 12-46 ms against a 3.5 ms weight-read roofline).
+HBM; plain XLA reaches a fraction of the bandwidth at these shapes (BENCHMARKS.md, "Matmul").
 
 Grid (N tiles, K splits, M tiles). Each program streams one [BN, K / splits] stripe of W in [BN, BK]
 tiles and multiplies it against the matching [BM, BK] activation tile (tensor-core dot, float32
@@ -22,7 +21,9 @@ lays out plane-major ([8, M_pad, K_pad / 8]) beforehand; the group scale of elem
 Block FP8 (DeepSeek-V3 style): float8_e4m3fn [N, K] with float32 scales per 128 x 128 block; tiles
 are 128-aligned in K and divide 128 in N, so each tile has one scale.
 
-`matmul_reference` is the twin: dequantise to x's dtype and contract (what `layers.linear` does).
+`matmul_reference` is the twin: dequantise to x's dtype and contract (the XLA path of the models'
+`linear`). Precision: float32 activations are computed at float32 in both (`tiling`); tile sizes shrink
+for 4-byte operands so that a program fits the shared memory (`fit_tiling`).
 
 The grouped (MoE) variant, `grouped_matmul`: rows sorted by expert against stacked experts [E, N, K] (or
 every layer's, [L, E, N, K], with `layer=`: read in place, no per-layer copy). Grid (N tiles, K splits,
@@ -42,15 +43,50 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.models.quant import FP8_BLOCK, INT4_GROUP, Fp8BlockWeight, Int4Weight, dense
+from ddtree_kernels.quant import FP8_BLOCK, INT4_GROUP, Fp8BlockWeight, Int4Weight, dense
+from ddtree_kernels.tiling import TARGET_PROGRAMS, default_interpret, dot_precision, fits, pipelined_bytes
 
 BLOCK_N = 64  # output columns per program
 BLOCK_K = 256  # contraction elements per tile (a multiple of 8 * 32 for INT4, of 128 for FP8)
-TARGET_PROGRAMS = 264  # two per SM of an H200
+NUM_STAGES = 3  # Triton pipeline stages of the plain kernel
 
 
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
+def _weight_kind(weight) -> str:
+    return "int4" if isinstance(weight, Int4Weight) else "fp8" if isinstance(weight, Fp8BlockWeight) else "dense"
+
+
+def _min_block_k(kind: str) -> int:
+    return {"int4": 8 * INT4_GROUP, "fp8": FP8_BLOCK, "dense": 16}[kind]
+
+
+def stage_tiles(kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int, block_n: int, block_k: int):
+    """The tiles one K step of a program loads ((shape, dtype) pairs: what `tiling.pipelined_bytes`
+    counts): the activation tile (INT4: its 8 planes) and the weight tile in its stored format (INT4: the
+    packed words and the group scales; FP8: float8 values)."""
+    if kind == "int4":
+        return [((8, block_m, block_k // 8), x_dtype), ((block_n, block_k // 8), jnp.int32),
+                ((block_n, block_k // INT4_GROUP), scale_dtype)]
+    return [((block_m, block_k), x_dtype), ((block_n, block_k), weight_dtype)]
+
+
+def fit_tiling(kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int, block_n: int, block_k: int,
+               num_stages: int) -> tuple[int, int]:
+    """(block_k, num_stages) that fit the shared memory, from the requested ones: fewer stages first (down
+    to 2), then halved K steps (down to the format's minimum), then a single stage. 4-byte operands (float32
+    activations or weights) need this; the bf16 / INT4 / FP8 defaults fit as they are."""
+    def nbytes(bk, stages):
+        return pipelined_bytes(stage_tiles(kind, x_dtype, weight_dtype, scale_dtype, block_m, block_n, bk), stages)
+
+    stages = num_stages
+    while stages > 2 and not fits(nbytes(block_k, stages)):
+        stages -= 1
+    while block_k > _min_block_k(kind) and block_k % 2 == 0 and not fits(nbytes(block_k, stages)):
+        if kind == "fp8":  # FP8 steps are one 128-wide scale block
+            break
+        block_k //= 2
+    if not fits(nbytes(block_k, stages)):
+        stages = 1
+    return block_k, stages
 
 
 def _block_m(rows: int) -> int:
@@ -76,7 +112,7 @@ def _split_k(k_tiles: int, splits: int, block_k: int) -> tuple[int, int]:
 
 
 def _dot_t(x, w, precision):
-    """x [BM, BK] . w [BN, BK]^T -> f32 [BM, BN] (tensor cores; float32 inputs at full precision)."""
+    """x [BM, BK] . w [BN, BK]^T -> f32 [BM, BN] (tensor cores; `dot_precision`: IEEE for float32)."""
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
@@ -152,11 +188,11 @@ def _whole(shape):
 def _matmul_2d(x, weight, *, interpret: bool):
     rows, k = x.shape
     n = weight.shape[-2]
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    if isinstance(weight, Fp8BlockWeight):
-        block_k = FP8_BLOCK  # one scale per tile
-    else:
-        block_k = BLOCK_K
+    precision = dot_precision(x.dtype)
+    kind = _weight_kind(weight)
+    block_k = FP8_BLOCK if kind == "fp8" else BLOCK_K  # FP8: one scale per tile
+    block_k, num_stages = fit_tiling(kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight), _block_m(rows),
+                                     BLOCK_N, block_k, NUM_STAGES)
     block_m, m_tiles, splits, k_per_split = _plan(rows, n, k, block_k)
     m_pad, k_pad = m_tiles * block_m, splits * k_per_split
     x_pad = jnp.pad(x, ((0, m_pad - rows), (0, k_pad - k)))
@@ -175,16 +211,25 @@ def _matmul_2d(x, weight, *, interpret: bool):
         in_specs=[_whole(a.shape) for a in inputs],
         out_specs=pl.BlockSpec((None, block_m, BLOCK_N), lambda j, s, i: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, n_tiles * BLOCK_N), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages),
         interpret=interpret,
         name="decode_matmul_" + type(weight).__name__.lower() if not isinstance(weight, jax.Array) else "decode_matmul_dense",
     )(*inputs)
     return partial.sum(axis=0)[:rows, :n].astype(x.dtype)
 
 
+def _stored_dtype(weight):
+    return jnp.int32 if isinstance(weight, Int4Weight) else (weight.weight if isinstance(weight, Fp8BlockWeight) else weight).dtype
+
+
+def _scale_dtype(weight):
+    return weight.scale.dtype if isinstance(weight, Int4Weight) else jnp.float32
+
+
 def matmul(x: jax.Array, weight, *, interpret: bool | None = None) -> jax.Array:
     """x [..., K] (bf16 / f32) @ weight^T -> [..., N] in x's dtype; weight [N, K] array, Int4Weight
-    ([N, K / 8] words, [N, K / 32] scales) or Fp8BlockWeight. Same contract as `layers.linear`."""
+    ([N, K / 8] words, [N, K / 32] scales) or Fp8BlockWeight. Same contract as `matmul_reference`;
+    float32 x is computed at float32 (the package's precision contract, `tiling`)."""
     shape = weight.shape
     if len(shape) != 2:
         raise ValueError(f"matmul takes one [N, K] weight, got shape {shape} (stacked weights: index the layer first)")
@@ -195,14 +240,14 @@ def matmul(x: jax.Array, weight, *, interpret: bool | None = None) -> jax.Array:
     if isinstance(weight, Int4Weight) and shape[1] % INT4_GROUP:
         raise ValueError(f"INT4 weights need K % {INT4_GROUP} == 0, got K = {shape[1]}")
     lead = x.shape[:-1]
-    out = _matmul_2d(x.reshape(-1, shape[1]), weight, interpret=_on_cpu() if interpret is None else bool(interpret))
+    out = _matmul_2d(x.reshape(-1, shape[1]), weight, interpret=default_interpret(interpret))
     return out.reshape(lead + (shape[0],))
 
 
 def matmul_reference(x: jax.Array, weight) -> jax.Array:
-    """The twin: dequantise to x's dtype and contract in float32 ([..., K] -> [..., N], x's dtype)."""
-    w = dense(weight, x.dtype)
-    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    """The twin: dequantise to x's dtype and contract ([..., K] -> [..., N], x's dtype) at
+    `dot_precision(x.dtype)`: the models' "xla" linear."""
+    return jnp.einsum("...i,oi->...o", x, dense(weight, x.dtype), precision=dot_precision(x.dtype))
 
 
 # --- the grouped (MoE) variant: rows sorted by expert, each expert's weights streamed once per row tile ---------
@@ -309,6 +354,14 @@ def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array
     return jnp.stack([expert.astype(jnp.int32), first.astype(jnp.int32), rows.astype(jnp.int32)])
 
 
+def fit_grouped_tiles(tiles: GroupedTiles, kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int) -> GroupedTiles:
+    """`tiles` with its K step and stages cut down (`fit_tiling`) until a program's tiles fit the shared
+    memory: 4-byte operands at 128 columns and 256-wide K steps ask for more than Hopper's 227 KiB."""
+    block_k, num_stages = fit_tiling(kind, x_dtype, weight_dtype, scale_dtype, block_m, tiles.block_n, tiles.block_k,
+                                     tiles.num_stages)
+    return dataclasses.replace(tiles, block_k=block_k, num_stages=num_stages)
+
+
 def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -> tuple[int, int, int, int]:
     """(block_m, max_tiles, splits, k_per_split) for `rows` assignments over `experts` experts."""
     block_m = _block_m(max(1, rows // max(1, min(experts, rows))))  # rows per expert on average, >= 16
@@ -326,9 +379,11 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     # weight: stacked [L, E, N, K] (a plain [E, N, K] arrives as L = 1, layer 0); layer: int32 []
     rows, k = x.shape
     experts, n = weight.shape[1], weight.shape[-2]
-    kind = "int4" if isinstance(weight, Int4Weight) else "fp8" if isinstance(weight, Fp8BlockWeight) else "dense"
+    kind = _weight_kind(weight)
     tiles.check(kind)
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    precision = dot_precision(x.dtype)
+    tiles = fit_grouped_tiles(tiles, kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight),
+                              grouped_plan(rows, experts, n, k, tiles)[0])
     block_m, max_tiles, splits, k_per_split = grouped_plan(rows, experts, n, k, tiles)
     tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
     tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
@@ -387,7 +442,7 @@ def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, layer: jax.A
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     tiles = tiles or default_grouped_tiles(weight)
     return _grouped_2d(x, weight, group_sizes, jnp.asarray(layer, jnp.int32),
-                       interpret=_on_cpu() if interpret is None else bool(interpret), tiles=tiles)
+                       interpret=default_interpret(interpret), tiles=tiles)
 
 
 def default_grouped_tiles(weight) -> GroupedTiles:
@@ -402,4 +457,5 @@ def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array, *, la
         weight = jax.tree.map(lambda a: a[layer], weight)
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
     w = dense(weight, x.dtype)[expert]  # [A, N, K]
-    return jnp.einsum("ak,ank->an", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("ak,ank->an", x, w, preferred_element_type=jnp.float32,
+                      precision=dot_precision(x.dtype)).astype(x.dtype)

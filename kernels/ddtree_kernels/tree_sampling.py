@@ -1,15 +1,16 @@
-"""Pallas kernels for target-only tree rejection sampling (`shared/spec/tree_sampling.md`).
+"""Pallas kernels for target-only tree rejection sampling (the walk of `sampling_reference`).
 
-Two entry points, each beside its pure-JAX reference twin:
+Two entry points, each beside its pure-JAX reference twin (`*_reference`, built on `sampling_reference`):
 
-  tree_sampling_from_probs(...)    mode (a): processed probabilities [B, N, V] in, the spec's walk out
-                                   (`verify_sampling(..., impl="pallas")`).
+  tree_sampling_from_probs(...)    mode (a): processed probabilities [B, N, V] in, the walk out
+                                   (the library's `verify_sampling(..., impl="pallas")`).
   tree_sampling_from_logits(...)   mode (b): raw target logits [B, N, V] (bf16 or f32) and per-row
-                                   SamplingParams in; the same result as
-                                   `verify_sampling(processed_probs(logits, params), ...)` without
+                                   settings [B, 4] in; the same result as
+                                   `walk_reference(processed_probs_reference(logits, ...), ...)` without
                                    ever writing the [B, N, V] probability tensor to HBM
-                                   (`verify_step(..., impl="pallas")`). Greedy rows (T = 0) are the
-                                   argmax walk in the same kernels.
+                                   (the library's `verify_step(..., impl="pallas")`). Greedy rows (T = 0)
+                                   are the argmax walk in the same kernels.
+Both return plain arrays (accept_index, num_accepted, tokens[, valid]); the callers wrap them.
 
 Why this shape. The walk is sequential but tiny: it tests each tree node once, against its parent's
 row, and samples one final token from one row. What costs is the vocabulary: turning a row of V
@@ -38,7 +39,7 @@ long for one program to stream fast (one SM pulls ~100 GB/s), so every vocabular
   5 _residual_sums_kernel   (B, spans): residual mass of the final row per span (excluded tokens zeroed)
   6 _final_scan_kernel      (B, 1): the first CDF crossing inside the span XLA picked from 5's sums
 
-Numerics. The reference (`processed_probs` + `verify_sampling`) sorts and cumsums; these kernels
+Numerics. The reference (`processed_probs_reference` + `walk_reference`) sorts and cumsums; these kernels
 reduce in another order, so a coin or a filter cut that lies within float32 rounding of a CDF bucket
 boundary may fall on the other side. Tests require >= 99.9% row agreement and check that every
 mismatch is such a boundary case.
@@ -55,26 +56,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.sampling.params import SamplingParams
-from ddtree_jax.sampling.probs import processed_probs
-from ddtree_jax.verify.result import VerifyResult
-from ddtree_jax.verify.sampling import verify_sampling
+from ddtree_kernels.sampling_reference import processed_probs_reference, valid_rows, walk_reference
+from ddtree_kernels.tiling import TARGET_PROGRAMS, default_interpret
 
 STATS_BLOCK = 2048  # vocab elements per load: statistics and kept-mass passes
 SEARCH_BLOCK = 256  # vocab elements per load in a search pass ([block, 16] comparisons and accumulators)
 SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
 FINAL_BLOCK = 2048  # vocab elements per load in the final sample (a multiple of STATS_BLOCK's role: spans)
-# Skip the filter passes with one lax.cond when no row of the batch filters (True), or launch them with
-# every row inactive (False); benchmarks/bench_tree_sampling.py --no-cond measures the second.
-SKIP_WITH_COND = True
-TARGET_PROGRAMS = 264  # programs per launch worth filling: two per SM of an H200 (132 SMs)
 
 _INT32_MIN = np.iinfo(np.int32).min
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
 
 
 # --- shared elementwise pieces (used by the kernels and by tests) ------------------------------------
@@ -252,7 +243,8 @@ def _grid_call(kernel, rows, splits, in_specs, out_specs, out_shape, name, inter
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret, name=name)
 
 
-def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | None = None) -> dict:
+def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | None = None,
+              skip_with_cond: bool = True) -> dict:
     """Per-row statistics of logits [R, V] (bf16 / f32) under per-row params f32 [R, 4]
     (temperature, top_k, top_p, min_p) -> dict of [R] arrays:
 
@@ -266,14 +258,15 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
     Kernels: partial statistics per (row, span), then fixed counts of search passes (4 per filter for
     bf16 keys, 8 for float32) each one pallas_call over (row, span) with the bracket updated in between,
     then the kept mass. Rows that do not filter skip the passes inside the kernels; a batch in which no
-    row filters skips them all (one lax.cond; SKIP_WITH_COND = False launches them regardless).
+    row filters skips them all (one lax.cond; skip_with_cond=False launches them regardless, with every row
+    inactive: `benchmarks/bench_tree_sampling.py --no-cond` measures that).
     """
     rows, vocab = logits.shape
     if logits.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"logits must be bfloat16 or float32, got {logits.dtype}")
     shift = 16 if logits.dtype == jnp.bfloat16 else 0
     passes = 4 if shift else 8  # 16 or 32 key bits, 4 bits per pass
-    interpret = _on_cpu() if interpret is None else interpret
+    interpret = default_interpret(interpret)
     splits, span = _split(vocab, rows, STATS_BLOCK)
     temperature, top_k, top_p, min_p = (params_rows[:, i] for i in range(4))
     top_k = top_k.astype(jnp.int32)
@@ -348,7 +341,7 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
         return cut, jnp.where(any_filter, z_parts.sum(axis=1), z)
 
     no_cut = jnp.full((rows,), _INT32_MIN, jnp.int32)
-    if SKIP_WITH_COND:  # one predicate: does any row of the batch filter at all?
+    if skip_with_cond:  # one predicate: does any row of the batch filter at all?
         cut, z = lax.cond(jnp.any(any_filter), filtered, lambda z: (no_cut, z), z)
     else:
         cut, z = filtered(z)
@@ -402,7 +395,7 @@ def _walk_kernel(*refs, mode: str, vocab: int, slots: int, max_accept: int, thre
     for s in range(accept_ref.shape[0]):
         accept_ref[s] = jnp.int32(0 if s == 0 else -1)
 
-    # the spec's walk: every iteration tests one node or ends it, so N + 1 iterations suffice
+    # the walk: every iteration tests one node or ends it, so N + 1 iterations suffice
     def body(_, state):
         cur, row, prob_acc, n_acc, done, last_rejected, n_excl = state
         active = ~done & (cur >= 0)
@@ -576,7 +569,7 @@ def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, thresho
 
     num_accepted, final_row, last_rejected = walk[:, 0], walk[:, 1], walk[:, 3]
     last_positive = last.max(axis=1)
-    # no crossing (u at the very top of the CDF, rounding): the last token with mass, else the spec's fallbacks
+    # no crossing (u at the very top of the CDF, rounding): the last token with mass, else the walk's fallbacks
     final = jnp.where(token < vocab, token,
                       jnp.where(last_positive >= 0, last_positive, jnp.where(last_rejected >= 0, last_rejected, vocab - 1)))
     if mode == "logits":
@@ -588,7 +581,7 @@ def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, thresho
     shifted = jnp.concatenate([accepted_tokens[:, 1:], accepted_tokens[:, -1:]], axis=1)
     tokens = jnp.where(positions < num_accepted[:, None], shifted, -1)
     tokens = jnp.where(positions == num_accepted[:, None], final[:, None], tokens).astype(jnp.int32)
-    return VerifyResult(accept_index=accept, num_accepted=num_accepted, tokens=tokens)
+    return accept, num_accepted, tokens
 
 
 def row_stats_reference(logits: jax.Array, params_rows: jax.Array) -> dict:
@@ -644,72 +637,86 @@ def _from_probs_jit(candidates, next_token, next_sibling, probs, coins, final_co
 
 
 def tree_sampling_from_probs(candidates, next_token, next_sibling, target_probs, coins, final_coins, *, max_accept: int,
-                             threshold_single: float = 1.0, threshold_acc: float = 1.0,
-                             interpret: bool | None = None) -> VerifyResult:
-    """Mode (a): the spec's walk over processed probabilities, as `verify_sampling` (same arguments:
-    candidates / next_token / next_sibling int32 [B, N], target_probs f32 [B, N, V], coins f32 [B, N],
-    final_coins f32 [B]; static max_accept and thresholds) -> VerifyResult [B, max_accept + 1].
-    Sibling tokens must be distinct (`verify_sampling` checks concrete inputs; so does its caller here)."""
+                             threshold_single: float = 1.0, threshold_acc: float = 1.0, interpret: bool | None = None):
+    """Mode (a): the walk over processed probabilities (`walk_reference`'s arguments: candidates /
+    next_token / next_sibling int32 [B, N], target_probs f32 [B, N, V], coins f32 [B, N], final_coins
+    f32 [B]; static max_accept and thresholds) -> (accept_index int32 [B, S], num_accepted int32 [B],
+    tokens int32 [B, S]), S = max_accept + 1. Sibling tokens must be distinct (the library's
+    `verify_sampling` checks concrete inputs)."""
     _check_common(candidates, next_token, next_sibling, target_probs, coins, final_coins, max_accept, threshold_single, threshold_acc)
     return _from_probs_jit(
         jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32), jnp.asarray(next_sibling, jnp.int32),
         jnp.asarray(target_probs, jnp.float32), jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32),
         max_accept=int(max_accept), threshold_single=float(threshold_single), threshold_acc=float(threshold_acc),
-        interpret=_on_cpu() if interpret is None else bool(interpret))
+        interpret=default_interpret(interpret))
 
 
 def tree_sampling_from_probs_reference(candidates, next_token, next_sibling, target_probs, coins, final_coins, *,
-                                       max_accept: int, threshold_single: float = 1.0, threshold_acc: float = 1.0) -> VerifyResult:
-    """The reference twin of mode (a): `verify_sampling` itself."""
-    return verify_sampling(candidates, next_token, next_sibling, target_probs, coins, final_coins, max_accept=max_accept,
-                           threshold_single=threshold_single, threshold_acc=threshold_acc)
+                                       max_accept: int, threshold_single: float = 1.0, threshold_acc: float = 1.0):
+    """The reference twin of mode (a): `walk_reference`."""
+    return walk_reference(jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32),
+                          jnp.asarray(next_sibling, jnp.int32), jnp.asarray(target_probs, jnp.float32),
+                          jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32),
+                          max_accept=int(max_accept), threshold_single=float(threshold_single),
+                          threshold_acc=float(threshold_acc))
 
 
-def params_rows(params: SamplingParams, slots: int) -> jax.Array:
-    """f32 [B * N, 4]: (temperature, top_k, top_p, min_p) repeated for each of a row's N slots."""
-    per_row = jnp.stack([params.temperature, params.top_k.astype(jnp.float32), params.top_p, params.min_p], axis=-1)
-    return jnp.repeat(per_row, slots, axis=0)
+def params_rows(sampling_params: jax.Array, slots: int) -> jax.Array:
+    """f32 [B * N, 4]: a row's (temperature, top_k, top_p, min_p) [B, 4] repeated for each of its N slots."""
+    return jnp.repeat(sampling_params.astype(jnp.float32), slots, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret"))
-def _from_logits_jit(candidates, next_token, next_sibling, logits, params, coins, final_coins, *, max_accept,
-                     threshold_single, threshold_acc, interpret):
+@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret",
+                                             "skip_with_cond"))
+def _from_logits_jit(candidates, next_token, next_sibling, logits, sampling_params, coins, final_coins, *, max_accept,
+                     threshold_single, threshold_acc, interpret, skip_with_cond):
     batch, slots, vocab = logits.shape
-    stats = row_stats(logits.reshape(batch * slots, vocab), params_rows(params, slots), interpret=interpret)
-    result = _walk("logits", (candidates, next_token, next_sibling), coins, final_coins, logits,
-                   (params.temperature, stats), max_accept=max_accept, threshold_single=threshold_single,
-                   threshold_acc=threshold_acc, interpret=interpret)
-    return result, stats["valid"].reshape(batch, slots).astype(bool)
+    stats = row_stats(logits.reshape(batch * slots, vocab), params_rows(sampling_params, slots), interpret=interpret,
+                      skip_with_cond=skip_with_cond)
+    accept, num_accepted, tokens = _walk("logits", (candidates, next_token, next_sibling), coins, final_coins, logits,
+                                         (sampling_params[:, 0], stats), max_accept=max_accept,
+                                         threshold_single=threshold_single, threshold_acc=threshold_acc,
+                                         interpret=interpret)
+    return accept, num_accepted, tokens, stats["valid"].reshape(batch, slots).astype(bool)
 
 
-def tree_sampling_from_logits(candidates, next_token, next_sibling, target_logits, params: SamplingParams, coins,
-                              final_coins, *, max_accept: int, threshold_single: float = 1.0, threshold_acc: float = 1.0,
-                              interpret: bool | None = None) -> tuple[VerifyResult, jax.Array]:
-    """Mode (b): fused from raw logits [B, N, V] (bf16 / f32) and per-row params [B].
+def _check_sampling_params(sampling_params, batch: int) -> None:
+    if sampling_params.shape != (batch, 4):
+        raise ValueError(f"sampling_params must be f32 [B, 4] = ({batch}, 4) (temperature, top_k, top_p, min_p), "
+                         f"got {tuple(sampling_params.shape)}")
 
-    Returns (VerifyResult [B, max_accept + 1], valid bool [B, N]). Where a slot's logits hold NaN /
-    +inf or are all -inf, `valid` is False; the caller (`verify_step`) turns rows with an invalid
-    reachable slot into INVALID_TOKEN rows, exactly as for the reference path.
+
+def tree_sampling_from_logits(candidates, next_token, next_sibling, target_logits, sampling_params, coins, final_coins, *,
+                              max_accept: int, threshold_single: float = 1.0, threshold_acc: float = 1.0,
+                              interpret: bool | None = None, skip_with_cond: bool = True):
+    """Mode (b): fused from raw logits [B, N, V] (bf16 / f32) and per-row settings sampling_params f32 [B, 4]
+    (temperature, top_k, top_p, min_p; the library's `SamplingParams.as_rows()`).
+
+    Returns (accept_index int32 [B, S], num_accepted int32 [B], tokens int32 [B, S], valid bool [B, N]).
+    Where a slot's logits hold NaN / +inf or are all -inf, `valid` is False; the caller (`verify_step`)
+    turns rows with an invalid reachable slot into invalid rows, exactly as for the reference path.
+    skip_with_cond: skip the filter passes with one lax.cond when no row filters (`row_stats`).
     """
     _check_common(candidates, next_token, next_sibling, target_logits, coins, final_coins, max_accept, threshold_single, threshold_acc)
     if target_logits.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"target_logits must be bfloat16 or float32, got {target_logits.dtype}")
-    if params.temperature.shape != candidates.shape[:1]:
-        raise ValueError(f"params have batch {params.temperature.shape}, the tree has batch {candidates.shape[0]}")
+    _check_sampling_params(sampling_params, candidates.shape[0])
     return _from_logits_jit(
         jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32), jnp.asarray(next_sibling, jnp.int32),
-        target_logits, params, jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32),
-        max_accept=int(max_accept), threshold_single=float(threshold_single), threshold_acc=float(threshold_acc),
-        interpret=_on_cpu() if interpret is None else bool(interpret))
+        target_logits, jnp.asarray(sampling_params, jnp.float32), jnp.asarray(coins, jnp.float32),
+        jnp.asarray(final_coins, jnp.float32), max_accept=int(max_accept), threshold_single=float(threshold_single),
+        threshold_acc=float(threshold_acc), interpret=default_interpret(interpret), skip_with_cond=bool(skip_with_cond))
 
 
-def tree_sampling_from_logits_reference(candidates, next_token, next_sibling, target_logits, params: SamplingParams, coins,
+def tree_sampling_from_logits_reference(candidates, next_token, next_sibling, target_logits, sampling_params, coins,
                                         final_coins, *, max_accept: int, threshold_single: float = 1.0,
-                                        threshold_acc: float = 1.0) -> tuple[VerifyResult, jax.Array]:
-    """The reference twin of mode (b): `verify_sampling(processed_probs(logits, params), ...)`."""
-    from ddtree_jax.sampling.probs import valid_rows
-
-    probs = processed_probs(target_logits, params)
-    result = verify_sampling(candidates, next_token, next_sibling, probs, coins, final_coins, max_accept=max_accept,
-                             threshold_single=threshold_single, threshold_acc=threshold_acc, check=False)
-    return result, valid_rows(target_logits)
+                                        threshold_acc: float = 1.0):
+    """The reference twin of mode (b): `walk_reference(processed_probs_reference(logits, ...), ...)`, plus
+    `valid_rows(logits)`; same returns as `tree_sampling_from_logits`."""
+    _check_sampling_params(sampling_params, candidates.shape[0])
+    temperature, top_k, top_p, min_p = (sampling_params[:, i] for i in range(4))
+    probs = processed_probs_reference(target_logits, temperature, top_k.astype(jnp.int32), top_p, min_p)
+    accept, num_accepted, tokens = tree_sampling_from_probs_reference(
+        candidates, next_token, next_sibling, probs, coins, final_coins, max_accept=max_accept,
+        threshold_single=threshold_single, threshold_acc=threshold_acc)
+    return accept, num_accepted, tokens, valid_rows(target_logits)

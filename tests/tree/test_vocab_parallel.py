@@ -1,5 +1,6 @@
-"""The drafter's per-depth top-K over a vocabulary split across "model" (sharding/vocab_parallel.py) equals the
-unsharded selection: same ids (ties included), values within float32 rounding, on 8 fake CPU devices."""
+"""The drafter's per-depth top-K over a vocabulary split across "model" (tree/vocab_parallel.py) equals the
+unsharded selection: same ids (ties included), values within float32 rounding, on 8 fake CPU devices
+(skipped where fewer devices exist, e.g. one GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +8,10 @@ import numpy as np
 import pytest
 
 from ddtree_jax.sharding.mesh import make_mesh
-from ddtree_jax.sharding.vocab_parallel import sharded_top_k_log_probs
+from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 from ddtree_jax.tree.select import top_k_log_probs
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (CPU: the 8 fake devices of tests/conftest.py)")
 
 
 def _logits(seed, shape, dtype=jnp.float32, ties=False):

@@ -1,4 +1,5 @@
-"""The argmax walk (`verify_greedy`) and the DDTree paper's sample-then-walk verifier.
+"""The verifiers that follow one chosen token per row down the tree: the argmax walk (`verify_greedy`)
+and the DDTree paper's sample-then-walk verifier (`verify_sample_then_walk`).
 
 Both follow one chosen token per row down the tree: the argmax of the row (greedy), or an
 independent sample from the row's processed distribution (sample-then-walk: exact, since each row's
@@ -14,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ddtree_jax.sampling.sample import inverse_cdf
-from ddtree_jax.verify.result import VerifyResult, emitted_tokens
+from ddtree_kernels.sampling_reference import emitted_tokens, inverse_cdf
+
+from ddtree_jax.verify.result import VerifyResult
 from ddtree_jax.verify.sampling import check_tree_lists
 
 

@@ -24,7 +24,9 @@ shape, against 227 KB, and did not launch). Absorbed MLA passes v=None, so the l
 memory once for both products (Triton still stages it twice in shared memory: the value product needs
 another operand layout).
 
-`tree_attention_reference` is the twin: the models' XLA attention over the concatenated parts.
+`tree_attention_reference` is the twin: `attention_reference` (plain XLA GQA attention, which the models
+run as their "xla" attention) over the concatenated parts. Precision: float32 inputs at float32 in both
+(`tiling`); the shared-memory estimate counts the inputs' element size.
 """
 
 from __future__ import annotations
@@ -38,10 +40,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.models.attention import attention as xla_attention
+from ddtree_kernels.tiling import TARGET_PROGRAMS, default_interpret, dot_precision
 
 MAX_BLOCK_M = 64  # query rows per program
-TARGET_PROGRAMS = 264  # two per SM of an H200
 SMEM_BUDGET = 224 * 1024  # bytes a program may plan for: the H200 allows 232,448; the estimate is within 2 KB
 # (keys per inner block, pipeline stages), best first; the first whose tiles fit SMEM_BUDGET is the default.
 # Order from `benchmarks/bench_attention.py --sweep` on the H200 (N = 17, 32k context, B = 1): GQA best at
@@ -56,26 +57,23 @@ class BlockConfig(NamedTuple):
     num_stages: int
 
 
-def shared_memory_bytes(block_m: int, key_dims, value_dim: int, config: BlockConfig) -> int:
-    """Planned shared memory of a program: its bf16 query tile plus `num_stages` key and value tiles. The
-    value tile counts also when the values are key part 0: Triton stages it separately for the second
-    product. Within 2 KB of what Triton asked the H200 for in every case measured (BENCHMARKS.md)."""
-    return 2 * (block_m * sum(key_dims) + config.num_stages * config.block_s * (sum(key_dims) + value_dim))
+def shared_memory_bytes(block_m: int, key_dims, value_dim: int, config: BlockConfig, itemsize: int = 2) -> int:
+    """Planned shared memory of a program: its query tile plus `num_stages` key and value tiles, of
+    `itemsize`-byte elements (2: bf16; 4: float32). The value tile counts also when the values are key
+    part 0: Triton stages it separately for the second product. For bf16, within 2 KB of what Triton
+    asked the H200 for in every case measured (BENCHMARKS.md, "Attention")."""
+    return itemsize * (block_m * sum(key_dims) + config.num_stages * config.block_s * (sum(key_dims) + value_dim))
 
 
-def default_block_config(block_m: int, key_dims, value_dim: int) -> BlockConfig:
+def default_block_config(block_m: int, key_dims, value_dim: int, itemsize: int = 2) -> BlockConfig:
     """The first of BLOCK_CHOICES whose tiles fit SMEM_BUDGET; 8 warps when the [BM, Dv] float32
     accumulator would exceed ~128 registers a thread with 4 (absorbed MLA: Dv = 512)."""
     num_warps = 8 if block_m * value_dim / (4 * 32) > 128 else 4  # accumulator floats per thread at 4 warps
     for block_s, stages in BLOCK_CHOICES:
         config = BlockConfig(block_s, num_warps, stages)
-        if shared_memory_bytes(block_m, key_dims, value_dim, config) <= SMEM_BUDGET:
+        if shared_memory_bytes(block_m, key_dims, value_dim, config, itemsize) <= SMEM_BUDGET:
             return config
     return BlockConfig(16, num_warps, 1)
-
-
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
 
 
 def _pow2(n: int) -> int:
@@ -83,7 +81,7 @@ def _pow2(n: int) -> int:
 
 
 def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, block_m: int, block_s: int,
-                      split_size: int, scale: float, values_from_keys: bool):
+                      split_size: int, scale: float, values_from_keys: bool, precision):
     # len_ref: i32 [B] keys visible per row (kv_lengths); mask_ref: i8 [T_pad, S] this row's mask
     # q parts: [BM, D_p] this program's query rows (row r = g * T_pad + t); k parts: [S, D_p] of this KV head;
     # v_ref: [S, Dv] (absent when values_from_keys: the values are key part 0, loaded once for both products);
@@ -110,7 +108,8 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
         for q, k_ref in zip(queries, k_refs):
             k = plgpu.load(k_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
             key_blocks.append(k)
-            scores += lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            scores += lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                      preferred_element_type=jnp.float32)
         if block_m >= t_pad:  # the block holds whole groups: repeat the [T_pad, BS] mask per group
             tile = plgpu.load(mask_ref.at[:, pl.ds(s0, block_s)], mask=live[None, :], other=0)
             visible = jnp.broadcast_to(tile[None], (block_m // t_pad, t_pad, block_s)).reshape(block_m, block_s)
@@ -124,7 +123,7 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
         correction = jnp.exp(jnp.where(m > -jnp.inf, m - safe, -jnp.inf))
         v = key_blocks[0] if values_from_keys else plgpu.load(v_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
         acc = acc * correction[:, None] + lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                          preferred_element_type=jnp.float32)
+                                                          precision=precision, preferred_element_type=jnp.float32)
         return acc, m_new, l * correction + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((block_m, dv), jnp.float32), jnp.full((block_m,), -jnp.inf, jnp.float32),
@@ -170,7 +169,8 @@ def _tree_attention(q_parts, k_parts, v, mask, kv_lengths, *, scale: float, conf
     out_part = lambda *tail: pl.BlockSpec((None, None, None, block_m) + tail,  # noqa: E731
                                           lambda b, h, r, s: (b, h, s, r) + (0,) * len(tail))
     kernel = functools.partial(_attention_kernel, num_parts=len(q_parts), t_pad=t_pad, block_m=block_m, block_s=block_s,
-                               split_size=split_size, scale=scale, values_from_keys=values_from_keys)
+                               split_size=split_size, scale=scale, values_from_keys=values_from_keys,
+                               precision=dot_precision(q_parts[0].dtype))
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, row_blocks, splits),
@@ -235,19 +235,47 @@ def tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, sc
     key_dims = tuple(q.shape[-1] for q in q_parts)
     value_dim = key_dims[0] if v is None else v.shape[-1]
     if config is None:
-        config = default_block_config(_block_m(q_heads // kv_heads, steps), key_dims, value_dim)
+        config = default_block_config(_block_m(q_heads // kv_heads, steps), key_dims, value_dim,
+                                      jnp.dtype(q_parts[0].dtype).itemsize)
     elif not isinstance(config, BlockConfig) or config.block_s & (config.block_s - 1) or config.block_s < 16:
         raise ValueError(f"config must be a BlockConfig with block_s a power of two >= 16, got {config!r}")
     scale = sum(key_dims) ** -0.5 if scale is None else float(scale)
     kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
     return _tree_attention(q_parts, k_parts, v, mask, kv_lengths, scale=scale, config=BlockConfig(*config),
-                           interpret=_on_cpu() if interpret is None else bool(interpret))
+                           interpret=default_interpret(interpret))
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                        scale: float | None = None) -> jax.Array:
+    """Grouped-query attention in plain XLA (the models' "xla" attention).
+
+    Args:
+      q: [B, T, Hq, Dk] queries; k: [B, S, Hkv, Dk] keys; v: [B, S, Hkv, Dv] values (Hq a multiple of Hkv).
+      mask: bool [B, T, S], True where query t may attend key s. A row with no True entry yields zeros.
+      scale: softmax scale (default 1 / sqrt(Dk)).
+    Returns:
+      [B, T, Hq, Dv] in q's dtype (softmax in float32; dots at `dot_precision(q.dtype)`).
+    """
+    batch, steps, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    precision = dot_precision(q.dtype)
+    qg = q.reshape(batch, steps, kv_heads, group, head_dim)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    weights = weights / jnp.maximum(weights.sum(axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                     precision=precision)
+    return out.reshape(batch, steps, q_heads, v.shape[-1]).astype(q.dtype)
 
 
 def tree_attention_reference(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *,
                              scale: float | None = None) -> jax.Array:
-    """The twin: `models.attention` (XLA) over the concatenated parts (v None: key part 0)."""
+    """The twin: `attention_reference` over the concatenated parts (v None: key part 0)."""
     q = jnp.concatenate(q_parts, axis=-1)
     k = jnp.concatenate(k_parts, axis=-1)
     v = k_parts[0] if v is None else v
-    return xla_attention(q, k, v, mask, scale=scale)
+    return attention_reference(q, k, v, mask, scale=scale)

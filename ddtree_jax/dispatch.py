@@ -1,0 +1,162 @@
+"""Every "auto" choice of the library in one place: the one backend check, the implementation names,
+each rule's measured threshold, and `decode_plan`, which answers "what runs on this device at this
+budget?" (`python -m ddtree_jax dispatch --backend gpu --budget 32`).
+
+The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
+
+  attention   GQA tree verify with <= AUTO_PALLAS_MAX_QUERIES queries per row: the Pallas tree-attention
+              kernel (1.9-2.3x XLA at N = 17, contexts 8k-128k; a tie at N = 65); absorbed MLA and longer
+              blocks (prefill): XLA (the Triton kernel reaches 30-56 TFLOP/s on MLA, 0.2-0.7x XLA).
+  matmul      quantised weights (INT4, block FP8) at <= AUTO_PALLAS_MAX_ROWS rows: the weight-streaming
+              kernel (1.2-3.4x dequantise + XLA at M = 1-17; 0.25-0.64x at M = 65-257 on INT4); bf16
+              weights: XLA (the kernel slowed the whole Qwen3-8B forward: 15.9 against 10.0 ms at T = 1).
+  moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
+              grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
+              "gather" while assignments <= experts, else the dense "reference".
+  sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
+  top-k       the tree builder's per-depth selection: "prefilter" (exact two-stage) where it shrinks the
+              problem (`prefilter_pays`), else `lax.top_k` over the row.
+  layer loop  the model's default ("auto").
+
+Off GPU every "auto" is XLA: interpret-mode Pallas is for tests, not speed. Precision: every kernel
+computes float32 inputs at float32 and bf16 inputs on the bf16 tensor-core path (`ddtree_kernels.tiling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+ATTENTION_IMPLS = ("xla", "pallas", "auto")
+MATMUL_IMPLS = ("xla", "pallas", "auto")
+MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
+VERIFY_IMPLS = ("xla", "pallas", "auto")
+TOPK_IMPLS = ("auto", "xla", "prefilter")
+BUILD_TOPK_IMPLS = TOPK_IMPLS + ("vocab_parallel",)  # the tree builder's: the vocabulary split over "model"
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+AUTO_PALLAS_MAX_QUERIES = 32  # attention: the tree-attention kernel up to this many queries per row (GQA)
+AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
+GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
+
+
+def backend() -> str:
+    """The one backend check of the library: "gpu", "cpu" or "tpu"."""
+    return jax.default_backend()
+
+
+def _on_gpu(backend_name: str | None) -> bool:
+    return (backend_name or backend()) == "gpu"
+
+
+def _check(kind: str, impl: str, allowed: tuple[str, ...]) -> None:
+    if impl not in allowed:
+        raise ValueError(f"{kind} impl must be one of {allowed}, got {impl!r}")
+
+
+def attention_impl(impl: str, *, queries: int | None = None, mla: bool = False, backend_name: str | None = None) -> str:
+    """"xla" or "pallas" for a call with `queries` query positions per row (None: a decode / verify
+    step) of a GQA (mla=False) or absorbed-MLA layer."""
+    _check("attention", impl, ATTENTION_IMPLS)
+    if impl != "auto":
+        return impl
+    if not _on_gpu(backend_name) or mla:
+        return "xla"
+    return "pallas" if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES else "xla"
+
+
+def matmul_impl(impl: str, *, rows: int, quantized: bool, backend_name: str | None = None) -> str:
+    """"xla" or "pallas" for x [rows, in] @ weight^T, the weight quantised (INT4 / block FP8) or not."""
+    _check("matmul", impl, MATMUL_IMPLS)
+    if impl != "auto":
+        return impl
+    if not _on_gpu(backend_name) or not quantized:
+        return "xla"
+    return "pallas" if rows <= AUTO_PALLAS_MAX_ROWS else "xla"
+
+
+def moe_impl(assignments: int, experts: int, backend_name: str | None = None) -> str:
+    """The routed experts' "auto" dispatch for `assignments` (tokens x top-k) over `experts` experts:
+    "gather" / "pallas" on GPU, "gather" / "reference" elsewhere."""
+    if _on_gpu(backend_name):
+        return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
+    return "gather" if assignments <= experts else "reference"
+
+
+def local_expert_impl(assignments: int, local_experts: int, backend_name: str | None = None) -> str:
+    """The dispatch inside the expert-parallel region over one device's experts: "gather" / "pallas" on
+    GPU (same threshold as `moe_impl`), "gather" / "dense" elsewhere."""
+    if _on_gpu(backend_name):
+        return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
+    return "gather" if assignments <= local_experts else "dense"
+
+
+def verify_impl(impl: str, backend_name: str | None = None) -> str:
+    """"xla" or "pallas" for tree rejection sampling."""
+    _check("sampling", impl, VERIFY_IMPLS)
+    if impl != "auto":
+        return impl
+    return "pallas" if _on_gpu(backend_name) else "xla"
+
+
+def prefilter_chunk(vocab: int, k: int) -> int:
+    """The prefilter's chunk: a power of two near sqrt(V / K), balancing its two top_k sizes V / chunk and
+    K * chunk."""
+    target = math.sqrt(vocab / max(k, 1))
+    return int(min(1024, max(8, 2 ** round(math.log2(max(target, 1.0))))))
+
+
+def prefilter_pays(vocab: int, k: int) -> bool:
+    chunk = prefilter_chunk(vocab, k)
+    return vocab // chunk + k * chunk < vocab // 2
+
+
+def topk_impl(impl: str, *, vocab: int, k: int) -> str:
+    """"xla" or "prefilter" for the per-depth top-K (the same on every backend: both are XLA)."""
+    _check("top-k", impl, TOPK_IMPLS)
+    if impl != "auto":
+        return impl
+    return "prefilter" if prefilter_pays(vocab, k) else "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageChoice:
+    stage: str
+    choice: str
+    why: str
+
+
+def decode_plan(options, target_config, *, method: str, budget: int, block_size: int, batch: int = 1,
+                backend_name: str | None = None) -> list[StageChoice]:
+    """What one decode step runs with these `options` (an `options.DecodeOptions`) on a target of
+    `target_config`: one StageChoice per decision, after the "auto" rules above."""
+    backend_name = backend_name or backend()
+    slots = 1 if method == "ar" else (budget + 1 if method == "ddtree" else block_size)
+    rows = batch * slots
+    mla = hasattr(target_config, "kv_lora_rank")
+    plan = []
+    if method != "ar":
+        vocab, k = target_config.vocab_size, min(budget, target_config.vocab_size) if method == "ddtree" else 1
+        if method == "ddtree":
+            topk = options.topk_impl if options.topk_impl == "vocab_parallel" else topk_impl(options.topk_impl, vocab=vocab, k=k)
+            plan.append(StageChoice("tree top-k", topk, f"V = {vocab}, K = {k}"))
+    plan.append(StageChoice("tree-forward attention", attention_impl(options.attn_impl, queries=slots, mla=mla,
+                                                                     backend_name=backend_name),
+                            f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row"))
+    plan.append(StageChoice("tree-forward matmul", matmul_impl(options.matmul_impl, rows=rows, quantized=False,
+                                                               backend_name=backend_name),
+                            f"{rows} rows, bf16 / float weights (INT4 and FP8 weights: the kernel up to "
+                            f"{AUTO_PALLAS_MAX_ROWS} rows)"))
+    if hasattr(target_config, "n_routed_experts"):
+        assignments = rows * target_config.num_experts_per_tok
+        choice = options.moe_impl if options.moe_impl != "auto" else moe_impl(assignments, target_config.n_routed_experts,
+                                                                                backend_name)
+        plan.append(StageChoice("tree-forward MoE", choice,
+                                f"{assignments} assignments over {target_config.n_routed_experts} experts"))
+    verifier = options.verifier
+    plan.append(StageChoice("rejection walk", "xla" if verifier != "sampling" else verify_impl(options.verify_impl, backend_name),
+                            f"{verifier} verifier"))
+    plan.append(StageChoice("layer loop", options.layer_loop, "the model's default" if options.layer_loop == "auto" else "set"))
+    return plan

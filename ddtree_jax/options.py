@@ -1,0 +1,84 @@
+"""`DecodeOptions`: the one frozen, hashable options object of a decode run (implementation choices and
+verifier settings), taken by the engine (`generate`, `decode_step`, the host loop), the profiler, the
+benchmarks and the studies. It is a static argument under jit: two equal options share one compilation.
+
+The decode method, budget and block size stay separate arguments: they are what an experiment varies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ddtree_jax import dispatch
+
+METHODS = ("ddtree", "chain", "ar")  # decode methods: DDTree's best-first tree, the DFlash chain, plain AR
+VERIFIERS = ("sampling", "sample_then_walk")  # tree rejection walks: the spec's coin buckets, the paper's
+ORDER_POLICIES = ("draft", "reverse", "random")  # sibling verification orders
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How a decode step runs (what it computes is fixed by method, budget, block size and sampling).
+
+    Attributes:
+      attn_impl: target attention, one of `dispatch.ATTENTION_IMPLS`.
+      matmul_impl: target matmuls, one of `dispatch.MATMUL_IMPLS`.
+      moe_impl: MoE targets' expert dispatch, one of `dispatch.MOE_IMPLS` ("ep" under an expert-parallel mesh).
+      verify_impl: the tree rejection walk's implementation, one of `dispatch.VERIFY_IMPLS` (the fused
+        Pallas kernel or the XLA walk); the sample-then-walk verifier always runs in XLA.
+      layer_loop: the target's layer loop, one of `dispatch.LAYER_LOOPS` ("auto": the model's default).
+      topk_impl: the tree builder's per-depth top-K, one of `dispatch.BUILD_TOPK_IMPLS`.
+      order: sibling verification order, one of ORDER_POLICIES.
+      verifier: one of VERIFIERS.
+      threshold_acc, threshold_single: the walk's acceptance thresholds in [0, 1]; 1.0 / 1.0 is exact, lower
+        values are a LOSSY mode (biased, sibling-order dependent) kept for ablations.
+    Every "auto" is resolved by `ddtree_jax.dispatch` (see `dispatch.decode_plan`).
+    """
+
+    attn_impl: str = "auto"
+    matmul_impl: str = "auto"
+    moe_impl: str = "auto"
+    verify_impl: str = "auto"
+    layer_loop: str = "auto"
+    topk_impl: str = "auto"
+    order: str = "draft"
+    verifier: str = "sampling"
+    threshold_acc: float = 1.0
+    threshold_single: float = 1.0
+
+    def __post_init__(self):
+        for name, allowed in (("attn_impl", dispatch.ATTENTION_IMPLS), ("matmul_impl", dispatch.MATMUL_IMPLS),
+                              ("moe_impl", dispatch.MOE_IMPLS), ("verify_impl", dispatch.VERIFY_IMPLS),
+                              ("layer_loop", dispatch.LAYER_LOOPS), ("topk_impl", dispatch.BUILD_TOPK_IMPLS),
+                              ("order", ORDER_POLICIES), ("verifier", VERIFIERS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"DecodeOptions.{name} must be one of {allowed}, got {value!r}")
+        for name in ("threshold_acc", "threshold_single"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"DecodeOptions.{name} must be a number in [0, 1], got {value!r}")
+        if self.verifier == "sample_then_walk" and (self.threshold_acc, self.threshold_single) != (1.0, 1.0):
+            raise ValueError("DecodeOptions: the sample-then-walk verifier has no lossy thresholds; "
+                             f"got threshold_acc={self.threshold_acc}, threshold_single={self.threshold_single}")
+
+    def replace(self, **changes) -> "DecodeOptions":
+        return dataclasses.replace(self, **changes)
+
+    def target_impls(self, target_config) -> dict:
+        """The implementation keywords of the target's prefill / tree forward: attention and matmul for every
+        family, the MoE dispatch for MoE targets (DeepSeek-V3 / K2), and the layer loop unless "auto"."""
+        impls = {"attn_impl": self.attn_impl, "matmul_impl": self.matmul_impl}
+        if self.layer_loop != "auto":
+            impls["layer_loop"] = self.layer_loop
+        if hasattr(target_config, "n_routed_experts"):
+            impls["moe_impl"] = self.moe_impl
+        elif self.moe_impl != "auto":
+            raise ValueError(f"moe_impl={self.moe_impl!r} needs an MoE target; {type(target_config).__name__} has no experts")
+        return impls

@@ -1,0 +1,18 @@
+"""ddtree_kernels: the Pallas GPU kernels of ddtree-jax, each beside its pure-jnp `*_reference` twin,
+and the quantised weight formats they read. Imports only jax (and numpy), so it is tested and reused on
+its own.
+
+  decode_matmul        weight-streaming matmul (bf16 / f32 / INT4 / block-FP8 weights) and its grouped (MoE) form
+  tree_attention       tree-verify attention (GQA and absorbed MLA), flash-decoding over the cache
+  tree_sampling        target-only tree rejection sampling, fused from the logits
+  sampling_reference   the pure-jnp definitions tree_sampling computes (processed probabilities, the walk)
+  quant                INT4 pack-quantized and block-FP8 weights
+  tiling               what every kernel plans with: the GPU it fills, shared memory, precision, interpret mode
+
+Precision contract: float32 inputs are computed at float32 (IEEE dots), bfloat16 on the bf16 tensor-core
+path with float32 accumulation (`tiling`).
+"""
+
+from ddtree_kernels import decode_matmul, quant, sampling_reference, tiling, tree_attention, tree_sampling
+
+__all__ = ["decode_matmul", "quant", "sampling_reference", "tiling", "tree_attention", "tree_sampling"]

@@ -1,0 +1,88 @@
+"""ddtree_jax.dispatch (every "auto" rule in one table) and DecodeOptions (the engine's one options object)."""
+
+import jax
+import pytest
+
+from ddtree_jax import dispatch
+from ddtree_jax.checkpoint.hf_config import parse_config, read_config
+from ddtree_jax.options import METHODS, DecodeOptions
+
+
+def test_every_rule_is_xla_off_gpu():
+    for backend in ("cpu", "tpu"):
+        assert dispatch.attention_impl("auto", queries=1, backend_name=backend) == "xla"
+        assert dispatch.matmul_impl("auto", rows=1, quantized=True, backend_name=backend) == "xla"
+        assert dispatch.verify_impl("auto", backend_name=backend) == "xla"
+        assert dispatch.moe_impl(8, 384, backend_name=backend) == "gather"
+        assert dispatch.moe_impl(1000, 384, backend_name=backend) == "reference"
+
+
+def test_gpu_rules_and_their_thresholds():
+    gpu = dict(backend_name="gpu")
+    assert dispatch.attention_impl("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES, **gpu) == "pallas"
+    assert dispatch.attention_impl("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES + 1, **gpu) == "xla"
+    assert dispatch.attention_impl("auto", queries=9, mla=True, **gpu) == "xla"
+    assert dispatch.matmul_impl("auto", rows=dispatch.AUTO_PALLAS_MAX_ROWS, quantized=True, **gpu) == "pallas"
+    assert dispatch.matmul_impl("auto", rows=dispatch.AUTO_PALLAS_MAX_ROWS + 1, quantized=True, **gpu) == "xla"
+    assert dispatch.matmul_impl("auto", rows=1, quantized=False, **gpu) == "xla"
+    assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS, 384, **gpu) == "gather"
+    assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS + 1, 384, **gpu) == "pallas"
+    assert dispatch.verify_impl("auto", **gpu) == "pallas"
+    # explicit choices pass through on any backend
+    assert dispatch.attention_impl("pallas", queries=512, mla=True, backend_name="cpu") == "pallas"
+
+
+def test_unknown_choices_are_named():
+    with pytest.raises(ValueError, match="attention impl must be one of .* got 'flash'"):
+        dispatch.attention_impl("flash")
+    with pytest.raises(ValueError, match="top-k impl must be one of"):
+        dispatch.topk_impl("sort", vocab=100, k=4)
+    with pytest.raises(ValueError, match="DecodeOptions.moe_impl must be one of"):
+        DecodeOptions(moe_impl="dense")
+    with pytest.raises(ValueError, match="DecodeOptions.threshold_acc must be a number in"):
+        DecodeOptions(threshold_acc=1.5)
+    with pytest.raises(ValueError, match="sample-then-walk verifier has no lossy thresholds"):
+        DecodeOptions(verifier="sample_then_walk", threshold_single=0.5)
+
+
+def test_the_prefilter_pays_on_large_vocabularies_only():
+    assert dispatch.topk_impl("auto", vocab=151936, k=64) == "prefilter"
+    assert dispatch.topk_impl("auto", vocab=64, k=32) == "xla"
+    assert dispatch.prefilter_chunk(151936, 64) & (dispatch.prefilter_chunk(151936, 64) - 1) == 0
+
+
+def test_options_are_hashable_statics_and_route_target_keywords():
+    a, b = DecodeOptions(attn_impl="xla"), DecodeOptions(attn_impl="xla")
+    assert a == b and hash(a) == hash(b) and a != DecodeOptions()
+    k2 = parse_config(_json("configs/kimi_k2_tiny.json"))
+    qwen = parse_config(read_config("checkpoints/embedded/target"))
+    assert DecodeOptions(layer_loop="scan").target_impls(k2) == {"attn_impl": "auto", "matmul_impl": "auto",
+                                                                 "layer_loop": "scan", "moe_impl": "auto"}
+    assert DecodeOptions().target_impls(qwen) == {"attn_impl": "auto", "matmul_impl": "auto"}
+    with pytest.raises(ValueError, match="needs an MoE target"):
+        DecodeOptions(moe_impl="ep").target_impls(qwen)
+    jitted = jax.jit(lambda x, options: x + len(options.order), static_argnames="options")
+    assert int(jitted(1, options=DecodeOptions(order="reverse"))) == 8
+
+
+def _json(path):
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_decode_plan_answers_what_runs_where():
+    k26 = parse_config(_json("configs/kimi_k2_6.json"))
+    plan = {row.stage: row.choice for row in dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32,
+                                                                 block_size=16, backend_name="gpu")}
+    assert plan["tree top-k"] == "prefilter"
+    assert plan["tree-forward attention"] == "xla"  # absorbed MLA
+    assert plan["tree-forward MoE"] == "pallas"  # 33 rows x 8 experts > 16 assignments
+    assert plan["rejection walk"] == "pallas"
+    ar = {row.stage: row.choice for row in dispatch.decode_plan(DecodeOptions(), k26, method="ar", budget=1, block_size=16,
+                                                               backend_name="gpu")}
+    assert ar["tree-forward MoE"] == "gather" and "tree top-k" not in ar
+    cpu = dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="cpu")
+    assert {row.choice for row in cpu if row.stage in ("tree-forward attention", "rejection walk")} == {"xla"}
+    assert set(METHODS) == {"ddtree", "chain", "ar"}
