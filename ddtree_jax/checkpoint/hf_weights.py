@@ -2,7 +2,9 @@
 
 HF keeps one tensor per layer ("model.layers.3.self_attn.q_proj.weight"); we stack layers on a
 leading axis. Every tensor is checked: missing, unexpected and mis-shaped tensors raise errors that
-name the tensor.
+name the tensor. A file that cannot be read (truncated or damaged safetensors, an index json without
+`weight_map` or naming the wrong shard, a file given as the directory) raises CheckpointError naming
+the file and the tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ddtree_jax.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
@@ -60,6 +63,9 @@ _EXPERT_NAMES = {"expert_gate": "gate_proj.weight", "expert_up": "up_proj.weight
 
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_FLOAT_DTYPES = {"F16": jnp.float16, "BF16": jnp.bfloat16, "F32": jnp.float32, "F64": jnp.float64}  # for dtype="auto"
 
 
 def _deepseek_names(config: DeepSeekV3Config) -> dict:
@@ -114,58 +120,166 @@ def hf_tensor_names(config) -> list[str]:
     return names
 
 
+def read_safetensors_header(file: str) -> dict:
+    """{tensor name: {dtype, shape, data_offsets}} of a safetensors file, checked against the file's size:
+    CheckpointError naming the file (and tensor) for a truncated file or a damaged header."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file} is not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8:
+            raise CheckpointError(f"{file} is truncated or not a safetensors file: its header length is {header_len} "
+                                  f"bytes, but the file has only {size - 8} bytes after the length field")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file} has a damaged safetensors header (not UTF-8 JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} has a damaged safetensors header (a JSON {type(header).__name__}, not an object)")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - header_len
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+            width = _DTYPE_BYTES[dtype]
+            ok = isinstance(begin, int) and isinstance(end, int) and min(shape, default=0) >= 0
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: damaged header entry for tensor {name!r}: {info!r}") from None
+        if not ok or not 0 <= begin <= end or end - begin != width * int(np.prod(shape, dtype=np.int64)):
+            raise CheckpointError(f"{file}: damaged header entry for tensor {name!r}: data_offsets {info['data_offsets']} "
+                                  f"do not hold a {dtype} tensor of shape {shape}")
+        if end > data_bytes:
+            raise CheckpointError(f"{file} is truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data, "
+                                  f"the file holds {data_bytes}")
+    return header
+
+
 class TensorSource:
     """Reads tensors from a single model.safetensors or a sharded set with model.safetensors.index.json."""
 
     def __init__(self, path: str):
+        if os.path.isfile(path):
+            raise CheckpointError(f"{path} is a file; give the checkpoint directory that holds it: {os.path.dirname(path) or '.'}")
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
+        self._headers: dict[str, dict] = {}
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index, encoding="utf-8") as f:
+                    content = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+            weight_map = content.get("weight_map") if isinstance(content, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index} has no weight_map object ({{tensor name: shard file}})")
+            self.index = index
             self.files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
         elif os.path.exists(single):
-            with safe_open(single, framework="numpy") as f:
-                self.files = {name: single for name in f.keys()}
+            self.index = None
+            self.files = {name: single for name in self.header(single)}
         else:
-            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-        for file in set(self.files.values()):
-            if not os.path.exists(file):
-                raise FileNotFoundError(f"shard {file} named in the index does not exist")
+            raise CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        for file in sorted(set(self.files.values())):
+            if not os.path.isfile(file):
+                raise CheckpointNotFoundError(f"shard {file} named in the index {index} does not exist")
+
+    def header(self, file: str) -> dict:
+        if file not in self._headers:
+            self._headers[file] = read_safetensors_header(file)
+        return self._headers[file]
 
     def names(self) -> set[str]:
         return set(self.files)
 
-    def get(self, name: str) -> np.ndarray:
+    def info(self, name: str) -> tuple[str, dict]:
+        """(file, header entry) of a tensor; CheckpointError when its shard does not hold it."""
         file = self.files[name]
-        with open(file, "rb") as f:  # safetensors' numpy reader cannot return float8: read those ourselves
-            header_len = int.from_bytes(f.read(8), "little")
-            info = json.loads(f.read(header_len))[name]
-            if info["dtype"] in _RAW_DTYPES:
-                begin, end = info["data_offsets"]
+        info = self.header(file).get(name)
+        if info is None:
+            raise CheckpointError(f"the index {self.index} maps tensor {name!r} to {file}, which does not hold it")
+        return file, info
+
+    def get(self, name: str) -> np.ndarray:
+        file, info = self.info(name)
+        if info["dtype"] in _RAW_DTYPES:  # safetensors' numpy reader cannot return float8: read those ourselves
+            header_len = int.from_bytes(open(file, "rb").read(8), "little")
+            begin, end = info["data_offsets"]
+            with open(file, "rb") as f:
                 f.seek(8 + header_len + begin)
                 return np.frombuffer(f.read(end - begin), dtype=_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
-        with safe_open(file, framework="numpy") as f:
-            return f.get_tensor(name)
+        try:
+            with safe_open(file, framework="numpy") as f:
+                return f.get_tensor(name)
+        except Exception as e:  # safetensors' own errors name no file
+            raise CheckpointError(f"{file}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+
+    def stored_dtype(self, names) -> str | None:
+        """The floating-point safetensors dtype ('BF16', 'F32', ...) holding the most elements among `names`
+        (FP8 and integer tensors aside); None if there is none."""
+        elements: dict[str, int] = {}
+        for name in names:
+            _, info = self.info(name)
+            if info["dtype"] in _FLOAT_DTYPES:
+                elements[info["dtype"]] = elements.get(info["dtype"], 0) + int(np.prod(info["shape"], dtype=np.int64))
+        return max(sorted(elements), key=elements.get) if elements else None
 
 
-def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
-    """Our param tree from the safetensors in `path` (dtype: the device dtype of every array)."""
+def check_finite_array(arr: np.ndarray, name: str, file: str) -> None:
+    """CheckpointError naming the tensor and file when a floating-point tensor holds NaN or inf."""
+    if arr.dtype.kind in "iub":
+        return
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckpointError(f"tensor {name!r} in {file} holds {int(bad.sum())} non-finite value(s) (NaN/inf), "
+                              f"first at index {first}: {arr[first]}")
+
+
+def resolve_dtype(dtype, source: TensorSource, names) -> object:
+    """dtype="auto": the checkpoint's own floating dtype (the one holding most parameters, as stored);
+    anything else (a jnp dtype or its name, e.g. "bfloat16") as given."""
+    if isinstance(dtype, str) and dtype == "auto":
+        stored = source.stored_dtype(names)
+        return _FLOAT_DTYPES[stored] if stored else jnp.float32
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype must be 'auto' or a floating dtype, got {dtype!r}") from None
+
+
+def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False) -> dict:
+    """Our param tree from the safetensors in `path`.
+
+    dtype: the device dtype of the arrays; "auto" (default, as transformers' dtype="auto") keeps the
+      checkpoint's stored floating dtype; e.g. jnp.bfloat16 or "bfloat16" casts to it. FP8 weights stay
+      FP8, routers and FP8 scales float32, packed INT4 int32.
+    check_finite: check every floating-point tensor for NaN/inf as read from the file (CheckpointError
+      naming the tensor and file); off by default (it reads every value once more on the host).
+    """
     source = TensorSource(path)
     expected = set(hf_tensor_names(config))
     available = source.names()
     missing = sorted(expected - available)
     if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[0]!r}")
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[0]!r}")
     fp8_scales = {n for n in available if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in expected}
     unexpected = sorted(n for n in available - expected - fp8_scales if not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise ValueError(f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}")
+        raise CheckpointError(f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}")
+    dtype = resolve_dtype(dtype, source, sorted(expected))
 
     def fetch(name, shape):
+        file, info = source.info(name)
+        if tuple(info["shape"]) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(info['shape'])}, expected {tuple(shape)} (in {file})")
         arr = source.get(name)
-        if tuple(arr.shape) != tuple(shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+        if check_finite:
+            check_finite_array(arr, name, file)
         return arr
 
     if isinstance(config, DeepSeekV3Config):
@@ -183,7 +297,7 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
                 for experts in per_layer:
                     for n in experts:
                         if tuple(source.get(f"{n}.weight_shape").tolist()) != (out, inner):
-                            raise ValueError(f"tensor '{n}.weight_shape' is {source.get(f'{n}.weight_shape').tolist()}, expected {[out, inner]}")
+                            raise CheckpointError(f"tensor '{n}.weight_shape' is {source.get(f'{n}.weight_shape').tolist()}, expected {[out, inner]}")
                 params[stack][ours] = Int4Weight(jnp.asarray(packed.view(np.int32)), jnp.asarray(scale, dtype))
                 continue
             names = [[f"{n}.weight" for n in e] for e in per_layer] if ours in _EXPERT_NAMES else per_layer
@@ -191,7 +305,7 @@ def load_weights(path: str, config, dtype=jnp.bfloat16) -> dict:
             if flat and f"{flat[0]}_scale_inv" in fp8_scales:  # block-FP8: kept in FP8 with its scales
                 missing_scale = [n for n in flat if f"{n}_scale_inv" not in fp8_scales]
                 if missing_scale:
-                    raise ValueError(f"tensor '{missing_scale[0]}_scale_inv' is missing (the other layers are FP8)")
+                    raise CheckpointError(f"tensor '{missing_scale[0]}_scale_inv' is missing (the other layers are FP8)")
                 out, inner = one[-2:]
                 blocks = (-(-out // 128), -(-inner // 128))
 

@@ -6,7 +6,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.checkpoint.hf_config import parse_config, read_config, to_hf_dict
@@ -14,10 +13,16 @@ from ddtree_jax.checkpoint.hf_weights import load_weights, save_weights
 from ddtree_jax.config import DFlashConfig, Qwen3Config
 
 
-def load_hf(path: str, dtype=jnp.bfloat16) -> tuple[Qwen3Config | DFlashConfig, dict]:
-    """(config, params) from an HF directory: config.json and single or sharded safetensors."""
+def load_hf(path: str, dtype="auto", *, check_finite: bool = False) -> tuple[Qwen3Config | DFlashConfig, dict]:
+    """(config, params) from an HF directory: config.json and single or sharded safetensors.
+
+    dtype: "auto" (default, as transformers' dtype="auto") keeps the checkpoint's stored floating dtype;
+      jnp.bfloat16 (or "bfloat16") casts to bf16. check_finite: reject tensors holding NaN/inf.
+    A checkpoint that cannot be loaded raises CheckpointError (a ValueError) naming the file and the
+    key, value or tensor.
+    """
     config = parse_config(read_config(path))
-    return config, load_weights(path, config, dtype)
+    return config, load_weights(path, config, dtype, check_finite=check_finite)
 
 
 def save_hf(path: str, config: Qwen3Config | DFlashConfig, params: dict, *, vocab_size: int | None = None,

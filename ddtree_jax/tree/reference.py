@@ -24,6 +24,9 @@ class ReferenceTree:
         whether the cut lies within float32 rounding of a near-tie.
       top_log_probs: float32 [L, K] the per-depth top-K log-probabilities (rank order).
       top_ids: int64 [L, K] the matching token ids.
+      top_logits: float32 [L, K] their input logits: equal logits must follow the tie-break (lower id
+        first) in any builder, while different logits whose float32 log-probabilities (nearly) tie may
+        be ranked either way by a builder whose log-softmax rounds differently.
     """
 
     tokens: np.ndarray
@@ -35,6 +38,7 @@ class ReferenceTree:
     frontier_logw: np.float32
     top_log_probs: np.ndarray
     top_ids: np.ndarray
+    top_logits: np.ndarray
 
     @property
     def num_nodes(self) -> int:
@@ -111,4 +115,5 @@ def build_tree_reference(draft_logits, budget: int, root_token: int | None = Non
         frontier_logw=frontier,
         top_log_probs=lp,
         top_ids=ids,
+        top_logits=np.take_along_axis(x.astype(np.float32), ids, axis=1),
     )

@@ -22,7 +22,14 @@ from ddtree_jax.verify import VerifyResult
 from ddtree_kernels import tree_sampling
 from ddtree_kernels.tree_sampling import logit_key, params_rows, row_stats, row_stats_reference
 from tests.kernels.margins import row_margin
-from tests.verify.test_verify_sampling import EX_CAND, EX_NEXT, EX_SIB, _follow_some_children, _worked_example_probs
+from tests.verify.test_verify_sampling import (
+    EX_CAND,
+    EX_NEXT,
+    EX_SIB,
+    WORKED_EXAMPLE_CASES,
+    _follow_some_children,
+    _worked_example_probs,
+)
 
 def tree_sampling_from_probs(*args, **kwargs) -> VerifyResult:
     """The kernel's arrays as the library's result type (what `verify_sampling(impl="pallas")` does)."""
@@ -146,11 +153,12 @@ def test_from_probs_agrees_with_verify_sampling(order):
 
 
 def test_from_probs_worked_example_and_verify_sampling_dispatch():
-    for coin in (COIN_MIN, 0.3, COIN_MAX):
-        res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), np.full((1, 6), coin, np.float32),
-                              np.array([coin], np.float32), max_accept=3, impl="pallas")
-        assert np.asarray(res.accept_index).tolist() == [[0, 3, 4, 5]]
-        assert np.asarray(res.tokens).tolist() == [[3, 4, 5, 18]]
+    for (coins, final), (accept, n_acc, tokens) in WORKED_EXAMPLE_CASES:  # each coin's outcome, derived by hand
+        res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), coins, np.array([final], np.float32),
+                              max_accept=3, impl="pallas")
+        assert np.asarray(res.accept_index).tolist() == [accept]
+        assert np.asarray(res.num_accepted).tolist() == [n_acc]
+        assert np.asarray(res.tokens).tolist() == [tokens]
 
 
 def _fan(probs_row, coin, final_coin=0.5, vocab=None):

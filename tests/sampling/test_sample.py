@@ -1,4 +1,4 @@
-"""The plain sampler: its law (chi-square), coins, determinism and row independence."""
+"""The plain sampler: its law (chi-square), coins, key dependence and row independence."""
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +57,19 @@ def test_sampler_law_matches_processed_probs():
     assert chi_square_pvalue(counts, near) < ALPHA
 
 
-def test_sampler_greedy_deterministic_and_invalid():
+def test_sampler_rows_keys_greedy_and_invalid():
     logits = jnp.array([[0.0, 2.0, 2.0, 1.0], [0.0, 1.0, 3.0, 1.0], [0.0, jnp.nan, 1.0, 1.0]])
     params = SamplingParams.create(3, temperature=[0.0, 1.0, 1.0])
     keys = row_keys(jax.random.key(5), jnp.arange(3))
     out = np.asarray(sample(logits, params, keys))
     assert out[0] == 1 and out[2] == INVALID_TOKEN
-    np.testing.assert_array_equal(out, np.asarray(sample(logits, params, keys)))
+    # a row's draw depends on its own logits, parameters and key only
+    alone = np.asarray(sample(logits[1:2], jax.tree.map(lambda x: x[1:2], params), keys[1:2]))
+    assert alone[0] == out[1]
+    # the key decides a sampled row's draw (T = 1: many keys give several tokens), never a greedy row's
+    many = row_keys(jax.random.key(6), jnp.arange(64))
+    rows = lambda i: jnp.broadcast_to(logits[i], (64, 4))  # noqa: E731
+    sampled = np.asarray(sample(rows(1), SamplingParams.create(64, temperature=1.0), many))
+    assert len(set(sampled.tolist())) > 1 and set(sampled.tolist()) <= {0, 1, 2, 3}
+    greedy = np.asarray(sample(rows(0), SamplingParams.create(64, temperature=0.0), many))
+    assert (greedy == 1).all()  # argmax, lower id of the tie 1 / 2

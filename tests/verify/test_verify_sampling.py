@@ -18,21 +18,73 @@ EX_SIB = np.array([[-1, 3, -1, -1, -1, -1]], np.int32)
 
 
 def _worked_example_probs(vocab=20):
+    """Target probabilities of the worked example's slots where every coin matters (token: p):
+    slot 0 {1: .2, 3: .5, 18: .3}, slot 1 {2: .6, 9: .4}, slot 2 {11: .5, 12: .5}, slot 3 {4: .9, 10: .1},
+    slot 4 {5: .4, 13: .6}, slot 5 {14: .25, 15: .75}."""
     probs = np.zeros((1, 6, vocab), np.float32)
-    probs[0, :, 18] = 1
-    for row, tok in ((0, 3), (3, 4), (4, 5)):
-        probs[0, row] = 0
-        probs[0, row, tok] = 1
+    for slot, dist in enumerate(({1: .2, 3: .5, 18: .3}, {2: .6, 9: .4}, {11: .5, 12: .5}, {4: .9, 10: .1},
+                                 {5: .4, 13: .6}, {14: .25, 15: .75})):
+        for tok, p in dist.items():
+            probs[0, slot, tok] = p
     return probs
 
 
-@pytest.mark.parametrize("coin", [COIN_MIN, 0.3, 0.999, COIN_MAX])
-def test_worked_example(coin):
-    res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), np.full((1, 6), coin, np.float32),
-                          np.array([coin], np.float32), max_accept=3)
-    assert np.asarray(res.accept_index).tolist() == [[0, 3, 4, 5]]
-    assert np.asarray(res.num_accepted).tolist() == [3]
-    assert np.asarray(res.tokens).tolist() == [[3, 4, 5, 18]]
+def _coins(root, slot1=0.5, slot3=0.5, slot4=0.5):
+    """Per-slot coins of the worked example (slots 2 and 5 are leaves: their coins are never read)."""
+    return np.array([[root, slot1, 0.5, slot3, slot4, 0.5]], np.float32)
+
+
+# (coins per slot, final coin) -> (accept_index, num_accepted, tokens), each derived by hand from the walk:
+# at a slot with coin u, the children (in sibling order) are accepted on the inverse CDF of their target
+# probabilities; u >= their sum rejects them all, and the final token is drawn with the final coin from
+# the slot's probabilities without the rejected children (from the last accepted slot's, all of them).
+WORKED_EXAMPLE_CASES = [
+    # root u = 1e-7 < .2: token 1; slot 1 u < .6: token 2; slot 2 is a leaf: final .5 * 1 >= .5: token 12
+    ((_coins(COIN_MIN, slot1=COIN_MIN), 0.5), ([0, 1, 2, -1], 2, [1, 2, 12, -1])),
+    # root .1 < .2: token 1; slot 1 .7 >= .6 rejects token 2; final from {9: .4}: token 9
+    ((_coins(0.1, slot1=0.7), 0.5), ([0, 1, -1, -1], 1, [1, 9, -1, -1])),
+    # root .3 in [.2, .7): token 3; slot 3 .3 < .9: token 4; slot 4 .3 < .4: token 5; max_accept reached:
+    # final from slot 5 {14: .25, 15: .75}: .2 < .25 -> 14, .3 -> 15
+    ((_coins(0.3, slot3=0.3, slot4=0.3), 0.2), ([0, 3, 4, 5], 3, [3, 4, 5, 14])),
+    ((_coins(0.3, slot3=0.3, slot4=0.3), 0.3), ([0, 3, 4, 5], 3, [3, 4, 5, 15])),
+    # slot 4 .5 >= .4 rejects token 5: final from {13: .6}: token 13
+    ((_coins(0.3, slot3=0.3, slot4=0.5), COIN_MIN), ([0, 3, 4, -1], 2, [3, 4, 13, -1])),
+    # slot 3 .95 >= .9 rejects token 4: final from {10: .1}: token 10
+    ((_coins(0.5, slot3=0.95), 0.5), ([0, 3, -1, -1], 1, [3, 10, -1, -1])),
+    # root .8 >= .2 + .5 rejects tokens 1 and 3: final from {18: .3}: token 18
+    ((_coins(0.8), COIN_MAX), ([0, -1, -1, -1], 0, [18, -1, -1, -1])),
+]
+
+
+@pytest.mark.parametrize("coins_and_final,expected", WORKED_EXAMPLE_CASES)
+def test_worked_example(coins_and_final, expected):
+    coins, final = coins_and_final
+    res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), coins, np.array([final], np.float32),
+                          max_accept=3)
+    accept, n_acc, tokens = expected
+    assert np.asarray(res.accept_index).tolist() == [accept]
+    assert np.asarray(res.num_accepted).tolist() == [n_acc]
+    assert np.asarray(res.tokens).tolist() == [tokens]
+    # the line-by-line twin walks the same way
+    assert walk_reference(EX_CAND[0], EX_NEXT[0], EX_SIB[0], _worked_example_probs()[0], coins[0], np.float32(final), 3)[:3] \
+        == (accept, n_acc, tokens)
+
+
+def on_the_edge_between(u, cdf, token_a, token_b, tol) -> bool:
+    """Whether the coin position u lies within tol of an edge (cdf[t - 1] or cdf[t]) of token_a's CDF
+    interval and of token_b's: the one boundary where two summation orders may draw a or b."""
+    cdf = np.asarray(cdf, np.float64)
+    near = lambda t: 0 <= t < len(cdf) and min(abs((cdf[t - 1] if t else 0.0) - u), abs(cdf[t] - u)) < tol  # noqa: E731
+    return token_a != token_b and near(token_a) and near(token_b)
+
+
+def test_on_the_edge_between():
+    cdf = np.array([0.25, 0.25, 0.5, 1.0], np.float32)
+    assert on_the_edge_between(np.float32(0.25), cdf, 0, 2, 1e-6)  # the edge between 0 and 2 (1 has no mass)
+    assert on_the_edge_between(np.float32(0.5 + 1e-7), cdf, 2, 3, 1e-6)
+    assert not on_the_edge_between(np.float32(0.5), cdf, 0, 3, 1e-6)  # u on a CDF edge, not between 0 and 3
+    assert not on_the_edge_between(np.float32(0.25), cdf, 2, 3, 1e-6)
+    assert not on_the_edge_between(np.float32(0.4), cdf, 0, 2, 1e-6)
 
 
 def _fan(probs_row, coin, final_coin=0.5, max_accept=1):
@@ -113,9 +165,10 @@ def test_agrees_coin_for_coin_with_the_spec_twin(order, vocab):
         assert np.asarray(res.accept_index[b]).tolist() == accept
         assert int(res.num_accepted[b]) == n_acc
         got = np.asarray(res.tokens[b]).tolist()
-        if got != tokens:  # only the final draw may differ, and only where u sits on a CDF step (cumsum order)
-            assert got[:n_acc] == tokens[:n_acc]
-            assert np.min(np.abs(cdf.astype(np.float64) - u)) < 1e-6 * max(1.0, float(cdf[-1]))
+        if got != tokens:  # only the final draw may differ, and only where u sits on the CDF edge between
+            assert got[:n_acc] == tokens[:n_acc]  # the two emitted tokens (cumsum order)
+            assert on_the_edge_between(u, cdf, got[n_acc], tokens[n_acc], 1e-6 * max(1.0, float(cdf[-1]))), (
+                b, u, got[n_acc], tokens[n_acc])
 
 
 def test_large_vocabularies_emit_tokens_with_mass():
