@@ -42,15 +42,16 @@ ROOTS = {
 # module's layer is that of the longest prefix matching it (`p` matches `p` and `p.*`); a prefix
 # written `=p` matches `p` alone (a package's __init__, without its submodules).
 LAYERS = [
-    ("kernels", ["kernels", "ddtree_kernels"]),                      # Pallas kernels + references; jax only
-    ("config", ["ddtree_jax.config", "ddtree_jax.models.quant"]),    # frozen configs, weight formats
+    ("kernels", ["kernels", "ddtree_kernels"]),                      # Pallas kernels + references + quant; jax only
+    ("config", ["ddtree_jax.config"]),                               # frozen configs
     ("dispatch", ["ddtree_jax.dispatch", "ddtree_jax.options"]),     # "auto" rules, DecodeOptions
+    ("parallel", ["ddtree_jax.sharding.rules", "ddtree_jax.sharding.mesh", "ddtree_jax.sharding.regions",
+                  "=ddtree_jax.sharding"]),                          # mesh axes, rule tables, shard_map regions
     ("tree+sampling", ["ddtree_jax.tree", "ddtree_jax.sampling"]),
     ("verify", ["ddtree_jax.verify", "=ddtree_jax"]),                # the package re-exports tree..verify
     ("models", ["ddtree_jax.models"]),
     ("presets", ["ddtree_jax.presets"]),
-    ("sharding", ["ddtree_jax.sharding"]),
-    ("analysis", ["ddtree_jax.analysis", "ddtree_jax.roofline"]),    # memory planner, roofline
+    ("analysis", ["ddtree_jax.analysis", "ddtree_jax.roofline", "ddtree_jax.sharding.memory"]),  # planner, roofline
     ("checkpoint", ["ddtree_jax.checkpoint"]),
     ("engine", ["ddtree_jax.engine"]),
     ("train", ["ddtree_jax.train"]),

@@ -89,16 +89,18 @@ def test_cycle_and_upward_edge(tmp_path):
                           capture_output=True).returncode == 0  # without --check: report only
 
 
-def test_future_kernel_package_and_layers():
+def test_the_kernel_package_and_layers():
     # kernels/ddtree_kernels/ is imported as ddtree_kernels, at the bottom layer
     assert ig.layer_of("ddtree_kernels.tree_attention")[1] == "kernels"
     assert ig.layer_of("ddtree_jax")[1] == "verify"
     assert ig.layer_of("ddtree_jax.tree.build")[1] == "tree+sampling"
-    assert ig.layer_of("ddtree_jax.models.quant")[1] == "config"
+    assert ig.layer_of("ddtree_kernels.quant")[1] == "kernels"  # the quantised weight formats live with the kernels
+    assert ig.layer_of("ddtree_jax.sharding.regions")[1] == "parallel"  # below every layer that shards a call
+    assert ig.layer_of("ddtree_jax.sharding.memory")[1] == "analysis"
     assert ig.layer_of("ddtree_jax.missing") is None  # "=ddtree_jax" matches the package alone
     ranks = [ig.layer_of(m)[0] for m in (
-        "kernels.x", "ddtree_jax.config", "ddtree_jax.options", "ddtree_jax.sampling", "ddtree_jax.verify",
-        "ddtree_jax.models", "ddtree_jax.presets", "ddtree_jax.sharding", "ddtree_jax.analysis",
+        "kernels.x", "ddtree_jax.config", "ddtree_jax.options", "ddtree_jax.sharding", "ddtree_jax.sampling",
+        "ddtree_jax.verify", "ddtree_jax.models", "ddtree_jax.presets", "ddtree_jax.analysis",
         "ddtree_jax.checkpoint", "ddtree_jax.engine", "ddtree_jax.train", "ddtree_jax.__main__", "benchmarks.b")]
     assert ranks == sorted(ranks)
 
