@@ -15,13 +15,15 @@ ATTENTION_IMPLS = ("xla", "pallas", "auto")
 AUTO_PALLAS_MAX_QUERIES = 32
 
 
-def resolve_attention_impl(impl: str, *, queries: int | None = None, mla: bool = False) -> str:
+def resolve_attention_impl(impl: str, *, queries: int | None = None, mla: bool = False,
+                           backend: str | None = None) -> str:
     """"xla" or "pallas" for a call with `queries` query positions per row (None: a decode / verify
-    step) of a GQA (mla=False) or absorbed-MLA layer; "auto" is xla off GPU."""
+    step) of a GQA (mla=False) or absorbed-MLA layer; "auto" is xla off GPU. `backend`: the platform to
+    resolve for (None: `jax.default_backend()`; the memory planner passes "gpu")."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "auto":
-        if jax.default_backend() != "gpu" or mla:
+        if (backend or jax.default_backend()) != "gpu" or mla:
             return "xla"
         return "pallas" if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES else "xla"
     return impl
