@@ -16,45 +16,29 @@ Targets (issue 8, with the kernels): non_forward <= 10% of the step; verify_forw
 1.3x of plain_forward. The sampling kernel is what `generate` uses on GPU (sampling_impl="auto").
 Rows are printed as they finish and the JSON is rewritten after each row, so a time-out keeps them.
 
-Usage: python benchmarks/bench_engine.py --commit $(git rev-parse --short HEAD) [--shape tiny] [--quick]
+Usage: python -m benchmarks.bench_engine --commit $(git rev-parse --short HEAD) [--shape tiny] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_jax.config import DFlashConfig, Qwen3Config  # noqa: E402
-from ddtree_jax.engine.drafters import DFlashDrafter  # noqa: E402
-from ddtree_jax.engine.generate import prefill  # noqa: E402
-from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args  # noqa: E402
-from ddtree_jax.engine.step import (append_stage, decode_step, draft_stage, target_impls, tree_stage,  # noqa: E402
+from benchmarks.common import device_description, markdown_table, median_seconds, write_result
+from ddtree_jax.engine.drafters import DFlashDrafter
+from ddtree_jax.engine.generate import prefill
+from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args
+from ddtree_jax.engine.step import (append_stage, decode_step, draft_stage, target_impls, tree_stage,
                                     verification_stage, verify_forward)
-from ddtree_jax.models import dflash, qwen3, target_module  # noqa: E402
+from ddtree_jax.models import dflash, qwen3, target_module
+from ddtree_jax.presets import preset_pair
 
-SHAPES = {
-    # shared/spec/models.md: Qwen3-8B and Qwen3-8B-DFlash-b16
-    "qwen3-8b": (
-        Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                    num_kv_heads=8, head_dim=128, tapped_layers=(1, 9, 17, 25, 33)),
-        DFlashConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
-                     head_dim=128, block_size=16, mask_token_id=151669, target_layers=(1, 9, 17, 25, 33)),
-    ),
-    "tiny": (
-        Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                    head_dim=16, tapped_layers=(1, 2)),
-        DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                     block_size=8, mask_token_id=511, target_layers=(1, 2)),
-    ),
-}
+# --shape name -> (target config, drafter config), from the preset pairs of ddtree_jax.presets
+SHAPES = {"qwen3-8b": preset_pair("qwen3-8b"), "tiny": preset_pair("qwen3-tiny")}
 
 
 def random_pair(shape: str, dtype, seed: int = 0) -> Pair:
@@ -64,8 +48,6 @@ def random_pair(shape: str, dtype, seed: int = 0) -> Pair:
     drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, target_config.hidden_size, keys[1], dtype),
                             qwen3.embedding(target_params), qwen3.head(target_config, target_params))
     return Pair(target_config, target_params, drafter)
-
-
 
 
 def _compile(fn, args):

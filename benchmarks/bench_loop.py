@@ -6,26 +6,23 @@ generations. Each timing is the median of --runs, with `block_until_ready`, comp
 Reported: ms per decode step and tokens/s. With random weights the steps accept what they accept; both
 loops run the same steps.
 
-Usage: python benchmarks/bench_loop.py --commit $(git rev-parse --short HEAD) [--shape tiny|qwen3-8b]
+Usage: python -m benchmarks.bench_loop --commit $(git rev-parse --short HEAD) [--shape tiny|qwen3-8b]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.bench_engine import SHAPES, random_pair  # noqa: E402
-from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_jax.engine.generate import generate  # noqa: E402
-from ddtree_jax.engine.host_loop import generate_host_loop  # noqa: E402
-from ddtree_jax.engine.run import request_args  # noqa: E402
+from benchmarks.bench_engine import SHAPES, random_pair
+from benchmarks.common import device_description, markdown_table, median_seconds, write_result
+from ddtree_jax.engine.generate import generate
+from ddtree_jax.engine.host_loop import generate_host_loop
+from ddtree_jax.engine.run import request_args
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ out. Per temperature and column: tau, step ms, tokens/s per row = tau / step, ag
 (x B), speedup over AR (AR: tau = 1, its own step) and over the DFlash chain (its tau and step), and the
 best budget (highest tokens/s).
 
-  python experiments/speed_projection.py --sweep outputs/budget_sweep.json [--bench F.json | --roofline] [--batch 1]
+  python -m experiments.speed_projection --sweep outputs/budget_sweep.json [--bench F.json | --roofline] [--batch 1]
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments.studies import REPO, write_json  # noqa: E402
+from experiments.studies import REPO, write_json
 
 BENCH_GLOBS = ("benchmarks/results/engine_qwen3-8b*.json", "benchmarks/results_archive/engine_qwen3-8b*.json")
 
@@ -204,7 +202,7 @@ def speed_projection(sweep: dict | str, *, bench: str | None = None, use_rooflin
     elif have_roofline:
         source = step_times_from_roofline(budgets, batch=batch, context=context, overhead_s=overhead_s)
     else:
-        raise NoStepTimes("no step times: no benchmarks/bench_engine.py result (run `python benchmarks/bench_engine.py` "
+        raise NoStepTimes("no step times: no benchmarks/bench_engine.py result (run `python -m benchmarks.bench_engine` "
                           "on the GPU, or pass --bench FILE) and no roofline model (ddtree_jax/analysis/roofline.py)")
     roofline_fn = None
     if source["source"] == "bench_engine" and have_roofline:

@@ -31,15 +31,12 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 from ddtree_jax.engine.generate import prefill  # noqa: E402
 from ddtree_jax.engine.run import Pair, check_request, load_pair, request_args, resolve_block_size  # noqa: E402

@@ -72,7 +72,7 @@ def verify_step(
         args = (tree.tokens, next_token, next_sibling, target_logits, params, coins, draw_coins(split[:, 2], ()))
         result, slot_valid = shard_call(kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(1), rows(2), rows(1)),
                                         rows(1))
-        return _mask_invalid_rows(result, slot_valid, tree)
+        return mask_invalid_rows(result, slot_valid, tree)
     probs = processed_probs(target_logits, params)
     if method == "sampling":
         final_coins = draw_coins(split[:, 2], ())
@@ -82,11 +82,12 @@ def verify_step(
         )
     else:
         result = verify_sample_then_walk(tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False)
-    return _mask_invalid_rows(result, valid_rows(target_logits), tree)
+    return mask_invalid_rows(result, valid_rows(target_logits), tree)
 
 
-def _mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:
-    """Rows with invalid logits at a real slot: num_accepted 0, tokens INVALID_TOKEN."""
+def mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:
+    """Rows with invalid logits at a real slot (slot_valid bool [B, N] False where `tree.is_real`):
+    num_accepted 0, accept_index [0, -1, ...], tokens INVALID_TOKEN; other rows of `result` as they are."""
     row_ok = (slot_valid | ~tree.is_real).all(axis=1)
     steps = tree.max_depth + 1
     return VerifyResult(
@@ -94,3 +95,6 @@ def _mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftT
         num_accepted=jnp.where(row_ok, result.num_accepted, 0),
         tokens=jnp.where(row_ok[:, None], result.tokens, INVALID_TOKEN),
     )
+
+
+_mask_invalid_rows = mask_invalid_rows  # the old name, still imported by experiments/studies.py
