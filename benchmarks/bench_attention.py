@@ -21,7 +21,7 @@ materialised in float32); cases whose float32 scores would exceed 8 GB are not r
 Timing: REPS calls inside one jit (fori_loop), rotating over enough cache copies that the data of
 consecutive calls does not sit in the 50 MB L2; median of 7 runs.
 
-Usage: python benchmarks/bench_attention.py --commit $(git rev-parse --short HEAD) [--quick]
+Usage: python -m benchmarks.bench_attention --commit $(git rev-parse --short HEAD) [--quick]
        [--variants mla64,mla8,gqa] [--contexts 1024,8192,32768,131072] [--steps 9,17,65] [--batches 1,8]
 """
 
@@ -29,16 +29,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_kernels.tree_attention import (BlockConfig, _block_m, default_block_config, shared_memory_bytes,  # noqa: E402
+from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
+from ddtree_kernels.tree_attention import (BlockConfig, block_rows, default_block_config, shared_memory_bytes,
                                     tree_attention, tree_attention_reference)
 
 REPS = 5
@@ -124,7 +121,7 @@ def sweep(variants, copy_bw, commit, context: int = 32768) -> None:
         flops, nbytes = counts(variant, batch, steps, context)
         copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / nbytes))))
         inputs = case_inputs(variant, batch, steps, context, copies, jax.random.key(3))
-        block_m = _block_m(q_heads // kv_heads, steps)
+        block_m = block_rows(q_heads // kv_heads, steps)
         default = default_block_config(block_m, dims, dv)
         for block_s in (16, 32, 64):
             for warps in (4, 8):

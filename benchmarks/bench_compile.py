@@ -5,28 +5,20 @@ B = 1, N = 17 tree slots, a 4096-token latent cache, bf16 parameters (routed exp
 the program's size, not its memory, is what is timed), MoE dispatch "gather". Prints lowering and
 compilation seconds per loop form and writes them under $OUT.
 
-Usage: python benchmarks/bench_compile.py --commit $(git rev-parse --short HEAD) [--loops scan,unrolled]
+Usage: python -m benchmarks.bench_compile --commit $(git rev-parse --short HEAD) [--loops scan,unrolled]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.common import device_description, write_result  # noqa: E402
-from ddtree_jax.checkpoint.hf_config import parse_config  # noqa: E402
-from ddtree_jax.models import deepseek_v3  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import device_description, write_result
+from ddtree_jax.models import deepseek_v3
+from ddtree_jax.presets import preset
 
 
 def main() -> None:
@@ -36,9 +28,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=17)
     parser.add_argument("--cache", type=int, default=4096)
     args = parser.parse_args()
-    with open(os.path.join(ROOT, "configs", "kimi_k2_6.json")) as f:
-        config = parse_config(json.load(f))
-    config = dataclasses.replace(config, tapped_layers=(1, 12, 24, 35, 47, 58))
+    config = preset("kimi-k2.6")
     params = jax.eval_shape(lambda: deepseek_v3.init_params(config, jax.random.key(0), jnp.bfloat16))
     cache = jax.eval_shape(lambda: deepseek_v3.create_cache(config, 1, args.cache, jnp.bfloat16))
     spec = jax.ShapeDtypeStruct
@@ -46,7 +36,7 @@ def main() -> None:
     print(f"device: {device_description()}; commit {args.commit}; K2.6 verify, {config.num_layers} layers", flush=True)
     rows = []
     for loop in args.loops.split(","):
-        fn = jax.jit(lambda p, c, t, d, m, loop=loop: deepseek_v3.verify(config, p, c, t, d, m, layer_loop=loop,
+        fn = jax.jit(lambda p, c, t, d, m, loop=loop: deepseek_v3.tree_forward(config, p, c, t, d, m, layer_loop=loop,
                                                                          moe_impl="gather"))
         start = time.perf_counter()
         lowered = fn.trace(params, cache, *inputs).lower()

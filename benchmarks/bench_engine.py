@@ -6,55 +6,39 @@ prefill of --context random tokens and one warm-up step, it times (medians, `blo
 
   step            the fused decode step (`engine.step.decode_step`, as `generate` runs it)
   draft           the drafter's forward alone (`draft_stage`)
-  verify_forward  the target's tree-verify forward alone (`verify_forward`, N = budget + 1 slots)
+  tree_forward    the target's forward over the tree alone (`tree_forward_stage`, N = budget + 1 slots)
   plain_forward   a plain causal forward of the same N tokens on the same cache (`target.prefill`)
-  verification    tree rejection sampling alone, XLA (`verify_step(impl="xla")`) and Pallas
-                  (`impl="pallas"`, kernels/tree_sampling.py) on the step's real logits
-  non_forward     step - draft - verify_forward: tree building, verification, commit, bookkeeping
+  walk            the tree rejection walk alone, XLA (`verify_step(impl="xla")`) and Pallas
+                  (`impl="pallas"`, ddtree_kernels/tree_sampling.py) on the step's real logits
+  non_forward     step - draft - tree_forward: tree building, the walk, commit, bookkeeping
 
-Targets (issue 8, with the kernels): non_forward <= 10% of the step; verify_forward at budget 64 within
-1.3x of plain_forward. The sampling kernel is what `generate` uses on GPU (sampling_impl="auto").
+Targets: non_forward <= 10% of the step; tree_forward at budget 64 within 1.3x of plain_forward. The
+walk kernel is what `generate` uses on GPU (DecodeOptions.verify_impl "auto").
 Rows are printed as they finish and the JSON is rewritten after each row, so a time-out keeps them.
 
-Usage: python benchmarks/bench_engine.py --commit $(git rev-parse --short HEAD) [--shape tiny] [--quick]
+Usage: python -m benchmarks.bench_engine --commit $(git rev-parse --short HEAD) [--shape tiny] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+from benchmarks.common import device_description, markdown_table, median_seconds, write_result
+from ddtree_jax.engine.drafters import DFlashDrafter
+from ddtree_jax.engine.generate import prefill
+from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args
+from ddtree_jax.engine.step import append_stage, decode_step, draft_stage, tree_forward_stage, tree_stage, walk_stage
+from ddtree_jax.models import dflash, qwen3, target_module
+from ddtree_jax.options import DecodeOptions
+from ddtree_jax.presets import preset_pair
 
-from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_jax.config import DFlashConfig, Qwen3Config  # noqa: E402
-from ddtree_jax.engine.drafters import DFlashDrafter  # noqa: E402
-from ddtree_jax.engine.generate import prefill  # noqa: E402
-from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args  # noqa: E402
-from ddtree_jax.engine.step import (append_stage, decode_step, draft_stage, target_impls, tree_stage,  # noqa: E402
-                                    verification_stage, verify_forward)
-from ddtree_jax.models import dflash, qwen3, target_module  # noqa: E402
-
-SHAPES = {
-    # shared/spec/models.md: Qwen3-8B and Qwen3-8B-DFlash-b16
-    "qwen3-8b": (
-        Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                    num_kv_heads=8, head_dim=128, tapped_layers=(1, 9, 17, 25, 33)),
-        DFlashConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
-                     head_dim=128, block_size=16, mask_token_id=151669, target_layers=(1, 9, 17, 25, 33)),
-    ),
-    "tiny": (
-        Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                    head_dim=16, tapped_layers=(1, 2)),
-        DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                     block_size=8, mask_token_id=511, target_layers=(1, 2)),
-    ),
-}
+# --shape name -> (target config, drafter config), from the preset pairs of ddtree_jax.presets
+SHAPES = {"qwen3-8b": preset_pair("qwen3-8b"), "tiny": preset_pair("qwen3-tiny")}
 
 
 def random_pair(shape: str, dtype, seed: int = 0) -> Pair:
@@ -66,8 +50,6 @@ def random_pair(shape: str, dtype, seed: int = 0) -> Pair:
     return Pair(target_config, target_params, drafter)
 
 
-
-
 def _compile(fn, args):
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
@@ -75,10 +57,11 @@ def _compile(fn, args):
 
 
 def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int, temperature: float, top_p: float,
-               repeats: int, attn_impl: str = "xla", matmul_impl: str = "xla", moe_impl: str = "auto", seed: int = 0,
-               step_only: bool = False, layer_loop: str = "auto") -> dict:
-    """One row (module docstring); step_only: the fused step alone, without the per-stage breakdown (each
-    stage is one more compilation of the model: 30-75 s per case for the Qwen3-8B shape on the H200)."""
+               repeats: int, options: DecodeOptions = DecodeOptions(attn_impl="xla", matmul_impl="xla"), seed: int = 0,
+               step_only: bool = False) -> dict:
+    """One row (module docstring); options: how the step runs (default XLA attention and matmuls);
+    step_only: the fused step alone, without the per-stage breakdown (each stage is one more compilation
+    of the model: 30-75 s per case for the Qwen3-8B shape on the H200)."""
     config, block = pair.target_config, pair.drafter.config.block_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
@@ -86,15 +69,15 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     _, params, drafter, ids, lengths, sampling, keys, stop, max_new_arr = request_args(
         pair, prompts, temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new)
     shape = dict(max_new_tokens=max_new, method=method, budget=budget, block_size=block)
-    impls = dict(attn_impl=attn_impl, matmul_impl=matmul_impl, moe_impl=moe_impl, layer_loop=layer_loop)
-    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, **impls))(
+    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, options=options))(
         params, drafter, ids, lengths, sampling, keys)
     row = {"B": batch, "method": method, "budget": budget if method == "ddtree" else None, "context": context,
-           "attn_impl": attn_impl, "matmul_impl": matmul_impl, "moe_impl": moe_impl, "layer_loop": layer_loop}
+           "attn_impl": options.attn_impl, "matmul_impl": options.matmul_impl, "moe_impl": options.moe_impl,
+           "layer_loop": options.layer_loop}
 
     def step_fn(params, drafter, state, sampling, keys, stop, max_new_arr):
         return decode_step(config, params, drafter, state, sampling, keys, stop, max_new_arr, method=method,
-                           budget=budget, block_size=block, **impls)
+                           budget=budget, block_size=block, options=options)
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     step, row["step_compile_s"] = _compile(step_fn, step_args)
@@ -112,28 +95,31 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
         fn, _ = _compile(lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus))
         row["draft_ms"] = median_seconds(fn, *(drafter, draft_state, state.bonus), runs=repeats) * 1e3
         draft_logits = fn(drafter, draft_state, state.bonus)
-    tree = jax.jit(lambda l, b: tree_stage(l, b, method=method, budget=budget))(draft_logits, state.bonus)
+    tree = jax.jit(lambda l, b: tree_stage(l, b, method=method, budget=budget, topk_impl=options.topk_impl))(
+        draft_logits, state.bonus)
     slots = tree.tokens.shape[1]
     row["slots"] = slots
 
-    fn, row["verify_compile_s"] = _compile(lambda p, c, t: verify_forward(config, p, c, t, **impls), (params, state.target_cache, tree))
-    row["verify_forward_ms"] = median_seconds(fn, *(params, state.target_cache, tree), runs=repeats) * 1e3
+    fn, row["tree_forward_compile_s"] = _compile(lambda p, c, t: tree_forward_stage(config, p, c, t, options),
+                                                 (params, state.target_cache, tree))
+    row["tree_forward_ms"] = median_seconds(fn, *(params, state.target_cache, tree), runs=repeats) * 1e3
     logits = fn(params, state.target_cache, tree)[0]
 
     plain_ids = tree.tokens
     target = target_module(config)
     fn, _ = _compile(lambda p, c, t: target.prefill(config, p, c, t, jnp.full((batch,), slots, jnp.int32),
-                                                    **target_impls(config, **impls)),
+                                                    **options.target_impls(config)),
                      (params, state.target_cache, plain_ids))
     row["plain_forward_ms"] = median_seconds(fn, *(params, state.target_cache, plain_ids), runs=repeats) * 1e3
 
     for impl in ("xla", "pallas"):
-        fn, _ = _compile(lambda t, l, s, k, i: verification_stage(t, l, s, k, i, sampling_impl=impl),
+        walk_options = options.replace(verify_impl=impl)
+        fn, _ = _compile(lambda t, l, s, k, i: walk_stage(t, l, s, k, i, walk_options),
                          (tree, logits, sampling, keys, state.step))
-        row[f"verification_{impl}_ms"] = median_seconds(fn, *(tree, logits, sampling, keys, state.step), runs=repeats) * 1e3
-    row["non_forward_ms"] = row["step_ms"] - row["draft_ms"] - row["verify_forward_ms"]
+        row[f"walk_{impl}_ms"] = median_seconds(fn, *(tree, logits, sampling, keys, state.step), runs=repeats) * 1e3
+    row["non_forward_ms"] = row["step_ms"] - row["draft_ms"] - row["tree_forward_ms"]
     row["non_forward_share"] = row["non_forward_ms"] / row["step_ms"]
-    row["verify_over_plain"] = row["verify_forward_ms"] / row["plain_forward_ms"]
+    row["tree_forward_over_plain"] = row["tree_forward_ms"] / row["plain_forward_ms"]
     return row
 
 
@@ -175,16 +161,17 @@ def main() -> None:
     rows = []
     for batch, method, budget, attn_impl in cases:
         row = bench_case(pair, batch, method, budget, context=args.context, temperature=args.temperature,
-                         top_p=args.top_p, repeats=args.repeats, attn_impl=attn_impl, matmul_impl=args.matmul_impl,
-                         step_only=args.step_only, layer_loop=args.layer_loop)
+                         top_p=args.top_p, repeats=args.repeats, step_only=args.step_only,
+                         options=DecodeOptions(attn_impl=attn_impl, matmul_impl=args.matmul_impl,
+                                               layer_loop=args.layer_loop))
         rows.append(row)
         head = f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms"
         if args.step_only:
             print(f"{head}  (compile step {row['step_compile_s']:.0f} s)", flush=True)
         else:
-            print(f"{head}  draft {row['draft_ms']:7.2f}  verify fwd {row['verify_forward_ms']:8.2f}  plain fwd "
-                  f"{row['plain_forward_ms']:8.2f}  verification xla {row['verification_xla_ms']:7.3f} pallas "
-                  f"{row['verification_pallas_ms']:7.3f}  non-fwd {100 * row['non_forward_share']:5.1f}%  "
+            print(f"{head}  draft {row['draft_ms']:7.2f}  tree fwd {row['tree_forward_ms']:8.2f}  plain fwd "
+                  f"{row['plain_forward_ms']:8.2f}  walk xla {row['walk_xla_ms']:7.3f} pallas "
+                  f"{row['walk_pallas_ms']:7.3f}  non-fwd {100 * row['non_forward_share']:5.1f}%  "
                   f"(compile step {row['step_compile_s']:.0f} s)", flush=True)
         write_result(f"engine_{args.shape}_matmul-{args.matmul_impl}_loop-{args.layer_loop}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
     if args.step_only:
@@ -192,11 +179,11 @@ def main() -> None:
                                     [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"],
                                       r["step_compile_s"]] for r in rows]))
         return
-    header = ["B", "method", "budget", "N", "attention", "step ms", "draft ms", "verify fwd ms", "plain fwd ms", "verify/plain",
-              "verification xla ms", "verification pallas ms", "non-forward %"]
-    table = [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"], r["draft_ms"], r["verify_forward_ms"],
-              r["plain_forward_ms"], f"{r['verify_over_plain']:.2f}", f"{r['verification_xla_ms']:.3f}",
-              f"{r['verification_pallas_ms']:.3f}", f"{100 * r['non_forward_share']:.1f}"] for r in rows]
+    header = ["B", "method", "budget", "N", "attention", "step ms", "draft ms", "tree fwd ms", "plain fwd ms", "tree/plain",
+              "walk xla ms", "walk pallas ms", "non-forward %"]
+    table = [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"], r["draft_ms"], r["tree_forward_ms"],
+              r["plain_forward_ms"], f"{r['tree_forward_over_plain']:.2f}", f"{r['walk_xla_ms']:.3f}",
+              f"{r['walk_pallas_ms']:.3f}", f"{100 * r['non_forward_share']:.1f}"] for r in rows]
     print("\n" + markdown_table(header, table))
 
 

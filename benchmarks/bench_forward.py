@@ -15,27 +15,23 @@ Targets (issue 12): the AR step (T = 1) at B = 1 within 1.5x of the weight-read 
 verify forward within 1.3x of the AR step. Rows are printed as they finish and the JSON is rewritten
 after each, so a time-out keeps them.
 
-Usage: python benchmarks/bench_forward.py --commit $(git rev-parse --short HEAD) [--shape tiny]
+Usage: python -m benchmarks.bench_forward --commit $(git rev-parse --short HEAD) [--shape tiny]
        [--batches 1,8] [--slots 1,9,17,65] [--matmul-impls xla,auto,pallas] [--loops scan,unrolled]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.bench_engine import SHAPES  # noqa: E402
-from benchmarks.common import copy_bandwidth, device_description, markdown_table, write_result  # noqa: E402
-from ddtree_jax.models import qwen3, target_module  # noqa: E402
-from ddtree_jax.models.cache import KVCache  # noqa: E402
+from benchmarks.bench_engine import SHAPES
+from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
+from ddtree_jax.models import qwen3, target_module
+from ddtree_jax.models.cache import KVCache
 
 
 def weight_bytes(params: dict) -> int:
@@ -71,7 +67,7 @@ def bench_forward(config, params, batch: int, slots: int, *, context: int, matmu
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((slots, slots), bool)), (batch, slots, slots))
 
     def forward(params, cache, tokens, depths, mask):
-        logits, _, cache = qwen3.verify(config, params, cache, tokens, depths, mask, matmul_impl=matmul_impl,
+        logits, _, cache = qwen3.tree_forward(config, params, cache, tokens, depths, mask, matmul_impl=matmul_impl,
                                         layer_loop=layer_loop)
         return logits, cache
 
@@ -81,13 +77,13 @@ def bench_forward(config, params, batch: int, slots: int, *, context: int, matmu
     lower_s = time.perf_counter() - start
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start - lower_s
-    samples = []
-    for i in range(runs + 2):  # two warm-up calls
-        begin = time.perf_counter()
-        logits, cache = compiled(params, cache, tokens, depths, mask)
-        jax.block_until_ready((logits, cache))
-        samples.append(time.perf_counter() - begin)
-    forward_ms = statistics.median(samples[2:]) * 1e3
+    fed_back = {"cache": cache}
+
+    def call():  # the donated cache of each call is the next call's input
+        logits, fed_back["cache"] = compiled(params, fed_back["cache"], tokens, depths, mask)
+        return logits, fed_back["cache"]
+
+    forward_ms = median_seconds(call, runs=runs, warmup=2) * 1e3
     return {"B": batch, "T": slots, "context": context, "matmul_impl": matmul_impl, "layer_loop": layer_loop,
             "lower_s": lower_s, "compile_s": compile_s, "forward_ms": forward_ms}
 

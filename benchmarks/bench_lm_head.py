@@ -13,26 +13,23 @@ On a mesh of every device present ("model" = all of them), with K2.6's vocabular
 
 Counted: bytes each device receives. Times: REPS calls inside one jit, median of 7 runs.
 
-Usage: python benchmarks/bench_lm_head.py --commit $(git rev-parse --short HEAD) [--vocab 163840]
+Usage: python -m benchmarks.bench_lm_head --commit $(git rev-parse --short HEAD) [--vocab 163840]
        (GPU: nvidia-h200-x2 or larger; CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8 for a smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_jax.sharding.mesh import make_mesh  # noqa: E402
-from ddtree_jax.sharding.rules import MODEL  # noqa: E402
-from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs  # noqa: E402
+from benchmarks.common import device_description, markdown_table, median_seconds, write_result
+from ddtree_jax.sharding.mesh import make_mesh
+from ddtree_jax.sharding.rules import MODEL
+from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 
 REPS = 10
 

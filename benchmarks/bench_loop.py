@@ -6,26 +6,23 @@ generations. Each timing is the median of --runs, with `block_until_ready`, comp
 Reported: ms per decode step and tokens/s. With random weights the steps accept what they accept; both
 loops run the same steps.
 
-Usage: python benchmarks/bench_loop.py --commit $(git rev-parse --short HEAD) [--shape tiny|qwen3-8b]
+Usage: python -m benchmarks.bench_loop --commit $(git rev-parse --short HEAD) [--shape tiny|qwen3-8b]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.bench_engine import SHAPES, random_pair  # noqa: E402
-from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_jax.engine.generate import generate  # noqa: E402
-from ddtree_jax.engine.host_loop import generate_host_loop  # noqa: E402
-from ddtree_jax.engine.run import request_args  # noqa: E402
+from benchmarks.bench_engine import SHAPES, random_pair
+from benchmarks.common import device_description, markdown_table, median_seconds, write_result
+from ddtree_jax.engine.generate import generate
+from ddtree_jax.engine.host_loop import generate_host_loop
+from ddtree_jax.engine.run import request_args
 
 
 def main() -> None:
@@ -49,11 +46,11 @@ def main() -> None:
     print(f"device: {device_description()}; commit {args.commit}; shape {args.shape}; B={args.batch}", flush=True)
     rows = []
     for method in args.methods.split(","):
-        options = dict(max_new_tokens=args.max_new, method=method, budget=args.budget, block_size=block,
-                       cache_dtype=dtype)
-        loops = {"while_loop": lambda: generate(*request, **options)}
+        static = dict(max_new_tokens=args.max_new, method=method, budget=args.budget, block_size=block,
+                      cache_dtype=dtype)
+        loops = {"while_loop": lambda: generate(*request, **static)}
         for k in (int(v) for v in args.sync_every.split(",")):
-            loops[f"host, sync every {k}"] = lambda k=k: generate_host_loop(*request, **options, sync_every=k)
+            loops[f"host, sync every {k}"] = lambda k=k: generate_host_loop(*request, **static, sync_every=k)
         reference = None
         for name, run in loops.items():
             start = time.perf_counter()

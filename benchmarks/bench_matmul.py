@@ -17,24 +17,21 @@ Targets (issue 12): each matmul >= 80% of the copy bandwidth for M <= 65.
 width, K step, split-K, warps, stages) on the K2.6 gate and down expert shapes at those token counts,
 printing the default against the best per case.
 
-Usage: python benchmarks/bench_matmul.py --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
-       python benchmarks/bench_matmul.py --commit C --grouped-sweep 1,4,9,17
+Usage: python -m benchmarks.bench_matmul --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
+       python -m benchmarks.bench_matmul --commit C --grouped-sweep 1,4,9,17
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense  # noqa: E402
-from ddtree_kernels.decode_matmul import GroupedTiles, grouped_matmul, grouped_plan, matmul  # noqa: E402
+from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
+from ddtree_kernels.decode_matmul import GroupedTiles, grouped_matmul, grouped_plan, matmul
 
 REPS = 10
 SHAPES = {
@@ -60,8 +57,6 @@ def _weight(n, k, fmt, key):
 
 def _nbytes(weight) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weight))
-
-
 
 
 def _timed(op, xs, weight):

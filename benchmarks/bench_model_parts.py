@@ -1,6 +1,6 @@
 """Where a DeepSeek-V3 / K2.6-width forward's time goes: each part of the model timed alone at T rows.
 
-The K2.6-width target of `experiments/sharded_run.py` (hidden 7168, MLA with 64 heads, 384 INT4 routed
+The K2.6-width target of `benchmarks.k26_model` (hidden 7168, MLA with 64 heads, 384 INT4 routed
 experts; random weights) with `--layers` decoder layers (the first dense, the rest MoE), on one device.
 For each slot count T (T = 1: the AR step; T = 9: a budget-8 tree), B = 1, a bf16 latent cache holding
 --context tokens, it times (median of --runs calls, each part its own jit, inputs fixed):
@@ -20,31 +20,25 @@ cache writes), a part much slower at T = 1 than at T = 9 is the part to fix.
 `--profile moe:gather,forward:scan` adds, for those parts, the device time of each XLA op (from a
 `jax.profiler` trace, `benchmarks/op_profile.py`).
 
-Usage: python benchmarks/bench_model_parts.py --commit $(git rev-parse --short HEAD) [--layers 2]
+Usage: python -m benchmarks.bench_model_parts --commit $(git rev-parse --short HEAD) [--layers 2]
        [--slots 1,9] [--profile moe:gather] [--tiny]   (--tiny: the tiny K2-shaped model, a CPU check of the script)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-from benchmarks.bench_forward import filled_cache  # noqa: E402
-from benchmarks.common import device_description, markdown_table, median_seconds, write_result  # noqa: E402
-from benchmarks.op_profile import format_op_table, op_times  # noqa: E402
-from ddtree_jax.models import deepseek_v3  # noqa: E402
-from ddtree_jax.models.layers import linear, rms_norm, swiglu  # noqa: E402
-from ddtree_jax.models.moe import moe  # noqa: E402
-from sharded_run import _init_target, k26_config  # noqa: E402
+from benchmarks.bench_forward import filled_cache
+from benchmarks.common import device_description, markdown_table, median_seconds, write_result
+from benchmarks.k26_model import k26_config, random_int4_target
+from benchmarks.op_profile import format_op_table, op_times
+from ddtree_jax.models import deepseek_v3
+from ddtree_jax.models.layers import linear, rms_norm, swiglu
+from ddtree_jax.models.moe import moe
 
 
 def layer_slice(stack: dict, index: int) -> dict:
@@ -76,7 +70,7 @@ def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls
 
     def mla(p, x, latent, rope, positions, mask):
         cos, sin = deepseek_v3.rope_tables_half(c, positions)
-        out, _, _ = deepseek_v3._mla_absorbed(c, p, rms_norm(x, p["input_norm"], c.rms_norm_eps), cos, sin,
+        out, _, _ = deepseek_v3.mla_absorbed(c, p, rms_norm(x, p["input_norm"], c.rms_norm_eps), cos, sin,
                                               latent[0], rope[0], jnp.full((1,), context, jnp.int32), mask)
         return out
 
@@ -112,7 +106,7 @@ def main() -> None:
         raise SystemExit(f"--layers must be >= 1, got {args.layers}")
     config = k26_config(args.layers, args.tiny)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    params = jax.jit(lambda k: _init_target(config, k, dtype))(jax.random.key(0))
+    params = jax.jit(lambda k: random_int4_target(config, k, dtype))(jax.random.key(0))
     moe_impls = [m for m in args.moe_impls.split(",") if m]
     if args.tiny:  # the grouped kernel runs in interpret mode off GPU: slow, and not what is measured here
         moe_impls = [m for m in moe_impls if m != "pallas"]

@@ -13,27 +13,24 @@ Two timings per jit variant:
 Stage split (step timing): the top-K stage alone, for each selection method.
 Roofline: reading the logits once at the measured ~3.1 TB/s XLA copy rate (the floor of any builder).
 
-Usage: python benchmarks/bench_tree.py --commit $(git rev-parse --short HEAD) [--quick]
+Usage: python -m benchmarks.bench_tree --commit $(git rev-parse --short HEAD) [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-
-from benchmarks.common import device_description, markdown_table, time_call, write_result  # noqa: E402
-from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs  # noqa: E402
-from ddtree_jax.tree.compare import compare_to_reference  # noqa: E402
-from ddtree_jax.tree.build import _build_tree_jit  # noqa: E402
-from ddtree_jax.tree.synthetic import synthetic_draft_logits  # noqa: E402
+from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs
+from ddtree_jax.tree.compare import compare_to_reference
+from ddtree_jax.tree.build import build_tree_unchecked
+from ddtree_jax.tree.synthetic import synthetic_draft_logits
 
 COPY_BW = 3.1e12  # bytes/s, measured XLA device-to-device copy on the H200 (performance_notes.md)
 
@@ -41,6 +38,12 @@ COPY_BW = 3.1e12  # bytes/s, measured XLA device-to-device copy on the H200 (per
 def _inputs(batch, depth, vocab, dtype, count, seed=0):
     keys = jax.random.split(jax.random.key(seed), count)
     return [synthetic_draft_logits(k, batch, depth, vocab, dtype=dtype) for k in keys]
+
+
+def _per_tree_us(fn, stacked, runs: int) -> dict:
+    """time_calls summary (us) of fn(stacked), one jit over the 8 trees of `stacked`, divided per tree."""
+    summary = time_calls(fn, [(stacked,)], runs=runs, warmup=3).summary_us()
+    return {k: (v / 8 if k.endswith("_us") else v) for k, v in summary.items()}
 
 
 def _check_against_reference(logits, budget, impl, rows=2):
@@ -73,19 +76,19 @@ def main() -> None:
         floor_us = batch * depth * vocab * 2 / COPY_BW * 1e6
         rec = {"batch": batch, "budget": budget, "depth": depth, "vocab": vocab, "roofline_us": floor_us}
         for impl in impls:
-            call = functools.partial(_build_tree_jit, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl)
+            call = functools.partial(build_tree_unchecked, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl)
             t0 = time.perf_counter()
             jax.block_until_ready(call(inputs[0]))
             rec[f"{impl}_compile_s"] = time.perf_counter() - t0
             print(f"  B={batch} budget={budget} {impl}: compile + first run {rec[f'{impl}_compile_s']:.1f} s", flush=True)
-            rec[f"{impl}_call"] = time_call(call, inputs, reps=reps)
+            rec[f"{impl}_call"] = time_calls(call, [(x,) for x in inputs], runs=reps, warmup=3).summary_us()
             stacked = jnp.stack(inputs + inputs)  # 8 trees per jit call
-            step = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: _build_tree_jit(
+            step = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: build_tree_unchecked(
                 x, jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl).tokens, xs))
-            rec[f"{impl}_step"] = {k: (v / 8 if k.endswith("_us") else v) for k, v in time_call(step, [stacked], reps=max(5, reps // 5)).items()}
+            rec[f"{impl}_step"] = _per_tree_us(step, stacked, max(5, reps // 5))
             k = min(budget, vocab)
             topk = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: top_k_log_probs(x, k, impl=impl)[1], xs))
-            rec[f"{impl}_topk_step"] = {kk: (v / 8 if kk.endswith("_us") else v) for kk, v in time_call(topk, [stacked], reps=max(5, reps // 5)).items()}
+            rec[f"{impl}_topk_step"] = _per_tree_us(topk, stacked, max(5, reps // 5))
             rec[f"{impl}_exact_rows"] = _check_against_reference(inputs[1], budget, impl)
         if batch * budget <= 32 * 64:
             def host(x):
@@ -120,7 +123,7 @@ def main() -> None:
         for chunk in (16, 32, 64, 128, 256, 512):
             fn = jax.jit(lambda xs, k=k, chunk=chunk: jax.lax.map(
                 lambda x: top_k_log_probs(x, k, impl="prefilter", chunk=chunk)[1], xs))
-            us = time_call(fn, [stacked], reps=max(5, reps // 5))["median_us"] / 8
+            us = _per_tree_us(fn, stacked, max(5, reps // 5))["median_us"]
             sweep.append({"k": k, "chunk": chunk, "topk_step_us": us})
             print(f"  top-K prefilter k={k} chunk={chunk}: {us:.1f} us", flush=True)
     write_result("bench_tree", {"cases": records, "chunk_sweep": sweep}, args.commit)

@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: timing, the device description, and result files.
+"""Shared benchmark helpers: the one timer (`time_calls`, `median_seconds`), the device description, and
+result files.
 
 A result file records the date, the device, and the commit (passed in with --commit, since the GPU copy
 of the repository has no git), so BENCHMARKS.md rows can be traced to code.
@@ -6,11 +7,13 @@ of the repository has no git), so BENCHMARKS.md rows can be traced to code.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 
 import jax
 
@@ -20,34 +23,45 @@ def device_description() -> str:
     return f"{dev.platform}:{getattr(dev, 'device_kind', '?')} x{jax.device_count()} (jax {jax.__version__})"
 
 
-def time_call(fn, inputs: list, *, warmup: int = 3, reps: int = 50) -> dict:
-    """Median wall time (us) of fn(x) + block_until_ready, rotating over `inputs` (defeats caching)."""
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall seconds of the timed calls of `time_calls`, sorted ascending."""
+
+    seconds: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    def summary_us(self) -> dict:
+        """{"median_us", "p10_us", "p90_us", "reps"}: microseconds; p10 / p90 the sorted samples at
+        len // 10 and 9 * len // 10."""
+        us = [s * 1e6 for s in self.seconds]
+        return {"median_us": statistics.median(us), "p10_us": us[len(us) // 10], "p90_us": us[(9 * len(us)) // 10],
+                "reps": len(us)}
+
+
+def time_calls(fn, arg_sets: Sequence[tuple], *, runs: int = 7, warmup: int = 1) -> Timing:
+    """The one benchmark timer: `warmup` untimed calls, then `runs` timed ones, each fn(*arg_sets[i % n])
+    + jax.block_until_ready on its result (i counts from 0 in each phase; several argument sets rotate the
+    inputs, so no call reuses the previous call's data). fn may close over state it updates (a donated
+    cache fed back), with arg_sets = [()]."""
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
     for i in range(warmup):
-        jax.block_until_ready(fn(inputs[i % len(inputs)]))
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
     samples = []
-    for i in range(reps):
-        x = inputs[i % len(inputs)]
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        samples.append((time.perf_counter() - start) * 1e6)
-    samples.sort()
-    return {
-        "median_us": statistics.median(samples),
-        "p10_us": samples[len(samples) // 10],
-        "p90_us": samples[(9 * len(samples)) // 10],
-        "reps": reps,
-    }
-
-
-def median_seconds(fn, *args, runs: int = 7) -> float:
-    """Median wall seconds of fn(*args) + block_until_ready over `runs` calls, after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(runs):
+    for i in range(runs):
+        args = arg_sets[i % len(arg_sets)]
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return Timing(tuple(sorted(samples)))
+
+
+def median_seconds(fn, *args, runs: int = 7, warmup: int = 1) -> float:
+    """Median wall seconds of fn(*args) + block_until_ready over `runs` calls, after `warmup` calls."""
+    return time_calls(fn, [args], runs=runs, warmup=warmup).median
 
 
 def copy_bandwidth(reps: int = 20) -> float:

@@ -19,9 +19,9 @@ mean per surrogate bin). `targets` checks issue 9's goals: tau >= 4 at budget 64
 the chain at every budget >= 8. The plot: tau vs budget (DDTree and chain per temperature, the surrogate's
 mean dotted), surrogate vs measured per step, and the exact expectation vs measured.
 
-  python experiments/budget_sweep.py                                   # checkpoints/embedded, the full sweep
-  python experiments/budget_sweep.py --small --target T --drafter D    # the seconds-on-CPU version
-  python experiments/budget_sweep.py --budgets 16,64 --temperatures 0 --prompts 8 --out outputs/sweep.json
+  python -m experiments.budget_sweep                                   # checkpoints/embedded, the full sweep
+  python -m experiments.budget_sweep --small --target T --drafter D    # the seconds-on-CPU version
+  python -m experiments.budget_sweep --budgets 16,64 --temperatures 0 --prompts 8 --out outputs/sweep.json
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments.studies import (  # noqa: E402
+from experiments.studies import (
     eos_stop_tokens,
     mean_and_se,
     pooled_tau,
@@ -279,13 +277,14 @@ def sweep(target_dir: str | None = None, drafter_dir: str | None = None, *, budg
                        samples=samples, seed=seed, include_chain=include_chain, batch_size=batch_size,
                        keep_steps=keep_steps, progress=progress)
     result.update(study="budget_sweep", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  device=_device(), commit=commit, pair=summary,
+                  device=device_label(), commit=commit, pair=summary,
                   prompts=[{k: p[k] for k in ("path", "char", "ids")} for p in prompts],
                   settings={**result["settings"], "prompt_len": prompt_len, "prompt_seed": prompt_seed})
     return result
 
 
-def _device() -> str:
+def device_label() -> str:
+    """'platform:device kind (jax version)' of the first device, for a study's JSON."""
     import jax
 
     dev = jax.devices()[0]

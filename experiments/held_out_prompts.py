@@ -15,7 +15,7 @@ file per round (distinct files first), each at a seeded random line with at leas
 `length + min_continuation` tokens of text from there on. Same manifest, tokenizer, n, length and
 seed -> the same prompts.
 
-  python experiments/held_out_prompts.py --pair checkpoints/embedded --n 8 --length 64 [--json prompts.json]
+  python -m experiments.held_out_prompts --pair checkpoints/embedded --n 8 --length 64 [--json prompts.json]
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import warnings
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ddtree_jax.train import corpus as corpus_mod  # noqa: E402
+from ddtree_jax.train import corpus as corpus_mod
 
 
 def find_manifest(pair_dir: str, manifest_path: str | None = None) -> dict:

@@ -33,8 +33,8 @@ threshold_acc 0.5, threshold_single 0.3, the documented lossy mode of `verify_st
 Every configuration has its own request ids (independent coins; seeds fixed, so reruns give the same
 verdicts).
 
-  python experiments/ordering_ablation.py                                  # checkpoints/embedded
-  python experiments/ordering_ablation.py --small --target T --drafter D   # the seconds-on-CPU version
+  python -m experiments.ordering_ablation                                  # checkpoints/embedded
+  python -m experiments.ordering_ablation --small --target T --drafter D   # the seconds-on-CPU version
 """
 
 from __future__ import annotations
@@ -50,9 +50,7 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments.studies import (  # noqa: E402
+from experiments.studies import (
     eos_stop_tokens,
     mean_and_se,
     pooled_tau,
@@ -393,9 +391,9 @@ def ablation(target_dir: str | None = None, drafter_dir: str | None = None, *, s
                           temperatures=temperatures, budget=s["budget"], tau_max_new=s["tau_max_new"],
                           tau_samples=s["tau_samples"], law_samples=s["law_samples"], law_tokens=s["law_tokens"],
                           seed=seed, batch_size=s["batch_size"], fit=fit, progress=progress)
-    from experiments.budget_sweep import _device
+    from experiments.budget_sweep import device_label
 
-    result.update(study="ordering_ablation", commit=commit, device=_device(), pair=summary,
+    result.update(study="ordering_ablation", commit=commit, device=device_label(), pair=summary,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   prompts=[{k: p[k] for k in ("path", "char", "ids")} for p in prompts],
                   settings={**result["settings"], "prompt_len": s["prompt_len"], "prompt_seed": prompt_seed})

@@ -11,9 +11,9 @@ same size from the exact law: the noise floor), the chi-square p-value, analytic
 and the z-score of their difference. Exact modes should show p-values spread over (0, 1) and |z| of
 a few at most; the lossy rows (threshold_acc < 1) should fail both.
 
-  python experiments/sampling_correctness.py --samples 1000000 --out results/   # GPU grid
-  python experiments/sampling_correctness.py --quick                            # small CPU version
-  python experiments/sampling_correctness.py --impl pallas --samples 200000      # through the fused kernel (GPU)
+  python -m experiments.sampling_correctness --samples 1000000 --out results/   # GPU grid
+  python -m experiments.sampling_correctness --quick                            # small CPU version
+  python -m experiments.sampling_correctness --impl pallas --samples 200000      # through the fused kernel (GPU)
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ddtree_jax.sampling import SamplingParams  # noqa: E402
-from ddtree_jax.tree import build_tree  # noqa: E402
-from ddtree_jax.verify.markov import (  # noqa: E402
+from ddtree_jax.sampling import SamplingParams
+from ddtree_jax.tree import build_tree
+from ddtree_jax.verify.markov import (
     chi_square_pvalue,
     exact_law,
     expected_accepted,

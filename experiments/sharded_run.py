@@ -6,87 +6,56 @@ Kimi-DFlash-shaped drafter (`--drafter-layers`), each parameter initialised dire
 (jit with out_shardings: no host copy of the weights), on a (data, model) mesh of the local devices
 under the TP or EP rule table (`ddtree_jax.sharding.rules`). For each layout and method (AR; DDTree at
 each budget) it times the fused decode step, the drafter forward and the target's verify forward
-(`benchmarks/bench_engine.bench_case`). Running two depths (`--layers 2,4`) gives the per-layer time as
-the slope, from which a 61-layer step is extrapolated; `python -m ddtree_jax.roofline` gives the model
-to compare with.
+(`benchmarks.bench_engine.bench_case`). Running two depths (`--layers 2,4`) gives the per-layer time as
+the slope, from which a 61-layer step is extrapolated; `python -m ddtree_jax.analysis.roofline` gives the
+model to compare with.
 
 The parameters are Auto-sharded: XLA partitions the dense computation between the pinned shardings.
 Under EP the routed experts run in the "ep" shard_map region (models/moe.py: each device's 48 experts on
 the tokens it already holds, a psum over "model"); `--attn-impl pallas` runs the tree-attention kernel
 per shard (batch over "data", heads over "model", `sharding.regions`).
 
-Usage (2 GPUs): python experiments/sharded_run.py --model 2 --layers 2,4 --budgets 8,16,32,64 --commit C
-       (8 CPU devices, tiny): XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/sharded_run.py --tiny
+Usage (2 GPUs): python -m experiments.sharded_run --model 2 --layers 2,4 --budgets 8,16,32,64 --commit C
+       (8 CPU devices, tiny): XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.sharded_run --tiny
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.bench_engine import bench_case  # noqa: E402
-from benchmarks.common import device_description, write_result  # noqa: E402
-from ddtree_jax.checkpoint.hf_config import parse_config  # noqa: E402
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig  # noqa: E402
-from ddtree_jax.engine.drafters import DFlashDrafter  # noqa: E402
-from ddtree_jax.engine.run import Pair  # noqa: E402
-from ddtree_jax.models import deepseek_v3, dflash  # noqa: E402
-from ddtree_kernels.quant import INT4_GROUP, Int4Weight  # noqa: E402
-from ddtree_jax.sharding import make_mesh, param_shardings  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPERTS = ("expert_gate", "expert_up", "expert_down")
-
-
-def k26_config(layers: int, tiny: bool = False) -> DeepSeekV3Config:
-    if tiny:
-        return DeepSeekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=128,
-                                num_layers=layers, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
-                                num_experts_per_tok=4, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-                                norm_topk_prob=True, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                                qk_rope_head_dim=8, v_head_dim=16, tapped_layers=tuple(range(min(layers, 2))))
-    with open(os.path.join(ROOT, "configs", "kimi_k2_6.json")) as f:
-        config = parse_config(json.load(f))
-    taps = tuple(sorted({min(layers - 1, t) for t in (1, layers // 2, layers - 1)}))
-    return dataclasses.replace(config, num_layers=layers, tapped_layers=taps)
+from benchmarks.bench_engine import bench_case
+from benchmarks.common import device_description, write_result
+from benchmarks.k26_model import k26_config, random_int4_target
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
+from ddtree_jax.engine.drafters import DFlashDrafter
+from ddtree_jax.engine.run import Pair
+from ddtree_jax.models import deepseek_v3, dflash
+from ddtree_jax.options import DecodeOptions
+from ddtree_jax.presets import preset
+from ddtree_jax.sharding import make_mesh, param_shardings
 
 
 def drafter_config(config: DeepSeekV3Config, layers: int, tiny: bool = False) -> DFlashConfig:
+    """The Kimi-K2.5-DFlash-shaped drafter with `layers` layers on `config`'s taps (tiny: the
+    `kimi-k2-mesh-tiny-dflash` preset). The full one keeps the rope fields these runs have always used:
+    YaRN without the preset's mscale / mscale_all_dim of 1.0 (random weights: the step costs the same)."""
     if tiny:
-        return DFlashConfig(hidden_size=config.hidden_size, intermediate_size=128, num_layers=layers, num_heads=8,
-                            num_kv_heads=8, head_dim=8, block_size=8, mask_token_id=config.vocab_size - 1,
-                            target_layers=config.tapped_layers)
-    # Kimi-K2.5-DFlash (models.md: 6 layers, hidden 7168, block 8, YaRN); heads / FFN as in ddtree_jax.roofline
-    return DFlashConfig(hidden_size=7168, intermediate_size=18432, num_layers=layers, num_heads=64, num_kv_heads=8,
-                        head_dim=128, block_size=8, mask_token_id=163838, target_layers=config.tapped_layers,
-                        rope_theta=50000.0, rope_type="yarn", rope_factor=64.0, rope_original_max_position=4096)
-
-
-def _init_target(config, key, dtype):
-    params = deepseek_v3.init_params(config, key, dtype)
-    moe = dict(params["moe_layers"])
-    for i, name in enumerate(EXPERTS):  # random INT4 codes and group scales in place of the dense experts
-        shape = moe[name].shape
-        k = jax.random.fold_in(key, 100 + i)
-        packed = jax.random.randint(k, shape[:-1] + (shape[-1] // 8,), -(2**31), 2**31 - 1, jnp.int32)
-        moe[name] = Int4Weight(packed, jnp.full(shape[:-1] + (shape[-1] // INT4_GROUP,), 0.002, dtype))
-    return {**params, "moe_layers": moe}
+        return dataclasses.replace(preset("kimi-k2-mesh-tiny-dflash"), num_layers=layers,
+                                   target_layers=config.tapped_layers)
+    return dataclasses.replace(preset("kimi-k2.5-dflash"), num_layers=layers, target_layers=config.tapped_layers,
+                               rope_mscale=0.0, rope_mscale_all_dim=0.0)
 
 
 def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pair:
     key = jax.random.key(seed)
-    shapes = jax.eval_shape(lambda k: _init_target(config, k, dtype), key)
-    target_params = jax.jit(lambda k: _init_target(config, k, dtype),
+    shapes = jax.eval_shape(lambda k: random_int4_target(config, k, dtype), key)
+    target_params = jax.jit(lambda k: random_int4_target(config, k, dtype),
                             out_shardings=param_shardings(shapes, deepseek_v3.param_axes(config), mesh, layout))(key)
     dkey = jax.random.fold_in(key, 1)
     dshapes = jax.eval_shape(lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), dkey)
@@ -138,17 +107,18 @@ def main() -> None:
             with jax.set_mesh(mesh):
                 for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
                     row = bench_case(pair, 1, method, budget, context=args.context, temperature=args.temperature,
-                                     top_p=1.0, repeats=args.repeats, moe_impl=MOE_IMPL[layout],
-                                     attn_impl=args.attn_impl, step_only=args.step_only)
+                                     top_p=1.0, repeats=args.repeats, step_only=args.step_only,
+                                     options=DecodeOptions(attn_impl=args.attn_impl, matmul_impl="xla",
+                                                           moe_impl=MOE_IMPL[layout]))
                     row.update(layout=layout, layers=layers, init_s=init_s, mesh=[args.data, model])
                     rows.append(row)
-                    parts = "" if args.step_only else (f"  verify fwd {row['verify_forward_ms']:8.2f} ms  "
+                    parts = "" if args.step_only else (f"  tree fwd {row['tree_forward_ms']:8.2f} ms  "
                                                        f"draft {row['draft_ms']:7.2f} ms")
                     print(f"{layout} layers={layers} {method:6s} budget={budget:3d}: step {row['step_ms']:8.2f} ms{parts}"
                           f"  (compile {row['step_compile_s']:.0f} s)", flush=True)
                     write_result("sharded_run" + ("_tiny" if args.tiny else ""), {"rows": rows}, args.commit)
     if len(depths) >= 2:  # per-layer slope and a 61-layer extrapolation per (layout, method, budget)
-        timed = "step_ms" if args.step_only else "verify_forward_ms"
+        timed = "step_ms" if args.step_only else "tree_forward_ms"
         print(f"\nper-layer time (slope of {timed} between depths) and the 61-layer extrapolation:")
         lo, hi = min(depths), max(depths)
         for layout in args.layouts.split(","):

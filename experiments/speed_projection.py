@@ -10,8 +10,8 @@ budget and temperature) with the decode-step time of a Qwen3-8B target + Qwen3-8
    `benchmarks/results_archive/engine_qwen3-8b*.json` (`benchmarks/bench_engine.py`: rows with B, method,
    budget, step_ms, measured on the H200 at its --temperature; the fastest row per (B, method, budget) over
    implementations; the same step time serves every temperature of the sweep);
-2. else the roofline model `ddtree_jax.roofline` (`step_cost` of `qwen3_8b()` on one H200: bytes and FLOPs,
-   no overhead unless --overhead-us; an optimistic bound).
+2. else the roofline model `ddtree_jax.analysis.roofline` (`step_cost` of the `qwen3-8b` preset pair on one
+   H200: bytes and FLOPs, no overhead unless --overhead-us; an optimistic bound).
 
 Budgets the benchmark did not measure are interpolated linearly in the verified slot count N = budget + 1
 between measured budgets (marked "interpolated"); outside the measured range they take the roofline's
@@ -20,7 +20,7 @@ out. Per temperature and column: tau, step ms, tokens/s per row = tau / step, ag
 (x B), speedup over AR (AR: tau = 1, its own step) and over the DFlash chain (its tau and step), and the
 best budget (highest tokens/s).
 
-  python experiments/speed_projection.py --sweep outputs/budget_sweep.json [--bench F.json | --roofline] [--batch 1]
+  python -m experiments.speed_projection --sweep outputs/budget_sweep.json [--bench F.json | --roofline] [--batch 1]
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments.studies import REPO, write_json  # noqa: E402
+from experiments.studies import REPO, write_json
 
 BENCH_GLOBS = ("benchmarks/results/engine_qwen3-8b*.json", "benchmarks/results_archive/engine_qwen3-8b*.json")
 
@@ -69,21 +67,22 @@ def step_times_from_bench(path: str, batch: int = 1) -> dict:
 
 def roofline_available() -> bool:
     try:
-        from ddtree_jax import roofline  # noqa: F401
-        from ddtree_jax.sharding.memory import qwen3_8b, qwen3_8b_dflash_b16  # noqa: F401
+        from ddtree_jax.analysis import roofline  # noqa: F401
+        from ddtree_jax.presets import preset_pair  # noqa: F401
     except ImportError:
         return False
     return True
 
 
 def roofline_step(method: str, budget: int | None, *, batch: int = 1, context: int = 2048, overhead_s: float = 0.0) -> float:
-    """Roofline seconds of one decode step of the Qwen3-8B pair on one H200 (`ddtree_jax.roofline.step_cost`)."""
+    """Roofline seconds of one decode step of the Qwen3-8B pair on one H200 (`ddtree_jax.analysis.roofline.step_cost`)."""
     try:
-        from ddtree_jax import roofline
-        from ddtree_jax.sharding.memory import qwen3_8b, qwen3_8b_dflash_b16
+        from ddtree_jax.analysis import roofline
+        from ddtree_jax.presets import preset_pair
     except ImportError as e:
         raise NoStepTimes(f"no step times: no benchmarks/bench_engine.py result and no roofline model ({e})") from e
-    return roofline.step_cost(qwen3_8b(), drafter=qwen3_8b_dflash_b16(), method=method,
+    target, drafter = preset_pair("qwen3-8b")
+    return roofline.step_cost(target, drafter=drafter, method=method,
                               budget=budget if method == "ddtree" else None, layout="single", batch=batch,
                               context=context, overhead_s=overhead_s).step_s
 
@@ -93,7 +92,7 @@ def step_times_from_roofline(budgets, *, batch: int = 1, context: int = 2048, ov
              ("chain", None): roofline_step("chain", None, batch=batch, context=context, overhead_s=overhead_s)}
     for b in budgets:
         times[("ddtree", int(b))] = roofline_step("ddtree", int(b), batch=batch, context=context, overhead_s=overhead_s)
-    return {"times": times, "source": "roofline", "model": "qwen3-8b + qwen3-8b-dflash-b16, one H200 (ddtree_jax.roofline)",
+    return {"times": times, "source": "roofline", "model": "qwen3-8b + qwen3-8b-dflash-b16, one H200 (ddtree_jax.analysis.roofline)",
             "batch": batch, "context": context, "overhead_s": overhead_s}
 
 
@@ -203,8 +202,8 @@ def speed_projection(sweep: dict | str, *, bench: str | None = None, use_rooflin
     elif have_roofline:
         source = step_times_from_roofline(budgets, batch=batch, context=context, overhead_s=overhead_s)
     else:
-        raise NoStepTimes("no step times: no benchmarks/bench_engine.py result (run `python benchmarks/bench_engine.py` "
-                          "on the GPU, or pass --bench FILE) and no roofline model (ddtree_jax/roofline.py)")
+        raise NoStepTimes("no step times: no benchmarks/bench_engine.py result (run `python -m benchmarks.bench_engine` "
+                          "on the GPU, or pass --bench FILE) and no roofline model (ddtree_jax/analysis/roofline.py)")
     roofline_fn = None
     if source["source"] == "bench_engine" and have_roofline:
         ctx = source.get("context") or context

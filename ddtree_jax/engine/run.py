@@ -167,14 +167,15 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pa
 
 def random_tiny_pair(seed: int = 0, vocab: int = 512) -> Pair:
     """A random tiny target + drafter (no checkpoint): for smoke runs of the machinery, not acceptance."""
-    target_config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                                num_kv_heads=2, head_dim=16, tapped_layers=(1, 2))
-    drafter_config = DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
-                                  head_dim=16, block_size=8, mask_token_id=vocab - 1, target_layers=(1, 2))
+    from ddtree_jax.presets import preset_pair
+
+    target_config, drafter_config = preset_pair("qwen3-tiny")
+    target_config = dataclasses.replace(target_config, vocab_size=vocab)
+    drafter_config = dataclasses.replace(drafter_config, mask_token_id=vocab - 1)
     keys = jax.random.split(jax.random.key(seed))
     target_params = qwen3.init_params(target_config, keys[0])
-    drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, 64, keys[1]), qwen3.embedding(target_params),
-                            qwen3.head(target_config, target_params))
+    drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, target_config.hidden_size, keys[1]),
+                            qwen3.embedding(target_params), qwen3.head(target_config, target_params))
     return Pair(target_config, target_params, drafter)
 
 

@@ -190,10 +190,14 @@ def head(config: DeepSeekV3Config, params: dict) -> jax.Array:
     return params["embed"] if config.tie_word_embeddings else params["lm_head"]
 
 
-def _mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask,
-                  attn_impl: str = "xla"):
+def mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask,
+                 attn_impl: str = "xla"):
     """Absorbed MLA: W_UK folded into the query, attention over [latent ; rope key] with one shared KV head
-    and the latent as value, W_UV after. Writes this step's latent / rope key into the caches."""
+    and the latent as value, W_UV after. Writes this step's latent / rope key into the caches.
+
+    x [B, T, hidden] (normed), one layer's p, cos / sin from `rope_tables_half`, latent_cache
+    [B, S, 1, kv_lora_rank], rope_cache [B, S, 1, qk_rope_head_dim], write_start int32 [B] (the first row
+    written), mask bool [B, T, S] -> (out [B, T, hidden], latent_cache, rope_cache)."""
     c = config
     batch, steps, _ = x.shape
     q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
@@ -236,8 +240,8 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
     def layer_fn(kind):
         def step(h, inputs):
             p, latent_cache, rope_cache = inputs
-            attn, lat, rope = _mla_absorbed(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin,
-                                            latent_cache, rope_cache, write_start, mask, attn_impl)
+            attn, lat, rope = mla_absorbed(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin,
+                                           latent_cache, rope_cache, write_start, mask, attn_impl)
             h = h + attn
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
             h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if kind == "dense_layers"

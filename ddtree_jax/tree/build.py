@@ -151,7 +151,10 @@ def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "topk_impl"))
-def _build_tree_jit(draft_logits, root_tokens, *, budget: int, topk_impl: str) -> DraftTree:
+def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: str) -> DraftTree:
+    """`build_tree` without its eager input checks: the jitted builder itself (draft_logits [B, L, V],
+    root_tokens int32 [B], static budget and topk_impl in BUILD_TOPK_IMPLS) -> DraftTree [B, budget + 1].
+    A row with non-finite logits gets a root-only tree."""
     batch, depth_limit, vocab = draft_logits.shape
     k = min(budget, vocab)
     if topk_impl == "vocab_parallel":  # the vocabulary split over the mesh's "model" axis (LM head under TP)
@@ -217,7 +220,7 @@ def build_tree(
         raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
     if topk_impl not in BUILD_TOPK_IMPLS:
         raise ValueError(f"topk_impl must be one of {BUILD_TOPK_IMPLS}, got {topk_impl!r}")
-    return _build_tree_jit(draft_logits, root_tokens, budget=int(budget), topk_impl=topk_impl)
+    return build_tree_unchecked(draft_logits, root_tokens, budget=int(budget), topk_impl=topk_impl)
 
 
 @jax.jit

@@ -92,7 +92,8 @@ def verify_step(
 
 
 def mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:
-    """Rows with invalid logits at a real slot: num_accepted 0, tokens INVALID_TOKEN."""
+    """Rows with invalid logits at a real slot (slot_valid bool [B, N] False where `tree.is_real`):
+    num_accepted 0, accept_index [0, -1, ...], tokens INVALID_TOKEN; other rows of `result` as they are."""
     row_ok = (slot_valid | ~tree.is_real).all(axis=1)
     steps = tree.max_depth + 1
     return VerifyResult(
@@ -100,3 +101,5 @@ def mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTr
         num_accepted=jnp.where(row_ok, result.num_accepted, 0),
         tokens=jnp.where(row_ok[:, None], result.tokens, INVALID_TOKEN),
     )
+
+

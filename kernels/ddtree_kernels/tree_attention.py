@@ -134,7 +134,8 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
     l_ref[...] = l
 
 
-def _block_m(group: int, steps: int) -> int:
+def block_rows(group: int, steps: int) -> int:
+    """Query rows per program: the G query heads x T tree queries of a KV head, padded, at most MAX_BLOCK_M."""
     return min(MAX_BLOCK_M, max(16, group * _pow2(steps)))
 
 
@@ -147,7 +148,7 @@ def _tree_attention(q_parts, k_parts, v, mask, kv_lengths, *, scale: float, conf
     group = q_heads // kv_heads
     t_pad = _pow2(steps)
     rows = group * t_pad
-    block_m = _block_m(group, steps)
+    block_m = block_rows(group, steps)
     block_s = config.block_s
     rows_pad = pl.cdiv(rows, block_m) * block_m
     row_blocks = rows_pad // block_m
@@ -235,7 +236,7 @@ def tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, sc
     key_dims = tuple(q.shape[-1] for q in q_parts)
     value_dim = key_dims[0] if v is None else v.shape[-1]
     if config is None:
-        config = default_block_config(_block_m(q_heads // kv_heads, steps), key_dims, value_dim,
+        config = default_block_config(block_rows(q_heads // kv_heads, steps), key_dims, value_dim,
                                       jnp.dtype(q_parts[0].dtype).itemsize)
     elif not isinstance(config, BlockConfig) or config.block_s & (config.block_s - 1) or config.block_s < 16:
         raise ValueError(f"config must be a BlockConfig with block_s a power of two >= 16, got {config!r}")

@@ -85,7 +85,7 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
 
 @pytest.mark.parametrize("case", ["gqa", "mla"])
 def test_tree_attention_lowers_for_triton(hopper, case):
-    from ddtree_kernels.tree_attention import _block_m, _tree_attention, default_block_config
+    from ddtree_kernels.tree_attention import _tree_attention, block_rows, default_block_config
 
     batch, steps, q_heads, kv_heads, dims, dv = {"gqa": (8, 65, 32, 8, (128,), 128),  # Qwen3-8B, budget 64
                                                  "mla": (1, 17, 64, 1, (512, 64), 512)}[case]  # K2.6 on one GPU
@@ -94,7 +94,7 @@ def test_tree_attention_lowers_for_triton(hopper, case):
     q = tuple(spec((batch, steps, q_heads, d), jnp.bfloat16) for d in dims)
     k = tuple(spec((batch, capacity, kv_heads, d), jnp.bfloat16) for d in dims)
     v = None if mla else spec((batch, capacity, kv_heads, dv), jnp.bfloat16)
-    config = default_block_config(_block_m(q_heads // kv_heads, steps), dims, dv)
+    config = default_block_config(block_rows(q_heads // kv_heads, steps), dims, dv)
     text = _tree_attention.trace(q, k, v, spec((batch, steps, capacity), jnp.bool_), spec((batch,), jnp.int32), scale=0.1,
                                  config=config, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert "tree_attention" in text

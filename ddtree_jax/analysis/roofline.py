@@ -10,7 +10,7 @@ and step = draft + verify + `overhead_s` (tree building, verification, commit, l
 i.e. a pure roofline; BENCHMARKS.md has measured stage times to put here). tokens/s per row = tau / step;
 the break-even tau of a method is step(method) / step(AR): the mean accepted length it needs to match AR.
 
-Bytes (reads, per device; weights from sharding/memory.py's inventory and layouts):
+Bytes (reads, per device; weights from analysis/memory.py's inventory and layouts):
 - every non-expert weight the device holds (attention incl. the replicated q_a / kv_a, dense FFN, shared
   expert, router, norms, lm_head); the embedding only for the looked-up rows.
 - routed experts: a step of n tokens in a data shard touches each expert with probability
@@ -57,20 +57,17 @@ import math
 import sys
 
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
-from ddtree_jax.sharding.memory import (
+from ddtree_jax.analysis.memory import (
     MeshLayout,
     cache_bytes_per_token,
     drafter_cache_bytes_per_token,
     drafter_inventory,
     format_bytes,
-    kimi_k2_5_dflash,
-    kimi_k2_6,
     local_shape,
     parse_layout,
-    qwen3_8b,
-    qwen3_8b_dflash_b16,
     weight_inventory,
 )
+from ddtree_jax.presets import preset_pair
 
 METHODS = ("ar", "chain", "ddtree")
 EP_COLLECTIVES = ("allreduce", "all_to_all")
@@ -363,9 +360,10 @@ def step_cost(config, *, drafter: DFlashConfig | None = None, method: str = "ddt
 
 # --- tables ----------------------------------------------------------------------------------------------------------
 
+# --model name: (the preset pair of ddtree_jax.presets.PAIRS, default layout, default budgets)
 MODELS = {
-    "k2.6": (kimi_k2_6, kimi_k2_5_dflash, "tp8", (8, 16, 32, 64)),
-    "qwen3-8b": (qwen3_8b, qwen3_8b_dflash_b16, "single", (16, 64, 256)),
+    "k2.6": ("kimi-k2.6", "tp8", (8, 16, 32, 64)),
+    "qwen3-8b": ("qwen3-8b", "single", (16, 64, 256)),
 }
 
 
@@ -423,7 +421,7 @@ def plot_tokens_per_second(costs: list[StepCost], path: str, max_tau: float = 16
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddtree_jax.roofline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ddtree_jax.analysis.roofline", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="k2.6")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--tp", type=int, help="tensor-parallel degree (K2.6 default: --tp 8)")
@@ -437,7 +435,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ep-collective", choices=EP_COLLECTIVES, default="allreduce")
     parser.add_argument("--plot", help="write tokens/s vs tau to this PNG")
     args = parser.parse_args(argv)
-    make_target, make_drafter, default_layout, default_budgets = MODELS[args.model]
+    pair_name, default_layout, default_budgets = MODELS[args.model]
     try:
         if args.tp:
             layout = MeshLayout("tp", args.tp, args.data)
@@ -447,7 +445,7 @@ def main(argv=None) -> int:
             layout = parse_layout(default_layout)
             layout = MeshLayout(layout.kind, layout.model, args.data)
         budgets = tuple(int(b) for b in args.budgets.split(",")) if args.budgets else default_budgets
-        costs = roofline_table(make_target(), make_drafter(), layout=layout, batch=args.batch, context=args.context,
+        costs = roofline_table(*preset_pair(pair_name), layout=layout, batch=args.batch, context=args.context,
                                budgets=budgets, ep_collective=args.ep_collective, overhead_s=args.overhead_us * 1e-6)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

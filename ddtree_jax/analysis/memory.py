@@ -7,10 +7,10 @@ KV / latent cache, the drafter's weights and context cache, the verify step's wo
 term, checked against the usable device memory; `max_context` solves for the longest context that fits.
 
 Parameters are counted exactly from the config: `weight_inventory` lists every tensor of the models'
-`param_shapes` (same path, shape and logical axes; tests/sharding/test_memory.py checks it tensor by
+`param_shapes` (same path, shape and logical axes; tests/analysis/test_memory.py checks it tensor by
 tensor), so the per-device split follows the logical axes.
 
-Layouts (`MeshLayout`, mirroring `sharding/rules.py`: a ("data", "model") mesh, weights split over
+Layouts (`MeshLayout`; which logical axes split over "model" is read from `sharding/rules.py`'s RULES: a ("data", "model") mesh, weights split over
 "model" only and replicated over "data", batch split over "data"):
   tp   attention heads (q_b / kv_b / o projections; Qwen3 q / k / v / o), dense-FFN and shared-expert
        columns, each routed expert's FFN columns ("expert_mlp": 2048 / 8 = 256 per device = 8 INT4
@@ -39,7 +39,8 @@ Workspace of one verify step (per device; rows = ceil(batch / data), T = N slots
 drafter's float32 marginals [rows, L, V], the dense bool attention mask [rows, T, S + T], eight float32
 [rows * T, hidden] residual / temporary buffers, the tapped features, the FFN / MoE intermediates and the
 attention core: the Pallas flash-decoding kernel's split partials (~264 programs x 64 rows x Dv floats),
-or with `attention_impl="xla"` one layer's float32 scores and probabilities [rows, H / model, T, S + T].
+or with `attention_impl="xla"` one layer's float32 scores and probabilities [rows, H / model, T, S + T];
+"auto" is resolved as `dispatch.attention_impl` does on a GPU (the T queries of a step).
 Caches are assumed updated in place (donated), so they are counted once. Prefill workspace is not
 modelled (prefill in chunks no larger than a verify step's token count to stay inside this plan).
 
@@ -56,6 +57,12 @@ import math
 import re
 
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
+from ddtree_jax import dispatch
+from ddtree_jax.dispatch import ATTENTION_IMPLS
+from ddtree_kernels.quant import FP8_BLOCK, INT4_GROUP
+from ddtree_jax.sharding.rules import MODEL, RULES
+from ddtree_kernels.tiling import TARGET_PROGRAMS
+from ddtree_kernels.tree_attention import MAX_BLOCK_M
 
 DEVICE_BYTES = 141e9  # NVIDIA H200 HBM3e, vendor figure
 USABLE_FRACTION = 0.92
@@ -64,17 +71,15 @@ HEADROOM_BYTES = 4e9
 COMPONENTS = ("attention", "dense_ffn", "shared_experts", "routed_experts", "embedding", "lm_head", "norms_router")
 WEIGHT_FORMATS = ("bf16", "fp8", "int4", "f32")
 CACHE_DTYPES = {"bf16": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "f32": 4, "float32": 4}
-ATTENTION_IMPLS = ("pallas", "xla")
-INT4_GROUP, INT4_SCALE_BYTES = 32, 2  # compressed-tensors pack-quantized, bf16 scales
-FP8_BLOCK, FP8_SCALE_BYTES = 128, 4  # block FP8, float32 scale_inv
+INT4_SCALE_BYTES = 2  # compressed-tensors pack-quantized: a bf16 scale per INT4_GROUP weights (ddtree_kernels/quant.py)
+FP8_SCALE_BYTES = 4  # block FP8: a float32 scale_inv per FP8_BLOCK x FP8_BLOCK block (ddtree_kernels/quant.py)
 ACT_BUFFERS = 8  # live float32 [tokens, hidden] buffers assumed in a layer (residual, norms, outputs, temporaries)
-PALLAS_PARTIALS = 264 * 64  # tree_attention: ~TARGET_PROGRAMS programs x MAX_BLOCK_M rows of partial outputs
+PALLAS_PARTIALS = TARGET_PROGRAMS * MAX_BLOCK_M  # tree_attention: programs x query rows of partial outputs
+PLANNED_BACKEND = "gpu"  # what attention_impl="auto" resolves for: the planner models H200s
 
-# logical axes split over the "model" mesh axis (the tables of sharding/rules.py; every other axis is replicated)
-MODEL_AXES = {
-    "tp": frozenset({"q_heads", "kv_heads", "mlp", "vocab", "expert_mlp"}),
-    "ep": frozenset({"q_heads", "kv_heads", "mlp", "vocab", "experts"}),
-}
+# logical axes split over the "model" mesh axis, per layout (sharding/rules.py; every other axis is replicated)
+MODEL_AXES = {kind: frozenset(axis for axis, mesh_axis in rules.items() if mesh_axis == MODEL)
+              for kind, rules in RULES.items()}
 
 
 # --- the tensors ---------------------------------------------------------------------------------------------
@@ -448,6 +453,8 @@ def plan_memory(config, *, drafter: DFlashConfig | None = None, layout="tp8", ba
         value_dim, key_dim = c.head_dim, c.head_dim
         ffn = c.intermediate_size // layout.split("mlp")
     keys = context + slots
+    attention = dispatch.attention_impl(attention_impl, queries=slots, mla=isinstance(c, DeepSeekV3Config),
+                                       backend_name=PLANNED_BACKEND)
     act = {
         "logits": tokens * c.vocab_size * 4 + tokens * vocab_local * 2,
         "draft_logits": rows * drafter.num_draft_tokens * c.vocab_size * 4 if drafter is not None else 0,
@@ -455,7 +462,7 @@ def plan_memory(config, *, drafter: DFlashConfig | None = None, layout="tp8", ba
         "hidden_states": ACT_BUFFERS * tokens * c.hidden_size * 4,
         "tapped_features": tokens * len(c.tapped_layers or (drafter.target_layers if drafter else ())) * c.hidden_size * 2,
         "ffn": 3 * tokens * ffn * 4,
-        "attention": (PALLAS_PARTIALS * (value_dim + 2) * 4 if attention_impl == "pallas"
+        "attention": (PALLAS_PARTIALS * (value_dim + 2) * 4 if attention == "pallas"
                       else 2 * rows * heads_local * slots * keys * 4),
     }
     if isinstance(c, DeepSeekV3Config):  # absorbed queries [rows, T, H_local, kv_lora + rope] and outputs, f32
@@ -486,38 +493,3 @@ def max_context(config, *, batch: int = 1, budget: int = 64, limit: int | None =
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-# --- named models (shared/spec/models.md) -------------------------------------------------------------------------
-
-
-def kimi_k2_6() -> DeepSeekV3Config:
-    """The Kimi K2.6 text model (configs/kimi_k2_6.json; tests check the two agree), INT4 routed experts."""
-    return DeepSeekV3Config(
-        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_layers=61,
-        first_k_dense_replace=1, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, n_group=1,
-        topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, num_heads=64, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-5,
-        rope_theta=50000.0, rope_type="yarn", rope_factor=64.0, rope_original_max_position=4096, rope_beta_fast=1.0,
-        rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0, max_position_embeddings=262144,
-        tapped_layers=(1, 12, 24, 35, 47, 58), expert_format="int4")
-
-
-def kimi_k2_5_dflash() -> DFlashConfig:
-    """Kimi-K2.5-DFlash: 6 layers, hidden 7168, block 8, taps [1, 12, 24, 35, 47, 58], mask 163838 (models.md).
-    ASSUMED (not in models.md): 64 heads, 8 KV heads, head_dim 128, intermediate 18432. With these the
-    drafter has 3.48e9 parameters = 6.48 GiB in bf16, the size public model lists give for the checkpoint."""
-    return DFlashConfig(hidden_size=7168, intermediate_size=18432, num_layers=6, num_heads=64, num_kv_heads=8,
-                        head_dim=128, block_size=8, mask_token_id=163838, target_layers=(1, 12, 24, 35, 47, 58),
-                        rope_theta=50000.0, rope_type="yarn", rope_factor=64.0, rope_original_max_position=4096,
-                        rope_mscale=1.0, rope_mscale_all_dim=1.0)
-
-
-def qwen3_8b() -> Qwen3Config:
-    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                       num_kv_heads=8, head_dim=128, tapped_layers=(1, 9, 17, 25, 33))
-
-
-def qwen3_8b_dflash_b16() -> DFlashConfig:
-    return DFlashConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
-                        head_dim=128, block_size=16, mask_token_id=151669, target_layers=(1, 9, 17, 25, 33))

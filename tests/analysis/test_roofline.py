@@ -2,8 +2,9 @@
 
 import pytest
 
-from ddtree_jax import roofline
-from ddtree_jax.roofline import (
+from ddtree_jax import presets
+from ddtree_jax.analysis import memory, roofline
+from ddtree_jax.analysis.roofline import (
     Hardware,
     break_even_tau,
     expected_distinct_experts,
@@ -12,10 +13,9 @@ from ddtree_jax.roofline import (
     roofline_table,
     step_cost,
 )
-from ddtree_jax.sharding import memory
 
-K2, K2_DRAFTER = memory.kimi_k2_6(), memory.kimi_k2_5_dflash()
-QWEN, QWEN_DRAFTER = memory.qwen3_8b(), memory.qwen3_8b_dflash_b16()
+K2, K2_DRAFTER = presets.preset_pair("kimi-k2.6")
+QWEN, QWEN_DRAFTER = presets.preset_pair("qwen3-8b")
 
 
 def test_distinct_experts_formula():

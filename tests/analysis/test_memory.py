@@ -11,8 +11,10 @@ import pytest
 from ddtree_jax.checkpoint import parse_config
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
-from ddtree_jax.sharding import memory
-from ddtree_jax.sharding.memory import (
+from ddtree_jax.sharding.rules import MODEL, RULES
+from ddtree_jax import presets
+from ddtree_jax.analysis import memory
+from ddtree_jax.analysis.memory import (
     MeshLayout,
     drafter_inventory,
     max_context,
@@ -81,7 +83,8 @@ def test_qwen3_and_drafter_inventories_are_param_shapes_exactly(tied):
 
 def test_k2_6_preset_matches_the_config_file_and_counts_about_a_trillion():
     parsed = parse_config(json.loads((CONFIGS / "kimi_k2_6.json").read_text()))
-    preset = memory.kimi_k2_6()
+    preset = presets.kimi_k2_6()
+    assert preset.tapped_layers == presets.kimi_k2_5_dflash().target_layers == (1, 12, 24, 35, 47, 58)
     assert dataclasses.replace(parsed, tapped_layers=preset.tapped_layers) == preset
     counts = param_counts(preset)
     assert sum(counts.values()) == 1_026_408_232_448  # exact; K2: "1T total"
@@ -89,7 +92,7 @@ def test_k2_6_preset_matches_the_config_file_and_counts_about_a_trillion():
     assert 1.0e12 < total_params(preset) < 1.1e12
     assert total_params(preset) == sum(math.prod(s) for s, _ in _flatten(deepseek_v3.param_shapes(preset)).values())
     # the assumed Kimi-K2.5-DFlash shape: 3.48e9 parameters = the published 6.48 GiB bf16 checkpoint
-    assert abs(memory.drafter_params(memory.kimi_k2_5_dflash()) * 2 / 2**30 - 6.48) < 0.01
+    assert abs(memory.drafter_params(presets.kimi_k2_5_dflash()) * 2 / 2**30 - 6.48) < 0.01
 
 
 def test_format_bytes():
@@ -102,7 +105,7 @@ def test_format_bytes():
 
 
 def test_k2_6_int4_fits_on_8_h200_and_bf16_experts_do_not():
-    k2, drafter = memory.kimi_k2_6(), memory.kimi_k2_5_dflash()
+    k2, drafter = presets.kimi_k2_6(), presets.kimi_k2_5_dflash()
     routed_total = param_counts(k2)["routed_experts"] * 0.5625
     for layout in ("tp8", "ep8"):
         for batch in (1, 8):
@@ -124,7 +127,7 @@ def test_k2_6_int4_fits_on_8_h200_and_bf16_experts_do_not():
 
 
 def test_max_context_is_the_boundary_and_shrinks_with_batch():
-    k2, drafter = memory.kimi_k2_6(), memory.kimi_k2_5_dflash()
+    k2, drafter = presets.kimi_k2_6(), presets.kimi_k2_5_dflash()
     contexts = [max_context(k2, drafter=drafter, layout="tp8", batch=b, budget=64) for b in (1, 2, 4, 8, 16)]
     assert all(a >= b for a, b in zip(contexts, contexts[1:])), contexts
     assert contexts[0] > k2.max_position_embeddings  # at batch 1 the model's 262,144 positions bind, not memory
@@ -140,12 +143,38 @@ def test_max_context_is_the_boundary_and_shrinks_with_batch():
 
 
 def test_qwen3_8b_on_one_h200():
-    q, d = memory.qwen3_8b(), memory.qwen3_8b_dflash_b16()
+    q, d = presets.qwen3_8b(), presets.qwen3_8b_dflash_b16()
     plan = plan_memory(q, drafter=d, layout="single", batch=1, context=4096, budget=256)
     assert plan.fits and plan.layout.devices == 1
     assert 8.1e9 < total_params(q) < 8.3e9  # Qwen3-8B: 8.2B
     assert memory.cache_bytes_per_token(q, "single") == 36 * 2 * 8 * 128 * 2
     assert memory.cache_bytes_per_token(q, "tp8") == 36 * 2 * 1 * 128 * 2  # KV heads split over the model axis
+
+
+def test_the_planner_splits_the_axes_the_rule_table_splits():
+    # every logical axis the models use: MODEL_AXES and MeshLayout.split follow sharding/rules.py's RULES
+    assert set(memory.MODEL_AXES) == set(RULES)
+    for kind, rules in RULES.items():
+        assert memory.MODEL_AXES[kind] == {axis for axis, mesh_axis in rules.items() if mesh_axis == MODEL}
+        layout = MeshLayout(kind, 8, 2)
+        for axis, mesh_axis in rules.items():
+            assert layout.split(axis) == (8 if mesh_axis == MODEL else 1), (kind, axis)
+    # and every axis a planned tensor carries has a rule (an axis without one would silently replicate)
+    for config in (presets.kimi_k2_6(), presets.qwen3_8b(), _k2_tiny()):
+        for t in weight_inventory(config):
+            assert set(t.axes) <= set(RULES["tp"]) and set(t.axes) <= set(RULES["ep"]), t.path
+    for t in drafter_inventory(presets.kimi_k2_5_dflash(), 7168):
+        assert set(t.axes) <= set(RULES["tp"]), t.path
+
+
+def test_auto_attention_is_resolved_as_on_a_gpu():
+    # MLA: "auto" is XLA (models.attention.resolve_attention_impl); Qwen3's GQA at N <= 32: the kernel
+    k2, q = presets.kimi_k2_6(), presets.qwen3_8b()
+    assert plan_memory(k2, attention_impl="auto").activations == plan_memory(k2, attention_impl="xla").activations
+    assert (plan_memory(q, layout="single", budget=16, attention_impl="auto").activations
+            == plan_memory(q, layout="single", budget=16, attention_impl="pallas").activations)
+    assert (plan_memory(q, layout="single", budget=64, attention_impl="auto").activations
+            == plan_memory(q, layout="single", budget=64, attention_impl="xla").activations)
 
 
 def test_layouts():
@@ -172,7 +201,7 @@ def test_layouts():
 ])
 def test_bad_inputs_raise_naming_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        plan_memory(memory.kimi_k2_6(), **kwargs)
+        plan_memory(presets.kimi_k2_6(), **kwargs)
 
 
 def test_bad_configs_and_meshes():
@@ -181,4 +210,4 @@ def test_bad_configs_and_meshes():
     with pytest.raises(ValueError, match="model=0"):
         MeshLayout("tp", 0)
     with pytest.raises(ValueError, match="8 KV heads do not divide over 16"):
-        plan_memory(memory.qwen3_8b(), layout="tp16")
+        plan_memory(presets.qwen3_8b(), layout="tp16")
