@@ -193,6 +193,7 @@ def test_engine_runs_the_deepseek_family_target():
 
 
 @pytest.mark.slow
+@pytest.mark.gpu
 def test_the_fused_sampling_kernel_gives_the_same_generation():
     """generate(options=DecodeOptions(verify_impl="pallas")) (ddtree_kernels/tree_sampling.py, interpret mode
     here) equals the XLA

@@ -235,6 +235,7 @@ def test_the_margin_check_catches_a_real_difference():
 
 
 @pytest.mark.slow
+@pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [8193, 151936, 163840])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_large_vocabularies(vocab, dtype):
@@ -309,6 +310,7 @@ def test_params_rows_repeat_per_slot():
 
 
 @pytest.mark.slow
+@pytest.mark.gpu
 def test_output_law_through_the_fused_kernel():
     """The verification issue's law test (Markov-chain target, V = 6, three DDTree steps, exact law by
     enumeration), run through verify_step(impl="pallas"): chi-square at ALPHA = 1e-3 (a false-positive

@@ -33,6 +33,7 @@ def test_switch_errors():
 
 
 @pytest.mark.slow
+@pytest.mark.gpu
 def test_greedy_generation_is_unchanged():
     from ddtree_jax.engine.generate import generate
     from ddtree_jax.options import DecodeOptions
