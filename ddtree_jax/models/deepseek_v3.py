@@ -27,6 +27,7 @@ from ddtree_jax.models.moe import EXPERT_AXES, LayerOf, moe, moe_reference, rout
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
     axes_of,
+    contract,
     init_from_shapes,
     linear,
     rms_norm,
@@ -206,7 +207,7 @@ def mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, r
     rope_cache = write_rows(rope_cache, k_rot, write_start)
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
-    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
+    q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
     if dispatch.attention_impl(attn_impl, queries=steps, mla=True) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
         dtype = q_latent.dtype
         out_latent = sharded_tree_attention((q_latent, q_rot.astype(dtype)),
@@ -216,7 +217,7 @@ def mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, r
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
         keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]
         out_latent = attention(query, keys, latent_cache.astype(query.dtype), mask, scale=softmax_scale(c))
-    out = jnp.einsum("bthr,hvr->bthv", out_latent, w_uv)
+    out = contract("bthr,hvr->bthv", out_latent, w_uv)
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
 
 

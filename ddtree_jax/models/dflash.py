@@ -21,6 +21,7 @@ from ddtree_jax.models.cache import KVCache, check_room, write_rows
 from ddtree_jax.models.layers import (
     apply_rope,
     axes_of,
+    contract,
     decoder_layer_shapes,
     init_from_shapes,
     linear,
@@ -175,13 +176,13 @@ def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, visible):
     kv_heads = k_ctx.shape[2]
     qg = q.reshape(batch, blocks, size, kv_heads, q_heads // kv_heads, head_dim)
     scale = head_dim**-0.5
-    s_ctx = jnp.einsum("bnskgd,btkd->bnkgst", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    s_ctx = contract("bnskgd,btkd->bnkgst", qg, k_ctx, preferred_element_type=jnp.float32) * scale
     s_ctx = jnp.where(visible[:, :, None, None, None, :], s_ctx, -jnp.inf)
-    s_blk = jnp.einsum("bnskgd,bnrkd->bnkgsr", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    s_blk = contract("bnskgd,bnrkd->bnkgsr", qg, k_blk, preferred_element_type=jnp.float32) * scale
     row_max = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))  # finite
     w_ctx, w_blk = jnp.exp(s_ctx - row_max), jnp.exp(s_blk - row_max)
     denom = w_ctx.sum(axis=-1, keepdims=True) + w_blk.sum(axis=-1, keepdims=True)
-    out = jnp.einsum("bnkgst,btkd->bnskgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-    out = out + jnp.einsum("bnkgsr,bnrkd->bnskgd", (w_blk / denom).astype(v_blk.dtype), v_blk,
+    out = contract("bnkgst,btkd->bnskgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+    out = out + contract("bnkgsr,bnrkd->bnskgd", (w_blk / denom).astype(v_blk.dtype), v_blk,
                            preferred_element_type=jnp.float32)
     return out.reshape(batch, blocks, size, q_heads, head_dim).astype(q.dtype)

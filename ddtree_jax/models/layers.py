@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from ddtree_kernels.decode_matmul import matmul, matmul_reference
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
+from ddtree_kernels.tiling import dot_precision
 
 from ddtree_jax import dispatch
 
@@ -21,6 +22,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
+
+
+def contract(spec: str, a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
+    """`jnp.einsum(spec, a, b)` under the precision contract: float32 operands contracted at float32 (on
+    the GPU XLA would otherwise use TF32), bf16 on the bf16 path (`ddtree_kernels.tiling.dot_precision`)."""
+    return jnp.einsum(spec, a, b, precision=dot_precision(jnp.result_type(a, b)), **kwargs)
 
 
 def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:

@@ -53,11 +53,12 @@ from jax.sharding import PartitionSpec
 
 from ddtree_kernels.decode_matmul import grouped_matmul
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
+from ddtree_kernels.tiling import dot_precision
 
 from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS
-from ddtree_jax.models.layers import linear, swiglu
+from ddtree_jax.models.layers import contract, linear, swiglu
 from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
 
@@ -123,10 +124,10 @@ def routed_dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) 
     dense [..., E] routing matrix (INT4 / FP8 experts dequantised to x's dtype)."""
     num_experts = p["expert_gate"].shape[0]
     dense_weights = (jax.nn.one_hot(experts, num_experts) * weights[..., None]).sum(-2)  # [..., E]
-    gate = jnp.einsum("...d,eid->...ei", x, dense(_layer(p["expert_gate"]), x.dtype))
-    up = jnp.einsum("...d,eid->...ei", x, dense(_layer(p["expert_up"]), x.dtype))
-    out = jnp.einsum("...ei,edi->...ed", jax.nn.silu(gate) * up, dense(_layer(p["expert_down"]), x.dtype))
-    return jnp.einsum("...ed,...e->...d", out, dense_weights.astype(out.dtype))
+    gate = contract("...d,eid->...ei", x, dense(_layer(p["expert_gate"]), x.dtype))
+    up = contract("...d,eid->...ei", x, dense(_layer(p["expert_up"]), x.dtype))
+    out = contract("...ei,edi->...ed", jax.nn.silu(gate) * up, dense(_layer(p["expert_down"]), x.dtype))
+    return contract("...ed,...e->...d", out, dense_weights.astype(out.dtype))
 
 
 def moe_reference(config: DeepSeekV3Config, p: dict, x: jax.Array) -> jax.Array:
@@ -168,7 +169,7 @@ def routed_gather(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     gate = _gathered_matvec(x, p["expert_gate"], experts)
     up = _gathered_matvec(x, p["expert_up"], experts)
     out = _gathered_matvec(jax.nn.silu(gate) * up, p["expert_down"], experts)  # [M, k, D]
-    return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
+    return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 
 # lhs [N, in] ragged over N, rhs [G, out, in] (the stored [out, in] layout) -> [N, out]
@@ -177,7 +178,7 @@ _RAGGED_DIMS = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), 
 
 
 def _ragged(lhs: jax.Array, weight: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return lax.ragged_dot_general(lhs, weight, group_sizes, _RAGGED_DIMS)
+    return lax.ragged_dot_general(lhs, weight, group_sizes, _RAGGED_DIMS, precision=dot_precision(lhs.dtype))
 
 
 def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
@@ -201,7 +202,7 @@ def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     h = jax.nn.silu(_ragged(xs, dense(gate_w, x.dtype), group_sizes)) * _ragged(xs, dense(up_w, x.dtype), group_sizes)
     out_sorted = _ragged(h, dense(down_w, x.dtype), group_sizes)  # [N, D]
     out = out_sorted[jnp.argsort(order)].reshape(tokens, k, -1)  # back to assignment order
-    return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
+    return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 
 def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
@@ -223,7 +224,7 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     h = jax.nn.silu(grouped(xs, p["expert_gate"])) * grouped(xs, p["expert_up"])
     out_sorted = grouped(h, p["expert_down"])
     out = out_sorted[jnp.argsort(order)].reshape(tokens, k, -1)
-    return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
+    return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 
 def _routed_expert_parallel(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array,
