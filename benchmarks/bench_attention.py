@@ -35,8 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
-from ddtree_kernels.tree_attention import (BlockConfig, block_rows, default_block_config, shared_memory_bytes,
-                                    tree_attention, tree_attention_reference)
+from ddtree_kernels.tree_attention import (
+    BlockConfig,
+    block_rows,
+    default_block_config,
+    shared_memory_bytes,
+    tree_attention,
+    tree_attention_reference,
+)
 
 REPS = 5
 PEAK_FLOPS = 790e12  # measured bf16 matmul rate of one H200 here (issue 7, performance notes)
@@ -68,9 +74,13 @@ def case_inputs(variant: str, batch: int, steps: int, context: int, copies: int,
     q_heads, kv_heads, dims, dv = VARIANTS[variant]
     capacity = context + steps
     keys = jax.random.split(key, 2 * len(dims) + 1)
-    q_parts = tuple(jax.random.normal(keys[i], (REPS, batch, steps, q_heads, d), jnp.bfloat16) for i, d in enumerate(dims))
-    k_parts = tuple(jax.random.normal(keys[len(dims) + i], (copies, batch, capacity, kv_heads, d), jnp.bfloat16)
-                    for i, d in enumerate(dims))
+    q_parts = tuple(
+        jax.random.normal(keys[i], (REPS, batch, steps, q_heads, d), jnp.bfloat16) for i, d in enumerate(dims)
+    )
+    k_parts = tuple(
+        jax.random.normal(keys[len(dims) + i], (copies, batch, capacity, kv_heads, d), jnp.bfloat16)
+        for i, d in enumerate(dims)
+    )
     mla = len(dims) == 2  # values: the latent key part (v=None), as deepseek_v3 passes them
     v = None if mla else jax.random.normal(keys[-1], (copies, batch, capacity, kv_heads, dv), jnp.bfloat16)
     mask = jnp.asarray(random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context))
@@ -99,6 +109,7 @@ def timed(attend, q_parts, k_parts, v, mask) -> float:
             values = ks[0] if v is None else v[c]
             out = attend(tuple(q[i] for q in q_parts), ks, values, mask)
             return acc + out[:, :, 0, :8].astype(jnp.float32).sum()
+
         return jax.lax.fori_loop(0, REPS, body, 0.0)
 
     return median_seconds(run, q_parts, k_parts, v, mask) / REPS
@@ -135,11 +146,21 @@ def sweep(variants, copy_bw, commit, context: int = 32768) -> None:
                     except Exception as err:  # noqa: BLE001 - a tiling Triton rejects is a result of the sweep
                         print(f"{variant:5s} {config}: failed ({type(err).__name__}: {str(err)[:120]})", flush=True)
                         continue
-                    row = {"variant": variant, "config": list(config), "smem_KB": smem / 1024, "us": seconds * 1e6,
-                           "TFLOPs": flops / seconds / 1e12, "GBps": nbytes / seconds / 1e9, "default": config == default}
+                    row = {
+                        "variant": variant,
+                        "config": list(config),
+                        "smem_KB": smem / 1024,
+                        "us": seconds * 1e6,
+                        "TFLOPs": flops / seconds / 1e12,
+                        "GBps": nbytes / seconds / 1e9,
+                        "default": config == default,
+                    }
                     results.append(row)
-                    print(f"{variant:5s} {config} smem {smem / 1024:6.1f} KB: {row['us']:8.1f} us {row['TFLOPs']:6.1f} TFLOP/s "
-                          f"{row['GBps']:6.0f} GB/s{'  (default)' if row['default'] else ''}", flush=True)
+                    print(
+                        f"{variant:5s} {config} smem {smem / 1024:6.1f} KB: {row['us']:8.1f} us {row['TFLOPs']:6.1f} TFLOP/s "
+                        f"{row['GBps']:6.0f} GB/s{'  (default)' if row['default'] else ''}",
+                        flush=True,
+                    )
                     write_result("attention_sweep", {"rows": results, "copy_bandwidth_Bps": copy_bw}, commit)
         del inputs
 
@@ -153,7 +174,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--no-xla", action="store_true", help="time the kernel only")
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1, contexts 8k and 32k")
-    parser.add_argument("--sweep", action="store_true", help="time every tiling at N = 17, B = 1, context 32k (or the last of --contexts), then stop")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time every tiling at N = 17, B = 1, context 32k (or the last of --contexts), then stop",
+    )
     args = parser.parse_args()
     contexts = [8192, 32768] if args.quick else [int(c) for c in args.contexts.split(",")]
     steps_list = [17] if args.quick else [int(n) for n in args.steps.split(",")]
@@ -163,10 +188,18 @@ def main() -> None:
             raise SystemExit(f"unknown variant {name!r}; choose from {sorted(VARIANTS)}")
     on_gpu = jax.default_backend() == "gpu"
     copy_bw = copy_bandwidth(REPS) if on_gpu else float("nan")
-    print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; "
-          f"peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; "
+        f"peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     if args.sweep:
-        return sweep(args.variants.split(","), copy_bw, args.commit, contexts[-1] if args.contexts != "1024,8192,32768,131072" else 32768)
+        return sweep(
+            args.variants.split(","),
+            copy_bw,
+            args.commit,
+            contexts[-1] if args.contexts != "1024,8192,32768,131072" else 32768,
+        )
     results = []
     key = jax.random.key(0)
     for variant in args.variants.split(","):
@@ -176,7 +209,9 @@ def main() -> None:
                 for context in contexts:
                     flops, nbytes = counts(variant, batch, steps, context)
                     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / nbytes))))
-                    inputs = case_inputs(variant, batch, steps, context, copies, jax.random.fold_in(key, context + steps))
+                    inputs = case_inputs(
+                        variant, batch, steps, context, copies, jax.random.fold_in(key, context + steps)
+                    )
                     roof_s = max(nbytes / copy_bw, flops / PEAK_FLOPS)
                     kernel_s = timed(lambda q, k, v, m: tree_attention(q, k, v, m), *inputs)
                     score_bytes = 4 * batch * steps * q_heads * (context + steps)
@@ -184,22 +219,54 @@ def main() -> None:
                     if not args.no_xla and score_bytes <= XLA_SCORE_LIMIT:
                         xla_s = timed(lambda q, k, v, m: tree_attention_reference(q, k, v, m), *inputs)
                         error = relative_error(*inputs)
-                    row = {"variant": variant, "B": batch, "N": steps, "context": context, "GFLOP": flops / 1e9,
-                           "MB": nbytes / 1e6, "pallas_us": kernel_s * 1e6, "xla_us": xla_s * 1e6,
-                           "pallas_TFLOPs": flops / kernel_s / 1e12, "pallas_GBps": nbytes / kernel_s / 1e9,
-                           "roofline_us": roof_s * 1e6, "of_roofline": kernel_s / roof_s, "speedup_vs_xla": xla_s / kernel_s,
-                           "bound": "compute" if flops / PEAK_FLOPS > nbytes / copy_bw else "memory", "relerr_vs_xla": error}
+                    row = {
+                        "variant": variant,
+                        "B": batch,
+                        "N": steps,
+                        "context": context,
+                        "GFLOP": flops / 1e9,
+                        "MB": nbytes / 1e6,
+                        "pallas_us": kernel_s * 1e6,
+                        "xla_us": xla_s * 1e6,
+                        "pallas_TFLOPs": flops / kernel_s / 1e12,
+                        "pallas_GBps": nbytes / kernel_s / 1e9,
+                        "roofline_us": roof_s * 1e6,
+                        "of_roofline": kernel_s / roof_s,
+                        "speedup_vs_xla": xla_s / kernel_s,
+                        "bound": "compute" if flops / PEAK_FLOPS > nbytes / copy_bw else "memory",
+                        "relerr_vs_xla": error,
+                    }
                     results.append(row)
-                    print(f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d}: pallas {row['pallas_us']:9.1f} us "
-                          f"({row['pallas_TFLOPs']:6.1f} TFLOP/s, {row['pallas_GBps']:6.0f} GB/s, {row['of_roofline']:5.2f}x roof "
-                          f"{row['roofline_us']:.1f} us, {row['bound']})  xla {row['xla_us']:9.1f} us "
-                          f"({row['speedup_vs_xla']:.2f}x; relerr {error:.1e})", flush=True)
-                    write_result("attention", {"rows": results, "copy_bandwidth_Bps": copy_bw, "peak_flops": PEAK_FLOPS},
-                                 args.commit)
+                    print(
+                        f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d}: pallas {row['pallas_us']:9.1f} us "
+                        f"({row['pallas_TFLOPs']:6.1f} TFLOP/s, {row['pallas_GBps']:6.0f} GB/s, {row['of_roofline']:5.2f}x roof "
+                        f"{row['roofline_us']:.1f} us, {row['bound']})  xla {row['xla_us']:9.1f} us "
+                        f"({row['speedup_vs_xla']:.2f}x; relerr {error:.1e})",
+                        flush=True,
+                    )
+                    write_result(
+                        "attention",
+                        {"rows": results, "copy_bandwidth_Bps": copy_bw, "peak_flops": PEAK_FLOPS},
+                        args.commit,
+                    )
                     del inputs
     header = ["variant", "B", "N", "context", "pallas us", "TFLOP/s", "GB/s", "x roofline", "bound", "xla us", "vs xla"]
-    table = [[r["variant"], r["B"], r["N"], r["context"], r["pallas_us"], f"{r['pallas_TFLOPs']:.0f}", f"{r['pallas_GBps']:.0f}",
-              f"{r['of_roofline']:.2f}", r["bound"], r["xla_us"], f"{r['speedup_vs_xla']:.2f}"] for r in results]
+    table = [
+        [
+            r["variant"],
+            r["B"],
+            r["N"],
+            r["context"],
+            r["pallas_us"],
+            f"{r['pallas_TFLOPs']:.0f}",
+            f"{r['pallas_GBps']:.0f}",
+            f"{r['of_roofline']:.2f}",
+            r["bound"],
+            r["xla_us"],
+            f"{r['speedup_vs_xla']:.2f}",
+        ]
+        for r in results
+    ]
     print("\n" + markdown_table(header, table))
 
 

@@ -32,12 +32,19 @@ def main() -> None:
     params = jax.eval_shape(lambda: deepseek_v3.init_params(config, jax.random.key(0), jnp.bfloat16))
     cache = jax.eval_shape(lambda: deepseek_v3.create_cache(config, 1, args.cache, jnp.bfloat16))
     spec = jax.ShapeDtypeStruct
-    inputs = (spec((1, args.slots), jnp.int32), spec((1, args.slots), jnp.int32), spec((1, args.slots, args.slots), bool))
+    inputs = (
+        spec((1, args.slots), jnp.int32),
+        spec((1, args.slots), jnp.int32),
+        spec((1, args.slots, args.slots), bool),
+    )
     print(f"device: {device_description()}; commit {args.commit}; K2.6 verify, {config.num_layers} layers", flush=True)
     rows = []
     for loop in args.loops.split(","):
-        fn = jax.jit(lambda p, c, t, d, m, loop=loop: deepseek_v3.tree_forward(config, p, c, t, d, m, layer_loop=loop,
-                                                                         moe_impl="gather"))
+        fn = jax.jit(
+            lambda p, c, t, d, m, loop=loop: deepseek_v3.tree_forward(
+                config, p, c, t, d, m, layer_loop=loop, moe_impl="gather"
+            )
+        )
         start = time.perf_counter()
         lowered = fn.trace(params, cache, *inputs).lower()
         lowered_s = time.perf_counter() - start

@@ -45,8 +45,12 @@ def random_pair(shape: str, dtype, seed: int = 0) -> Pair:
     target_config, drafter_config = SHAPES[shape]
     keys = jax.random.split(jax.random.key(seed))
     target_params = qwen3.init_params(target_config, keys[0], dtype)
-    drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, target_config.hidden_size, keys[1], dtype),
-                            qwen3.embedding(target_params), qwen3.head(target_config, target_params))
+    drafter = DFlashDrafter(
+        drafter_config,
+        dflash.init_params(drafter_config, target_config.hidden_size, keys[1], dtype),
+        qwen3.embedding(target_params),
+        qwen3.head(target_config, target_params),
+    )
     return Pair(target_config, target_params, drafter)
 
 
@@ -56,9 +60,20 @@ def _compile(fn, args):
     return compiled, time.perf_counter() - start
 
 
-def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int, temperature: float, top_p: float,
-               repeats: int, options: DecodeOptions = DecodeOptions(attn_impl="xla", matmul_impl="xla"), seed: int = 0,
-               step_only: bool = False) -> dict:
+def bench_case(
+    pair: Pair,
+    batch: int,
+    method: str,
+    budget: int,
+    *,
+    context: int,
+    temperature: float,
+    top_p: float,
+    repeats: int,
+    options: DecodeOptions = DecodeOptions(attn_impl="xla", matmul_impl="xla"),
+    seed: int = 0,
+    step_only: bool = False,
+) -> dict:
     """One row (module docstring); options: how the step runs (default XLA attention and matmuls);
     step_only: the fused step alone, without the per-stage breakdown (each stage is one more compilation
     of the model: 30-75 s per case for the Qwen3-8B shape on the H200)."""
@@ -67,17 +82,38 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
     max_new = 64
     _, params, drafter, ids, lengths, sampling, keys, stop, max_new_arr = request_args(
-        pair, prompts, temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new)
+        pair, prompts, temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new
+    )
     shape = dict(max_new_tokens=max_new, method=method, budget=budget, block_size=block)
     state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=jnp.bfloat16, options=options))(
-        params, drafter, ids, lengths, sampling, keys)
-    row = {"B": batch, "method": method, "budget": budget if method == "ddtree" else None, "context": context,
-           "attn_impl": options.attn_impl, "matmul_impl": options.matmul_impl, "moe_impl": options.moe_impl,
-           "layer_loop": options.layer_loop}
+        params, drafter, ids, lengths, sampling, keys
+    )
+    row = {
+        "B": batch,
+        "method": method,
+        "budget": budget if method == "ddtree" else None,
+        "context": context,
+        "attn_impl": options.attn_impl,
+        "matmul_impl": options.matmul_impl,
+        "moe_impl": options.moe_impl,
+        "layer_loop": options.layer_loop,
+    }
 
     def step_fn(params, drafter, state, sampling, keys, stop, max_new_arr):
-        return decode_step(config, params, drafter, state, sampling, keys, stop, max_new_arr, method=method,
-                           budget=budget, block_size=block, options=options)
+        return decode_step(
+            config,
+            params,
+            drafter,
+            state,
+            sampling,
+            keys,
+            stop,
+            max_new_arr,
+            method=method,
+            budget=budget,
+            block_size=block,
+            options=options,
+        )
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     step, row["step_compile_s"] = _compile(step_fn, step_args)
@@ -92,30 +128,38 @@ def bench_case(pair: Pair, batch: int, method: str, budget: int, *, context: int
     if method == "ar":
         draft_logits, row["draft_ms"] = None, 0.0
     else:
-        fn, _ = _compile(lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus))
+        fn, _ = _compile(
+            lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus)
+        )
         row["draft_ms"] = median_seconds(fn, *(drafter, draft_state, state.bonus), runs=repeats) * 1e3
         draft_logits = fn(drafter, draft_state, state.bonus)
     tree = jax.jit(lambda l, b: tree_stage(l, b, method=method, budget=budget, topk_impl=options.topk_impl))(
-        draft_logits, state.bonus)
+        draft_logits, state.bonus
+    )
     slots = tree.tokens.shape[1]
     row["slots"] = slots
 
-    fn, row["tree_forward_compile_s"] = _compile(lambda p, c, t: tree_forward_stage(config, p, c, t, options),
-                                                 (params, state.target_cache, tree))
+    fn, row["tree_forward_compile_s"] = _compile(
+        lambda p, c, t: tree_forward_stage(config, p, c, t, options), (params, state.target_cache, tree)
+    )
     row["tree_forward_ms"] = median_seconds(fn, *(params, state.target_cache, tree), runs=repeats) * 1e3
     logits = fn(params, state.target_cache, tree)[0]
 
     plain_ids = tree.tokens
     target = target_module(config)
-    fn, _ = _compile(lambda p, c, t: target.prefill(config, p, c, t, jnp.full((batch,), slots, jnp.int32),
-                                                    **options.target_impls(config)),
-                     (params, state.target_cache, plain_ids))
+    fn, _ = _compile(
+        lambda p, c, t: target.prefill(
+            config, p, c, t, jnp.full((batch,), slots, jnp.int32), **options.target_impls(config)
+        ),
+        (params, state.target_cache, plain_ids),
+    )
     row["plain_forward_ms"] = median_seconds(fn, *(params, state.target_cache, plain_ids), runs=repeats) * 1e3
 
     for impl in ("xla", "pallas"):
         walk_options = options.replace(verify_impl=impl)
-        fn, _ = _compile(lambda t, l, s, k, i: walk_stage(t, l, s, k, i, walk_options),
-                         (tree, logits, sampling, keys, state.step))
+        fn, _ = _compile(
+            lambda t, l, s, k, i: walk_stage(t, l, s, k, i, walk_options), (tree, logits, sampling, keys, state.step)
+        )
         row[f"walk_{impl}_ms"] = median_seconds(fn, *(tree, logits, sampling, keys, state.step), runs=repeats) * 1e3
     row["non_forward_ms"] = row["step_ms"] - row["draft_ms"] - row["tree_forward_ms"]
     row["non_forward_share"] = row["non_forward_ms"] / row["step_ms"]
@@ -135,13 +179,24 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--attn-impls", default="xla", help="comma-separated: xla, pallas, auto (one row set each)")
-    parser.add_argument("--matmul-impl", default="xla", choices=["xla", "pallas", "auto"],
-                        help="the target's dense matmuls (kernels/decode_matmul.py with pallas)")
-    parser.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
-                        help="the target's layer loop (auto: the model's default)")
+    parser.add_argument(
+        "--matmul-impl",
+        default="xla",
+        choices=["xla", "pallas", "auto"],
+        help="the target's dense matmuls (kernels/decode_matmul.py with pallas)",
+    )
+    parser.add_argument(
+        "--layer-loop",
+        default="auto",
+        choices=["auto", "scan", "unrolled"],
+        help="the target's layer loop (auto: the model's default)",
+    )
     parser.add_argument("--quick", action="store_true", help="B = 1, budgets 16 and 64, AR + DDTree")
-    parser.add_argument("--step-only", action="store_true",
-                        help="time the fused step alone (no per-stage breakdown: about half the compilations)")
+    parser.add_argument(
+        "--step-only",
+        action="store_true",
+        help="time the fused step alone (no per-stage breakdown: about half the compilations)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.batches, args.budgets, args.methods = "1", "16,64", "ar,ddtree"
@@ -150,40 +205,101 @@ def main() -> None:
     start = time.perf_counter()
     pair = random_pair(args.shape, dtype)
     jax.block_until_ready(pair.target_params)
-    print(f"device: {device_description()}; commit {args.commit}; shape {args.shape} ({dtype.__name__}); "
-          f"init {time.perf_counter() - start:.1f} s", flush=True)
+    print(
+        f"device: {device_description()}; commit {args.commit}; shape {args.shape} ({dtype.__name__}); "
+        f"init {time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     cases = []
     for batch in (int(b) for b in args.batches.split(",")):
         for method in args.methods.split(","):
-            for budget in ([int(b) for b in args.budgets.split(",")] if method == "ddtree" else [0]):
+            for budget in [int(b) for b in args.budgets.split(",")] if method == "ddtree" else [0]:
                 for attn_impl in args.attn_impls.split(","):
                     cases.append((batch, method, budget, attn_impl))
     rows = []
     for batch, method, budget, attn_impl in cases:
-        row = bench_case(pair, batch, method, budget, context=args.context, temperature=args.temperature,
-                         top_p=args.top_p, repeats=args.repeats, step_only=args.step_only,
-                         options=DecodeOptions(attn_impl=attn_impl, matmul_impl=args.matmul_impl,
-                                               layer_loop=args.layer_loop))
+        row = bench_case(
+            pair,
+            batch,
+            method,
+            budget,
+            context=args.context,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            repeats=args.repeats,
+            step_only=args.step_only,
+            options=DecodeOptions(attn_impl=attn_impl, matmul_impl=args.matmul_impl, layer_loop=args.layer_loop),
+        )
         rows.append(row)
         head = f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms"
         if args.step_only:
             print(f"{head}  (compile step {row['step_compile_s']:.0f} s)", flush=True)
         else:
-            print(f"{head}  draft {row['draft_ms']:7.2f}  tree fwd {row['tree_forward_ms']:8.2f}  plain fwd "
-                  f"{row['plain_forward_ms']:8.2f}  walk xla {row['walk_xla_ms']:7.3f} pallas "
-                  f"{row['walk_pallas_ms']:7.3f}  non-fwd {100 * row['non_forward_share']:5.1f}%  "
-                  f"(compile step {row['step_compile_s']:.0f} s)", flush=True)
-        write_result(f"engine_{args.shape}_matmul-{args.matmul_impl}_loop-{args.layer_loop}", {"rows": rows, "temperature": args.temperature, "top_p": args.top_p}, args.commit)
+            print(
+                f"{head}  draft {row['draft_ms']:7.2f}  tree fwd {row['tree_forward_ms']:8.2f}  plain fwd "
+                f"{row['plain_forward_ms']:8.2f}  walk xla {row['walk_xla_ms']:7.3f} pallas "
+                f"{row['walk_pallas_ms']:7.3f}  non-fwd {100 * row['non_forward_share']:5.1f}%  "
+                f"(compile step {row['step_compile_s']:.0f} s)",
+                flush=True,
+            )
+        write_result(
+            f"engine_{args.shape}_matmul-{args.matmul_impl}_loop-{args.layer_loop}",
+            {"rows": rows, "temperature": args.temperature, "top_p": args.top_p},
+            args.commit,
+        )
     if args.step_only:
-        print("\n" + markdown_table(["B", "method", "budget", "N", "attention", "step ms", "step compile s"],
-                                    [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"],
-                                      r["step_compile_s"]] for r in rows]))
+        print(
+            "\n"
+            + markdown_table(
+                ["B", "method", "budget", "N", "attention", "step ms", "step compile s"],
+                [
+                    [
+                        r["B"],
+                        r["method"],
+                        r["budget"] or "",
+                        r["slots"],
+                        r["attn_impl"],
+                        r["step_ms"],
+                        r["step_compile_s"],
+                    ]
+                    for r in rows
+                ],
+            )
+        )
         return
-    header = ["B", "method", "budget", "N", "attention", "step ms", "draft ms", "tree fwd ms", "plain fwd ms", "tree/plain",
-              "walk xla ms", "walk pallas ms", "non-forward %"]
-    table = [[r["B"], r["method"], r["budget"] or "", r["slots"], r["attn_impl"], r["step_ms"], r["draft_ms"], r["tree_forward_ms"],
-              r["plain_forward_ms"], f"{r['tree_forward_over_plain']:.2f}", f"{r['walk_xla_ms']:.3f}",
-              f"{r['walk_pallas_ms']:.3f}", f"{100 * r['non_forward_share']:.1f}"] for r in rows]
+    header = [
+        "B",
+        "method",
+        "budget",
+        "N",
+        "attention",
+        "step ms",
+        "draft ms",
+        "tree fwd ms",
+        "plain fwd ms",
+        "tree/plain",
+        "walk xla ms",
+        "walk pallas ms",
+        "non-forward %",
+    ]
+    table = [
+        [
+            r["B"],
+            r["method"],
+            r["budget"] or "",
+            r["slots"],
+            r["attn_impl"],
+            r["step_ms"],
+            r["draft_ms"],
+            r["tree_forward_ms"],
+            r["plain_forward_ms"],
+            f"{r['tree_forward_over_plain']:.2f}",
+            f"{r['walk_xla_ms']:.3f}",
+            f"{r['walk_pallas_ms']:.3f}",
+            f"{100 * r['non_forward_share']:.1f}",
+        ]
+        for r in rows
+    ]
     print("\n" + markdown_table(header, table))
 
 

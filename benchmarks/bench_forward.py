@@ -36,8 +36,9 @@ from ddtree_jax.models.cache import KVCache
 
 def weight_bytes(params: dict) -> int:
     """Bytes a forward reads from the weights: everything but the embedding table (a T-row gather)."""
-    leaves = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-              if jax.tree_util.keystr(path) != "['embed']"]
+    leaves = [
+        leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params) if jax.tree_util.keystr(path) != "['embed']"
+    ]
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     if "lm_head" not in params:  # tied: the head is the embedding, read whole
         total += params["embed"].size * params["embed"].dtype.itemsize
@@ -53,12 +54,16 @@ def filled_cache(config, batch: int, context: int, slots: int, key) -> KVCache:
     context + slots, with `context` committed rows of random values."""
     empty = target_module(config).create_cache(config, batch, context + slots, jnp.bfloat16)
     k_key, v_key = jax.random.split(key)
-    return KVCache(jax.random.normal(k_key, empty.k.shape, jnp.bfloat16),
-                   jax.random.normal(v_key, empty.v.shape, jnp.bfloat16), jnp.full((batch,), context, jnp.int32))
+    return KVCache(
+        jax.random.normal(k_key, empty.k.shape, jnp.bfloat16),
+        jax.random.normal(v_key, empty.v.shape, jnp.bfloat16),
+        jnp.full((batch,), context, jnp.int32),
+    )
 
 
-def bench_forward(config, params, batch: int, slots: int, *, context: int, matmul_impl: str, layer_loop: str,
-                  runs: int, seed: int = 0) -> dict:
+def bench_forward(
+    config, params, batch: int, slots: int, *, context: int, matmul_impl: str, layer_loop: str, runs: int, seed: int = 0
+) -> dict:
     """One row: compile and time `qwen3.verify` over a chain of `slots` tokens."""
     key = jax.random.key(seed)
     cache = filled_cache(config, batch, context, slots, key)
@@ -67,8 +72,9 @@ def bench_forward(config, params, batch: int, slots: int, *, context: int, matmu
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((slots, slots), bool)), (batch, slots, slots))
 
     def forward(params, cache, tokens, depths, mask):
-        logits, _, cache = qwen3.tree_forward(config, params, cache, tokens, depths, mask, matmul_impl=matmul_impl,
-                                        layer_loop=layer_loop)
+        logits, _, cache = qwen3.tree_forward(
+            config, params, cache, tokens, depths, mask, matmul_impl=matmul_impl, layer_loop=layer_loop
+        )
         return logits, cache
 
     start = time.perf_counter()
@@ -84,8 +90,16 @@ def bench_forward(config, params, batch: int, slots: int, *, context: int, matmu
         return logits, fed_back["cache"]
 
     forward_ms = median_seconds(call, runs=runs, warmup=2) * 1e3
-    return {"B": batch, "T": slots, "context": context, "matmul_impl": matmul_impl, "layer_loop": layer_loop,
-            "lower_s": lower_s, "compile_s": compile_s, "forward_ms": forward_ms}
+    return {
+        "B": batch,
+        "T": slots,
+        "context": context,
+        "matmul_impl": matmul_impl,
+        "layer_loop": layer_loop,
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "forward_ms": forward_ms,
+    }
 
 
 def main() -> None:
@@ -104,31 +118,68 @@ def main() -> None:
     params = qwen3.init_params(config, jax.random.key(0), dtype)
     copy_bw = copy_bandwidth() if jax.default_backend() == "gpu" else float("nan")
     weights = weight_bytes(params)
-    print(f"device: {device_description()}; commit {args.commit}; shape {args.shape}; weights {weights / 1e9:.2f} GB; "
-          f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    print(
+        f"device: {device_description()}; commit {args.commit}; shape {args.shape}; weights {weights / 1e9:.2f} GB; "
+        f"copy bandwidth {copy_bw / 1e12:.2f} TB/s",
+        flush=True,
+    )
     rows = []
     for loop in args.loops.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for slots in (int(t) for t in args.slots.split(",")):
                 for impl in args.matmul_impls.split(","):
-                    row = bench_forward(config, params, batch, slots, context=args.context, matmul_impl=impl,
-                                        layer_loop=loop, runs=args.runs)
+                    row = bench_forward(
+                        config,
+                        params,
+                        batch,
+                        slots,
+                        context=args.context,
+                        matmul_impl=impl,
+                        layer_loop=loop,
+                        runs=args.runs,
+                    )
                     row["weight_GB"] = weights / 1e9
                     row["kv_GB"] = kv_bytes(config, batch, args.context) / 1e9
                     row["roofline_ms"] = (weights + kv_bytes(config, batch, args.context)) / copy_bw * 1e3
                     row["over_roofline"] = row["forward_ms"] / row["roofline_ms"]
                     rows.append(row)
-                    print(f"{loop:8s} B={batch} T={slots:3d} matmul={impl:6s}: {row['forward_ms']:8.2f} ms "
-                          f"({row['over_roofline']:.2f}x roofline {row['roofline_ms']:.2f} ms)  lower {row['lower_s']:5.1f} s "
-                          f"compile {row['compile_s']:5.1f} s", flush=True)
+                    print(
+                        f"{loop:8s} B={batch} T={slots:3d} matmul={impl:6s}: {row['forward_ms']:8.2f} ms "
+                        f"({row['over_roofline']:.2f}x roofline {row['roofline_ms']:.2f} ms)  lower {row['lower_s']:5.1f} s "
+                        f"compile {row['compile_s']:5.1f} s",
+                        flush=True,
+                    )
                     write_result(f"forward_{args.shape}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, args.commit)
     ar = {(r["B"], r["matmul_impl"], r["layer_loop"]): r["forward_ms"] for r in rows if r["T"] == 1}
-    header = ["loop", "B", "T", "matmul", "forward ms", "roofline ms", "x roofline", "x AR step", "lower s", "compile s"]
-    table = [[r["layer_loop"], r["B"], r["T"], r["matmul_impl"], r["forward_ms"], r["roofline_ms"],
-              f"{r['over_roofline']:.2f}",
-              f"{r['forward_ms'] / ar[(r['B'], r['matmul_impl'], r['layer_loop'])]:.2f}"
-              if (r["B"], r["matmul_impl"], r["layer_loop"]) in ar else "", f"{r['lower_s']:.1f}", f"{r['compile_s']:.1f}"]
-             for r in rows]
+    header = [
+        "loop",
+        "B",
+        "T",
+        "matmul",
+        "forward ms",
+        "roofline ms",
+        "x roofline",
+        "x AR step",
+        "lower s",
+        "compile s",
+    ]
+    table = [
+        [
+            r["layer_loop"],
+            r["B"],
+            r["T"],
+            r["matmul_impl"],
+            r["forward_ms"],
+            r["roofline_ms"],
+            f"{r['over_roofline']:.2f}",
+            f"{r['forward_ms'] / ar[(r['B'], r['matmul_impl'], r['layer_loop'])]:.2f}"
+            if (r["B"], r["matmul_impl"], r["layer_loop"]) in ar
+            else "",
+            f"{r['lower_s']:.1f}",
+            f"{r['compile_s']:.1f}",
+        ]
+        for r in rows
+    ]
     print("\n" + markdown_table(header, table))
 
 

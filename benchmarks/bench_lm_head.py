@@ -36,11 +36,13 @@ REPS = 10
 
 def timed(fn, x) -> float:
     """Seconds per call: REPS calls on x + i inside one jit (no reuse across iterations)."""
+
     @jax.jit
     def run(x):
         def body(i, acc):
             out = fn(x + i.astype(x.dtype))
             return acc + jnp.sum(jax.tree.leaves(out)[0][..., :1].astype(jnp.float32))
+
         return lax.fori_loop(0, REPS, body, 0.0)
 
     return median_seconds(run, x) / REPS
@@ -58,7 +60,10 @@ def main() -> None:
     parts = jax.device_count()
     mesh = make_mesh(model=parts, data=1)
     spec = NamedSharding(mesh, PartitionSpec(None, None, MODEL))
-    print(f"device: {device_description()}; commit {args.commit}; vocabulary {args.vocab} over {parts} devices", flush=True)
+    print(
+        f"device: {device_description()}; commit {args.commit}; vocabulary {args.vocab} over {parts} devices",
+        flush=True,
+    )
     rows = []
     key = jax.random.key(0)
     with jax.set_mesh(mesh):
@@ -73,25 +78,67 @@ def main() -> None:
                     row["vocab_parallel_MB_in"] = batch * depth * k * 8 * (parts - 1) / 1e6
                     row["speedup"] = row["gathered_us"] / row["vocab_parallel_us"]
                     rows.append(row)
-                    print(f"top-K B={batch} L={depth:2d} K={k:3d}: gathered {row['gathered_us']:8.1f} us  vocab-parallel "
-                          f"{row['vocab_parallel_us']:8.1f} us  ({row['speedup']:.2f}x)", flush=True)
+                    print(
+                        f"top-K B={batch} L={depth:2d} K={k:3d}: gathered {row['gathered_us']:8.1f} us  vocab-parallel "
+                        f"{row['vocab_parallel_us']:8.1f} us  ({row['speedup']:.2f}x)",
+                        flush=True,
+                    )
                     write_result("lm_head", {"rows": rows, "devices": parts, "vocab": args.vocab}, args.commit)
             for slots in (int(n) for n in args.slots.split(",")):
                 logits = jax.device_put(jax.random.normal(key, (batch, slots, args.vocab), jnp.bfloat16), spec)
-                gather = jax.shard_map(lambda x: lax.all_gather(x, MODEL, axis=2, tiled=True), mesh=mesh,
-                                       in_specs=PartitionSpec(None, None, MODEL), out_specs=PartitionSpec(), check_vma=False)
-                row = {"case": "verify gather", "B": batch, "rows": slots, "K": None,
-                       "gathered_us": timed(gather, logits) * 1e6,
-                       "gathered_MB_in": batch * slots * args.vocab * 2 * (parts - 1) / parts / 1e6}
+                gather = jax.shard_map(
+                    lambda x: lax.all_gather(x, MODEL, axis=2, tiled=True),
+                    mesh=mesh,
+                    in_specs=PartitionSpec(None, None, MODEL),
+                    out_specs=PartitionSpec(),
+                    check_vma=False,
+                )
+                row = {
+                    "case": "verify gather",
+                    "B": batch,
+                    "rows": slots,
+                    "K": None,
+                    "gathered_us": timed(gather, logits) * 1e6,
+                    "gathered_MB_in": batch * slots * args.vocab * 2 * (parts - 1) / parts / 1e6,
+                }
                 rows.append(row)
-                print(f"verify gather B={batch} N={slots:3d}: {row['gathered_us']:8.1f} us "
-                      f"({row['gathered_MB_in']:.1f} MB in per device)", flush=True)
+                print(
+                    f"verify gather B={batch} N={slots:3d}: {row['gathered_us']:8.1f} us "
+                    f"({row['gathered_MB_in']:.1f} MB in per device)",
+                    flush=True,
+                )
                 write_result("lm_head", {"rows": rows, "devices": parts, "vocab": args.vocab}, args.commit)
-    table = [[r["case"], r["B"], r["rows"], r["K"] or "", r["gathered_us"], r.get("vocab_parallel_us", ""),
-              f"{r['speedup']:.2f}" if "speedup" in r else "", f"{r['gathered_MB_in']:.2f}",
-              f"{r['vocab_parallel_MB_in']:.3f}" if "vocab_parallel_MB_in" in r else ""] for r in rows]
-    print("\n" + markdown_table(["case", "B", "rows (L or N)", "K", "gathered us", "vocab-parallel us", "speed-up",
-                                 "gathered MB in", "vocab-parallel MB in"], table))
+    table = [
+        [
+            r["case"],
+            r["B"],
+            r["rows"],
+            r["K"] or "",
+            r["gathered_us"],
+            r.get("vocab_parallel_us", ""),
+            f"{r['speedup']:.2f}" if "speedup" in r else "",
+            f"{r['gathered_MB_in']:.2f}",
+            f"{r['vocab_parallel_MB_in']:.3f}" if "vocab_parallel_MB_in" in r else "",
+        ]
+        for r in rows
+    ]
+    print(
+        "\n"
+        + markdown_table(
+            [
+                "case",
+                "B",
+                "rows (L or N)",
+                "K",
+                "gathered us",
+                "vocab-parallel us",
+                "speed-up",
+                "gathered MB in",
+                "vocab-parallel MB in",
+            ],
+            table,
+        )
+    )
 
 
 if __name__ == "__main__":

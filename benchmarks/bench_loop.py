@@ -46,8 +46,9 @@ def main() -> None:
     print(f"device: {device_description()}; commit {args.commit}; shape {args.shape}; B={args.batch}", flush=True)
     rows = []
     for method in args.methods.split(","):
-        static = dict(max_new_tokens=args.max_new, method=method, budget=args.budget, block_size=block,
-                      cache_dtype=dtype)
+        static = dict(
+            max_new_tokens=args.max_new, method=method, budget=args.budget, block_size=block, cache_dtype=dtype
+        )
         loops = {"while_loop": lambda: generate(*request, **static)}
         for k in (int(v) for v in args.sync_every.split(",")):
             loops[f"host, sync every {k}"] = lambda k=k: generate_host_loop(*request, **static, sync_every=k)
@@ -63,15 +64,32 @@ def main() -> None:
             seconds = median_seconds(run, runs=args.runs)
             steps = int(np.asarray(result.steps).max())
             generated = int(np.asarray(result.num_generated).sum())
-            row = {"method": method, "loop": name, "steps": steps, "tokens": generated, "ms_per_step": seconds * 1e3 / max(steps, 1),
-                   "tokens_per_s": generated / seconds, "first_call_s": first_s, "same_tokens": same}
+            row = {
+                "method": method,
+                "loop": name,
+                "steps": steps,
+                "tokens": generated,
+                "ms_per_step": seconds * 1e3 / max(steps, 1),
+                "tokens_per_s": generated / seconds,
+                "first_call_s": first_s,
+                "same_tokens": same,
+            }
             rows.append(row)
-            print(f"{method:6s} {name:20s}: {row['ms_per_step']:8.3f} ms/step  {row['tokens_per_s']:9.1f} tok/s  "
-                  f"(steps {steps}, first call {first_s:.1f} s, same tokens: {same})", flush=True)
-            write_result(f"loop_{args.shape}", {"rows": rows, "batch": args.batch, "max_new": args.max_new}, args.commit)
-    print("\n" + markdown_table(["method", "loop", "steps", "ms / step", "tokens/s", "same tokens"],
-                                [[r["method"], r["loop"], r["steps"], r["ms_per_step"], r["tokens_per_s"], r["same_tokens"]]
-                                 for r in rows]))
+            print(
+                f"{method:6s} {name:20s}: {row['ms_per_step']:8.3f} ms/step  {row['tokens_per_s']:9.1f} tok/s  "
+                f"(steps {steps}, first call {first_s:.1f} s, same tokens: {same})",
+                flush=True,
+            )
+            write_result(
+                f"loop_{args.shape}", {"rows": rows, "batch": args.batch, "max_new": args.max_new}, args.commit
+            )
+    print(
+        "\n"
+        + markdown_table(
+            ["method", "loop", "steps", "ms / step", "tokens/s", "same tokens"],
+            [[r["method"], r["loop"], r["steps"], r["ms_per_step"], r["tokens_per_s"], r["same_tokens"]] for r in rows],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,17 +30,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
-from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
 from ddtree_kernels.decode_matmul import GroupedTiles, grouped_matmul, grouped_plan, matmul
+from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
 
 REPS = 10
 SHAPES = {
     # name: (N, K, format)
-    "qwen3-8b": [("q_proj", 4096, 4096, "bf16"), ("kv_proj", 1024, 4096, "bf16"), ("gate/up", 12288, 4096, "bf16"),
-                 ("down", 4096, 12288, "bf16"), ("lm_head", 151936, 4096, "bf16")],
-    "k2.6": [("q_b_proj", 64 * 192, 1536, "bf16"), ("o_proj", 7168, 64 * 128, "bf16"), ("dense gate", 18432, 7168, "bf16"),
-             ("expert gate (int4)", 2048, 7168, "int4"), ("expert down (int4)", 7168, 2048, "int4"),
-             ("dsv3 o_proj (fp8)", 7168, 16384, "fp8")],
+    "qwen3-8b": [
+        ("q_proj", 4096, 4096, "bf16"),
+        ("kv_proj", 1024, 4096, "bf16"),
+        ("gate/up", 12288, 4096, "bf16"),
+        ("down", 4096, 12288, "bf16"),
+        ("lm_head", 151936, 4096, "bf16"),
+    ],
+    "k2.6": [
+        ("q_b_proj", 64 * 192, 1536, "bf16"),
+        ("o_proj", 7168, 64 * 128, "bf16"),
+        ("dense gate", 18432, 7168, "bf16"),
+        ("expert gate (int4)", 2048, 7168, "int4"),
+        ("expert down (int4)", 7168, 2048, "int4"),
+        ("dsv3 o_proj (fp8)", 7168, 16384, "fp8"),
+    ],
     "tiny": [("tiny", 320, 256, "bf16"), ("tiny int4", 320, 256, "int4"), ("tiny fp8", 256, 256, "fp8")],
 }
 
@@ -61,6 +71,7 @@ def _nbytes(weight) -> int:
 
 def _timed(op, xs, weight):
     """Seconds per product: REPS products on REPS activations inside one jit."""
+
     @jax.jit
     def run(xs, weight):
         return jax.lax.fori_loop(0, REPS, lambda i, acc: acc + op(xs[i], weight).astype(jnp.float32).sum(), 0.0)
@@ -70,20 +81,37 @@ def _timed(op, xs, weight):
 
 # the tilings `--grouped-sweep` times: column width x K step x K splits (None: grouped_plan's rule), then
 # warps / stages around the default
-SWEEP_TILES = ([GroupedTiles(block_n=bn, block_k=bk, splits=sp) for bn in (32, 64, 128) for bk in (256, 512)
-                for sp in (None, 1, 2, 4, 8)]
-               + [GroupedTiles(num_warps=8), GroupedTiles(num_stages=2), GroupedTiles(num_stages=4),
-                  GroupedTiles(block_n=32, block_k=512, num_stages=4), GroupedTiles(block_n=128, num_warps=8)])
+SWEEP_TILES = [
+    GroupedTiles(block_n=bn, block_k=bk, splits=sp)
+    for bn in (32, 64, 128)
+    for bk in (256, 512)
+    for sp in (None, 1, 2, 4, 8)
+] + [
+    GroupedTiles(num_warps=8),
+    GroupedTiles(num_stages=2),
+    GroupedTiles(num_stages=4),
+    GroupedTiles(block_n=32, block_k=512, num_stages=4),
+    GroupedTiles(block_n=128, num_warps=8),
+]
 
 
-def grouped_sweep(tokens_list, copy_bw: float, key, commit: str, tiles_list=SWEEP_TILES, experts: int = 384,
-                  projections=(("gate", 2048, 7168), ("down", 7168, 2048))) -> list[dict]:
+def grouped_sweep(
+    tokens_list,
+    copy_bw: float,
+    key,
+    commit: str,
+    tiles_list=SWEEP_TILES,
+    experts: int = 384,
+    projections=(("gate", 2048, 7168), ("down", 7168, 2048)),
+) -> list[dict]:
     """Times each tiling of the grouped INT4 kernel on K2.6 expert shapes at T tokens x top-8 (routing drawn
     uniformly, the same per T for every tiling); bytes = the distinct experts' packed weights + scales."""
     rows = []
     for proj, n, k in projections:
-        weight = Int4Weight(jax.random.randint(key, (experts, n, k // 8), -(2**31), 2**31 - 1, jnp.int32),
-                            jnp.full((experts, n, k // 32), 0.01, jnp.bfloat16))
+        weight = Int4Weight(
+            jax.random.randint(key, (experts, n, k // 8), -(2**31), 2**31 - 1, jnp.int32),
+            jnp.full((experts, n, k // 32), 0.01, jnp.bfloat16),
+        )
         for tokens in tokens_list:
             assign = tokens * 8
             chosen = np.random.default_rng(tokens).integers(0, experts, assign)
@@ -94,19 +122,35 @@ def grouped_sweep(tokens_list, copy_bw: float, key, commit: str, tiles_list=SWEE
             for tiles in tiles_list:
                 seconds = _timed(lambda x, w, tiles=tiles: grouped_matmul(x, w, sizes, tiles=tiles), xs, weight)
                 splits = grouped_plan(assign, experts, n, k, tiles)[2]
-                row = {"projection": proj, "N": n, "K": k, "T": tokens, "assignments": assign, "distinct_experts": distinct,
-                       "block_n": tiles.block_n, "block_k": tiles.block_k, "splits": splits,
-                       "splits_rule": tiles.splits is None, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
-                       "us": seconds * 1e6, "GBps": nbytes / seconds / 1e9, "of_copy": nbytes / seconds / copy_bw}
+                row = {
+                    "projection": proj,
+                    "N": n,
+                    "K": k,
+                    "T": tokens,
+                    "assignments": assign,
+                    "distinct_experts": distinct,
+                    "block_n": tiles.block_n,
+                    "block_k": tiles.block_k,
+                    "splits": splits,
+                    "splits_rule": tiles.splits is None,
+                    "num_warps": tiles.num_warps,
+                    "num_stages": tiles.num_stages,
+                    "us": seconds * 1e6,
+                    "GBps": nbytes / seconds / 1e9,
+                    "of_copy": nbytes / seconds / copy_bw,
+                }
                 rows.append(row)
                 write_result("grouped_sweep", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
             best = min((r for r in rows if r["projection"] == proj and r["T"] == tokens), key=lambda r: r["us"])
-            case = rows[-len(tiles_list):]  # this case's rows, in tiles_list order
+            case = rows[-len(tiles_list) :]  # this case's rows, in tiles_list order
             default = next((r for r, t in zip(case, tiles_list) if t == GroupedTiles()), best)
-            print(f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
-                  f"({100 * default['of_copy']:4.0f}% of copy); best {best['us']:8.1f} us ({100 * best['of_copy']:4.0f}%) at "
-                  f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
-                  f"stages {best['num_stages']}", flush=True)
+            print(
+                f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
+                f"({100 * default['of_copy']:4.0f}% of copy); best {best['us']:8.1f} us ({100 * best['of_copy']:4.0f}%) at "
+                f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
+                f"stages {best['num_stages']}",
+                flush=True,
+            )
     return rows
 
 
@@ -116,12 +160,19 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3-8b,k2.6")
     parser.add_argument("--rows", default="1,8,17,65,257")
     parser.add_argument("--quick", action="store_true", help="M = 1 and 17 only")
-    parser.add_argument("--grouped-sweep", default="", help="only sweep the grouped INT4 kernel's tilings at these "
-                        "token counts (e.g. 1,4,9,17; K2.6 gate and down projections)")
+    parser.add_argument(
+        "--grouped-sweep",
+        default="",
+        help="only sweep the grouped INT4 kernel's tilings at these "
+        "token counts (e.g. 1,4,9,17; K2.6 gate and down projections)",
+    )
     args = parser.parse_args()
     if args.grouped_sweep:
         copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
-        print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+        print(
+            f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s",
+            flush=True,
+        )
         grouped_sweep([int(t) for t in args.grouped_sweep.split(",")], copy_bw, jax.random.key(1), args.commit)
         return
     rows_list = [1, 17] if args.quick else [int(m) for m in args.rows.split(",")]
@@ -137,18 +188,33 @@ def main() -> None:
                 xs = jax.random.normal(jax.random.fold_in(key, m), (REPS, m, k), jnp.bfloat16)
                 kernel_s = _timed(lambda x, w: matmul(x, w), xs, weight)
                 xla_s = _timed(lambda x, w: jnp.einsum("mk,nk->mn", x, dense(w, x.dtype)), xs, weight)
-                row = {"set": shape_set, "name": name, "N": n, "K": k, "format": fmt, "M": m, "weight_MB": nbytes / 1e6,
-                       "pallas_us": kernel_s * 1e6, "xla_us": xla_s * 1e6, "pallas_GBps": nbytes / kernel_s / 1e9,
-                       "xla_GBps": nbytes / xla_s / 1e9, "pallas_of_copy": nbytes / kernel_s / copy_bw}
+                row = {
+                    "set": shape_set,
+                    "name": name,
+                    "N": n,
+                    "K": k,
+                    "format": fmt,
+                    "M": m,
+                    "weight_MB": nbytes / 1e6,
+                    "pallas_us": kernel_s * 1e6,
+                    "xla_us": xla_s * 1e6,
+                    "pallas_GBps": nbytes / kernel_s / 1e9,
+                    "xla_GBps": nbytes / xla_s / 1e9,
+                    "pallas_of_copy": nbytes / kernel_s / copy_bw,
+                }
                 results.append(row)
-                print(f"{shape_set:8s} {name:20s} M={m:4d}: pallas {row['pallas_us']:9.1f} us ({row['pallas_GBps']:7.0f} GB/s, "
-                      f"{100 * row['pallas_of_copy']:5.1f}% of copy)  xla {row['xla_us']:9.1f} us ({row['xla_GBps']:7.0f} GB/s)",
-                      flush=True)
+                print(
+                    f"{shape_set:8s} {name:20s} M={m:4d}: pallas {row['pallas_us']:9.1f} us ({row['pallas_GBps']:7.0f} GB/s, "
+                    f"{100 * row['pallas_of_copy']:5.1f}% of copy)  xla {row['xla_us']:9.1f} us ({row['xla_GBps']:7.0f} GB/s)",
+                    flush=True,
+                )
                 write_result("matmul", {"rows": results, "copy_bandwidth_Bps": copy_bw}, args.commit)
     if "k2.6" in args.shapes:  # the MoE hot path: T tokens x top-8 of 384 INT4 experts
         experts = 384
-        weight = Int4Weight(jax.random.randint(key, (experts, 2048, 7168 // 8), -(2**31), 2**31 - 1, jnp.int32),
-                            jnp.full((experts, 2048, 7168 // 32), 0.01, jnp.bfloat16))
+        weight = Int4Weight(
+            jax.random.randint(key, (experts, 2048, 7168 // 8), -(2**31), 2**31 - 1, jnp.int32),
+            jnp.full((experts, 2048, 7168 // 32), 0.01, jnp.bfloat16),
+        )
         for tokens in (1, 17, 65):
             assign = tokens * 8
             chosen = np.random.default_rng(tokens).integers(0, experts, assign)
@@ -157,17 +223,38 @@ def main() -> None:
             xs = jax.random.normal(key, (REPS, assign, 7168), jnp.bfloat16)
             kernel_s = _timed(lambda x, w: grouped_matmul(x, w, sizes), xs, weight)
             nbytes = distinct * 2048 * 7168 * (0.5 + 2 / 32)
-            row = {"set": "k2.6", "name": f"grouped experts gate, T={tokens}", "M": assign, "distinct_experts": distinct,
-                   "weight_MB": nbytes / 1e6, "pallas_us": kernel_s * 1e6, "pallas_GBps": nbytes / kernel_s / 1e9,
-                   "pallas_of_copy": nbytes / kernel_s / copy_bw}
+            row = {
+                "set": "k2.6",
+                "name": f"grouped experts gate, T={tokens}",
+                "M": assign,
+                "distinct_experts": distinct,
+                "weight_MB": nbytes / 1e6,
+                "pallas_us": kernel_s * 1e6,
+                "pallas_GBps": nbytes / kernel_s / 1e9,
+                "pallas_of_copy": nbytes / kernel_s / copy_bw,
+            }
             results.append(row)
-            print(f"grouped INT4 experts T={tokens:3d} ({distinct} distinct): {row['pallas_us']:9.1f} us "
-                  f"({row['pallas_GBps']:7.0f} GB/s, {100 * row['pallas_of_copy']:5.1f}% of copy)", flush=True)
+            print(
+                f"grouped INT4 experts T={tokens:3d} ({distinct} distinct): {row['pallas_us']:9.1f} us "
+                f"({row['pallas_GBps']:7.0f} GB/s, {100 * row['pallas_of_copy']:5.1f}% of copy)",
+                flush=True,
+            )
             write_result("matmul", {"rows": results, "copy_bandwidth_Bps": copy_bw}, args.commit)
     header = ["set", "matmul", "M", "weight MB", "pallas us", "pallas GB/s", "% of copy", "xla us", "xla GB/s"]
-    table = [[r["set"], r["name"], r["M"], f"{r['weight_MB']:.1f}", r["pallas_us"], f"{r['pallas_GBps']:.0f}",
-              f"{100 * r['pallas_of_copy']:.0f}", r.get("xla_us", ""), f"{r['xla_GBps']:.0f}" if "xla_GBps" in r else ""]
-             for r in results]
+    table = [
+        [
+            r["set"],
+            r["name"],
+            r["M"],
+            f"{r['weight_MB']:.1f}",
+            r["pallas_us"],
+            f"{r['pallas_GBps']:.0f}",
+            f"{100 * r['pallas_of_copy']:.0f}",
+            r.get("xla_us", ""),
+            f"{r['xla_GBps']:.0f}" if "xla_GBps" in r else "",
+        ]
+        for r in results
+    ]
     print("\n" + markdown_table(header, table))
 
 

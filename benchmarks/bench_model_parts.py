@@ -45,8 +45,9 @@ def layer_slice(stack: dict, index: int) -> dict:
     return jax.tree.map(lambda a: a[index], stack)
 
 
-def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls, loops,
-               profile: tuple[str, ...] = ()) -> tuple[dict, dict]:
+def time_parts(
+    config, params, slots: int, *, context: int, runs: int, moe_impls, loops, profile: tuple[str, ...] = ()
+) -> tuple[dict, dict]:
     """({part: ms}, {part: per-op rows}) at B = 1, T = slots (module docstring); the parts named in
     `profile` are also profiled op by op (`benchmarks.op_profile.op_times`)."""
     key = jax.random.key(slots)
@@ -70,8 +71,17 @@ def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls
 
     def mla(p, x, latent, rope, positions, mask):
         cos, sin = deepseek_v3.rope_tables_half(c, positions)
-        out, _, _ = deepseek_v3.mla_absorbed(c, p, rms_norm(x, p["input_norm"], c.rms_norm_eps), cos, sin,
-                                              latent[0], rope[0], jnp.full((1,), context, jnp.int32), mask)
+        out, _, _ = deepseek_v3.mla_absorbed(
+            c,
+            p,
+            rms_norm(x, p["input_norm"], c.rms_norm_eps),
+            cos,
+            sin,
+            latent[0],
+            rope[0],
+            jnp.full((1,), context, jnp.int32),
+            mask,
+        )
         return out
 
     timed("mla", mla, dense0, x, cache.k, cache.v, positions, mask)
@@ -79,14 +89,31 @@ def time_parts(config, params, slots: int, *, context: int, runs: int, moe_impls
     if moe0 is not None:
         for impl in moe_impls:
             timed(f"moe:{impl}", lambda p, x, impl=impl: moe(c, p, x, impl=impl), moe0, x)
-    timed("head", lambda n, w, x: linear(rms_norm(x, n, c.rms_norm_eps), w).astype(jnp.float32),
-          params["final_norm"], deepseek_v3.head(c, params), x)
+    timed(
+        "head",
+        lambda n, w, x: linear(rms_norm(x, n, c.rms_norm_eps), w).astype(jnp.float32),
+        params["final_norm"],
+        deepseek_v3.head(c, params),
+        x,
+    )
     for loop in loops:
-        timed(f"forward:{loop}", lambda p, cache, t, loop=loop: deepseek_v3.prefill(
-            c, p, cache, t, jnp.full((1,), slots, jnp.int32), layer_loop=loop)[0], params, cache, tokens)
+        timed(
+            f"forward:{loop}",
+            lambda p, cache, t, loop=loop: deepseek_v3.prefill(
+                c, p, cache, t, jnp.full((1,), slots, jnp.int32), layer_loop=loop
+            )[0],
+            params,
+            cache,
+            tokens,
+        )
     moe_ms = ms.get("moe:auto", next((v for k, v in ms.items() if k.startswith("moe:")), 0.0))
-    ms["sum_of_parts"] = (ms["embed"] + c.num_layers * ms["mla"] + c.first_k_dense_replace * ms["dense_mlp"]
-                          + c.num_moe_layers * moe_ms + ms["head"])
+    ms["sum_of_parts"] = (
+        ms["embed"]
+        + c.num_layers * ms["mla"]
+        + c.first_k_dense_replace * ms["dense_mlp"]
+        + c.num_moe_layers * moe_ms
+        + ms["head"]
+    )
     return ms, ops
 
 
@@ -110,24 +137,44 @@ def main() -> None:
     moe_impls = [m for m in args.moe_impls.split(",") if m]
     if args.tiny:  # the grouped kernel runs in interpret mode off GPU: slow, and not what is measured here
         moe_impls = [m for m in moe_impls if m != "pallas"]
-    print(f"device: {device_description()}; layers {args.layers}; context {args.context}; commit {args.commit}",
-          flush=True)
+    print(
+        f"device: {device_description()}; layers {args.layers}; context {args.context}; commit {args.commit}",
+        flush=True,
+    )
     profile = tuple(p for p in args.profile.split(",") if p)
     results, op_rows = {}, {}
     for slots in (int(s) for s in args.slots.split(",")):
-        results[slots], ops = time_parts(config, params, slots, context=args.context, runs=args.runs,
-                                         moe_impls=moe_impls, loops=[lp for lp in args.loops.split(",") if lp],
-                                         profile=profile)
+        results[slots], ops = time_parts(
+            config,
+            params,
+            slots,
+            context=args.context,
+            runs=args.runs,
+            moe_impls=moe_impls,
+            loops=[lp for lp in args.loops.split(",") if lp],
+            profile=profile,
+        )
         print(f"T={slots}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[slots].items()), flush=True)
         for name, rows in ops.items():
             print(f"T={slots} {name}, per op:\n{format_op_table(rows)}", flush=True)
             op_rows[f"{slots}:{name}"] = rows[:40]
-        write_result("model_parts" + ("_tiny" if args.tiny else ""),
-                     {"layers": args.layers, "context": args.context, "ms": {str(k): v for k, v in results.items()},
-                      "ops": op_rows}, args.commit)
+        write_result(
+            "model_parts" + ("_tiny" if args.tiny else ""),
+            {
+                "layers": args.layers,
+                "context": args.context,
+                "ms": {str(k): v for k, v in results.items()},
+                "ops": op_rows,
+            },
+            args.commit,
+        )
     names = list(next(iter(results.values())))
-    print(markdown_table(["part (ms)"] + [f"T = {s}" for s in results],
-                         [[n] + [f"{results[s].get(n, float('nan')):.3f}" for s in results] for n in names]))
+    print(
+        markdown_table(
+            ["part (ms)"] + [f"T = {s}" for s in results],
+            [[n] + [f"{results[s].get(n, float('nan')):.3f}" for s in results] for n in names],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import numpy as np
 
 from benchmarks.common import device_description, markdown_table, time_calls, write_result
 from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs
-from ddtree_jax.tree.compare import compare_to_reference
 from ddtree_jax.tree.build import build_tree_unchecked
+from ddtree_jax.tree.compare import compare_to_reference
 from ddtree_jax.tree.synthetic import synthetic_draft_logits
 
 COPY_BW = 3.1e12  # bytes/s, measured XLA device-to-device copy on the H200 (performance_notes.md)
@@ -50,7 +50,9 @@ def _check_against_reference(logits, budget, impl, rows=2):
     """Exactness on this device: per row 'exact', 'near-tie' (allowed swap) or 'mismatch'."""
     tree = build_tree(logits, budget, topk_impl=impl)
     host = np.asarray(jax.device_get(logits).astype(np.float32))
-    return [compare_to_reference(tree, b, build_tree_reference(host[b], budget)) for b in range(min(rows, logits.shape[0]))]
+    return [
+        compare_to_reference(tree, b, build_tree_reference(host[b], budget)) for b in range(min(rows, logits.shape[0]))
+    ]
 
 
 def main() -> None:
@@ -76,21 +78,32 @@ def main() -> None:
         floor_us = batch * depth * vocab * 2 / COPY_BW * 1e6
         rec = {"batch": batch, "budget": budget, "depth": depth, "vocab": vocab, "roofline_us": floor_us}
         for impl in impls:
-            call = functools.partial(build_tree_unchecked, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl)
+            call = functools.partial(
+                build_tree_unchecked, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl
+            )
             t0 = time.perf_counter()
             jax.block_until_ready(call(inputs[0]))
             rec[f"{impl}_compile_s"] = time.perf_counter() - t0
-            print(f"  B={batch} budget={budget} {impl}: compile + first run {rec[f'{impl}_compile_s']:.1f} s", flush=True)
+            print(
+                f"  B={batch} budget={budget} {impl}: compile + first run {rec[f'{impl}_compile_s']:.1f} s", flush=True
+            )
             rec[f"{impl}_call"] = time_calls(call, [(x,) for x in inputs], runs=reps, warmup=3).summary_us()
             stacked = jnp.stack(inputs + inputs)  # 8 trees per jit call
-            step = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: build_tree_unchecked(
-                x, jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl).tokens, xs))
+            step = jax.jit(
+                lambda xs, impl=impl: jax.lax.map(
+                    lambda x: build_tree_unchecked(
+                        x, jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl
+                    ).tokens,
+                    xs,
+                )
+            )
             rec[f"{impl}_step"] = _per_tree_us(step, stacked, max(5, reps // 5))
             k = min(budget, vocab)
             topk = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: top_k_log_probs(x, k, impl=impl)[1], xs))
             rec[f"{impl}_topk_step"] = _per_tree_us(topk, stacked, max(5, reps // 5))
             rec[f"{impl}_exact_rows"] = _check_against_reference(inputs[1], budget, impl)
         if batch * budget <= 32 * 64:
+
             def host(x):
                 arr = np.asarray(jax.device_get(x).astype(np.float32))
                 return [build_tree_reference(arr[b], budget) for b in range(batch)]
@@ -102,14 +115,21 @@ def main() -> None:
         records.append(rec)
         write_result("bench_tree", {"cases": records}, args.commit)  # partial results survive a timeout
         nan = {"median_us": float("nan")}
-        rows.append([
-            batch, budget,
-            rec.get("prefilter_step", nan)["median_us"], rec.get("prefilter_call", nan)["median_us"],
-            rec.get("prefilter_topk_step", nan)["median_us"],
-            rec.get("xla_step", nan)["median_us"], rec.get("xla_call", nan)["median_us"], rec.get("xla_topk_step", nan)["median_us"],
-            rec.get("reference_us", float("nan")), floor_us,
-            ",".join(rec.get("prefilter_exact_rows", [])),
-        ])
+        rows.append(
+            [
+                batch,
+                budget,
+                rec.get("prefilter_step", nan)["median_us"],
+                rec.get("prefilter_call", nan)["median_us"],
+                rec.get("prefilter_topk_step", nan)["median_us"],
+                rec.get("xla_step", nan)["median_us"],
+                rec.get("xla_call", nan)["median_us"],
+                rec.get("xla_topk_step", nan)["median_us"],
+                rec.get("reference_us", float("nan")),
+                floor_us,
+                ",".join(rec.get("prefilter_exact_rows", [])),
+            ]
+        )
         print(f"  done B={batch} budget={budget}", flush=True)
     # top-K stage: prefilter chunk-length sweep (B = 1, budget 64 and 256)
     sweep = []
@@ -121,14 +141,28 @@ def main() -> None:
     stacked = jnp.stack(inputs + inputs)
     for k in (64, 256):
         for chunk in (16, 32, 64, 128, 256, 512):
-            fn = jax.jit(lambda xs, k=k, chunk=chunk: jax.lax.map(
-                lambda x: top_k_log_probs(x, k, impl="prefilter", chunk=chunk)[1], xs))
+            fn = jax.jit(
+                lambda xs, k=k, chunk=chunk: jax.lax.map(
+                    lambda x: top_k_log_probs(x, k, impl="prefilter", chunk=chunk)[1], xs
+                )
+            )
             us = _per_tree_us(fn, stacked, max(5, reps // 5))["median_us"]
             sweep.append({"k": k, "chunk": chunk, "topk_step_us": us})
             print(f"  top-K prefilter k={k} chunk={chunk}: {us:.1f} us", flush=True)
     write_result("bench_tree", {"cases": records, "chunk_sweep": sweep}, args.commit)
-    header = ["B", "budget", "prefilter step us", "prefilter call us", "prefilter top-K us",
-              "xla step us", "xla call us", "xla top-K us", "reference heap us", "read-once floor us", "vs reference"]
+    header = [
+        "B",
+        "budget",
+        "prefilter step us",
+        "prefilter call us",
+        "prefilter top-K us",
+        "xla step us",
+        "xla call us",
+        "xla top-K us",
+        "reference heap us",
+        "read-once floor us",
+        "vs reference",
+    ]
     table = markdown_table(header, rows)
     path = write_result("bench_tree", {"cases": records, "chunk_sweep": sweep, "table": table}, args.commit)
     print(table)

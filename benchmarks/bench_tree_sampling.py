@@ -48,9 +48,17 @@ def pallas_verify_step(tree, logits, params, keys, *, skip_with_cond: bool) -> V
     split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)
     next_token, next_sibling = verification_order(tree, "draft", split[:, 0])
     coins = draw_coins(split[:, 1], (tree.tokens.shape[1],))
-    *arrays, slot_valid = tree_sampling_from_logits(tree.tokens, next_token, next_sibling, logits, params.as_rows(),
-                                                    coins, draw_coins(split[:, 2], ()), max_accept=tree.max_depth,
-                                                    skip_with_cond=skip_with_cond)
+    *arrays, slot_valid = tree_sampling_from_logits(
+        tree.tokens,
+        next_token,
+        next_sibling,
+        logits,
+        params.as_rows(),
+        coins,
+        draw_coins(split[:, 2], ()),
+        max_accept=tree.max_depth,
+        skip_with_cond=skip_with_cond,
+    )
     return mask_invalid_rows(VerifyResult(*arrays), slot_valid, tree)
 
 
@@ -104,8 +112,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="B = 1 and 8, N = 17 and 65, V = 163840 only")
     parser.add_argument("--cases", help="comma-separated BxN (e.g. 1x17,8x65): only these, at --vocabs")
     parser.add_argument("--vocabs", default="151936,163840")
-    parser.add_argument("--no-cond", action="store_true", help="launch unneeded search passes (rows inactive) "
-                        "instead of skipping them with lax.cond")
+    parser.add_argument(
+        "--no-cond",
+        action="store_true",
+        help="launch unneeded search passes (rows inactive) instead of skipping them with lax.cond",
+    )
     args = parser.parse_args()
     vocabs = [int(v) for v in args.vocabs.split(",")]
     if args.cases:
@@ -122,14 +133,34 @@ def main() -> None:
             for top_p in (1.0, 0.9):
                 r = run_case(batch, slots, vocab, top_p, copy_bw, skip_with_cond=not args.no_cond)
                 rows.append(r)
-                print(f"B={batch:3d} N={slots:4d} V={vocab} top_p={top_p}: xla {r['xla_us']:9.1f} us  "
-                      f"pallas {r['pallas_us']:8.1f} us  roofline {r['roofline_us']:7.1f} us  "
-                      f"speedup {r['speedup']:6.1f}x  x_roofline {r['x_roofline']:5.1f}  agree {r['agree']:.3f}", flush=True)
+                print(
+                    f"B={batch:3d} N={slots:4d} V={vocab} top_p={top_p}: xla {r['xla_us']:9.1f} us  "
+                    f"pallas {r['pallas_us']:8.1f} us  roofline {r['roofline_us']:7.1f} us  "
+                    f"speedup {r['speedup']:6.1f}x  x_roofline {r['x_roofline']:5.1f}  agree {r['agree']:.3f}",
+                    flush=True,
+                )
     header = ["B", "N", "V", "top_p", "xla us", "pallas us", "roofline us", "speedup", "pallas/roofline", "agree"]
-    table = [[r["B"], r["N"], r["V"], r["top_p"], r["xla_us"], r["pallas_us"], r["roofline_us"], f"{r['speedup']:.1f}x",
-              f"{r['x_roofline']:.1f}x", f"{r['agree']:.3f}"] for r in rows]
+    table = [
+        [
+            r["B"],
+            r["N"],
+            r["V"],
+            r["top_p"],
+            r["xla_us"],
+            r["pallas_us"],
+            r["roofline_us"],
+            f"{r['speedup']:.1f}x",
+            f"{r['x_roofline']:.1f}x",
+            f"{r['agree']:.3f}",
+        ]
+        for r in rows
+    ]
     print("\n" + markdown_table(header, table))
-    path = write_result("tree_sampling" + ("_nocond" if args.no_cond else ""), {"rows": rows, "reps_per_timing": REPS, "copy_bandwidth_Bps": copy_bw, "skip_with_cond": not args.no_cond}, args.commit)
+    path = write_result(
+        "tree_sampling" + ("_nocond" if args.no_cond else ""),
+        {"rows": rows, "reps_per_timing": REPS, "copy_bandwidth_Bps": copy_bw, "skip_with_cond": not args.no_cond},
+        args.commit,
+    )
     print(f"\nwritten: {path}")
 
 

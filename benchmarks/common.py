@@ -37,8 +37,12 @@ class Timing:
         """{"median_us", "p10_us", "p90_us", "reps"}: microseconds; p10 / p90 the sorted samples at
         len // 10 and 9 * len // 10."""
         us = [s * 1e6 for s in self.seconds]
-        return {"median_us": statistics.median(us), "p10_us": us[len(us) // 10], "p90_us": us[(9 * len(us)) // 10],
-                "reps": len(us)}
+        return {
+            "median_us": statistics.median(us),
+            "p10_us": us[len(us) // 10],
+            "p90_us": us[(9 * len(us)) // 10],
+            "reps": len(us),
+        }
 
 
 def time_calls(fn, arg_sets: Sequence[tuple], *, runs: int = 7, warmup: int = 1) -> Timing:
@@ -83,7 +87,7 @@ def write_result(name: str, payload: dict, commit: str, out_dir: str | None = No
     os.makedirs(out_dir, exist_ok=True)
     record = {
         "benchmark": name,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device_description(),
         "commit": commit,
         **payload,

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3
-from ddtree_kernels.quant import INT4_GROUP, Int4Weight
 from ddtree_jax.presets import preset
+from ddtree_kernels.quant import INT4_GROUP, Int4Weight
 
 EXPERTS = ("expert_gate", "expert_up", "expert_down")
 
@@ -21,8 +21,9 @@ def k26_config(layers: int, tiny: bool = False) -> DeepSeekV3Config:
     """The K2.6 target with `layers` decoder layers (the first dense), tapped at layers 1, layers // 2 and
     the last (clipped to the depth); tiny: the `kimi-k2-mesh-tiny` preset, tapped at its first two layers."""
     if tiny:
-        return dataclasses.replace(preset("kimi-k2-mesh-tiny"), num_layers=layers,
-                                   tapped_layers=tuple(range(min(layers, 2))))
+        return dataclasses.replace(
+            preset("kimi-k2-mesh-tiny"), num_layers=layers, tapped_layers=tuple(range(min(layers, 2)))
+        )
     taps = tuple(sorted({min(layers - 1, t) for t in (1, layers // 2, layers - 1)}))
     return dataclasses.replace(preset("kimi-k2.6"), num_layers=layers, tapped_layers=taps)
 

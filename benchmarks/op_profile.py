@@ -60,8 +60,10 @@ def op_times(fn, *args, runs: int = 5) -> list[dict]:
                     total_ns[op] += event.duration_ns
                     count[op] += 1
                     module.setdefault(op, stats.get("hlo_module", "?"))
-    rows = [{"op": op, "module": module[op], "us_per_run": total_ns[op] / 1e3 / runs, "events_per_run": count[op] / runs}
-            for op in total_ns]
+    rows = [
+        {"op": op, "module": module[op], "us_per_run": total_ns[op] / 1e3 / runs, "events_per_run": count[op] / runs}
+        for op in total_ns
+    ]
     return sorted(rows, key=lambda r: -r["us_per_run"])
 
 
@@ -70,6 +72,8 @@ def format_op_table(rows: list[dict], top: int = 12) -> str:
     total = sum(r["us_per_run"] for r in rows) or 1.0
     lines = [f"  total device time {total:9.1f} us per run over {len(rows)} ops"]
     for r in rows[:top]:
-        lines.append(f"  {r['us_per_run']:9.1f} us {100 * r['us_per_run'] / total:5.1f}%  x{r['events_per_run']:<5.1f} "
-                     f"{r['op'][:70]}")
+        lines.append(
+            f"  {r['us_per_run']:9.1f} us {100 * r['us_per_run'] / total:5.1f}%  x{r['events_per_run']:<5.1f} "
+            f"{r['op'][:70]}"
+        )
     return "\n".join(lines)

@@ -94,11 +94,15 @@ def _load(args: argparse.Namespace):
 def _encode(pair, texts: list[str], chat: bool, where: str) -> list[list[int]]:
     """Prompt texts -> ids with the pair's tokenizer (wrapped in its chat template with --chat)."""
     if pair.tokenizer is None:
-        raise SystemExit("error: --prompt needs a tokenizer (tokenizer.json or tiktoken.model) in the target "
-                         "directory; use --prompt-ids")
+        raise SystemExit(
+            "error: --prompt needs a tokenizer (tokenizer.json or tiktoken.model) in the target "
+            "directory; use --prompt-ids"
+        )
     if chat and not pair.tokenizer.has_chat_template:
-        raise SystemExit(f"error: --chat needs a chat template in {where} (chat_template.jinja or "
-                         "tokenizer_config.json's chat_template)")
+        raise SystemExit(
+            f"error: --chat needs a chat template in {where} (chat_template.jinja or "
+            "tokenizer_config.json's chat_template)"
+        )
     prompts = []
     for text in texts:
         if chat:
@@ -119,8 +123,14 @@ def _stop_tokens(pair, chat: bool) -> list[int]:
 def _sampling(args: argparse.Namespace) -> dict:
     from ddtree_jax.options import DecodeOptions
 
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                options=DecodeOptions(order=args.order))
+    return dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        options=DecodeOptions(order=args.order),
+    )
 
 
 def _profile_rows(pair, prompt, columns, args) -> list[tuple[str, dict]]:
@@ -129,8 +139,16 @@ def _profile_rows(pair, prompt, columns, args) -> list[tuple[str, dict]]:
 
     rows = []
     for method, budget in columns:
-        times = stage_times(pair, prompt, method=method, budget=budget or 1, block_size=args.block_size,
-                            max_new_tokens=args.max_new, **_sampling(args), repeats=max(args.repeats, 10))
+        times = stage_times(
+            pair,
+            prompt,
+            method=method,
+            budget=budget or 1,
+            block_size=args.block_size,
+            max_new_tokens=args.max_new,
+            **_sampling(args),
+            repeats=max(args.repeats, 10),
+        )
         rows.append((method + ("" if budget is None else f" {budget}"), times))
     return rows
 
@@ -145,8 +163,13 @@ def _generate_command(args: argparse.Namespace) -> int:
     pair = _load(args)
     methods = ["ar", "chain", "ddtree"] if args.method == "all" else [args.method]
     for method in methods:  # before anything compiles
-        run_module.check_options(method, budget=args.budget, block_size=args.block_size, max_new_tokens=args.max_new,
-                                 drafter=getattr(pair, "drafter", None))
+        run_module.check_options(
+            method,
+            budget=args.budget,
+            block_size=args.block_size,
+            max_new_tokens=args.max_new,
+            drafter=getattr(pair, "drafter", None),
+        )
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids, "--prompt-ids")
     elif args.prompt is not None:
@@ -155,17 +178,30 @@ def _generate_command(args: argparse.Namespace) -> int:
         prompt = [1, 2, 3, 4]
     stop_tokens = _stop_tokens(pair, args.chat)
     decode = (lambda ids: pair.tokenizer.decode(ids, skip_special_tokens=True)) if pair.tokenizer else str
-    print(f"device: {jax.devices()[0].platform}; prompt: {len(prompt)} tokens; T = {args.temperature}; "
-          f"max_new_tokens = {args.max_new}" + (f"; stop tokens {stop_tokens}" if stop_tokens else ""), flush=True)
+    print(
+        f"device: {jax.devices()[0].platform}; prompt: {len(prompt)} tokens; T = {args.temperature}; "
+        f"max_new_tokens = {args.max_new}" + (f"; stop tokens {stop_tokens}" if stop_tokens else ""),
+        flush=True,
+    )
     reports = {}
     for method in methods:
-        report = run_module.run(pair, [prompt], method=method, budget=args.budget, block_size=args.block_size,
-                                max_new_tokens=args.max_new, **_sampling(args), stop_tokens=stop_tokens,
-                                repeats=args.repeats)
+        report = run_module.run(
+            pair,
+            [prompt],
+            method=method,
+            budget=args.budget,
+            block_size=args.block_size,
+            max_new_tokens=args.max_new,
+            **_sampling(args),
+            stop_tokens=stop_tokens,
+            repeats=args.repeats,
+        )
         reports[method] = report
-        print(f"\n[{method}{' budget ' + str(args.budget) if method == 'ddtree' else ''}] "
-              f"tau = {report['tau']:.2f} tokens/step, {report['tokens_per_s']:.1f} tokens/s "
-              f"(compile {report['compile_s']:.1f} s, run {report['run_s'] * 1e3:.0f} ms)")
+        print(
+            f"\n[{method}{' budget ' + str(args.budget) if method == 'ddtree' else ''}] "
+            f"tau = {report['tau']:.2f} tokens/step, {report['tokens_per_s']:.1f} tokens/s "
+            f"(compile {report['compile_s']:.1f} s, run {report['run_s'] * 1e3:.0f} ms)"
+        )
         print(decode(report["tokens"][0]), flush=True)
     if "ar" in reports and len(reports) > 1:
         for method, report in reports.items():
@@ -175,8 +211,9 @@ def _generate_command(args: argparse.Namespace) -> int:
         from ddtree_jax.engine.profile import format_stage_table
 
         columns = [(m, args.budget if m == "ddtree" else None) for m in methods]
-        print("\nper-stage times of one decode step:\n" + format_stage_table(
-            _profile_rows(pair, prompt, columns, args)))
+        print(
+            "\nper-stage times of one decode step:\n" + format_stage_table(_profile_rows(pair, prompt, columns, args))
+        )
     return 0
 
 
@@ -219,35 +256,56 @@ def _bench_command(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in run_module.METHODS]
     if bad or not methods:
-        raise ValueError(f"--methods must be a comma-separated subset of {','.join(run_module.METHODS)}, "
-                         f"got {args.methods!r}")
+        raise ValueError(
+            f"--methods must be a comma-separated subset of {','.join(run_module.METHODS)}, got {args.methods!r}"
+        )
     pair = _load(args)
     columns = run_module.bench_columns(budgets, methods)
     for method, budget in columns:  # before anything compiles
-        run_module.check_options(method, budget=budget, block_size=args.block_size, max_new_tokens=args.max_new,
-                                 drafter=pair.drafter)
+        run_module.check_options(
+            method, budget=budget, block_size=args.block_size, max_new_tokens=args.max_new, drafter=pair.drafter
+        )
     prompts = _bench_prompts(args, pair)
     stop_tokens = _stop_tokens(pair, args.chat)
     device = jax.devices()[0]
-    print(f"device: {device.platform} ({device.device_kind}); {len(prompts)} prompt(s) of "
-          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens; T = {args.temperature}; "
-          f"max_new_tokens = {args.max_new}; repeats = {args.repeats}" + (f"; stop tokens {stop_tokens}" if stop_tokens else ""),
-          flush=True)
-    rows = run_module.benchmark(pair, prompts, budgets=budgets, block_size=args.block_size, max_new_tokens=args.max_new,
-                                **_sampling(args), stop_tokens=stop_tokens, repeats=args.repeats, methods=methods,
-                                progress=not args.no_progress)
+    print(
+        f"device: {device.platform} ({device.device_kind}); {len(prompts)} prompt(s) of "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens; T = {args.temperature}; "
+        f"max_new_tokens = {args.max_new}; repeats = {args.repeats}"
+        + (f"; stop tokens {stop_tokens}" if stop_tokens else ""),
+        flush=True,
+    )
+    rows = run_module.benchmark(
+        pair,
+        prompts,
+        budgets=budgets,
+        block_size=args.block_size,
+        max_new_tokens=args.max_new,
+        **_sampling(args),
+        stop_tokens=stop_tokens,
+        repeats=args.repeats,
+        methods=methods,
+        progress=not args.no_progress,
+    )
     header = f"{'method':<8}{'budget':>7}{'block':>6}{'tokens/s':>11}{'mean tau':>10}{'speedup':>9}{'compile s':>11}"
     print("\n" + header + "\n" + "-" * len(header))
     for row in rows:
         speedup = "" if row["speedup"] is None else f"{row['speedup']:.2f}x"
-        print(f"{row['method']:<8}{'' if row['budget'] is None else row['budget']:>7}"
-              f"{'' if row['block_size'] is None else row['block_size']:>6}{row['tokens_per_s']:>11.1f}"
-              f"{row['mean_tau']:>10.2f}{speedup:>9}{row['compile_s']:>11.1f}")
-    print("(tokens/s: all prompts' tokens over their summed median run times, prefill included; "
-          "speedup: tokens/s over AR's)")
+        print(
+            f"{row['method']:<8}{'' if row['budget'] is None else row['budget']:>7}"
+            f"{'' if row['block_size'] is None else row['block_size']:>6}{row['tokens_per_s']:>11.1f}"
+            f"{row['mean_tau']:>10.2f}{speedup:>9}{row['compile_s']:>11.1f}"
+        )
+    print(
+        "(tokens/s: all prompts' tokens over their summed median run times, prefill included; "
+        "speedup: tokens/s over AR's)"
+    )
     if args.temperature == 0 and any(row.get("same_text_as_ar") is False for row in rows):
-        differ = [row["method"] + ("" if row["budget"] is None else f" {row['budget']}") for row in rows
-                  if row.get("same_text_as_ar") is False]
+        differ = [
+            row["method"] + ("" if row["budget"] is None else f" {row['budget']}")
+            for row in rows
+            if row.get("same_text_as_ar") is False
+        ]
         print(f"note: greedy text differs from AR's for {', '.join(differ)} (near-ties in low precision)")
     profile = None
     if args.profile:
@@ -258,15 +316,29 @@ def _bench_command(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count()},
-            "settings": {"budgets": budgets, "methods": methods, "block_size": args.block_size,
-                         "max_new_tokens": args.max_new, "temperature": args.temperature, "top_k": args.top_k,
-                         "top_p": args.top_p, "min_p": args.min_p, "order": args.order, "seed": args.seed,
-                         "repeats": args.repeats, "stop_tokens": stop_tokens, "chat": args.chat,
-                         "target": args.target, "drafter": args.drafter, "random_tiny": args.random_tiny},
+            "settings": {
+                "budgets": budgets,
+                "methods": methods,
+                "block_size": args.block_size,
+                "max_new_tokens": args.max_new,
+                "temperature": args.temperature,
+                "top_k": args.top_k,
+                "top_p": args.top_p,
+                "min_p": args.min_p,
+                "order": args.order,
+                "seed": args.seed,
+                "repeats": args.repeats,
+                "stop_tokens": stop_tokens,
+                "chat": args.chat,
+                "target": args.target,
+                "drafter": args.drafter,
+                "random_tiny": args.random_tiny,
+            },
             "prompts": prompts,
             "results": rows,
-            "profile": None if profile is None else [
-                {"method": m, "budget": b, **times} for (m, b), (_, times) in zip(columns, profile)],
+            "profile": None
+            if profile is None
+            else [{"method": m, "budget": b, **times} for (m, b), (_, times) in zip(columns, profile)],
         }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -275,8 +347,9 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 
 def _add_pair_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="HF directory of the target (config.json, safetensors, tokenizer.json or "
-                        "tiktoken.model)")
+    parser.add_argument(
+        "--target", help="HF directory of the target (config.json, safetensors, tokenizer.json or tiktoken.model)"
+    )
     parser.add_argument("--drafter", help="HF directory of the DFlash drafter")
     parser.add_argument("--random-tiny", action="store_true", help="a random tiny pair instead (smoke run)")
 
@@ -288,18 +361,27 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--order", default="draft", choices=["draft", "reverse", "random"],
-                        help="sibling verification order (default: draft)")
+    parser.add_argument(
+        "--order",
+        default="draft",
+        choices=["draft", "reverse", "random"],
+        help="sibling verification order (default: draft)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also time each stage of one decode step alone (draft, tree, verify forward, "
-                        "verification, commit) next to the fused step")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time each stage of one decode step alone (draft, tree, verify forward, "
+        "verification, commit) next to the fused step",
+    )
     parser.add_argument("--compilation-cache", default=None, help="persistent XLA cache dir ('' to disable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ddtree-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     tree = sub.add_parser("tree", help="build and show a DDTree from draft logits")
     tree.add_argument("--logits", help=".npy file of draft logits [L, V] or [B, L, V] (default: synthetic)")
@@ -317,9 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="speculative generation from HF checkpoints, timed")
     _add_pair_args(gen)
     gen.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
-    gen.add_argument("--chat", action="store_true",
-                     help="wrap --prompt as one user message in the target's chat template (generation prompt added); "
-                     "generation stops at the tokenizer's eos / end-of-turn token")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap --prompt as one user message in the target's chat template (generation prompt added); "
+        "generation stops at the tokenizer's eos / end-of-turn token",
+    )
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     gen.add_argument("--method", default="ddtree", choices=["ddtree", "chain", "ar", "all"])
     gen.add_argument("--budget", type=int, default=32)
@@ -339,9 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench_command)
 
-    plan = sub.add_parser("dispatch", help="what one decode step runs: every 'auto' choice for a target, method and budget")
-    plan.add_argument("--config", default="configs/kimi_k2_6.json",
-                      help="HF config.json of the target, or a directory holding one (default configs/kimi_k2_6.json)")
+    plan = sub.add_parser(
+        "dispatch", help="what one decode step runs: every 'auto' choice for a target, method and budget"
+    )
+    plan.add_argument(
+        "--config",
+        default="configs/kimi_k2_6.json",
+        help="HF config.json of the target, or a directory holding one (default configs/kimi_k2_6.json)",
+    )
     plan.add_argument("--backend", default=None, choices=["gpu", "cpu", "tpu"], help="default: this machine's")
     plan.add_argument("--method", default="ddtree", choices=["ddtree", "chain", "ar"])
     plan.add_argument("--budget", type=int, default=32)
@@ -358,10 +448,18 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     from ddtree_jax.checkpoint.hf_config import parse_config, read_config
     from ddtree_jax.options import DecodeOptions
 
-    options = DecodeOptions(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl, moe_impl=args.moe_impl,
-                            verify_impl=args.verify_impl, layer_loop=args.layer_loop, topk_impl=args.topk_impl)
+    options = DecodeOptions(
+        attn_impl=args.attn_impl,
+        matmul_impl=args.matmul_impl,
+        moe_impl=args.moe_impl,
+        verify_impl=args.verify_impl,
+        layer_loop=args.layer_loop,
+        topk_impl=args.topk_impl,
+    )
     if args.budget < 1 or args.block_size < 2 or args.batch < 1:
-        raise ValueError(f"--budget >= 1, --block-size >= 2 and --batch >= 1, got {args.budget}, {args.block_size}, {args.batch}")
+        raise ValueError(
+            f"--budget >= 1, --block-size >= 2 and --batch >= 1, got {args.budget}, {args.block_size}, {args.batch}"
+        )
     path = args.config if os.path.isdir(args.config) else os.path.dirname(os.path.abspath(args.config))
     if not os.path.isdir(args.config) and os.path.basename(args.config) != "config.json":
         import json as json_module
@@ -371,10 +469,19 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     else:
         config = parse_config(read_config(path))
     backend = args.backend or dispatch.backend()
-    rows = dispatch.decode_plan(options, config, method=args.method, budget=args.budget, block_size=args.block_size,
-                                batch=args.batch, backend_name=backend)
-    print(f"{type(config).__name__} ({args.config}), {args.method}"
-          f"{f' budget {args.budget}' if args.method == 'ddtree' else ''}, batch {args.batch}, backend {backend}")
+    rows = dispatch.decode_plan(
+        options,
+        config,
+        method=args.method,
+        budget=args.budget,
+        block_size=args.block_size,
+        batch=args.batch,
+        backend_name=backend,
+    )
+    print(
+        f"{type(config).__name__} ({args.config}), {args.method}"
+        f"{f' budget {args.budget}' if args.method == 'ddtree' else ''}, batch {args.batch}, backend {backend}"
+    )
     width = max(len(r.stage) for r in rows)
     for r in rows:
         print(f"  {r.stage:<{width}}  {r.choice:<10}  {r.why}")

@@ -27,7 +27,15 @@ class Qwen3Config:
     tapped_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -139,9 +147,13 @@ class DeepSeekV3Config:
         if self.expert_format not in ("dense", "int4"):
             raise ValueError(f"expert_format must be 'dense' or 'int4', got {self.expert_format!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
-            raise ValueError(f"first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, num_layers = {self.num_layers}]")
+            raise ValueError(
+                f"first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, num_layers = {self.num_layers}]"
+            )
         if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})")
+            raise ValueError(
+                f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})"
+            )
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group = {self.n_group}]")
         if self.rope_type not in ("default", "yarn"):

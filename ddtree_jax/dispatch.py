@@ -57,7 +57,7 @@ def _check(kind: str, impl: str, allowed: tuple[str, ...]) -> None:
 
 
 def attention_impl(impl: str, *, queries: int | None = None, mla: bool = False, backend_name: str | None = None) -> str:
-    """"xla" or "pallas" for a call with `queries` query positions per row (None: a decode / verify
+    """ "xla" or "pallas" for a call with `queries` query positions per row (None: a decode / verify
     step) of a GQA (mla=False) or absorbed-MLA layer."""
     _check("attention", impl, ATTENTION_IMPLS)
     if impl != "auto":
@@ -68,7 +68,7 @@ def attention_impl(impl: str, *, queries: int | None = None, mla: bool = False, 
 
 
 def matmul_impl(impl: str, *, rows: int, quantized: bool, backend_name: str | None = None) -> str:
-    """"xla" or "pallas" for x [rows, in] @ weight^T, the weight quantised (INT4 / block FP8) or not."""
+    """ "xla" or "pallas" for x [rows, in] @ weight^T, the weight quantised (INT4 / block FP8) or not."""
     _check("matmul", impl, MATMUL_IMPLS)
     if impl != "auto":
         return impl
@@ -94,7 +94,7 @@ def local_expert_impl(assignments: int, local_experts: int, backend_name: str | 
 
 
 def verify_impl(impl: str, backend_name: str | None = None) -> str:
-    """"xla" or "pallas" for tree rejection sampling."""
+    """ "xla" or "pallas" for tree rejection sampling."""
     _check("sampling", impl, VERIFY_IMPLS)
     if impl != "auto":
         return impl
@@ -114,7 +114,7 @@ def prefilter_pays(vocab: int, k: int) -> bool:
 
 
 def topk_impl(impl: str, *, vocab: int, k: int) -> str:
-    """"xla" or "prefilter" for the per-depth top-K (the same on every backend: both are XLA)."""
+    """ "xla" or "prefilter" for the per-depth top-K (the same on every backend: both are XLA)."""
     _check("top-k", impl, TOPK_IMPLS)
     if impl != "auto":
         return impl
@@ -128,8 +128,16 @@ class StageChoice:
     why: str
 
 
-def decode_plan(options, target_config, *, method: str, budget: int, block_size: int, batch: int = 1,
-                backend_name: str | None = None) -> list[StageChoice]:
+def decode_plan(
+    options,
+    target_config,
+    *,
+    method: str,
+    budget: int,
+    block_size: int,
+    batch: int = 1,
+    backend_name: str | None = None,
+) -> list[StageChoice]:
     """What one decode step runs with these `options` (an `options.DecodeOptions`) on a target of
     `target_config`: one StageChoice per decision, after the "auto" rules above."""
     backend_name = backend_name or backend()
@@ -140,23 +148,47 @@ def decode_plan(options, target_config, *, method: str, budget: int, block_size:
     if method != "ar":
         vocab, k = target_config.vocab_size, min(budget, target_config.vocab_size) if method == "ddtree" else 1
         if method == "ddtree":
-            topk = options.topk_impl if options.topk_impl == "vocab_parallel" else topk_impl(options.topk_impl, vocab=vocab, k=k)
+            topk = (
+                options.topk_impl
+                if options.topk_impl == "vocab_parallel"
+                else topk_impl(options.topk_impl, vocab=vocab, k=k)
+            )
             plan.append(StageChoice("tree top-k", topk, f"V = {vocab}, K = {k}"))
-    plan.append(StageChoice("tree-forward attention", attention_impl(options.attn_impl, queries=slots, mla=mla,
-                                                                     backend_name=backend_name),
-                            f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row"))
-    plan.append(StageChoice("tree-forward matmul", matmul_impl(options.matmul_impl, rows=rows, quantized=False,
-                                                               backend_name=backend_name),
-                            f"{rows} rows, bf16 / float weights (INT4 and FP8 weights: the kernel up to "
-                            f"{AUTO_PALLAS_MAX_ROWS} rows)"))
+    plan.append(
+        StageChoice(
+            "tree-forward attention",
+            attention_impl(options.attn_impl, queries=slots, mla=mla, backend_name=backend_name),
+            f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row",
+        )
+    )
+    plan.append(
+        StageChoice(
+            "tree-forward matmul",
+            matmul_impl(options.matmul_impl, rows=rows, quantized=False, backend_name=backend_name),
+            f"{rows} rows, bf16 / float weights (INT4 and FP8 weights: the kernel up to {AUTO_PALLAS_MAX_ROWS} rows)",
+        )
+    )
     if hasattr(target_config, "n_routed_experts"):
         assignments = rows * target_config.num_experts_per_tok
-        choice = options.moe_impl if options.moe_impl != "auto" else moe_impl(assignments, target_config.n_routed_experts,
-                                                                                backend_name)
-        plan.append(StageChoice("tree-forward MoE", choice,
-                                f"{assignments} assignments over {target_config.n_routed_experts} experts"))
+        choice = (
+            options.moe_impl
+            if options.moe_impl != "auto"
+            else moe_impl(assignments, target_config.n_routed_experts, backend_name)
+        )
+        plan.append(
+            StageChoice(
+                "tree-forward MoE", choice, f"{assignments} assignments over {target_config.n_routed_experts} experts"
+            )
+        )
     verifier = options.verifier
-    plan.append(StageChoice("rejection walk", "xla" if verifier != "sampling" else verify_impl(options.verify_impl, backend_name),
-                            f"{verifier} verifier"))
-    plan.append(StageChoice("layer loop", options.layer_loop, "the model's default" if options.layer_loop == "auto" else "set"))
+    plan.append(
+        StageChoice(
+            "rejection walk",
+            "xla" if verifier != "sampling" else verify_impl(options.verify_impl, backend_name),
+            f"{verifier} verifier",
+        )
+    )
+    plan.append(
+        StageChoice("layer loop", options.layer_loop, "the model's default" if options.layer_loop == "auto" else "set")
+    )
     return plan

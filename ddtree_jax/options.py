@@ -53,10 +53,16 @@ class DecodeOptions:
     threshold_single: float = 1.0
 
     def __post_init__(self):
-        for name, allowed in (("attn_impl", dispatch.ATTENTION_IMPLS), ("matmul_impl", dispatch.MATMUL_IMPLS),
-                              ("moe_impl", dispatch.MOE_IMPLS), ("verify_impl", dispatch.VERIFY_IMPLS),
-                              ("layer_loop", dispatch.LAYER_LOOPS), ("topk_impl", dispatch.BUILD_TOPK_IMPLS),
-                              ("order", ORDER_POLICIES), ("verifier", VERIFIERS)):
+        for name, allowed in (
+            ("attn_impl", dispatch.ATTENTION_IMPLS),
+            ("matmul_impl", dispatch.MATMUL_IMPLS),
+            ("moe_impl", dispatch.MOE_IMPLS),
+            ("verify_impl", dispatch.VERIFY_IMPLS),
+            ("layer_loop", dispatch.LAYER_LOOPS),
+            ("topk_impl", dispatch.BUILD_TOPK_IMPLS),
+            ("order", ORDER_POLICIES),
+            ("verifier", VERIFIERS),
+        ):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"DecodeOptions.{name} must be one of {allowed}, got {value!r}")
@@ -65,10 +71,12 @@ class DecodeOptions:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"DecodeOptions.{name} must be a number in [0, 1], got {value!r}")
         if self.verifier == "sample_then_walk" and (self.threshold_acc, self.threshold_single) != (1.0, 1.0):
-            raise ValueError("DecodeOptions: the sample-then-walk verifier has no lossy thresholds; "
-                             f"got threshold_acc={self.threshold_acc}, threshold_single={self.threshold_single}")
+            raise ValueError(
+                "DecodeOptions: the sample-then-walk verifier has no lossy thresholds; "
+                f"got threshold_acc={self.threshold_acc}, threshold_single={self.threshold_single}"
+            )
 
-    def replace(self, **changes) -> "DecodeOptions":
+    def replace(self, **changes) -> DecodeOptions:
         return dataclasses.replace(self, **changes)
 
     def target_impls(self, target_config) -> dict:
@@ -80,5 +88,7 @@ class DecodeOptions:
         if hasattr(target_config, "n_routed_experts"):
             impls["moe_impl"] = self.moe_impl
         elif self.moe_impl != "auto":
-            raise ValueError(f"moe_impl={self.moe_impl!r} needs an MoE target; {type(target_config).__name__} has no experts")
+            raise ValueError(
+                f"moe_impl={self.moe_impl!r} needs an MoE target; {type(target_config).__name__} has no experts"
+            )
         return impls

@@ -17,12 +17,12 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Callable, Union
+from collections.abc import Callable
 
 from ddtree_jax.checkpoint.hf_config import parse_config
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 
-ModelConfig = Union[Qwen3Config, DeepSeekV3Config, DFlashConfig]
+ModelConfig = Qwen3Config | DeepSeekV3Config | DFlashConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -32,7 +32,7 @@ K2_TAPS = (1, 12, 24, 35, 47, 58)
 QWEN3_8B_TAPS = (1, 9, 17, 25, 33)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def config_file(filename: str) -> ModelConfig:
     """The config of configs/`filename`, parsed as a checkpoint's config.json is (frozen, so cached)."""
     with open(os.path.join(CONFIG_DIR, filename)) as f:
@@ -55,50 +55,123 @@ def kimi_k2_5_dflash() -> DFlashConfig:
     ASSUMED (the public card gives layers, hidden, block, taps and mask only): 64 heads, 8 KV heads, head_dim
     128, intermediate 18432. With these the drafter has 3.48e9 parameters = 6.48 GiB in bf16, the size
     public model lists give for the checkpoint (tests/analysis/test_memory.py checks the count)."""
-    return DFlashConfig(hidden_size=7168, intermediate_size=18432, num_layers=6, num_heads=64, num_kv_heads=8,
-                        head_dim=128, block_size=8, mask_token_id=163838, target_layers=K2_TAPS,
-                        rope_theta=50000.0, rope_type="yarn", rope_factor=64.0, rope_original_max_position=4096,
-                        rope_mscale=1.0, rope_mscale_all_dim=1.0)
+    return DFlashConfig(
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_layers=6,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=8,
+        mask_token_id=163838,
+        target_layers=K2_TAPS,
+        rope_theta=50000.0,
+        rope_type="yarn",
+        rope_factor=64.0,
+        rope_original_max_position=4096,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=1.0,
+    )
 
 
 def kimi_k2_mesh_tiny() -> DeepSeekV3Config:
     """A 2-layer K2-shaped model whose heads (8) and experts (16) divide over an 8-device mesh (the CPU
     check of the multi-device runs; configs/kimi_k2_tiny.json has 4 heads)."""
-    return DeepSeekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=128,
-                            num_layers=2, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
-                            num_experts_per_tok=4, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-                            norm_topk_prob=True, num_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                            qk_rope_head_dim=8, v_head_dim=16, tapped_layers=(0, 1))
+    return DeepSeekV3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=128,
+        num_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        norm_topk_prob=True,
+        num_heads=8,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        tapped_layers=(0, 1),
+    )
 
 
 def kimi_k2_mesh_tiny_dflash() -> DFlashConfig:
     """A 1-layer DFlash drafter of kimi_k2_mesh_tiny (hidden 64, 8 heads, block 8, mask = the last token)."""
-    return DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=8, head_dim=8,
-                        block_size=8, mask_token_id=255, target_layers=(0, 1))
+    return DFlashConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=8,
+        block_size=8,
+        mask_token_id=255,
+        target_layers=(0, 1),
+    )
 
 
 def qwen3_8b() -> Qwen3Config:
     """Qwen3-8B (36 layers, hidden 4096, 32 query / 8 KV heads of 128), tapped as Qwen3-8B-DFlash-b16."""
-    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                       num_kv_heads=8, head_dim=128, tapped_layers=QWEN3_8B_TAPS)
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tapped_layers=QWEN3_8B_TAPS,
+    )
 
 
 def qwen3_8b_dflash_b16() -> DFlashConfig:
     """Qwen3-8B-DFlash-b16: 5 layers of Qwen3-8B's width, block 16, mask token 151669."""
-    return DFlashConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
-                        head_dim=128, block_size=16, mask_token_id=151669, target_layers=QWEN3_8B_TAPS)
+    return DFlashConfig(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=5,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        mask_token_id=151669,
+        target_layers=QWEN3_8B_TAPS,
+    )
 
 
 def qwen3_tiny() -> Qwen3Config:
     """A random-weight smoke-test target: 4 layers, hidden 64, vocab 512."""
-    return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                       head_dim=16, tapped_layers=(1, 2))
+    return Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tapped_layers=(1, 2),
+    )
 
 
 def qwen3_tiny_dflash() -> DFlashConfig:
     """The 1-layer DFlash drafter of qwen3_tiny (block 8, mask = the last token of its 512)."""
-    return DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                        block_size=8, mask_token_id=511, target_layers=(1, 2))
+    return DFlashConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=8,
+        mask_token_id=511,
+        target_layers=(1, 2),
+    )
 
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {

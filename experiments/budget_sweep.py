@@ -77,22 +77,46 @@ def summarise(res: dict, *, method: str, budget: int | None, temperature: float,
         exact_z = float(diff.mean() / diff_se)
     else:  # deterministic (greedy) steps: measured == expected up to float rounding
         exact_z = 0.0 if np.allclose(diff, 0.0, atol=1e-3) else float("inf")
-    corr = (float(np.corrcoef(surrogate, measured)[0, 1])
-            if len(measured) > 2 and measured.std() > 0 and surrogate.std() > 0 else float("nan"))
+    corr = (
+        float(np.corrcoef(surrogate, measured)[0, 1])
+        if len(measured) > 2 and measured.std() > 0 and surrogate.std() > 0
+        else float("nan")
+    )
     edges = np.asarray(CALIBRATION_EDGES)
     which = np.clip(np.searchsorted(edges, surrogate, side="right") - 1, 0, len(edges) - 2)
-    calibration = [{"surrogate_lo": float(edges[i]), "surrogate_hi": float(edges[i + 1]), "steps": int((which == i).sum()),
-                    "surrogate_mean": float(surrogate[which == i].mean()), "measured_mean": float(measured[which == i].mean()),
-                    "expected_mean": float(expected[which == i].mean())}
-                   for i in range(len(edges) - 1) if (which == i).any()] if len(rec["measured"]) else []
+    calibration = (
+        [
+            {
+                "surrogate_lo": float(edges[i]),
+                "surrogate_hi": float(edges[i + 1]),
+                "steps": int((which == i).sum()),
+                "surrogate_mean": float(surrogate[which == i].mean()),
+                "measured_mean": float(measured[which == i].mean()),
+                "expected_mean": float(expected[which == i].mean()),
+            }
+            for i in range(len(edges) - 1)
+            if (which == i).any()
+        ]
+        if len(rec["measured"])
+        else []
+    )
     row = {
-        "method": method, "budget": budget, "temperature": float(temperature),
-        "generations": int(np.isfinite(res["tau"]).sum()), "decode_steps": int(res["steps"].sum()),
+        "method": method,
+        "budget": budget,
+        "temperature": float(temperature),
+        "generations": int(np.isfinite(res["tau"]).sum()),
+        "decode_steps": int(res["steps"].sum()),
         "tokens": int(res["num_generated"].sum()),
-        "mean_tau": tau_mean, "se_tau": tau_se, "pooled_tau": pooled_tau(res),
-        "step_measured_mean": float(measured.mean()), "step_surrogate_mean": float(surrogate.mean()),
-        "step_expected_mean": float(expected.mean()), "surrogate_over_measured": float(surrogate.mean() / measured.mean()),
-        "surrogate_measured_corr": corr, "exact_z": exact_z, "calibration": calibration,
+        "mean_tau": tau_mean,
+        "se_tau": tau_se,
+        "pooled_tau": pooled_tau(res),
+        "step_measured_mean": float(measured.mean()),
+        "step_surrogate_mean": float(surrogate.mean()),
+        "step_expected_mean": float(expected.mean()),
+        "surrogate_over_measured": float(surrogate.mean() / measured.mean()),
+        "surrogate_measured_corr": corr,
+        "exact_z": exact_z,
+        "calibration": calibration,
         "per_generation_tau": [None if not np.isfinite(t) else round(float(t), STEP_DIGITS) for t in res["tau"]],
     }
     if keep_steps:
@@ -100,9 +124,22 @@ def summarise(res: dict, *, method: str, budget: int | None, temperature: float,
     return row
 
 
-def run_sweep(pair, prompt_ids: list[list[int]], *, budgets=BUDGETS, temperatures=TEMPERATURES, max_new: int = 128,
-              samples: int = 1, seed: int = 0, include_chain: bool = True, order: str = "draft", stop_tokens=None,
-              batch_size: int | None = None, keep_steps: bool = True, progress: bool = True) -> dict:
+def run_sweep(
+    pair,
+    prompt_ids: list[list[int]],
+    *,
+    budgets=BUDGETS,
+    temperatures=TEMPERATURES,
+    max_new: int = 128,
+    samples: int = 1,
+    seed: int = 0,
+    include_chain: bool = True,
+    order: str = "draft",
+    stop_tokens=None,
+    batch_size: int | None = None,
+    keep_steps: bool = True,
+    progress: bool = True,
+) -> dict:
     """The sweep's rows (module docstring) and its `targets` check.
 
     samples: generations per prompt at T > 0 (request ids 0 .. P * samples - 1, prompt i at rows i, i + P, ...);
@@ -120,41 +157,82 @@ def run_sweep(pair, prompt_ids: list[list[int]], *, budgets=BUDGETS, temperature
             for temperature in temperatures:
                 bar.set_description(f"{method}{'' if budget is None else f' {budget}'} T={temperature:g}")
                 reps = 1 if temperature == 0 else samples
-                res = study_generate(pair, prompt_ids * reps, method=method, budget=budget or 1, max_new_tokens=max_new,
-                                     temperature=temperature, seed=seed, stop_tokens=stop, order=order,
-                                     batch_size=batch_size)
-                rows.append(summarise(res, method=method, budget=budget, temperature=temperature, keep_steps=keep_steps))
+                res = study_generate(
+                    pair,
+                    prompt_ids * reps,
+                    method=method,
+                    budget=budget or 1,
+                    max_new_tokens=max_new,
+                    temperature=temperature,
+                    seed=seed,
+                    stop_tokens=stop,
+                    order=order,
+                    batch_size=batch_size,
+                )
+                rows.append(
+                    summarise(res, method=method, budget=budget, temperature=temperature, keep_steps=keep_steps)
+                )
                 bar.update(1)
     finally:
         bar.close()
-    return {"rows": rows, "targets": targets(rows), "wall_s": round(time.perf_counter() - began, 2),
-            "settings": {"budgets": [int(b) for b in budgets], "temperatures": [float(t) for t in temperatures],
-                         "max_new": max_new, "samples": samples, "seed": seed, "order": order, "stop_tokens": stop,
-                         "num_prompts": len(prompt_ids), "block_size": pair.drafter.max_block_size}}
+    return {
+        "rows": rows,
+        "targets": targets(rows),
+        "wall_s": round(time.perf_counter() - began, 2),
+        "settings": {
+            "budgets": [int(b) for b in budgets],
+            "temperatures": [float(t) for t in temperatures],
+            "max_new": max_new,
+            "samples": samples,
+            "seed": seed,
+            "order": order,
+            "stop_tokens": stop,
+            "num_prompts": len(prompt_ids),
+            "block_size": pair.drafter.max_block_size,
+        },
+    }
 
 
 def find_row(rows, method: str, temperature: float, budget: int | None = None) -> dict | None:
-    return next((r for r in rows if r["method"] == method and r["temperature"] == temperature
-                 and (method != "ddtree" or r["budget"] == budget)), None)
+    return next(
+        (
+            r
+            for r in rows
+            if r["method"] == method
+            and r["temperature"] == temperature
+            and (method != "ddtree" or r["budget"] == budget)
+        ),
+        None,
+    )
 
 
 def targets(rows: list[dict]) -> dict:
     """Issue 9's goals: tau >= 4 at budget 64, T = 0 (held-out code), and DDTree's tau above the chain's at every
     budget >= 8 (per temperature; None where a column is missing), judged on the mean of per-generation taus
     (the engine's tau) and, under the "pooled" key, on all tokens / all decode steps (rows that carry it)."""
+
     def judge(kind: str) -> dict:
         key = f"{kind}_tau"
         at64 = find_row(rows, "ddtree", 0.0, 64)
         have64 = at64 is not None and key in at64
-        out = {"tau_budget64_T0": at64[key] if have64 else None,
-               "tau_budget64_T0_at_least_4": (at64[key] >= 4.0) if have64 else None, "ddtree_above_chain": {}}
+        out = {
+            "tau_budget64_T0": at64[key] if have64 else None,
+            "tau_budget64_T0_at_least_4": (at64[key] >= 4.0) if have64 else None,
+            "ddtree_above_chain": {},
+        }
         for temperature in sorted({r["temperature"] for r in rows}):
             chain = find_row(rows, "chain", temperature)
             if chain is None or key not in chain:
                 continue
-            above = {r["budget"]: r[key] > chain[key] for r in rows
-                     if r["method"] == "ddtree" and r["temperature"] == temperature and r["budget"] >= 8 and key in r}
-            out["ddtree_above_chain"][f"T={temperature:g}"] = {"per_budget": above, "all": all(above.values()) if above else None}
+            above = {
+                r["budget"]: r[key] > chain[key]
+                for r in rows
+                if r["method"] == "ddtree" and r["temperature"] == temperature and r["budget"] >= 8 and key in r
+            }
+            out["ddtree_above_chain"][f"T={temperature:g}"] = {
+                "per_budget": above,
+                "all": all(above.values()) if above else None,
+            }
         return out
 
     result = judge("mean")
@@ -165,24 +243,55 @@ def targets(rows: list[dict]) -> dict:
 
 def format_table(result: dict) -> str:
     """Markdown: one line per (method, budget, temperature)."""
-    head = ["T", "method", "budget", "mean tau", "+- se", "pooled tau", "surrogate", "exact E[tau]", "measured",
-            "corr(sur, meas)", "exact z", "steps"]
+    head = [
+        "T",
+        "method",
+        "budget",
+        "mean tau",
+        "+- se",
+        "pooled tau",
+        "surrogate",
+        "exact E[tau]",
+        "measured",
+        "corr(sur, meas)",
+        "exact z",
+        "steps",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(result["rows"], key=lambda r: (r["temperature"], r["method"] != "chain", r["budget"] or 0)):
-        lines.append("| " + " | ".join([
-            f"{r['temperature']:g}", r["method"], "" if r["budget"] is None else str(r["budget"]),
-            f"{r['mean_tau']:.3f}", f"{r['se_tau']:.3f}", f"{r['pooled_tau']:.3f}", f"{r['step_surrogate_mean']:.3f}",
-            f"{r['step_expected_mean']:.3f}", f"{r['step_measured_mean']:.3f}", f"{r['surrogate_measured_corr']:.2f}",
-            f"{r['exact_z']:+.2f}", str(r["decode_steps"])]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r['temperature']:g}",
+                    r["method"],
+                    "" if r["budget"] is None else str(r["budget"]),
+                    f"{r['mean_tau']:.3f}",
+                    f"{r['se_tau']:.3f}",
+                    f"{r['pooled_tau']:.3f}",
+                    f"{r['step_surrogate_mean']:.3f}",
+                    f"{r['step_expected_mean']:.3f}",
+                    f"{r['step_measured_mean']:.3f}",
+                    f"{r['surrogate_measured_corr']:.2f}",
+                    f"{r['exact_z']:+.2f}",
+                    str(r["decode_steps"]),
+                ]
+            )
+            + " |"
+        )
     lines.append("")
     for kind, t in (("mean", result["targets"]), ("pooled", result["targets"].get("pooled"))):
         if t is None:
             continue
         if t["tau_budget64_T0"] is not None:
-            lines.append(f"target tau >= 4 at budget 64, T = 0 ({kind} tau): {t['tau_budget64_T0']:.3f} "
-                         f"({'met' if t['tau_budget64_T0_at_least_4'] else 'not met'})")
+            lines.append(
+                f"target tau >= 4 at budget 64, T = 0 ({kind} tau): {t['tau_budget64_T0']:.3f} "
+                f"({'met' if t['tau_budget64_T0_at_least_4'] else 'not met'})"
+            )
         for label, v in t["ddtree_above_chain"].items():
-            lines.append(f"DDTree above the chain at every budget >= 8, {label} ({kind} tau): {v['all']} {v['per_budget']}")
+            lines.append(
+                f"DDTree above the chain at every budget >= 8, {label} ({kind} tau): {v['all']} {v['per_budget']}"
+            )
     return "\n".join(lines)
 
 
@@ -204,14 +313,28 @@ def plot_sweep(result: dict, path: str | None = None, max_points: int = 4000, se
     ax = axes[0]
     for k, temperature in enumerate(temps):
         c = colours[k % len(colours)]
-        tree = sorted((r for r in rows if r["method"] == "ddtree" and r["temperature"] == temperature),
-                      key=lambda r: r["budget"])
+        tree = sorted(
+            (r for r in rows if r["method"] == "ddtree" and r["temperature"] == temperature), key=lambda r: r["budget"]
+        )
         if tree:
             b = [r["budget"] for r in tree]
-            ax.errorbar(b, [r["mean_tau"] for r in tree], yerr=[r["se_tau"] for r in tree], color=c, marker="o",
-                        capsize=3, label=f"DDTree, T={temperature:g}")
-            ax.plot(b, [r["step_surrogate_mean"] for r in tree], color=c, linestyle=":", marker=".",
-                    label=f"surrogate, T={temperature:g}")
+            ax.errorbar(
+                b,
+                [r["mean_tau"] for r in tree],
+                yerr=[r["se_tau"] for r in tree],
+                color=c,
+                marker="o",
+                capsize=3,
+                label=f"DDTree, T={temperature:g}",
+            )
+            ax.plot(
+                b,
+                [r["step_surrogate_mean"] for r in tree],
+                color=c,
+                linestyle=":",
+                marker=".",
+                label=f"surrogate, T={temperature:g}",
+            )
         chain = find_row(rows, "chain", temperature)
         if chain:
             ax.axhline(chain["mean_tau"], color=c, linestyle="--", label=f"DFlash chain, T={temperature:g}")
@@ -220,8 +343,10 @@ def plot_sweep(result: dict, path: str | None = None, max_points: int = 4000, se
     ax.set_ylabel("tau (tokens per decode step)")
     ax.set_title("acceptance length vs budget")
     ax.legend(fontsize=7)
-    for panel, key, title in ((1, "surrogate", "drafter's surrogate vs measured"),
-                              (2, "expected", "exact E[tau | tree] vs measured")):
+    for panel, key, title in (
+        (1, "surrogate", "drafter's surrogate vs measured"),
+        (2, "expected", "exact E[tau | tree] vs measured"),
+    ):
         ax = axes[panel]
         top = 1.0
         for k, temperature in enumerate(temps):
@@ -240,7 +365,9 @@ def plot_sweep(result: dict, path: str | None = None, max_points: int = 4000, se
                 ax.scatter(x[pick], y[pick] + rng.uniform(-0.2, 0.2, len(pick)), s=4, alpha=0.25, color=c)
             edges = np.unique(np.quantile(x, np.linspace(0, 1, 11)))
             if len(edges) == 1:  # one value (e.g. greedy steps of one tree shape): one point
-                ax.plot([x.mean()], [y.mean()], color=c, marker="s", label=f"T={temperature:g}: mean (DDTree, all budgets)")
+                ax.plot(
+                    [x.mean()], [y.mean()], color=c, marker="s", label=f"T={temperature:g}: mean (DDTree, all budgets)"
+                )
             else:
                 which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, len(edges) - 2)
                 bx = [x[which == i].mean() for i in range(len(edges) - 1) if (which == i).any()]
@@ -259,11 +386,25 @@ def plot_sweep(result: dict, path: str | None = None, max_points: int = 4000, se
     return fig
 
 
-def sweep(target_dir: str | None = None, drafter_dir: str | None = None, *, budgets=None, temperatures=None,
-          num_prompts: int | None = None, prompt_len: int | None = None, max_new: int | None = None,
-          samples: int | None = None, small: bool = False, seed: int = 0, prompt_seed: int = 0,
-          include_chain: bool = True, batch_size: int | None = None, keep_steps: bool = True, progress: bool = True,
-          commit: str | None = None) -> dict:
+def sweep(
+    target_dir: str | None = None,
+    drafter_dir: str | None = None,
+    *,
+    budgets=None,
+    temperatures=None,
+    num_prompts: int | None = None,
+    prompt_len: int | None = None,
+    max_new: int | None = None,
+    samples: int | None = None,
+    small: bool = False,
+    seed: int = 0,
+    prompt_seed: int = 0,
+    include_chain: bool = True,
+    batch_size: int | None = None,
+    keep_steps: bool = True,
+    progress: bool = True,
+    commit: str | None = None,
+) -> dict:
     """The whole study from checkpoint directories: prompts, `run_sweep`, and what a result file records.
     Unset settings come from FULL (or SMALL with small=True)."""
     base = SMALL if small else FULL
@@ -271,15 +412,36 @@ def sweep(target_dir: str | None = None, drafter_dir: str | None = None, *, budg
     temperatures = tuple(base["temperatures"] if temperatures is None else temperatures)
     num_prompts, prompt_len = num_prompts or base["num_prompts"], prompt_len or base["prompt_len"]
     max_new, samples = max_new or base["max_new"], samples or base["samples"]
-    pair, prompts, summary = setup(target_dir, drafter_dir, num_prompts=num_prompts, prompt_len=prompt_len,
-                                   max_new=max_new, prompt_seed=prompt_seed)
-    result = run_sweep(pair, [p["ids"] for p in prompts], budgets=budgets, temperatures=temperatures, max_new=max_new,
-                       samples=samples, seed=seed, include_chain=include_chain, batch_size=batch_size,
-                       keep_steps=keep_steps, progress=progress)
-    result.update(study="budget_sweep", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  device=device_label(), commit=commit, pair=summary,
-                  prompts=[{k: p[k] for k in ("path", "char", "ids")} for p in prompts],
-                  settings={**result["settings"], "prompt_len": prompt_len, "prompt_seed": prompt_seed})
+    pair, prompts, summary = setup(
+        target_dir,
+        drafter_dir,
+        num_prompts=num_prompts,
+        prompt_len=prompt_len,
+        max_new=max_new,
+        prompt_seed=prompt_seed,
+    )
+    result = run_sweep(
+        pair,
+        [p["ids"] for p in prompts],
+        budgets=budgets,
+        temperatures=temperatures,
+        max_new=max_new,
+        samples=samples,
+        seed=seed,
+        include_chain=include_chain,
+        batch_size=batch_size,
+        keep_steps=keep_steps,
+        progress=progress,
+    )
+    result.update(
+        study="budget_sweep",
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=device_label(),
+        commit=commit,
+        pair=summary,
+        prompts=[{k: p[k] for k in ("path", "char", "ids")} for p in prompts],
+        settings={**result["settings"], "prompt_len": prompt_len, "prompt_seed": prompt_seed},
+    )
     return result
 
 
@@ -296,16 +458,24 @@ def main(argv=None) -> int:
 
     target, drafter = pair_dirs()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=target, help="target HF directory (default: $DDTREE_PAIR_DIR/target or "
-                                                         "checkpoints/embedded/target)")
+    parser.add_argument(
+        "--target",
+        default=target,
+        help="target HF directory (default: $DDTREE_PAIR_DIR/target or checkpoints/embedded/target)",
+    )
     parser.add_argument("--drafter", default=drafter, help="drafter HF directory")
     parser.add_argument("--budgets", default=None, help=f"comma-separated (default {','.join(map(str, BUDGETS))})")
     parser.add_argument("--temperatures", default=None, help="comma-separated (default 0,1)")
     parser.add_argument("--prompts", type=int, default=None, help=f"held-out prompts (default {FULL['num_prompts']})")
-    parser.add_argument("--prompt-len", type=int, default=None, help=f"tokens per prompt (default {FULL['prompt_len']})")
-    parser.add_argument("--max-new", type=int, default=None, help=f"tokens generated per prompt (default {FULL['max_new']})")
-    parser.add_argument("--samples", type=int, default=None, help="generations per prompt at T > 0 (default "
-                                                                  f"{FULL['samples']})")
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help=f"tokens per prompt (default {FULL['prompt_len']})"
+    )
+    parser.add_argument(
+        "--max-new", type=int, default=None, help=f"tokens generated per prompt (default {FULL['max_new']})"
+    )
+    parser.add_argument(
+        "--samples", type=int, default=None, help=f"generations per prompt at T > 0 (default {FULL['samples']})"
+    )
     parser.add_argument("--seed", type=int, default=0, help="request-key seed")
     parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out prompts")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per compiled call (default: all)")
@@ -319,12 +489,24 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     floats = lambda s: tuple(float(x) for x in s.split(",")) if s else None  # noqa: E731
     try:
-        result = sweep(args.target, args.drafter, budgets=tuple(int(b) for b in args.budgets.split(",")) if args.budgets
-                       else None, temperatures=floats(args.temperatures), num_prompts=args.prompts,
-                       prompt_len=args.prompt_len, max_new=args.max_new, samples=args.samples, small=args.small,
-                       seed=args.seed, prompt_seed=args.prompt_seed, include_chain=not args.no_chain,
-                       batch_size=args.batch_size, keep_steps=not args.no_steps, progress=not args.no_progress,
-                       commit=args.commit)
+        result = sweep(
+            args.target,
+            args.drafter,
+            budgets=tuple(int(b) for b in args.budgets.split(",")) if args.budgets else None,
+            temperatures=floats(args.temperatures),
+            num_prompts=args.prompts,
+            prompt_len=args.prompt_len,
+            max_new=args.max_new,
+            samples=args.samples,
+            small=args.small,
+            seed=args.seed,
+            prompt_seed=args.prompt_seed,
+            include_chain=not args.no_chain,
+            batch_size=args.batch_size,
+            keep_steps=not args.no_steps,
+            progress=not args.no_progress,
+            commit=args.commit,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

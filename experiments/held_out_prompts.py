@@ -31,6 +31,15 @@ import numpy as np
 
 from ddtree_jax.train import corpus as corpus_mod
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PAIR_DIR = os.path.join(REPO, "checkpoints", "embedded")
+PAIR_ENV = "DDTREE_PAIR_DIR"
+
+
+def pair_root(default: str | None = None) -> str:
+    """The pair's directory: $DDTREE_PAIR_DIR, else `default`, else checkpoints/embedded."""
+    return os.environ.get(PAIR_ENV) or default or DEFAULT_PAIR_DIR
+
 
 def find_manifest(pair_dir: str, manifest_path: str | None = None) -> dict:
     """The corpus manifest of the run that trained the pair in `pair_dir` (module docstring)."""
@@ -41,12 +50,17 @@ def find_manifest(pair_dir: str, manifest_path: str | None = None) -> dict:
         manifest = corpus_mod.read_manifest(own)
         if os.path.isdir(manifest["root"]):
             return manifest
-        warnings.warn(f"{own} lists files under {manifest['root']!r}, which is not here; rebuilding the split "
-                      f"over this interpreter's standard library", stacklevel=2)
+        warnings.warn(
+            f"{own} lists files under {manifest['root']!r}, which is not here; rebuilding the split "
+            f"over this interpreter's standard library",
+            stacklevel=2,
+        )
     prov_path = os.path.join(pair_dir, "provenance.json")
     if not os.path.exists(prov_path):
-        raise FileNotFoundError(f"no corpus manifest for {pair_dir!r}: neither work/corpus/manifest.json nor "
-                                f"provenance.json is there (pass --manifest)")
+        raise FileNotFoundError(
+            f"no corpus manifest for {pair_dir!r}: neither work/corpus/manifest.json nor "
+            f"provenance.json is there (pass --manifest)"
+        )
     with open(prov_path) as f:
         prov = json.load(f)
     corpus_cfg = dict((prov.get("config") or {}).get("corpus") or {})
@@ -60,9 +74,12 @@ def find_manifest(pair_dir: str, manifest_path: str | None = None) -> dict:
     manifest = corpus_mod.manifest_from_config(corpus_cfg)
     recorded = (prov.get("corpus") or {}).get("file_list_hash")
     if recorded and recorded != manifest["file_list_hash"]:
-        warnings.warn(f"the rebuilt file list differs from training's (Python {manifest['python_version']} here, "
-                      f"{(prov.get('corpus') or {}).get('python_version')} there); held-out files stay held out "
-                      f"(the split is by path)", stacklevel=2)
+        warnings.warn(
+            f"the rebuilt file list differs from training's (Python {manifest['python_version']} here, "
+            f"{(prov.get('corpus') or {}).get('python_version')} there); held-out files stay held out "
+            f"(the split is by path)",
+            stacklevel=2,
+        )
     return manifest
 
 
@@ -80,8 +97,9 @@ def _line_starts(text: str) -> list[int]:
     return starts
 
 
-def held_out_prompts(tokenizer, manifest: dict, *, n: int, length: int, seed: int = 0,
-                     min_continuation: int = 0) -> list[dict]:
+def held_out_prompts(
+    tokenizer, manifest: dict, *, n: int, length: int, seed: int = 0, min_continuation: int = 0
+) -> list[dict]:
     """`n` prompts of exactly `length` token ids from the held-out files (module docstring).
 
     Returns dicts: ids (list[int]), text (the decoded prompt), path (relative to the corpus root), char
@@ -128,19 +146,42 @@ def held_out_prompts(tokenizer, manifest: dict, *, n: int, length: int, seed: in
                 exhausted.add(path)
                 continue
             start, ids = found
-            prompts.append({"ids": [int(t) for t in ids], "text": tokenizer.decode(ids), "path": path, "char": start,
-                            "sha256": sha})
+            prompts.append(
+                {
+                    "ids": [int(t) for t in ids],
+                    "text": tokenizer.decode(ids),
+                    "path": path,
+                    "char": start,
+                    "sha256": sha,
+                }
+            )
     if len(prompts) < n:
-        raise ValueError(f"the {len(paths)} held-out files give only {len(prompts)} prompts of {length} tokens "
-                         f"(+ {min_continuation} to follow); ask for fewer or shorter prompts")
+        raise ValueError(
+            f"the {len(paths)} held-out files give only {len(prompts)} prompts of {length} tokens "
+            f"(+ {min_continuation} to follow); ask for fewer or shorter prompts"
+        )
     return prompts
 
 
-def load_prompts(pair_dir: str, tokenizer, *, n: int, length: int, seed: int = 0, min_continuation: int = 0,
-                 manifest_path: str | None = None) -> list[dict]:
+def load_prompts(
+    pair_dir: str,
+    tokenizer,
+    *,
+    n: int,
+    length: int,
+    seed: int = 0,
+    min_continuation: int = 0,
+    manifest_path: str | None = None,
+) -> list[dict]:
     """`held_out_prompts` for the pair trained into `pair_dir` (target/, drafter/, provenance.json)."""
-    return held_out_prompts(tokenizer, find_manifest(pair_dir, manifest_path), n=n, length=length, seed=seed,
-                            min_continuation=min_continuation)
+    return held_out_prompts(
+        tokenizer,
+        find_manifest(pair_dir, manifest_path),
+        n=n,
+        length=length,
+        seed=seed,
+        min_continuation=min_continuation,
+    )
 
 
 def trained_seq_len(pair_dir: str) -> int | None:
@@ -157,16 +198,20 @@ def check_span(pair_dir: str, length: int, max_new: int) -> None:
     """Warns when prompt + generation runs past the positions the target was trained on."""
     seq_len = trained_seq_len(pair_dir)
     if seq_len and length + max_new > seq_len:
-        warnings.warn(f"prompt {length} + max_new {max_new} tokens exceeds the training sequence length {seq_len}: "
-                      f"the target never saw those positions", stacklevel=2)
+        warnings.warn(
+            f"prompt {length} + max_new {max_new} tokens exceeds the training sequence length {seq_len}: "
+            f"the target never saw those positions",
+            stacklevel=2,
+        )
 
 
 def main(argv=None) -> int:
     from ddtree_jax.checkpoint import load_tokenizer
-    from experiments.studies import pair_root
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default=None, help="the pair's directory (default $DDTREE_PAIR_DIR or checkpoints/embedded)")
+    parser.add_argument(
+        "--pair", default=None, help="the pair's directory (default $DDTREE_PAIR_DIR or checkpoints/embedded)"
+    )
     parser.add_argument("--manifest", default=None, help="a corpus manifest.json (default: found from the pair)")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
@@ -178,8 +223,15 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(os.path.join(root, "target"))
     if tokenizer is None:
         raise SystemExit(f"error: no tokenizer in {os.path.join(root, 'target')}")
-    prompts = load_prompts(root, tokenizer, n=args.n, length=args.length, seed=args.seed,
-                           min_continuation=args.min_continuation, manifest_path=args.manifest)
+    prompts = load_prompts(
+        root,
+        tokenizer,
+        n=args.n,
+        length=args.length,
+        seed=args.seed,
+        min_continuation=args.min_continuation,
+        manifest_path=args.manifest,
+    )
     for i, p in enumerate(prompts):
         print(f"--- prompt {i}: {p['path']} @ char {p['char']}\n{p['text']}")
     if args.json:

@@ -66,17 +66,34 @@ THRESHOLDS = {"exact": (1.0, 1.0), "lossy": (0.5, 0.3)}  # name -> (threshold_ac
 TEMPERATURES = (0.7, 1.0)
 ALPHA = 1e-3  # false-positive rate of every chi-square test (as tests/stats_helpers.py)
 MIN_EXPECTED = 5.0
-FULL = dict(budget=64, num_prompts=16, prompt_len=128, tau_max_new=64, tau_samples=4, law_samples=2048, law_tokens=2,
-            batch_size=1024)
+FULL = dict(
+    budget=64,
+    num_prompts=16,
+    prompt_len=128,
+    tau_max_new=64,
+    tau_samples=4,
+    law_samples=2048,
+    law_tokens=2,
+    batch_size=1024,
+)
 # The seconds-on-CPU version (tests, DDTREE_NB_SMALL=1 notebooks): the budget sweep's SMALL shapes (128 rows per call,
 # 24 new tokens, budget 16), so the exact program is shared with it.
-SMALL = dict(budget=16, num_prompts=4, prompt_len=24, tau_max_new=24, tau_samples=32, law_samples=512, law_tokens=2,
-             batch_size=128)
+SMALL = dict(
+    budget=16,
+    num_prompts=4,
+    prompt_len=24,
+    tau_max_new=24,
+    tau_samples=32,
+    law_samples=512,
+    law_tokens=2,
+    batch_size=128,
+)
 ID_STRIDE = 10_000_000  # request ids: configuration c uses [c * ID_STRIDE, (c + 1) * ID_STRIDE)
 LAW_OFFSET = ID_STRIDE // 2
 
 
 # --- statistics ------------------------------------------------------------------------------------------------------
+
 
 def first_tokens(res: dict, num_prompts: int, law_tokens: int) -> collections.Counter:
     """Counts of (prompt, t_1, ..., t_k) over the rows of a law run (row r is prompt r % num_prompts)."""
@@ -135,8 +152,13 @@ def homogeneity_test(groups: list[collections.Counter], min_expected: float = MI
         return {"stat": 0.0, "dof": 0, "p": 1.0, "categories": int(table.shape[1]), "exact_cells": 0}
     stat, p, dof, _ = stats.chi2_contingency(table, correction=False)
     exact_cells = sum(1 for c in cats if len(c) > 1 and WILD not in c)  # categories that are one full output
-    return {"stat": float(stat), "dof": int(dof), "p": float(p), "categories": int(table.shape[1]),
-            "exact_cells": exact_cells}
+    return {
+        "stat": float(stat),
+        "dof": int(dof),
+        "p": float(p),
+        "categories": int(table.shape[1]),
+        "exact_cells": exact_cells,
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -148,9 +170,18 @@ def _next_token_probs(config, params, ids, sampling):
     return processed_probs(target_module(config).forward_logits(config, params, ids)[:, -1], sampling)
 
 
-def exact_law_cells(pair, prompt_ids: list[list[int]], *, temperature: float, samples_per_prompt: int,
-                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, min_expected: float = MIN_EXPECTED,
-                    chunk: int = 256) -> list[dict]:
+def exact_law_cells(
+    pair,
+    prompt_ids: list[list[int]],
+    *,
+    temperature: float,
+    samples_per_prompt: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    min_expected: float = MIN_EXPECTED,
+    chunk: int = 256,
+) -> list[dict]:
     """The target's exact law of the first two sampled tokens on categories, per prompt: {(t1, t2): q1(t1) q2(t2|t1)}
     where the expected count (of `samples_per_prompt` draws) is >= min_expected; {(WILD, t2): the mass of t2 over
     the other t1} where that is >= min_expected; {(): the rest}. q are the target's processed probabilities
@@ -229,17 +260,41 @@ def fit_test(counts: collections.Counter, law: list[dict], samples_per_prompt: i
 
 # --- the ablation ----------------------------------------------------------------------------------------------------
 
+
 def config_list(orders=ORDERS, thresholds=None, temperatures=TEMPERATURES) -> list[dict]:
     thresholds = THRESHOLDS if thresholds is None else thresholds
-    return [{"thresholds": name, "threshold_acc": float(acc), "threshold_single": float(single),
-             "temperature": float(t), "order": order}
-            for name, (acc, single) in thresholds.items() for t in temperatures for order in orders]
+    return [
+        {
+            "thresholds": name,
+            "threshold_acc": float(acc),
+            "threshold_single": float(single),
+            "temperature": float(t),
+            "order": order,
+        }
+        for name, (acc, single) in thresholds.items()
+        for t in temperatures
+        for order in orders
+    ]
 
 
-def run_ablation(pair, prompt_ids: list[list[int]], *, orders=ORDERS, thresholds=None, temperatures=TEMPERATURES,
-                 budget: int = 64, tau_max_new: int = 64, tau_samples: int = 4, law_samples: int = 2048,
-                 law_tokens: int = 2, seed: int = 0, batch_size: int | None = 1024, alpha: float = ALPHA,
-                 fit: bool = True, progress: bool = True) -> dict:
+def run_ablation(
+    pair,
+    prompt_ids: list[list[int]],
+    *,
+    orders=ORDERS,
+    thresholds=None,
+    temperatures=TEMPERATURES,
+    budget: int = 64,
+    tau_max_new: int = 64,
+    tau_samples: int = 4,
+    law_samples: int = 2048,
+    law_tokens: int = 2,
+    seed: int = 0,
+    batch_size: int | None = 1024,
+    alpha: float = ALPHA,
+    fit: bool = True,
+    progress: bool = True,
+) -> dict:
     """Runs every configuration (module docstring) and the tests; returns rows, tests, controls and settings.
 
     Runs with the same thresholds share one compiled program: order and temperature are runtime inputs and the law
@@ -254,39 +309,75 @@ def run_ablation(pair, prompt_ids: list[list[int]], *, orders=ORDERS, thresholds
         # thresholds outermost: runs with the same thresholds share one compiled program
         for ci, cfg in sorted(enumerate(configs), key=lambda x: x[1]["thresholds"]):
             bar.set_description(f"{cfg['thresholds']} T={cfg['temperature']:g} {cfg['order']}")
-            common = dict(method="ddtree", budget=budget, max_new_tokens=tau_max_new, temperature=cfg["temperature"],
-                          seed=seed, order=cfg["order"], threshold_acc=cfg["threshold_acc"],
-                          threshold_single=cfg["threshold_single"], batch_size=batch_size)
+            common = dict(
+                method="ddtree",
+                budget=budget,
+                max_new_tokens=tau_max_new,
+                temperature=cfg["temperature"],
+                seed=seed,
+                order=cfg["order"],
+                threshold_acc=cfg["threshold_acc"],
+                threshold_single=cfg["threshold_single"],
+                batch_size=batch_size,
+            )
             tau_rows = prompt_ids * tau_samples
-            res = study_generate(pair, tau_rows, stop_tokens=stop,
-                                 request_ids=ci * ID_STRIDE + np.arange(len(tau_rows)), **common)
+            res = study_generate(
+                pair, tau_rows, stop_tokens=stop, request_ids=ci * ID_STRIDE + np.arange(len(tau_rows)), **common
+            )
             rec = step_records(res)
             tau_mean, tau_se = mean_and_se(res["tau"])
             law_rows = prompt_ids * law_samples
-            law = study_generate(pair, law_rows, row_max_new=law_tokens,
-                                 request_ids=ci * ID_STRIDE + LAW_OFFSET + np.arange(len(law_rows)), **common)
+            law = study_generate(
+                pair,
+                law_rows,
+                row_max_new=law_tokens,
+                request_ids=ci * ID_STRIDE + LAW_OFFSET + np.arange(len(law_rows)),
+                **common,
+            )
             key = (cfg["thresholds"], cfg["temperature"], cfg["order"])
             counts[key] = first_tokens(law, num_prompts, law_tokens)
-            rows.append({**cfg, "mean_tau": tau_mean, "se_tau": tau_se, "pooled_tau": pooled_tau(res),
-                         "step_expected_mean": float(rec["expected"].mean()),
-                         "step_measured_mean": float(rec["measured"].mean()), "decode_steps": int(res["steps"].sum()),
-                         "law_draws": int(sum(counts[key].values())), "distinct_outputs": len(counts[key])})
+            rows.append(
+                {
+                    **cfg,
+                    "mean_tau": tau_mean,
+                    "se_tau": tau_se,
+                    "pooled_tau": pooled_tau(res),
+                    "step_expected_mean": float(rec["expected"].mean()),
+                    "step_measured_mean": float(rec["measured"].mean()),
+                    "decode_steps": int(res["steps"].sum()),
+                    "law_draws": int(sum(counts[key].values())),
+                    "distinct_outputs": len(counts[key]),
+                }
+            )
             bar.update(1)
     finally:
         bar.close()
-    rows.sort(key=lambda r: [(c["thresholds"], c["temperature"], c["order"]) for c in configs].index(
-        (r["thresholds"], r["temperature"], r["order"])))
+    rows.sort(
+        key=lambda r: [(c["thresholds"], c["temperature"], c["order"]) for c in configs].index(
+            (r["thresholds"], r["temperature"], r["order"])
+        )
+    )
 
     tests = []
-    for name in (thresholds if thresholds is not None else THRESHOLDS):
+    for name in thresholds if thresholds is not None else THRESHOLDS:
         for t in temperatures:
             present = [o for o in orders if (name, float(t), o) in counts]
             if len(present) < 2:
                 continue
             h = homogeneity_test([counts[(name, float(t), o)] for o in present])
             tau = [r for r in rows if r["thresholds"] == name and r["temperature"] == float(t)]
-            tests.append({"test": "order homogeneity", "thresholds": name, "temperature": float(t), "orders": present,
-                          **h, "alpha": alpha, "reject": h["p"] < alpha, "tau_spread_z": _max_pairwise_z(tau)})
+            tests.append(
+                {
+                    "test": "order homogeneity",
+                    "thresholds": name,
+                    "temperature": float(t),
+                    "orders": present,
+                    **h,
+                    "alpha": alpha,
+                    "reject": h["p"] < alpha,
+                    "tau_spread_z": _max_pairwise_z(tau),
+                }
+            )
     if fit and law_tokens == 2:
         laws = {}
         for r in rows:
@@ -299,20 +390,35 @@ def run_ablation(pair, prompt_ids: list[list[int]], *, orders=ORDERS, thresholds
     else:
         fit_laws = {}
     controls = []
-    exact_name = next((n for n, th in (thresholds if thresholds is not None else THRESHOLDS).items()
-                       if tuple(th) == (1.0, 1.0)), None)
+    exact_name = next(
+        (n for n, th in (thresholds if thresholds is not None else THRESHOLDS).items() if tuple(th) == (1.0, 1.0)), None
+    )
     if exact_name is not None and "draft" in orders and len(temperatures) >= 2:
         lo, hi = float(min(temperatures)), float(max(temperatures))
         a, b = counts.get((exact_name, lo, "draft")), counts.get((exact_name, hi, "draft"))
         if a is not None and b is not None:
             h = homogeneity_test([a, b])
-            controls.append({"control": f"wrong temperature: exact draft-order samples at T={lo:g} vs T={hi:g}",
-                             "test": "homogeneity", "must_reject": True, **h, "reject": h["p"] < alpha})
+            controls.append(
+                {
+                    "control": f"wrong temperature: exact draft-order samples at T={lo:g} vs T={hi:g}",
+                    "test": "homogeneity",
+                    "must_reject": True,
+                    **h,
+                    "reject": h["p"] < alpha,
+                }
+            )
             if hi in fit_laws:
                 f = fit_test(a, fit_laws[hi], law_samples)
-                controls.append({"control": f"wrong temperature: exact draft-order samples at T={lo:g} against the "
-                                            f"target's law at T={hi:g}", "test": "fit", "must_reject": True, **f,
-                                 "reject": f["p"] < alpha})
+                controls.append(
+                    {
+                        "control": f"wrong temperature: exact draft-order samples at T={lo:g} against the "
+                        f"target's law at T={hi:g}",
+                        "test": "fit",
+                        "must_reject": True,
+                        **f,
+                        "reject": f["p"] < alpha,
+                    }
+                )
     for name, th in (thresholds if thresholds is not None else THRESHOLDS).items():
         if exact_name is None or name == exact_name:
             continue
@@ -320,23 +426,51 @@ def run_ablation(pair, prompt_ids: list[list[int]], *, orders=ORDERS, thresholds
         a, b = counts.get((exact_name, hi, "draft")), counts.get((name, hi, "draft"))
         if a is not None and b is not None:
             h = homogeneity_test([a, b])
-            controls.append({"control": f"{exact_name} vs {name} thresholds {tuple(th)} (draft order, T={hi:g})",
-                             "test": "homogeneity", "must_reject": False, **h, "reject": h["p"] < alpha})
+            controls.append(
+                {
+                    "control": f"{exact_name} vs {name} thresholds {tuple(th)} (draft order, T={hi:g})",
+                    "test": "homogeneity",
+                    "must_reject": False,
+                    **h,
+                    "reject": h["p"] < alpha,
+                }
+            )
     exact_family = None
     if exact_name is not None:
-        ps = ([t["p"] for t in tests if t["thresholds"] == exact_name]
-              + [r["fit_p"] for r in rows if r["thresholds"] == exact_name and "fit_p" in r])
+        ps = [t["p"] for t in tests if t["thresholds"] == exact_name] + [
+            r["fit_p"] for r in rows if r["thresholds"] == exact_name and "fit_p" in r
+        ]
         if ps:
-            exact_family = {"thresholds": exact_name, "tests": len(ps), "alpha_per_test": alpha / len(ps),
-                            "min_p": float(min(ps)), "reject": bool(min(ps) < alpha / len(ps))}
-    return {"rows": rows, "tests": tests, "controls": controls, "alpha": alpha, "exact_family": exact_family,
-            "wall_s": round(time.perf_counter() - began, 2),
-            "settings": {"orders": list(orders), "thresholds": {k: list(v) for k, v in
-                                                                (thresholds if thresholds is not None else THRESHOLDS).items()},
-                         "temperatures": [float(t) for t in temperatures], "budget": budget, "tau_max_new": tau_max_new,
-                         "tau_samples": tau_samples, "law_samples": law_samples, "law_tokens": law_tokens, "seed": seed,
-                         "batch_size": batch_size, "num_prompts": num_prompts, "min_expected": MIN_EXPECTED,
-                         "stop_tokens": stop}}
+            exact_family = {
+                "thresholds": exact_name,
+                "tests": len(ps),
+                "alpha_per_test": alpha / len(ps),
+                "min_p": float(min(ps)),
+                "reject": bool(min(ps) < alpha / len(ps)),
+            }
+    return {
+        "rows": rows,
+        "tests": tests,
+        "controls": controls,
+        "alpha": alpha,
+        "exact_family": exact_family,
+        "wall_s": round(time.perf_counter() - began, 2),
+        "settings": {
+            "orders": list(orders),
+            "thresholds": {k: list(v) for k, v in (thresholds if thresholds is not None else THRESHOLDS).items()},
+            "temperatures": [float(t) for t in temperatures],
+            "budget": budget,
+            "tau_max_new": tau_max_new,
+            "tau_samples": tau_samples,
+            "law_samples": law_samples,
+            "law_tokens": law_tokens,
+            "seed": seed,
+            "batch_size": batch_size,
+            "num_prompts": num_prompts,
+            "min_expected": MIN_EXPECTED,
+            "stop_tokens": stop,
+        },
+    }
 
 
 def _max_pairwise_z(rows: list[dict]) -> float:
@@ -357,46 +491,95 @@ def format_table(result: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         fit = f"{r['fit_p']:.3g}{' *' if r['fit_reject'] else ''}" if "fit_p" in r else "-"
-        lines.append(f"| {r['thresholds']} ({r['threshold_acc']:g}/{r['threshold_single']:g}) | {r['temperature']:g} | "
-                     f"{r['order']} | {r['mean_tau']:.3f} | {r['se_tau']:.3f} | {r['step_expected_mean']:.3f} | {fit} |")
-    lines += ["", f"Order homogeneity of the first {result['settings']['law_tokens']} tokens "
-                  f"(chi-square, ALPHA = {alpha:g} per test; * = rejected):", "",
-              "| thresholds | T | chi2 | dof | p | verdict | max tau z between orders |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['thresholds']} ({r['threshold_acc']:g}/{r['threshold_single']:g}) | {r['temperature']:g} | "
+            f"{r['order']} | {r['mean_tau']:.3f} | {r['se_tau']:.3f} | {r['step_expected_mean']:.3f} | {fit} |"
+        )
+    lines += [
+        "",
+        f"Order homogeneity of the first {result['settings']['law_tokens']} tokens "
+        f"(chi-square, ALPHA = {alpha:g} per test; * = rejected):",
+        "",
+        "| thresholds | T | chi2 | dof | p | verdict | max tau z between orders |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in result["tests"]:
-        lines.append(f"| {t['thresholds']} | {t['temperature']:g} | {t['stat']:.1f} | {t['dof']} | {t['p']:.3g} | "
-                     f"{'order effect *' if t['reject'] else 'no order effect'} | {t['tau_spread_z']:.2f} |")
+        lines.append(
+            f"| {t['thresholds']} | {t['temperature']:g} | {t['stat']:.1f} | {t['dof']} | {t['p']:.3g} | "
+            f"{'order effect *' if t['reject'] else 'no order effect'} | {t['tau_spread_z']:.2f} |"
+        )
     fam = result.get("exact_family")
     if fam:
-        lines += ["", f"All {fam['tests']} {fam['thresholds']}-threshold tests as one family (Bonferroni, family-wise rate "
-                      f"{alpha:g}: each at {fam['alpha_per_test']:.2g}): smallest p = {fam['min_p']:.3g} -> "
-                      f"{'REJECTED: verification is not exact' if fam['reject'] else 'not rejected'}"]
+        lines += [
+            "",
+            f"All {fam['tests']} {fam['thresholds']}-threshold tests as one family (Bonferroni, family-wise rate "
+            f"{alpha:g}: each at {fam['alpha_per_test']:.2g}): smallest p = {fam['min_p']:.3g} -> "
+            f"{'REJECTED: verification is not exact' if fam['reject'] else 'not rejected'}",
+        ]
     if result["controls"]:
         lines += ["", "Controls:", ""]
         for c in result["controls"]:
             want = "must reject" if c["must_reject"] else "may reject"
-            lines.append(f"- {c['control']}: {c['test']} p = {c['p']:.3g} -> {'rejected' if c['reject'] else 'not rejected'}"
-                         f" ({want})")
+            lines.append(
+                f"- {c['control']}: {c['test']} p = {c['p']:.3g} -> {'rejected' if c['reject'] else 'not rejected'}"
+                f" ({want})"
+            )
     return "\n".join(lines)
 
 
-def ablation(target_dir: str | None = None, drafter_dir: str | None = None, *, small: bool = False, orders=ORDERS,
-             thresholds=None, temperatures=TEMPERATURES, seed: int = 0, prompt_seed: int = 0, fit: bool = True,
-             progress: bool = True, commit: str | None = None, **overrides) -> dict:
+def ablation(
+    target_dir: str | None = None,
+    drafter_dir: str | None = None,
+    *,
+    small: bool = False,
+    orders=ORDERS,
+    thresholds=None,
+    temperatures=TEMPERATURES,
+    seed: int = 0,
+    prompt_seed: int = 0,
+    fit: bool = True,
+    progress: bool = True,
+    commit: str | None = None,
+    **overrides,
+) -> dict:
     """The whole study from checkpoint directories; settings from FULL (or SMALL) updated by `overrides`
     (budget, num_prompts, prompt_len, tau_max_new, tau_samples, law_samples, law_tokens, batch_size)."""
     s = {**(SMALL if small else FULL), **{k: v for k, v in overrides.items() if v is not None}}
-    pair, prompts, summary = setup(target_dir, drafter_dir, num_prompts=s["num_prompts"], prompt_len=s["prompt_len"],
-                                   max_new=s["tau_max_new"], prompt_seed=prompt_seed)
-    result = run_ablation(pair, [p["ids"] for p in prompts], orders=orders, thresholds=thresholds,
-                          temperatures=temperatures, budget=s["budget"], tau_max_new=s["tau_max_new"],
-                          tau_samples=s["tau_samples"], law_samples=s["law_samples"], law_tokens=s["law_tokens"],
-                          seed=seed, batch_size=s["batch_size"], fit=fit, progress=progress)
+    pair, prompts, summary = setup(
+        target_dir,
+        drafter_dir,
+        num_prompts=s["num_prompts"],
+        prompt_len=s["prompt_len"],
+        max_new=s["tau_max_new"],
+        prompt_seed=prompt_seed,
+    )
+    result = run_ablation(
+        pair,
+        [p["ids"] for p in prompts],
+        orders=orders,
+        thresholds=thresholds,
+        temperatures=temperatures,
+        budget=s["budget"],
+        tau_max_new=s["tau_max_new"],
+        tau_samples=s["tau_samples"],
+        law_samples=s["law_samples"],
+        law_tokens=s["law_tokens"],
+        seed=seed,
+        batch_size=s["batch_size"],
+        fit=fit,
+        progress=progress,
+    )
     from experiments.budget_sweep import device_label
 
-    result.update(study="ordering_ablation", commit=commit, device=device_label(), pair=summary,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  prompts=[{k: p[k] for k in ("path", "char", "ids")} for p in prompts],
-                  settings={**result["settings"], "prompt_len": s["prompt_len"], "prompt_seed": prompt_seed})
+    result.update(
+        study="ordering_ablation",
+        commit=commit,
+        device=device_label(),
+        pair=summary,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        prompts=[{k: p[k] for k in ("path", "char", "ids")} for p in prompts],
+        settings={**result["settings"], "prompt_len": s["prompt_len"], "prompt_seed": prompt_seed},
+    )
     return result
 
 
@@ -410,10 +593,19 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help="the seconds-on-CPU settings (tiny pairs, tests)")
     parser.add_argument("--orders", default=",".join(ORDERS))
     parser.add_argument("--temperatures", default=",".join(f"{t:g}" for t in TEMPERATURES))
-    parser.add_argument("--lossy", default="0.5,0.3", help="threshold_acc,threshold_single of the lossy setting "
-                                                           "('none' for exact only)")
-    for name in ("budget", "prompts", "prompt-len", "tau-max-new", "tau-samples", "law-samples", "law-tokens",
-                 "batch-size"):
+    parser.add_argument(
+        "--lossy", default="0.5,0.3", help="threshold_acc,threshold_single of the lossy setting ('none' for exact only)"
+    )
+    for name in (
+        "budget",
+        "prompts",
+        "prompt-len",
+        "tau-max-new",
+        "tau-samples",
+        "law-samples",
+        "law-tokens",
+        "batch-size",
+    ):
         parser.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-seed", type=int, default=0)
@@ -427,13 +619,27 @@ def main(argv=None) -> int:
         acc, single = (float(x) for x in args.lossy.split(","))
         thresholds["lossy"] = (acc, single)
     try:
-        result = ablation(args.target, args.drafter, small=args.small, orders=tuple(args.orders.split(",")),
-                          thresholds=thresholds, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
-                          seed=args.seed, prompt_seed=args.prompt_seed, fit=not args.no_fit,
-                          progress=not args.no_progress, commit=args.commit, budget=args.budget,
-                          num_prompts=args.prompts, prompt_len=args.prompt_len, tau_max_new=args.tau_max_new,
-                          tau_samples=args.tau_samples, law_samples=args.law_samples, law_tokens=args.law_tokens,
-                          batch_size=args.batch_size)
+        result = ablation(
+            args.target,
+            args.drafter,
+            small=args.small,
+            orders=tuple(args.orders.split(",")),
+            thresholds=thresholds,
+            temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+            seed=args.seed,
+            prompt_seed=args.prompt_seed,
+            fit=not args.no_fit,
+            progress=not args.no_progress,
+            commit=args.commit,
+            budget=args.budget,
+            num_prompts=args.prompts,
+            prompt_len=args.prompt_len,
+            tau_max_new=args.tau_max_new,
+            tau_samples=args.tau_samples,
+            law_samples=args.law_samples,
+            law_tokens=args.law_tokens,
+            batch_size=args.batch_size,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

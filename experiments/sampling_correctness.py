@@ -95,8 +95,16 @@ def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed:
         n = min(chunk, samples - done)
         params = SamplingParams.create(n, temperature=config.temperature, **filter_kwargs)
         emitted, accepted = simulate(
-            transition, draft, params, jnp.full((n,), problem.root, jnp.int32), jax.random.key(seed * 1000003 + done),
-            budget=problem.budget, num_steps=3, order=config.order, method=config.method, threshold_acc=config.threshold_acc,
+            transition,
+            draft,
+            params,
+            jnp.full((n,), problem.root, jnp.int32),
+            jax.random.key(seed * 1000003 + done),
+            budget=problem.budget,
+            num_steps=3,
+            order=config.order,
+            method=config.method,
+            threshold_acc=config.threshold_acc,
             impl=impl if config.method == "sampling" else "xla",
         )
         emitted, first = np.asarray(emitted), np.asarray(accepted[:, 0], np.float64)
@@ -105,7 +113,13 @@ def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed:
     elapsed = time.perf_counter() - start
     empirical = counts / counts.sum()
     tv = 0.5 * np.abs(empirical - law).sum()
-    floor = 0.5 * np.abs(np.random.default_rng(seed).multinomial(samples, law.ravel() / law.sum()) / samples - law.ravel() / law.sum()).sum()
+    floor = (
+        0.5
+        * np.abs(
+            np.random.default_rng(seed).multinomial(samples, law.ravel() / law.sum()) / samples
+            - law.ravel() / law.sum()
+        ).sum()
+    )
     tree = build_tree(draft[problem.root][None], problem.budget, jnp.array([problem.root], jnp.int32))
     analytic = expected_accepted(tree, 0, probs) + 1.0
     mean = acc_sum / samples + 1.0
@@ -124,7 +138,9 @@ def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed:
     }
 
 
-def default_grid(quick: bool, filters: tuple[str, ...] | None = None, shapes: tuple[tuple[int, int], ...] = ((10, 3),)) -> list[Config]:
+def default_grid(
+    quick: bool, filters: tuple[str, ...] | None = None, shapes: tuple[tuple[int, int], ...] = ((10, 3),)
+) -> list[Config]:
     """temperatures x filters x sibling orders (+ sample-then-walk, + the lossy contrast), per tree
     shape (budget, depth)."""
     grid = []
@@ -145,8 +161,16 @@ def _grid_one_shape(quick: bool, filters: tuple[str, ...] | None) -> list[Config
     return grid
 
 
-def run_grid(configs: list[Config], samples: int, chunk: int, seed: int = 1, problem: Problem = Problem(),
-             progress: bool = True, on_row=None, impl: str = "xla") -> list[dict]:
+def run_grid(
+    configs: list[Config],
+    samples: int,
+    chunk: int,
+    seed: int = 1,
+    problem: Problem = Problem(),
+    progress: bool = True,
+    on_row=None,
+    impl: str = "xla",
+) -> list[dict]:
     """Runs every configuration; `on_row(rows)` is called after each (e.g. to save partial results).
     impl: `verify_step`'s implementation for the exact-sampling rows ("pallas": the fused tree-sampling
     kernel of kernels/tree_sampling.py; the sample-then-walk rows always run in XLA)."""
@@ -159,7 +183,9 @@ def run_grid(configs: list[Config], samples: int, chunk: int, seed: int = 1, pro
 
 
 def format_table(rows: list[dict]) -> str:
-    head = "| tree | T | filter | order | method | thr_acc | TV | TV floor | chi2 p | tau analytic | tau empirical | z |"
+    head = (
+        "| tree | T | filter | order | method | thr_acc | TV | TV floor | chi2 p | tau analytic | tau empirical | z |"
+    )
     lines = [head, "|" + "---|" * 12]
     for r in rows:
         lines.append(
@@ -172,14 +198,20 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=None, help="chains per configuration (default 10^6, --quick 20000)")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="chains per configuration (default 10^6, --quick 20000)"
+    )
     parser.add_argument("--chunk", type=int, default=None, help="chains per device batch (bounds memory)")
     parser.add_argument("--quick", action="store_true", help="a small grid with few samples (CPU)")
     parser.add_argument("--filters", default=None, help="comma-separated subset of: " + ", ".join(FILTERS))
     parser.add_argument("--shapes", default="10x3", help="tree shapes BUDGETxDEPTH, comma-separated (default 10x3)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--impl", default="xla", choices=["xla", "pallas", "auto"],
-                        help="verification implementation (pallas: the fused kernel; interpret mode off GPU)")
+    parser.add_argument(
+        "--impl",
+        default="xla",
+        choices=["xla", "pallas", "auto"],
+        help="verification implementation (pallas: the fused kernel; interpret mode off GPU)",
+    )
     parser.add_argument("--commit", default="unknown", help="the commit being measured (recorded in the output)")
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs"), help="directory for the JSON and CSV")
     args = parser.parse_args(argv)
@@ -189,9 +221,14 @@ def main(argv=None) -> int:
     configs = default_grid(args.quick, tuple(args.filters.split(",")) if args.filters else None, shapes)
     print(f"{len(configs)} configurations x {samples} chains on {jax.devices()[0].platform}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": str(jax.devices()[0]), "commit": args.commit, "problem": dataclasses.asdict(Problem()),
-            "samples": samples, "impl": args.impl}
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": str(jax.devices()[0]),
+        "commit": args.commit,
+        "problem": dataclasses.asdict(Problem()),
+        "samples": samples,
+        "impl": args.impl,
+    }
 
     def save(rows, table=None):
         with open(os.path.join(args.out, "sampling_correctness.json"), "w") as f:
@@ -201,8 +238,10 @@ def main(argv=None) -> int:
     table = format_table(rows)
     print(table)
     exact = [r for r in rows if not r["lossy"]]
-    print(f"\nexact modes: min chi2 p = {min(r['chi2_p'] for r in exact):.3g} over {len(exact)} tests; "
-          f"max |z| = {max(abs(r['tau_z']) for r in exact):.2f}")
+    print(
+        f"\nexact modes: min chi2 p = {min(r['chi2_p'] for r in exact):.3g} over {len(exact)} tests; "
+        f"max |z| = {max(abs(r['tau_z']) for r in exact):.2f}"
+    )
     save(rows, table)
     with open(os.path.join(args.out, "sampling_correctness.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -46,24 +46,34 @@ def drafter_config(config: DeepSeekV3Config, layers: int, tiny: bool = False) ->
     `kimi-k2-mesh-tiny-dflash` preset). The full one keeps the rope fields these runs have always used:
     YaRN without the preset's mscale / mscale_all_dim of 1.0 (random weights: the step costs the same)."""
     if tiny:
-        return dataclasses.replace(preset("kimi-k2-mesh-tiny-dflash"), num_layers=layers,
-                                   target_layers=config.tapped_layers)
-    return dataclasses.replace(preset("kimi-k2.5-dflash"), num_layers=layers, target_layers=config.tapped_layers,
-                               rope_mscale=0.0, rope_mscale_all_dim=0.0)
+        return dataclasses.replace(
+            preset("kimi-k2-mesh-tiny-dflash"), num_layers=layers, target_layers=config.tapped_layers
+        )
+    return dataclasses.replace(
+        preset("kimi-k2.5-dflash"),
+        num_layers=layers,
+        target_layers=config.tapped_layers,
+        rope_mscale=0.0,
+        rope_mscale_all_dim=0.0,
+    )
 
 
 def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pair:
     key = jax.random.key(seed)
     shapes = jax.eval_shape(lambda k: random_int4_target(config, k, dtype), key)
-    target_params = jax.jit(lambda k: random_int4_target(config, k, dtype),
-                            out_shardings=param_shardings(shapes, deepseek_v3.param_axes(config), mesh, layout))(key)
+    target_params = jax.jit(
+        lambda k: random_int4_target(config, k, dtype),
+        out_shardings=param_shardings(shapes, deepseek_v3.param_axes(config), mesh, layout),
+    )(key)
     dkey = jax.random.fold_in(key, 1)
     dshapes = jax.eval_shape(lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), dkey)
-    drafter_params = jax.jit(lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype),
-                             out_shardings=param_shardings(dshapes, dflash.param_axes(dconfig, config.hidden_size), mesh,
-                                                           layout))(dkey)
-    drafter = DFlashDrafter(dconfig, drafter_params, deepseek_v3.embedding(target_params),
-                            deepseek_v3.head(config, target_params))
+    drafter_params = jax.jit(
+        lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype),
+        out_shardings=param_shardings(dshapes, dflash.param_axes(dconfig, config.hidden_size), mesh, layout),
+    )(dkey)
+    drafter = DFlashDrafter(
+        dconfig, drafter_params, deepseek_v3.embedding(target_params), deepseek_v3.head(config, target_params)
+    )
     return Pair(config, target_params, drafter)
 
 
@@ -86,9 +96,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--attn-impl", default="xla", choices=["xla", "pallas"])
-    parser.add_argument("--step-only", action="store_true",
-                        help="time the fused step alone (one compilation per case instead of four); the per-layer "
-                             "time is then the slope of the step time")
+    parser.add_argument(
+        "--step-only",
+        action="store_true",
+        help="time the fused step alone (one compilation per case instead of four); the per-layer "
+        "time is then the slope of the step time",
+    )
     args = parser.parse_args()
     model = args.model or jax.device_count() // args.data
     mesh = make_mesh(model=model, data=args.data)
@@ -106,16 +119,30 @@ def main() -> None:
             init_s = time.perf_counter() - start
             with jax.set_mesh(mesh):
                 for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
-                    row = bench_case(pair, 1, method, budget, context=args.context, temperature=args.temperature,
-                                     top_p=1.0, repeats=args.repeats, step_only=args.step_only,
-                                     options=DecodeOptions(attn_impl=args.attn_impl, matmul_impl="xla",
-                                                           moe_impl=MOE_IMPL[layout]))
+                    row = bench_case(
+                        pair,
+                        1,
+                        method,
+                        budget,
+                        context=args.context,
+                        temperature=args.temperature,
+                        top_p=1.0,
+                        repeats=args.repeats,
+                        step_only=args.step_only,
+                        options=DecodeOptions(attn_impl=args.attn_impl, matmul_impl="xla", moe_impl=MOE_IMPL[layout]),
+                    )
                     row.update(layout=layout, layers=layers, init_s=init_s, mesh=[args.data, model])
                     rows.append(row)
-                    parts = "" if args.step_only else (f"  tree fwd {row['tree_forward_ms']:8.2f} ms  "
-                                                       f"draft {row['draft_ms']:7.2f} ms")
-                    print(f"{layout} layers={layers} {method:6s} budget={budget:3d}: step {row['step_ms']:8.2f} ms{parts}"
-                          f"  (compile {row['step_compile_s']:.0f} s)", flush=True)
+                    parts = (
+                        ""
+                        if args.step_only
+                        else (f"  tree fwd {row['tree_forward_ms']:8.2f} ms  draft {row['draft_ms']:7.2f} ms")
+                    )
+                    print(
+                        f"{layout} layers={layers} {method:6s} budget={budget:3d}: step {row['step_ms']:8.2f} ms{parts}"
+                        f"  (compile {row['step_compile_s']:.0f} s)",
+                        flush=True,
+                    )
                     write_result("sharded_run" + ("_tiny" if args.tiny else ""), {"rows": rows}, args.commit)
     if len(depths) >= 2:  # per-layer slope and a 61-layer extrapolation per (layout, method, budget)
         timed = "step_ms" if args.step_only else "tree_forward_ms"
@@ -123,12 +150,17 @@ def main() -> None:
         lo, hi = min(depths), max(depths)
         for layout in args.layouts.split(","):
             for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
-                pick = {r["layers"]: r for r in rows if r["layout"] == layout and r["method"] == method
-                        and (r["budget"] or 0) == budget}
+                pick = {
+                    r["layers"]: r
+                    for r in rows
+                    if r["layout"] == layout and r["method"] == method and (r["budget"] or 0) == budget
+                }
                 per_layer = (pick[hi][timed] - pick[lo][timed]) / (hi - lo)
                 rest = pick[lo]["step_ms"] - lo * per_layer
-                print(f"  {layout} {method:6s} budget={budget:3d}: {per_layer:7.3f} ms / layer; 61 layers -> "
-                      f"{rest + 61 * per_layer:8.2f} ms per step")
+                print(
+                    f"  {layout} {method:6s} budget={budget:3d}: {per_layer:7.3f} ms / layer; 61 layers -> "
+                    f"{rest + 61 * per_layer:8.2f} ms per step"
+                )
 
 
 if __name__ == "__main__":

@@ -60,9 +60,16 @@ def step_times_from_bench(path: str, batch: int = 1) -> dict:
     for r in rows:
         key = (r["method"], int(r["budget"]) if r["method"] == "ddtree" else None)
         times[key] = min(times.get(key, float("inf")), float(r["step_ms"]) / 1e3)
-    return {"times": times, "source": "bench_engine", "path": os.path.relpath(path, REPO) if path.startswith(REPO) else path,
-            "device": data.get("device"), "commit": data.get("commit"), "date": data.get("date"), "batch": batch,
-            "context": rows[0].get("context")}
+    return {
+        "times": times,
+        "source": "bench_engine",
+        "path": os.path.relpath(path, REPO) if path.startswith(REPO) else path,
+        "device": data.get("device"),
+        "commit": data.get("commit"),
+        "date": data.get("date"),
+        "batch": batch,
+        "context": rows[0].get("context"),
+    }
 
 
 def roofline_available() -> bool:
@@ -74,7 +81,9 @@ def roofline_available() -> bool:
     return True
 
 
-def roofline_step(method: str, budget: int | None, *, batch: int = 1, context: int = 2048, overhead_s: float = 0.0) -> float:
+def roofline_step(
+    method: str, budget: int | None, *, batch: int = 1, context: int = 2048, overhead_s: float = 0.0
+) -> float:
     """Roofline seconds of one decode step of the Qwen3-8B pair on one H200 (`ddtree_jax.analysis.roofline.step_cost`)."""
     try:
         from ddtree_jax.analysis import roofline
@@ -82,18 +91,33 @@ def roofline_step(method: str, budget: int | None, *, batch: int = 1, context: i
     except ImportError as e:
         raise NoStepTimes(f"no step times: no benchmarks/bench_engine.py result and no roofline model ({e})") from e
     target, drafter = preset_pair("qwen3-8b")
-    return roofline.step_cost(target, drafter=drafter, method=method,
-                              budget=budget if method == "ddtree" else None, layout="single", batch=batch,
-                              context=context, overhead_s=overhead_s).step_s
+    return roofline.step_cost(
+        target,
+        drafter=drafter,
+        method=method,
+        budget=budget if method == "ddtree" else None,
+        layout="single",
+        batch=batch,
+        context=context,
+        overhead_s=overhead_s,
+    ).step_s
 
 
 def step_times_from_roofline(budgets, *, batch: int = 1, context: int = 2048, overhead_s: float = 0.0) -> dict:
-    times = {("ar", None): roofline_step("ar", None, batch=batch, context=context, overhead_s=overhead_s),
-             ("chain", None): roofline_step("chain", None, batch=batch, context=context, overhead_s=overhead_s)}
+    times = {
+        ("ar", None): roofline_step("ar", None, batch=batch, context=context, overhead_s=overhead_s),
+        ("chain", None): roofline_step("chain", None, batch=batch, context=context, overhead_s=overhead_s),
+    }
     for b in budgets:
         times[("ddtree", int(b))] = roofline_step("ddtree", int(b), batch=batch, context=context, overhead_s=overhead_s)
-    return {"times": times, "source": "roofline", "model": "qwen3-8b + qwen3-8b-dflash-b16, one H200 (ddtree_jax.analysis.roofline)",
-            "batch": batch, "context": context, "overhead_s": overhead_s}
+    return {
+        "times": times,
+        "source": "roofline",
+        "model": "qwen3-8b + qwen3-8b-dflash-b16, one H200 (ddtree_jax.analysis.roofline)",
+        "batch": batch,
+        "context": context,
+        "overhead_s": overhead_s,
+    }
 
 
 def ddtree_step(times: dict, budget: int, *, roofline_fn=None) -> tuple[float | None, str]:
@@ -140,10 +164,20 @@ def project(sweep: dict, step_source: dict, *, roofline_fn=None, tau_kind: str =
         chain_tps = None
         if chain is not None and ("chain", None) in times:
             chain_tps = chain[key] / times[("chain", None)]
-        rows.append({"temperature": temperature, "method": "ar", "budget": None, "tau": 1.0, "step_ms": ar_s * 1e3,
-                     "step_source": "measured" if step_source["source"] == "bench_engine" else "roofline",
-                     "tokens_per_s": 1.0 / ar_s, "aggregate_tokens_per_s": batch / ar_s, "speedup_vs_ar": 1.0,
-                     "speedup_vs_chain": None if chain_tps is None else (1.0 / ar_s) / chain_tps})
+        rows.append(
+            {
+                "temperature": temperature,
+                "method": "ar",
+                "budget": None,
+                "tau": 1.0,
+                "step_ms": ar_s * 1e3,
+                "step_source": "measured" if step_source["source"] == "bench_engine" else "roofline",
+                "tokens_per_s": 1.0 / ar_s,
+                "aggregate_tokens_per_s": batch / ar_s,
+                "speedup_vs_ar": 1.0,
+                "speedup_vs_chain": None if chain_tps is None else (1.0 / ar_s) / chain_tps,
+            }
+        )
         for r in sorted(at_t, key=lambda r: (r["method"] != "chain", r["budget"] or 0)):
             if r["method"] == "chain":
                 step, how = times.get(("chain", None)), "measured" if ("chain", None) in times else "not measured"
@@ -152,40 +186,90 @@ def project(sweep: dict, step_source: dict, *, roofline_fn=None, tau_kind: str =
             if step_source["source"] == "roofline" and step is not None:
                 how = "roofline"
             tps = None if step is None else r[key] / step
-            rows.append({"temperature": temperature, "method": r["method"], "budget": r["budget"], "tau": r[key],
-                         "step_ms": None if step is None else step * 1e3, "step_source": how, "tokens_per_s": tps,
-                         "aggregate_tokens_per_s": None if tps is None else tps * batch,
-                         "speedup_vs_ar": None if tps is None else tps * ar_s,
-                         "speedup_vs_chain": None if tps is None or chain_tps is None else tps / chain_tps})
+            rows.append(
+                {
+                    "temperature": temperature,
+                    "method": r["method"],
+                    "budget": r["budget"],
+                    "tau": r[key],
+                    "step_ms": None if step is None else step * 1e3,
+                    "step_source": how,
+                    "tokens_per_s": tps,
+                    "aggregate_tokens_per_s": None if tps is None else tps * batch,
+                    "speedup_vs_ar": None if tps is None else tps * ar_s,
+                    "speedup_vs_chain": None if tps is None or chain_tps is None else tps / chain_tps,
+                }
+            )
         tree = [r for r in rows if r["temperature"] == temperature and r["method"] == "ddtree" and r["tokens_per_s"]]
         if tree:
             top = max(tree, key=lambda r: r["tokens_per_s"])
-            best[f"T={temperature:g}"] = {"budget": top["budget"], "tokens_per_s": top["tokens_per_s"],
-                                          "speedup_vs_ar": top["speedup_vs_ar"], "speedup_vs_chain": top["speedup_vs_chain"]}
+            best[f"T={temperature:g}"] = {
+                "budget": top["budget"],
+                "tokens_per_s": top["tokens_per_s"],
+                "speedup_vs_ar": top["speedup_vs_ar"],
+                "speedup_vs_chain": top["speedup_vs_chain"],
+            }
     return {"rows": rows, "best_budget": best, "tau_kind": tau_kind}
 
 
 def format_table(result: dict) -> str:
     src = result["step_times"]
-    head = ["T", "method", "budget", f"tau ({result.get('tau_kind', 'mean')})", "step ms", "step from", "tok/s per row", "speedup vs AR", "speedup vs chain"]
-    lines = [f"step times: {src['source']} ({src.get('path') or src.get('model')}), batch {src.get('batch')}", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = [
+        "T",
+        "method",
+        "budget",
+        f"tau ({result.get('tau_kind', 'mean')})",
+        "step ms",
+        "step from",
+        "tok/s per row",
+        "speedup vs AR",
+        "speedup vs chain",
+    ]
+    lines = [
+        f"step times: {src['source']} ({src.get('path') or src.get('model')}), batch {src.get('batch')}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in result["rows"]:
-        lines.append("| " + " | ".join([f"{r['temperature']:g}", r["method"], "" if r["budget"] is None else str(r["budget"]),
-                                        fmt(r["tau"], ".3f"), fmt(r["step_ms"], ".2f"), r["step_source"],
-                                        fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup_vs_ar"], ".2f"),
-                                        fmt(r["speedup_vs_chain"], ".2f")]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r['temperature']:g}",
+                    r["method"],
+                    "" if r["budget"] is None else str(r["budget"]),
+                    fmt(r["tau"], ".3f"),
+                    fmt(r["step_ms"], ".2f"),
+                    r["step_source"],
+                    fmt(r["tokens_per_s"], ".1f"),
+                    fmt(r["speedup_vs_ar"], ".2f"),
+                    fmt(r["speedup_vs_chain"], ".2f"),
+                ]
+            )
+            + " |"
+        )
     lines += [""] if result["best_budget"] else []
     for label, b in result["best_budget"].items():
-        lines.append(f"best budget at {label}: {b['budget']} ({b['tokens_per_s']:.1f} tok/s per row, "
-                     f"{b['speedup_vs_ar']:.2f}x AR, "
-                     f"{'-' if b['speedup_vs_chain'] is None else format(b['speedup_vs_chain'], '.2f')}x the chain)")
+        lines.append(
+            f"best budget at {label}: {b['budget']} ({b['tokens_per_s']:.1f} tok/s per row, "
+            f"{b['speedup_vs_ar']:.2f}x AR, "
+            f"{'-' if b['speedup_vs_chain'] is None else format(b['speedup_vs_chain'], '.2f')}x the chain)"
+        )
     return "\n".join(lines)
 
 
-def speed_projection(sweep: dict | str, *, bench: str | None = None, use_roofline: bool = False, batch: int = 1,
-                     context: int = 2048, overhead_us: float = 0.0, tau_kind: str = "pooled") -> dict:
+def speed_projection(
+    sweep: dict | str,
+    *,
+    bench: str | None = None,
+    use_roofline: bool = False,
+    batch: int = 1,
+    context: int = 2048,
+    overhead_us: float = 0.0,
+    tau_kind: str = "pooled",
+) -> dict:
     """The projection from a sweep result (dict or JSON path); step times as the module docstring says;
     tau_kind as `project`. Raises NoStepTimes with a clear message when there is no source."""
     if isinstance(sweep, str):
@@ -202,43 +286,67 @@ def speed_projection(sweep: dict | str, *, bench: str | None = None, use_rooflin
     elif have_roofline:
         source = step_times_from_roofline(budgets, batch=batch, context=context, overhead_s=overhead_s)
     else:
-        raise NoStepTimes("no step times: no benchmarks/bench_engine.py result (run `python -m benchmarks.bench_engine` "
-                          "on the GPU, or pass --bench FILE) and no roofline model (ddtree_jax/analysis/roofline.py)")
+        raise NoStepTimes(
+            "no step times: no benchmarks/bench_engine.py result (run `python -m benchmarks.bench_engine` "
+            "on the GPU, or pass --bench FILE) and no roofline model (ddtree_jax/analysis/roofline.py)"
+        )
     roofline_fn = None
     if source["source"] == "bench_engine" and have_roofline:
         ctx = source.get("context") or context
         roofline_fn = lambda b: roofline_step("ddtree", b, batch=batch, context=ctx)  # noqa: E731
     block = (sweep.get("settings") or {}).get("block_size")
     result = project(sweep, source, roofline_fn=roofline_fn, tau_kind=tau_kind)
-    result.update(study="speed_projection", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  step_times={k: v for k, v in source.items() if k != "times"} | {
-                      "times_ms": {f"{m}{'' if b is None else f' {b}'}": t * 1e3 for (m, b), t in source["times"].items()}},
-                  sweep={"pair": sweep.get("pair"), "commit": sweep.get("commit"), "date": sweep.get("date"),
-                         "block_size": block},
-                  notes=[] if block in (None, 16) else [f"the pair's block size is {block}; the step times are for a "
-                                                        f"block-16 drafter"])
+    result.update(
+        study="speed_projection",
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        step_times={k: v for k, v in source.items() if k != "times"}
+        | {"times_ms": {f"{m}{'' if b is None else f' {b}'}": t * 1e3 for (m, b), t in source["times"].items()}},
+        sweep={
+            "pair": sweep.get("pair"),
+            "commit": sweep.get("commit"),
+            "date": sweep.get("date"),
+            "block_size": block,
+        },
+        notes=[]
+        if block in (None, 16)
+        else [f"the pair's block size is {block}; the step times are for a block-16 drafter"],
+    )
     return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", default=os.path.join(os.environ.get("OUT", "outputs"), "budget_sweep.json"),
-                        help="a budget_sweep.py result")
+    parser.add_argument(
+        "--sweep",
+        default=os.path.join(os.environ.get("OUT", "outputs"), "budget_sweep.json"),
+        help="a budget_sweep.py result",
+    )
     parser.add_argument("--bench", default=None, help="a benchmarks/bench_engine.py JSON (default: the newest found)")
     parser.add_argument("--roofline", action="store_true", help="use the roofline model even if a benchmark exists")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=2048, help="roofline context length")
     parser.add_argument("--overhead-us", type=float, default=0.0, help="added to every step (tree, sampling, launches)")
-    parser.add_argument("--tau", default="pooled", choices=TAU_KINDS,
-                        help="pooled: all tokens / all steps of a column (throughput; default); mean: mean per-generation tau")
+    parser.add_argument(
+        "--tau",
+        default="pooled",
+        choices=TAU_KINDS,
+        help="pooled: all tokens / all steps of a column (throughput; default); mean: mean per-generation tau",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "speed_projection.json"))
     args = parser.parse_args(argv)
     if not os.path.exists(args.sweep):
         print(f"error: no sweep result at {args.sweep}: run experiments/budget_sweep.py first", file=sys.stderr)
         return 2
     try:
-        result = speed_projection(args.sweep, bench=args.bench, use_roofline=args.roofline, batch=args.batch,
-                                  context=args.context, overhead_us=args.overhead_us, tau_kind=args.tau)
+        result = speed_projection(
+            args.sweep,
+            bench=args.bench,
+            use_roofline=args.roofline,
+            batch=args.batch,
+            context=args.context,
+            overhead_us=args.overhead_us,
+            tau_kind=args.tau,
+        )
     except NoStepTimes as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,19 +33,16 @@ from ddtree_jax.engine.step import StepTrace
 from ddtree_jax.options import ORDER_POLICIES, DecodeOptions
 from ddtree_jax.sampling import processed_probs
 from ddtree_jax.tree import DraftTree
+from experiments.held_out_prompts import DEFAULT_PAIR_DIR, PAIR_ENV, check_span, load_prompts, pair_root
+
+__all__ = ["DEFAULT_PAIR_DIR", "PAIR_ENV", "pair_root"]  # re-exported: the studies' drivers read them here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_PAIR_DIR = os.path.join(REPO, "checkpoints", "embedded")
-PAIR_ENV = "DDTREE_PAIR_DIR"
 EXACT = (1.0, 1.0)  # (threshold_acc, threshold_single) of exact verification
 RECORD_KEYS = ("accepted", "surrogate", "expected", "active")  # per-step records [S, B]
 
 
 # --- the pair --------------------------------------------------------------------------------------------------------
-
-def pair_root(default: str | None = None) -> str:
-    """The pair's directory: $DDTREE_PAIR_DIR, else `default`, else checkpoints/embedded."""
-    return os.environ.get(PAIR_ENV) or default or DEFAULT_PAIR_DIR
 
 
 def pair_dirs(root: str | None = None) -> tuple[str, str]:
@@ -63,7 +60,8 @@ def load_study_pair(target_dir: str | None = None, drafter_dir: str | None = Non
             raise FileNotFoundError(
                 f"no trained {role} at {path!r}. Train the pair first (python -m ddtree_jax.train all --config "
                 f"configs/train_default.json --out checkpoints/embedded; configs/train_tiny.json for a CPU toy) or "
-                f"point {PAIR_ENV} / --target / --drafter at one.")
+                f"point {PAIR_ENV} / --target / --drafter at one."
+            )
     pair = load_pair(target_dir, drafter_dir)
     if pair.tokenizer is None:
         raise ValueError(f"the target directory {target_dir!r} has no tokenizer (tokenizer.json)")
@@ -84,22 +82,31 @@ def pair_summary(target_dir: str, drafter_dir: str, pair: Pair) -> dict:
     prov = read_provenance(target_dir) or {}
     cfg = pair.target_config
     out = {
-        "target": os.path.relpath(os.path.abspath(target_dir), REPO) if os.path.abspath(target_dir).startswith(REPO)
+        "target": os.path.relpath(os.path.abspath(target_dir), REPO)
+        if os.path.abspath(target_dir).startswith(REPO)
         else os.path.abspath(target_dir),
-        "drafter": os.path.relpath(os.path.abspath(drafter_dir), REPO) if os.path.abspath(drafter_dir).startswith(REPO)
+        "drafter": os.path.relpath(os.path.abspath(drafter_dir), REPO)
+        if os.path.abspath(drafter_dir).startswith(REPO)
         else os.path.abspath(drafter_dir),
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
         "block_size": pair.drafter.max_block_size,
-        "recipe": prov.get("recipe"), "trained_at_commit": prov.get("commit"),
+        "recipe": prov.get("recipe"),
+        "trained_at_commit": prov.get("commit"),
     }
     for part in ("target", "drafter"):
         if part in prov:
-            out[f"{part}_training"] = {k: prov[part].get(k) for k in ("params", "steps", "heldout_loss", "heldout_ppl",
-                                                                     "heldout_accept_length") if k in prov[part]}
+            out[f"{part}_training"] = {
+                k: prov[part].get(k)
+                for k in ("params", "steps", "heldout_loss", "heldout_ppl", "heldout_accept_length")
+                if k in prov[part]
+            }
     return out
 
 
 # --- per-step quantities ---------------------------------------------------------------------------------------------
+
 
 def surrogate_tau_jnp(tree: DraftTree) -> jax.Array:
     """float32 [B]: 1 + sum over non-root nodes of exp(logw) (padding has logw = -inf): the drafter's own
@@ -127,6 +134,7 @@ def expected_tau_exact(tree: DraftTree, target_logits: jax.Array, sampling) -> j
 
 # --- the generation loop with records --------------------------------------------------------------------------------
 
+
 def step_record(trace: StepTrace, sampling) -> dict:
     """The observer of `generate_recorded`: per row, the step's accepted count (-1 when inactive), the
     drafter's surrogate and the exact-mode expectation for the tree built, and whether the row was active."""
@@ -138,12 +146,29 @@ def step_record(trace: StepTrace, sampling) -> dict:
     }
 
 
-def study_generate(pair: Pair, prompt_ids: list[list[int]], *, method: str = "ddtree", budget: int = 32,
-                   block_size: int | None = None, max_new_tokens: int, temperature: float, top_k: int = 0,
-                   top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, request_ids=None, stop_tokens=(),
-                   order: str = "draft", threshold_acc: float = 1.0, threshold_single: float = 1.0,
-                   verify_impl: str = "auto", batch_size: int | None = None, width: int | None = None,
-                   row_max_new: int | None = None) -> dict:
+def study_generate(
+    pair: Pair,
+    prompt_ids: list[list[int]],
+    *,
+    method: str = "ddtree",
+    budget: int = 32,
+    block_size: int | None = None,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    request_ids=None,
+    stop_tokens=(),
+    order: str = "draft",
+    threshold_acc: float = 1.0,
+    threshold_single: float = 1.0,
+    verify_impl: str = "auto",
+    batch_size: int | None = None,
+    width: int | None = None,
+    row_max_new: int | None = None,
+) -> dict:
     """Generates for every prompt (one row each) and returns numpy arrays:
 
       tokens [B, max_new] (-1 padded), num_generated / steps / accepted_total [B], tau [B] (the engine's
@@ -159,8 +184,9 @@ def study_generate(pair: Pair, prompt_ids: list[list[int]], *, method: str = "dd
     if row_max_new is not None and not 1 <= row_max_new <= max_new_tokens:
         raise ValueError(f"row_max_new must be in [1, max_new_tokens = {max_new_tokens}], got {row_max_new}")
     if not 0.0 < threshold_acc <= 1.0 or not 0.0 < threshold_single <= 1.0:
-        raise ValueError(f"thresholds must be in (0, 1], got threshold_acc={threshold_acc}, "
-                         f"threshold_single={threshold_single}")
+        raise ValueError(
+            f"thresholds must be in (0, 1], got threshold_acc={threshold_acc}, threshold_single={threshold_single}"
+        )
     check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
     block = resolve_block_size(pair, method, block_size)
     total = len(prompt_ids)
@@ -171,23 +197,48 @@ def study_generate(pair: Pair, prompt_ids: list[list[int]], *, method: str = "dd
     chunk = batch_size or total  # every call has `chunk` rows: runs of any size share one compilation
     if order not in ORDER_POLICIES:
         raise ValueError(f"order must be one of {ORDER_POLICIES}, got {order!r}")
-    options = DecodeOptions(order=order, threshold_acc=float(threshold_acc), threshold_single=float(threshold_single),
-                            verify_impl=verify_impl)
-    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, options=options,
-                  recorder=step_record)
+    options = DecodeOptions(
+        order=order,
+        threshold_acc=float(threshold_acc),
+        threshold_single=float(threshold_single),
+        verify_impl=verify_impl,
+    )
+    static = dict(
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block,
+        options=options,
+        recorder=step_record,
+    )
     parts = []
     for start in range(0, total, chunk):
         idx = list(range(start, min(start + chunk, total)))
         real = len(idx)
         idx += [idx[-1]] * (chunk - real)  # same shapes for every chunk: one compilation
-        args = request_args(pair, [prompt_ids[i] for i in idx], temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, seed=seed, stop_tokens=stop_tokens, max_new_tokens=max_new_tokens,
-                            width=width, request_ids=request_ids[idx])
+        args = request_args(
+            pair,
+            [prompt_ids[i] for i in idx],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            stop_tokens=stop_tokens,
+            max_new_tokens=max_new_tokens,
+            width=width,
+            request_ids=request_ids[idx],
+        )
         if row_max_new is not None:
             args = args[:-1] + (jnp.full((chunk,), row_max_new, jnp.int32),)
         result, records = jax.device_get(generate_recorded(*args, **static))
-        out = {"tokens": result.tokens, "num_generated": result.num_generated, "steps": result.steps,
-               "accepted_total": result.accepted, **records}
+        out = {
+            "tokens": result.tokens,
+            "num_generated": result.num_generated,
+            "steps": result.steps,
+            "accepted_total": result.accepted,
+            **records,
+        }
         out["accepted"] = np.where(out["active"], out["accepted"], -1)  # steps after the loop ended: inactive
         parts.append({k: np.asarray(v)[:, :real] if k in RECORD_KEYS else np.asarray(v)[:real] for k, v in out.items()})
     res = {k: np.concatenate([p[k] for p in parts], axis=1 if k in RECORD_KEYS else 0) for k in parts[0]}
@@ -202,9 +253,12 @@ def step_records(res: dict) -> dict[str, np.ndarray]:
     expected, and the row each step belongs to."""
     active = res["active"]
     rows = np.broadcast_to(np.arange(active.shape[1])[None, :], active.shape)
-    return {"measured": (res["accepted"][active] + 1).astype(np.float64),
-            "surrogate": res["surrogate"][active].astype(np.float64),
-            "expected": res["expected"][active].astype(np.float64), "row": rows[active]}
+    return {
+        "measured": (res["accepted"][active] + 1).astype(np.float64),
+        "surrogate": res["surrogate"][active].astype(np.float64),
+        "expected": res["expected"][active].astype(np.float64),
+        "row": rows[active],
+    }
 
 
 def pooled_tau(res: dict) -> float:
@@ -245,21 +299,33 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
-def setup(target_dir: str | None = None, drafter_dir: str | None = None, *, num_prompts: int, prompt_len: int,
-          max_new: int, prompt_seed: int = 0, min_continuation: int | None = None) -> tuple[Pair, list[dict], dict]:
+def setup(
+    target_dir: str | None = None,
+    drafter_dir: str | None = None,
+    *,
+    num_prompts: int,
+    prompt_len: int,
+    max_new: int,
+    prompt_seed: int = 0,
+    min_continuation: int | None = None,
+) -> tuple[Pair, list[dict], dict]:
     """(pair, held-out prompts, pair summary) for a study: the pair from `load_study_pair`, `num_prompts`
     prompts of `prompt_len` tokens from its held-out files (`held_out_prompts.load_prompts`, followed by at
     least `max_new` tokens of real text unless `min_continuation` says otherwise), a warning when prompt +
     max_new runs past the training sequence length."""
-    from experiments.held_out_prompts import check_span, load_prompts
-
     default_target, default_drafter = pair_dirs()
     target_dir, drafter_dir = target_dir or default_target, drafter_dir or default_drafter
     pair = load_study_pair(target_dir, drafter_dir)
     root = os.path.dirname(os.path.abspath(target_dir))
     check_span(root, prompt_len, max_new)
-    prompts = load_prompts(root, pair.tokenizer, n=num_prompts, length=prompt_len, seed=prompt_seed,
-                           min_continuation=max_new if min_continuation is None else min_continuation)
+    prompts = load_prompts(
+        root,
+        pair.tokenizer,
+        n=num_prompts,
+        length=prompt_len,
+        seed=prompt_seed,
+        min_continuation=max_new if min_continuation is None else min_continuation,
+    )
     return pair, prompts, pair_summary(target_dir, drafter_dir, pair)
 
 

@@ -42,17 +42,24 @@ ROOTS = {
 # module's layer is that of the longest prefix matching it (`p` matches `p` and `p.*`); a prefix
 # written `=p` matches `p` alone (a package's __init__, without its submodules).
 LAYERS = [
-    ("kernels", ["kernels", "ddtree_kernels"]),                      # Pallas kernels + references + quant; jax only
-    ("config", ["ddtree_jax.config"]),                               # frozen configs
-    ("dispatch", ["ddtree_jax.dispatch", "ddtree_jax.options"]),     # "auto" rules, DecodeOptions
-    ("parallel", ["ddtree_jax.sharding.rules", "ddtree_jax.sharding.mesh", "ddtree_jax.sharding.regions",
-                  "=ddtree_jax.sharding"]),                          # mesh axes, rule tables, shard_map regions
+    ("kernels", ["kernels", "ddtree_kernels"]),  # Pallas kernels + references + quant; jax only
+    ("config", ["ddtree_jax.config"]),  # frozen configs
+    ("dispatch", ["ddtree_jax.dispatch", "ddtree_jax.options"]),  # "auto" rules, DecodeOptions
+    (
+        "parallel",
+        [
+            "ddtree_jax.sharding.rules",
+            "ddtree_jax.sharding.mesh",
+            "ddtree_jax.sharding.regions",
+            "=ddtree_jax.sharding",
+        ],
+    ),  # mesh axes, rule tables, shard_map regions
     ("tree+sampling", ["ddtree_jax.tree", "ddtree_jax.sampling"]),
-    ("verify", ["ddtree_jax.verify", "=ddtree_jax"]),                # the package re-exports tree..verify
+    ("verify", ["ddtree_jax.verify", "=ddtree_jax"]),  # the package re-exports tree..verify
     ("models", ["ddtree_jax.models"]),
-    ("presets", ["ddtree_jax.presets"]),
+    ("checkpoint", ["ddtree_jax.checkpoint"]),  # HF configs / weights, tokenizers
+    ("presets", ["ddtree_jax.presets"]),  # named configs (read through checkpoint)
     ("analysis", ["ddtree_jax.analysis", "ddtree_jax.roofline", "ddtree_jax.sharding.memory"]),  # planner, roofline
-    ("checkpoint", ["ddtree_jax.checkpoint"]),
     ("engine", ["ddtree_jax.engine"]),
     ("train", ["ddtree_jax.train"]),
     ("cli", ["ddtree_jax.__main__"]),
@@ -82,7 +89,7 @@ def discover(root: Path) -> dict[str, Path]:
             owner, owner_dir = next((n, d) for n, d in dirs if relpath.startswith(d + "/"))
             if owner != name:
                 continue
-            parts = list(Path(relpath[len(owner_dir) + 1:]).with_suffix("").parts)
+            parts = list(Path(relpath[len(owner_dir) + 1 :]).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             if any(not p.isidentifier() for p in parts):
@@ -103,7 +110,8 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 class _Visitor(ast.NodeVisitor):
@@ -263,8 +271,10 @@ class Report:
         return bool(self.cycles or self.upward)
 
     def summary(self) -> str:
-        return (f"summary: {len(self.modules)} modules, {len(self.edges)} edges, {len(self.cycles)} cycles, "
-                f"{len(self.upward)} upward edges, {len(self.function_level)} function-level first-party imports")
+        return (
+            f"summary: {len(self.modules)} modules, {len(self.edges)} edges, {len(self.cycles)} cycles, "
+            f"{len(self.upward)} upward edges, {len(self.function_level)} function-level first-party imports"
+        )
 
 
 def analyse(root: Path) -> Report:
@@ -285,14 +295,17 @@ def _fmt(e: Edge) -> str:
 
 
 def render(report: Report) -> str:
-    lines = [f"# import graph of {', '.join(ROOTS)} (layers bottom first: "
-             + " < ".join(name for name, _ in LAYERS) + ")", ""]
+    lines = [
+        f"# import graph of {', '.join(ROOTS)} (layers bottom first: " + " < ".join(name for name, _ in LAYERS) + ")",
+        "",
+    ]
     lines.append(f"## (a) import cycles: {len(report.cycles)}")
     for i, component in enumerate(report.cycles, 1):
         members = set(component)
         lines.append(f"cycle {i}: {', '.join(component)}")
-        lines += ["    " + _fmt(e) for e in report.edges
-                  if e.kind != "typing" and e.src in members and e.dst in members]
+        lines += [
+            "    " + _fmt(e) for e in report.edges if e.kind != "typing" and e.src in members and e.dst in members
+        ]
     lines += ["", f"## (b) upward edges: {len(report.upward)}"]
     lines += [f"{_fmt(e)}  ({lo} imports {hi})" for e, lo, hi in report.upward]
     lines += ["", f"## (c) function-level first-party imports: {len(report.function_level)}"]
@@ -306,8 +319,12 @@ def render(report: Report) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
-                        help="repository root (default: this script's repository)")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent,
+        help="repository root (default: this script's repository)",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 on any cycle or upward edge")
     args = parser.parse_args(argv)
     report = analyse(args.root)

@@ -18,17 +18,45 @@ import transformers
 from safetensors.numpy import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+
 def deepseek_v3_tiny(moe_intermediate_size: int = 16) -> DeepseekV3ForCausalLM:
     """MLA with q/kv LoRA, YaRN (mscale), 1 dense + 2 MoE layers, 8 experts in 2 groups, top-2, a shared
     expert, and a non-zero e_score_correction_bias."""
     config = DeepseekV3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=moe_intermediate_size, num_hidden_layers=3,
-        first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=128,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     )
     model = DeepseekV3ForCausalLM(config)
     with torch.no_grad():
@@ -39,11 +67,22 @@ def deepseek_v3_tiny(moe_intermediate_size: int = 16) -> DeepseekV3ForCausalLM:
 
 
 def qwen3_tiny(tie_word_embeddings: bool) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10_000.0, max_position_embeddings=128,
-        attention_bias=False, tie_word_embeddings=tie_word_embeddings,
-    ))
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            rms_norm_eps=1e-6,
+            rope_theta=10_000.0,
+            max_position_embeddings=128,
+            attention_bias=False,
+            tie_word_embeddings=tie_word_embeddings,
+        )
+    )
 
 
 CASES = {
@@ -87,8 +126,13 @@ def write_int4_variant(dense_dir: str, out_dir: str) -> DeepseekV3ForCausalLM:
         if re.search(r"mlp\.experts\.\d+\..*\.weight$", name):
             words, scale, deq = pack_int4(w.astype(np.float32))
             base = name.removesuffix(".weight")
-            packed.update({f"{base}.weight_packed": words, f"{base}.weight_scale": scale,
-                           f"{base}.weight_shape": np.array(w.shape, np.int64)})
+            packed.update(
+                {
+                    f"{base}.weight_packed": words,
+                    f"{base}.weight_scale": scale,
+                    f"{base}.weight_shape": np.array(w.shape, np.int64),
+                }
+            )
             dequantised[name] = deq
         else:
             packed[name] = w
@@ -97,9 +141,14 @@ def write_int4_variant(dense_dir: str, out_dir: str) -> DeepseekV3ForCausalLM:
     os.makedirs(out_dir, exist_ok=True)
     save_file(packed, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
-                                                                          "symmetric": True, "type": "int"}}},
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "group_size": 32, "symmetric": True, "type": "int"},
+            }
+        },
         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
     }
     json.dump(config, open(os.path.join(out_dir, "config.json"), "w"), indent=2)
@@ -111,7 +160,9 @@ def write_fp8_variant(dense_dir: str, out_dir: str) -> DeepseekV3ForCausalLM:
     block amax / 448) decoder-layer projections; golden logits from HF with the dequantised weights."""
     tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
     stored, dequantised = {}, {}
-    pattern = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a|q_b|kv_a_proj_with_mqa|kv_b|o)(_proj)?|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$")
+    pattern = re.compile(
+        r"model\.layers\.\d+\.(self_attn\.(q_a|q_b|kv_a_proj_with_mqa|kv_b|o)(_proj)?|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$"
+    )
     for name, w in tensors.items():
         if not pattern.match(name):
             stored[name] = torch.from_numpy(w)
@@ -125,7 +176,7 @@ def write_fp8_variant(dense_dir: str, out_dir: str) -> DeepseekV3ForCausalLM:
         blocks = padded.view(rows, 128, cols, 128)
         scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
         q = (blocks / scale[:, None, :, None]).view(rows * 128, cols * 128)[:out, :inner].to(torch.float8_e4m3fn)
-        deq = (q.float().view(out, inner) * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :inner])
+        deq = q.float().view(out, inner) * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :inner]
         stored[name], stored[name + "_scale_inv"] = q, scale.float()
         dequantised[name] = deq.numpy()
     config = json.load(open(os.path.join(dense_dir, "config.json")))
@@ -134,8 +185,12 @@ def write_fp8_variant(dense_dir: str, out_dir: str) -> DeepseekV3ForCausalLM:
     from safetensors.torch import save_file as save_torch
 
     save_torch(stored, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     json.dump(config, open(os.path.join(out_dir, "config.json"), "w"), indent=2)
     return model
 
@@ -162,8 +217,16 @@ def main(out_dir: str) -> None:
             logits = model(input_ids).logits.float().numpy()
         np.savez(os.path.join(path, "reference.npz"), input_ids=input_ids.numpy().astype(np.int32), logits=logits)
         with open(os.path.join(path, "provenance.json"), "w") as f:
-            json.dump({"script": "scripts/make_parity_fixture.py", "torch": torch.__version__,
-                       "transformers": transformers.__version__, "dtype": "float32"}, f, indent=2)
+            json.dump(
+                {
+                    "script": "scripts/make_parity_fixture.py",
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "dtype": "float32",
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {path}: logits {logits.shape}")
 
 

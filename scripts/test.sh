@@ -3,6 +3,9 @@
 #   scripts/test.sh -m "not slow"     # the quick local loop
 source "$(dirname "$0")/_venv.sh"
 cd "$repo_root"
+# the formatter and linter first (pyproject.toml [tool.ruff]): a style error fails fast, before the suite
+ruff format --check --quiet . || { echo "error: files need 'ruff format' (run: .venv/bin/ruff format .)" >&2; exit 1; }
+ruff check --quiet . || { echo "error: 'ruff check' found problems (see above)" >&2; exit 1; }
 # --max-worker-restart=0: a crashed worker ends the run with an error (xdist's loadfile scheduler would
 # otherwise wait forever for the crashed worker's remaining files)
 exec python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q "$@"

@@ -41,6 +41,19 @@ def tiny_pair_dir(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny_pair")
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["all", "--config", os.path.join(ROOT, "configs", "train_tiny.json"), "--out", str(out),
-                     "--no-progress", "--commit", "tiny-test"]) == 0
+        assert (
+            main(
+                [
+                    "all",
+                    "--config",
+                    os.path.join(ROOT, "configs", "train_tiny.json"),
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                    "--commit",
+                    "tiny-test",
+                ]
+            )
+            == 0
+        )
     return str(out)

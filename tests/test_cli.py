@@ -43,8 +43,25 @@ def test_tree_tool_reads_logits_and_reports_bad_input(tmp_path, capsys):
 
 
 def test_generate_random_tiny_methods_agree_greedily(capsys):
-    assert main(["generate", "--random-tiny", "--method", "all", "--max-new", "6", "--budget", "4", "--repeats", "1",
-                 "--compilation-cache", ""]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--random-tiny",
+                "--method",
+                "all",
+                "--max-new",
+                "6",
+                "--budget",
+                "4",
+                "--repeats",
+                "1",
+                "--compilation-cache",
+                "",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     texts = re.findall(r"^\[[\d, ]+\]$", out, flags=re.M)
     assert len(texts) == 3 and len(set(texts)) == 1  # AR, chain and DDTree emit the same greedy text
@@ -60,8 +77,23 @@ TINY = ["--random-tiny", "--max-new", "6", "--repeats", "1", "--compilation-cach
 
 def test_bench_table_and_json(tmp_path, capsys):
     out_file = tmp_path / "bench.json"
-    assert main(["bench", *TINY, "--budget", "4,2", "--prompt-ids", "1,2,3,4", "--prompt-ids", "5,6,7",
-                 "--json", str(out_file)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *TINY,
+                "--budget",
+                "4,2",
+                "--prompt-ids",
+                "1,2,3,4",
+                "--prompt-ids",
+                "5,6,7",
+                "--json",
+                str(out_file),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert re.search(r"^method\s+budget\s+block\s+tokens/s\s+mean tau\s+speedup\s+compile s$", out, flags=re.M)
     table = [line.split() for line in out.splitlines() if line.split()[:1] in (["ar"], ["chain"], ["ddtree"])]
@@ -86,8 +118,7 @@ def test_bench_profile_prints_the_stage_table(capsys):
     out = capsys.readouterr().out
     assert "per-stage times of one decode step" in out
     header = next(line for line in out.splitlines() if line.startswith("method") and "target fwd" in line)
-    assert header.split() == ["method", "draft", "tree", "target", "fwd", "walk", "commit", "sum", "step",
-                              "non-fwd"]
+    assert header.split() == ["method", "draft", "tree", "target", "fwd", "walk", "commit", "sum", "step", "non-fwd"]
     row = next(line for line in out.splitlines() if line.startswith("chain ") and line.endswith("%"))
     assert all(float(v) > 0 for v in row.split()[1:-1])
 
@@ -108,15 +139,25 @@ def test_bad_paths_are_named(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert "is not a directory" in _error(["generate", "--target", str(tmp_path / "file")], capsys)
     assert f"drafter directory {missing!r} does not exist" in _error(
-        ["generate", "--target", FIXTURE, "--drafter", missing], capsys)
+        ["generate", "--target", FIXTURE, "--drafter", missing], capsys
+    )
     assert "has no config.json" in _error(["generate", "--target", str(tmp_path)], capsys)
     assert "--drafter needs --target" in _error(["bench", "--drafter", FIXTURE], capsys)
     assert "--prompt-file" in _error(["bench", *TINY, "--prompt-file", missing], capsys)
 
 
 def _drafter_dir(tmp_path, name, vocab, **kw):
-    config = dict(hidden_size=32, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                  block_size=4, mask_token_id=5, target_layers=(0, 1))
+    config = dict(
+        hidden_size=32,
+        intermediate_size=40,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        mask_token_id=5,
+        target_layers=(0, 1),
+    )
     directory = tmp_path / name
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(to_hf_dict(DFlashConfig(**{**config, **kw}), vocab)))
@@ -127,48 +168,75 @@ def test_target_drafter_mismatch_is_named(tmp_path, capsys):
     """The configs are checked before any weight loads (the drafter directories hold a config only)."""
     base = ["generate", "--target", FIXTURE, "--drafter"]  # the fixture: hidden 32, vocab 97, 2 layers
     assert "drafter hidden_size 48 != target hidden_size 32" in _error(
-        base + [_drafter_dir(tmp_path, "wide", 97, hidden_size=48)], capsys)
-    assert "drafter vocab_size 100 != target vocab_size 97" in _error(base + [_drafter_dir(tmp_path, "vocab", 100)], capsys)
+        base + [_drafter_dir(tmp_path, "wide", 97, hidden_size=48)], capsys
+    )
+    assert "drafter vocab_size 100 != target vocab_size 97" in _error(
+        base + [_drafter_dir(tmp_path, "vocab", 100)], capsys
+    )
     assert "drafter mask_token_id 97 is outside" in _error(
-        base + [_drafter_dir(tmp_path, "mask", 97, mask_token_id=97)], capsys)
-    assert "drafter target_layers [5]" in _error(base + [_drafter_dir(tmp_path, "layers", 97, target_layers=(0, 5))],
-                                                 capsys)
+        base + [_drafter_dir(tmp_path, "mask", 97, mask_token_id=97)], capsys
+    )
+    assert "drafter target_layers [5]" in _error(
+        base + [_drafter_dir(tmp_path, "layers", 97, target_layers=(0, 5))], capsys
+    )
     # a built pair whose drafter holds another target's embedding
     pair = random_tiny_pair()
     bad = dataclasses.replace(pair, drafter=dataclasses.replace(pair.drafter, embed=pair.drafter.embed[:, :32]))
-    with pytest.raises(ValueError, match=re.escape("drafter embed has shape (512, 32), expected [target vocab_size, "
-                                                   "hidden_size] = (512, 64)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("drafter embed has shape (512, 32), expected [target vocab_size, hidden_size] = (512, 64)"),
+    ):
         check_pair(bad)
 
 
 def test_bad_budget_block_size_and_prompts_are_named(tmp_path, capsys):
     assert "budget must be in [1, 1024], got 0" in _error(["generate", *TINY, "--budget", "0"], capsys)
     assert "budget must be in [1, 1024], got 1025" in _error(["bench", *TINY, "--budget", "16,1025"], capsys)
-    assert "--budget must be comma-separated integers, got '16,x'" in _error(["bench", *TINY, "--budget", "16,x"], capsys)
+    assert "--budget must be comma-separated integers, got '16,x'" in _error(
+        ["bench", *TINY, "--budget", "16,x"], capsys
+    )
     assert "block_size must be in [2, 8] (the drafter's block_size), got 9" in _error(
-        ["generate", *TINY, "--method", "chain", "--block-size", "9"], capsys)
+        ["generate", *TINY, "--method", "chain", "--block-size", "9"], capsys
+    )
     assert "got 1" in _error(["bench", *TINY, "--block-size", "1"], capsys)
     assert "prompt 0 is empty" in _error(["generate", *TINY, "--method", "ar", "--prompt-ids", ""], capsys)
     assert "prompt 1 is empty" in _error(["bench", *TINY, "--prompt-ids", "1,2", "--prompt-ids", " "], capsys)
     assert "prompt 0 has token id 512 outside the target vocabulary [0, 512)" in _error(
-        ["generate", *TINY, "--method", "ar", "--prompt-ids", "1,512"], capsys)
+        ["generate", *TINY, "--method", "ar", "--prompt-ids", "1,512"], capsys
+    )
     (tmp_path / "empty.txt").write_text("\n\n")
     assert "has no prompts" in _error(["bench", *TINY, "--prompt-file", str(tmp_path / "empty.txt")], capsys)
     assert "--methods must be" in _error(["bench", *TINY, "--methods", "ar,tree"], capsys)
     # the fixture target's max_position_embeddings is 128
     ids = ",".join(["1"] * 100)
     assert "prompt 0 (100 tokens) + max_new_tokens 40 = 140 exceeds the target's max_position_embeddings 128" in _error(
-        ["generate", "--target", FIXTURE, "--method", "ar", "--prompt-ids", ids, "--max-new", "40",
-         "--compilation-cache", ""], capsys)
+        [
+            "generate",
+            "--target",
+            FIXTURE,
+            "--method",
+            "ar",
+            "--prompt-ids",
+            ids,
+            "--max-new",
+            "40",
+            "--compilation-cache",
+            "",
+        ],
+        capsys,
+    )
 
 
 def test_check_request_from_python():
     pair = random_tiny_pair()
     ok = dict(method="ddtree", budget=8, block_size=4, max_new_tokens=4)
     check_request(pair, [[1, 2, 3]], **ok)
-    for change, message in [(dict(budget=0), "budget must be in"), (dict(block_size=9), "got 9"),
-                            (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
-                            (dict(method="beam"), "method must be one of")]:
+    for change, message in [
+        (dict(budget=0), "budget must be in"),
+        (dict(block_size=9), "got 9"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+        (dict(method="beam"), "method must be one of"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             check_request(pair, [[1, 2, 3]], **{**ok, **change})
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -194,9 +262,13 @@ def _chatml_dir(tmp_path):
     directory = tmp_path / "chatml"
     directory.mkdir()
     tok.save(str(directory / "tokenizer.json"))
-    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
-                "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}")
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": template}))
+    template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+    )
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "chat_template": template})
+    )
     return directory
 
 

@@ -56,8 +56,12 @@ def test_options_are_hashable_statics_and_route_target_keywords():
     assert a == b and hash(a) == hash(b) and a != DecodeOptions()
     k2 = parse_config(_json("configs/kimi_k2_tiny.json"))
     qwen = parse_config(read_config("checkpoints/embedded/target"))
-    assert DecodeOptions(layer_loop="scan").target_impls(k2) == {"attn_impl": "auto", "matmul_impl": "auto",
-                                                                 "layer_loop": "scan", "moe_impl": "auto"}
+    assert DecodeOptions(layer_loop="scan").target_impls(k2) == {
+        "attn_impl": "auto",
+        "matmul_impl": "auto",
+        "layer_loop": "scan",
+        "moe_impl": "auto",
+    }
     assert DecodeOptions().target_impls(qwen) == {"attn_impl": "auto", "matmul_impl": "auto"}
     with pytest.raises(ValueError, match="needs an MoE target"):
         DecodeOptions(moe_impl="ep").target_impls(qwen)
@@ -74,14 +78,20 @@ def _json(path):
 
 def test_decode_plan_answers_what_runs_where():
     k26 = parse_config(_json("configs/kimi_k2_6.json"))
-    plan = {row.stage: row.choice for row in dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32,
-                                                                 block_size=16, backend_name="gpu")}
+    plan = {
+        row.stage: row.choice
+        for row in dispatch.decode_plan(
+            DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="gpu"
+        )
+    }
     assert plan["tree top-k"] == "prefilter"
     assert plan["tree-forward attention"] == "xla"  # absorbed MLA
     assert plan["tree-forward MoE"] == "pallas"  # 33 rows x 8 experts > 16 assignments
     assert plan["rejection walk"] == "pallas"
-    ar = {row.stage: row.choice for row in dispatch.decode_plan(DecodeOptions(), k26, method="ar", budget=1, block_size=16,
-                                                               backend_name="gpu")}
+    ar = {
+        row.stage: row.choice
+        for row in dispatch.decode_plan(DecodeOptions(), k26, method="ar", budget=1, block_size=16, backend_name="gpu")
+    }
     assert ar["tree-forward MoE"] == "gather" and "tree top-k" not in ar
     cpu = dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="cpu")
     assert {row.choice for row in cpu if row.stage in ("tree-forward attention", "rejection walk")} == {"xla"}

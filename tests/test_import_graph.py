@@ -28,7 +28,7 @@ CLEAN = {
     "kernels/matmul.py": "import jax\n",
     "ddtree_jax/__init__.py": "from ddtree_jax.config import Config\n",
     "ddtree_jax/config.py": "import dataclasses\nfrom typing import TYPE_CHECKING\n"
-                            "if TYPE_CHECKING:\n    from ddtree_jax.engine import run\n",  # typing-only: ignored
+    "if TYPE_CHECKING:\n    from ddtree_jax.engine import run\n",  # typing-only: ignored
     "ddtree_jax/models/__init__.py": "from . import layers\n",
     "ddtree_jax/models/layers.py": "from kernels.matmul import x\nfrom ..config import Config\n",
     "ddtree_jax/engine/__init__.py": "",
@@ -62,7 +62,8 @@ def test_cycle_and_upward_edge(tmp_path):
     # a cycle through a function-level import: engine.run <-> engine.step
     files["ddtree_jax/engine/step.py"] = "from ddtree_jax.engine.run import go\n"
     files["ddtree_jax/engine/run.py"] = CLEAN["ddtree_jax/engine/run.py"] + (
-        "def f():\n    from ddtree_jax.engine import step\n    return step\n")
+        "def f():\n    from ddtree_jax.engine import step\n    return step\n"
+    )
     # an upward edge: a kernel importing a model module
     files["kernels/matmul.py"] = "import jax\nfrom ddtree_jax.models.layers import linear\n"
     report = ig.analyse(write(tmp_path, files))
@@ -73,20 +74,29 @@ def test_cycle_and_upward_edge(tmp_path):
         ["ddtree_jax.models.layers", "kernels.matmul"],
     ]
     assert [(e.src, e.dst, e.kind, lo, hi) for e, lo, hi in report.upward] == [
-        ("kernels.matmul", "ddtree_jax.models.layers", "module", "kernels", "models")]
+        ("kernels.matmul", "ddtree_jax.models.layers", "module", "kernels", "models")
+    ]
     (fn,) = report.function_level
     assert (fn.src, fn.dst, fn.file, fn.line) == (
-        "ddtree_jax.engine.run", "ddtree_jax.engine.step", "ddtree_jax/engine/run.py", 4)
+        "ddtree_jax.engine.run",
+        "ddtree_jax.engine.step",
+        "ddtree_jax/engine/run.py",
+        4,
+    )
 
-    out = subprocess.run([sys.executable, str(SCRIPT), "--root", str(tmp_path), "--check"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(tmp_path), "--check"], capture_output=True, text=True
+    )
     assert out.returncode == 1
     assert "## (a) import cycles: 2" in out.stdout
-    assert "kernels.matmul -> ddtree_jax.models.layers  [module]  kernels/matmul.py:2  (kernels imports models)" \
+    assert (
+        "kernels.matmul -> ddtree_jax.models.layers  [module]  kernels/matmul.py:2  (kernels imports models)"
         in out.stdout
+    )
     assert out.stdout.rstrip().endswith("2 cycles, 1 upward edges, 1 function-level first-party imports")
-    assert subprocess.run([sys.executable, str(SCRIPT), "--root", str(tmp_path)],
-                          capture_output=True).returncode == 0  # without --check: report only
+    assert (
+        subprocess.run([sys.executable, str(SCRIPT), "--root", str(tmp_path)], capture_output=True).returncode == 0
+    )  # without --check: report only
 
 
 def test_the_kernel_package_and_layers():
@@ -98,17 +108,37 @@ def test_the_kernel_package_and_layers():
     assert ig.layer_of("ddtree_jax.sharding.regions")[1] == "parallel"  # below every layer that shards a call
     assert ig.layer_of("ddtree_jax.sharding.memory")[1] == "analysis"
     assert ig.layer_of("ddtree_jax.missing") is None  # "=ddtree_jax" matches the package alone
-    ranks = [ig.layer_of(m)[0] for m in (
-        "kernels.x", "ddtree_jax.config", "ddtree_jax.options", "ddtree_jax.sharding", "ddtree_jax.sampling",
-        "ddtree_jax.verify", "ddtree_jax.models", "ddtree_jax.presets", "ddtree_jax.analysis",
-        "ddtree_jax.checkpoint", "ddtree_jax.engine", "ddtree_jax.train", "ddtree_jax.__main__", "benchmarks.b")]
+    ranks = [
+        ig.layer_of(m)[0]
+        for m in (
+            "kernels.x",
+            "ddtree_jax.config",
+            "ddtree_jax.options",
+            "ddtree_jax.sharding",
+            "ddtree_jax.sampling",
+            "ddtree_jax.verify",
+            "ddtree_jax.models",
+            "ddtree_jax.checkpoint",
+            "ddtree_jax.presets",
+            "ddtree_jax.analysis",
+            "ddtree_jax.engine",
+            "ddtree_jax.train",
+            "ddtree_jax.__main__",
+            "benchmarks.b",
+        )
+    ]
     assert ranks == sorted(ranks)
 
 
 def test_future_kernel_package_discovery(tmp_path):
-    write(tmp_path, {"kernels/ddtree_kernels/__init__.py": "from .attn import a\n",
-                     "kernels/ddtree_kernels/attn.py": "import jax\n",
-                     "kernels/__init__.py": ""})
+    write(
+        tmp_path,
+        {
+            "kernels/ddtree_kernels/__init__.py": "from .attn import a\n",
+            "kernels/ddtree_kernels/attn.py": "import jax\n",
+            "kernels/__init__.py": "",
+        },
+    )
     modules, edges = ig.collect(tmp_path)
     assert set(modules) == {"kernels", "ddtree_kernels", "ddtree_kernels.attn"}
     assert [(e.src, e.dst) for e in edges] == [("ddtree_kernels", "ddtree_kernels.attn")]

@@ -26,8 +26,18 @@ from ddtree_jax.analysis.memory import (
     weight_inventory,
 )
 
-_ROOFLINE_NAMES = ("H200", "Hardware", "Phase", "StepCost", "break_even_tau", "expected_distinct_experts",
-                   "expected_max_group_experts", "format_table", "roofline_table", "step_cost")
+_ROOFLINE_NAMES = (
+    "H200",
+    "Hardware",
+    "Phase",
+    "StepCost",
+    "break_even_tau",
+    "expected_distinct_experts",
+    "expected_max_group_experts",
+    "format_table",
+    "roofline_table",
+    "step_cost",
+)
 
 
 def __getattr__(name: str):
@@ -39,8 +49,22 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "MemoryPlan", "MeshLayout", "Tensor", "cache_bytes_per_token", "drafter_cache_bytes_per_token",
-    "drafter_inventory", "drafter_params", "format_bytes", "local_shape", "max_context", "param_counts",
-    "parse_layout", "plan_memory", "tensor_bytes", "total_params", "weight_bytes", "weight_inventory",
+    "MemoryPlan",
+    "MeshLayout",
+    "Tensor",
+    "cache_bytes_per_token",
+    "drafter_cache_bytes_per_token",
+    "drafter_inventory",
+    "drafter_params",
+    "format_bytes",
+    "local_shape",
+    "max_context",
+    "param_counts",
+    "parse_layout",
+    "plan_memory",
+    "tensor_bytes",
+    "total_params",
+    "weight_bytes",
+    "weight_inventory",
     *_ROOFLINE_NAMES,
 ]

@@ -56,11 +56,11 @@ import dataclasses
 import math
 import re
 
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax import dispatch
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.dispatch import ATTENTION_IMPLS
-from ddtree_kernels.quant import FP8_BLOCK, INT4_GROUP
 from ddtree_jax.sharding.rules import MODEL, RULES
+from ddtree_kernels.quant import FP8_BLOCK, INT4_GROUP
 from ddtree_kernels.tiling import TARGET_PROGRAMS
 from ddtree_kernels.tree_attention import MAX_BLOCK_M
 
@@ -78,8 +78,9 @@ PALLAS_PARTIALS = TARGET_PROGRAMS * MAX_BLOCK_M  # tree_attention: programs x qu
 PLANNED_BACKEND = "gpu"  # what attention_impl="auto" resolves for: the planner models H200s
 
 # logical axes split over the "model" mesh axis, per layout (sharding/rules.py; every other axis is replicated)
-MODEL_AXES = {kind: frozenset(axis for axis, mesh_axis in rules.items() if mesh_axis == MODEL)
-              for kind, rules in RULES.items()}
+MODEL_AXES = {
+    kind: frozenset(axis for axis, mesh_axis in rules.items() if mesh_axis == MODEL) for kind, rules in RULES.items()
+}
 
 
 # --- the tensors ---------------------------------------------------------------------------------------------
@@ -144,7 +145,11 @@ def _mla(c: DeepSeekV3Config) -> dict:
         "input_norm": ((hidden,), ("embed",), "norms_router"),
         "kv_a_proj": ((c.kv_lora_rank + c.qk_rope_head_dim, hidden), ("kv_lora", "embed"), "attention"),
         "kv_a_norm": ((c.kv_lora_rank,), ("kv_lora",), "norms_router"),
-        "kv_b_proj": ((heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), ("q_heads", "kv_lora"), "attention"),
+        "kv_b_proj": (
+            (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            ("q_heads", "kv_lora"),
+            "attention",
+        ),
         "o_proj": ((hidden, heads * c.v_head_dim), ("embed", "q_heads"), "attention"),
         "post_norm": ((hidden,), ("embed",), "norms_router"),
     }
@@ -173,21 +178,25 @@ def weight_inventory(config, *, expert_format: str | None = None, dense_format: 
     dense_format = _check_format("dense_format", dense_format)
     c = config
     if isinstance(c, DeepSeekV3Config):
-        dense = {**_mla(c),
-                 "gate_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed"), "dense_ffn"),
-                 "up_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed"), "dense_ffn"),
-                 "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp"), "dense_ffn")}
+        dense = {
+            **_mla(c),
+            "gate_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed"), "dense_ffn"),
+            "up_proj": ((c.intermediate_size, c.hidden_size), ("mlp", "embed"), "dense_ffn"),
+            "down_proj": ((c.hidden_size, c.intermediate_size), ("embed", "mlp"), "dense_ffn"),
+        }
         e, i, hid = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
         shared = c.moe_intermediate_size * c.n_shared_experts
-        moe = {**_mla(c),
-               "router": ((e, hid), ("experts", "embed"), "norms_router"),
-               "router_bias": ((e,), ("experts",), "norms_router"),
-               "expert_gate": ((e, i, hid), ("experts", "expert_mlp", "embed"), "routed_experts"),
-               "expert_up": ((e, i, hid), ("experts", "expert_mlp", "embed"), "routed_experts"),
-               "expert_down": ((e, hid, i), ("experts", "embed", "expert_mlp"), "routed_experts"),
-               "shared_gate": ((shared, hid), ("mlp", "embed"), "shared_experts"),
-               "shared_up": ((shared, hid), ("mlp", "embed"), "shared_experts"),
-               "shared_down": ((hid, shared), ("embed", "mlp"), "shared_experts")}
+        moe = {
+            **_mla(c),
+            "router": ((e, hid), ("experts", "embed"), "norms_router"),
+            "router_bias": ((e,), ("experts",), "norms_router"),
+            "expert_gate": ((e, i, hid), ("experts", "expert_mlp", "embed"), "routed_experts"),
+            "expert_up": ((e, i, hid), ("experts", "expert_mlp", "embed"), "routed_experts"),
+            "expert_down": ((e, hid, i), ("experts", "embed", "expert_mlp"), "routed_experts"),
+            "shared_gate": ((shared, hid), ("mlp", "embed"), "shared_experts"),
+            "shared_up": ((shared, hid), ("mlp", "embed"), "shared_experts"),
+            "shared_down": ((hid, shared), ("embed", "mlp"), "shared_experts"),
+        }
         rows = _stack(dense, c.first_k_dense_replace, "dense_layers") + _stack(moe, c.num_moe_layers, "moe_layers")
     elif isinstance(c, Qwen3Config):
         layer = _qwen3_layer(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim)
@@ -210,8 +219,10 @@ def drafter_inventory(drafter: DFlashConfig, target_hidden: int, fmt: str = "bf1
     if target_hidden != d.hidden_size:
         raise ValueError(f"the drafter's hidden_size ({d.hidden_size}) must equal the target's ({target_hidden})")
     layer = _qwen3_layer(d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads, d.head_dim)
-    rows = [("fc", (d.hidden_size, len(d.target_layers) * target_hidden), ("embed", "features"), "attention"),
-            ("hidden_norm", (d.hidden_size,), ("embed",), "norms_router")]
+    rows = [
+        ("fc", (d.hidden_size, len(d.target_layers) * target_hidden), ("embed", "features"), "attention"),
+        ("hidden_norm", (d.hidden_size,), ("embed",), "norms_router"),
+    ]
     rows += _stack(layer, d.num_layers, "layers")
     rows.append(("final_norm", (d.hidden_size,), ("embed",), "norms_router"))
     return [Tensor(p, s, a, fmt if len(s) - (a[0] == "layers") >= 2 else "bf16", comp) for p, s, a, comp in rows]
@@ -284,8 +295,10 @@ def local_shape(t: Tensor, layout: MeshLayout) -> tuple[int, ...]:
     for size, axis in zip(t.shape, t.axes):
         ways = layout.split(axis)
         if size % ways:
-            raise ValueError(f"{t.path}: dimension {axis!r} of size {size} does not divide over {ways} devices "
-                             f"(layout {layout.name!r})")
+            raise ValueError(
+                f"{t.path}: dimension {axis!r} of size {size} does not divide over {ways} devices "
+                f"(layout {layout.name!r})"
+            )
         out.append(size // ways)
     return tuple(out)
 
@@ -316,7 +329,9 @@ def tensor_bytes(t: Tensor, layout=None) -> int:
     return format_bytes(shape, t.fmt, t.path)
 
 
-def weight_bytes(config, layout="tp8", *, expert_format: str | None = None, dense_format: str = "bf16") -> dict[str, int]:
+def weight_bytes(
+    config, layout="tp8", *, expert_format: str | None = None, dense_format: str = "bf16"
+) -> dict[str, int]:
     """Bytes per device of the target's weights, per component."""
     layout = parse_layout(layout)
     out = dict.fromkeys(COMPONENTS, 0)
@@ -384,8 +399,14 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.weights_total + self.drafter_weights + self.kv_cache + self.drafter_cache + self.activations_total
-                + self.headroom)
+        return (
+            self.weights_total
+            + self.drafter_weights
+            + self.kv_cache
+            + self.drafter_cache
+            + self.activations_total
+            + self.headroom
+        )
 
     @property
     def free(self) -> int:
@@ -397,14 +418,24 @@ class MemoryPlan:
 
     def table(self) -> str:
         """A two-column markdown table (GB = 1e9 bytes) of every term."""
-        lines = [f"| {self.layout.name} ({self.layout.devices} devices), batch {self.batch}, context {self.context:,}, "
-                 f"budget {self.budget} | GB / device |", "|---|---|"]
+        lines = [
+            f"| {self.layout.name} ({self.layout.devices} devices), batch {self.batch}, context {self.context:,}, "
+            f"budget {self.budget} | GB / device |",
+            "|---|---|",
+        ]
         rows = [(f"weights: {k}", v) for k, v in self.weights.items() if v] + [
-            ("weights (target)", self.weights_total), ("drafter weights", self.drafter_weights),
-            ("KV / latent cache", self.kv_cache), ("drafter context cache", self.drafter_cache)]
+            ("weights (target)", self.weights_total),
+            ("drafter weights", self.drafter_weights),
+            ("KV / latent cache", self.kv_cache),
+            ("drafter context cache", self.drafter_cache),
+        ]
         rows += [(f"workspace: {k}", v) for k, v in self.activations.items() if v]
-        rows += [("headroom", self.headroom), ("total", self.total), ("capacity", self.capacity),
-                 ("fits" if self.fits else "DOES NOT FIT", self.free)]
+        rows += [
+            ("headroom", self.headroom),
+            ("total", self.total),
+            ("capacity", self.capacity),
+            ("fits" if self.fits else "DOES NOT FIT", self.free),
+        ]
         return "\n".join(lines + [f"| {k} | {v / 1e9:,.3f} |" for k, v in rows])
 
 
@@ -414,10 +445,22 @@ def _check_int(name: str, value, low: int) -> int:
     return value
 
 
-def plan_memory(config, *, drafter: DFlashConfig | None = None, layout="tp8", batch: int = 1, context: int = 4096,
-                budget: int = 64, expert_format: str | None = None, dense_format: str = "bf16",
-                cache_dtype: str = "bf16", attention_impl: str = "pallas", device_bytes: float = DEVICE_BYTES,
-                usable_fraction: float = USABLE_FRACTION, headroom_bytes: float = HEADROOM_BYTES) -> MemoryPlan:
+def plan_memory(
+    config,
+    *,
+    drafter: DFlashConfig | None = None,
+    layout="tp8",
+    batch: int = 1,
+    context: int = 4096,
+    budget: int = 64,
+    expert_format: str | None = None,
+    dense_format: str = "bf16",
+    cache_dtype: str = "bf16",
+    attention_impl: str = "pallas",
+    device_bytes: float = DEVICE_BYTES,
+    usable_fraction: float = USABLE_FRACTION,
+    headroom_bytes: float = HEADROOM_BYTES,
+) -> MemoryPlan:
     """Bytes per device of serving `config` (+ `drafter`) with trees of `budget` nodes (N = budget + 1
     slots per row; budget 0 = plain AR), `batch` rows of up to `context` committed tokens each."""
     layout = parse_layout(layout)
@@ -446,37 +489,58 @@ def plan_memory(config, *, drafter: DFlashConfig | None = None, layout="tp8", ba
     heads_local = c.num_heads // layout.split("q_heads")
     if isinstance(c, DeepSeekV3Config):
         value_dim, key_dim = c.kv_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim
-        ffn = max(c.intermediate_size // layout.split("mlp"),
-                  c.num_experts_per_tok * c.moe_intermediate_size // layout.split("expert_mlp")
-                  + c.moe_intermediate_size * c.n_shared_experts // layout.split("mlp"))
+        ffn = max(
+            c.intermediate_size // layout.split("mlp"),
+            c.num_experts_per_tok * c.moe_intermediate_size // layout.split("expert_mlp")
+            + c.moe_intermediate_size * c.n_shared_experts // layout.split("mlp"),
+        )
     else:
         value_dim, key_dim = c.head_dim, c.head_dim
         ffn = c.intermediate_size // layout.split("mlp")
     keys = context + slots
-    attention = dispatch.attention_impl(attention_impl, queries=slots, mla=isinstance(c, DeepSeekV3Config),
-                                       backend_name=PLANNED_BACKEND)
+    attention = dispatch.attention_impl(
+        attention_impl, queries=slots, mla=isinstance(c, DeepSeekV3Config), backend_name=PLANNED_BACKEND
+    )
     act = {
         "logits": tokens * c.vocab_size * 4 + tokens * vocab_local * 2,
         "draft_logits": rows * drafter.num_draft_tokens * c.vocab_size * 4 if drafter is not None else 0,
         "attention_mask": tokens * keys,
         "hidden_states": ACT_BUFFERS * tokens * c.hidden_size * 4,
-        "tapped_features": tokens * len(c.tapped_layers or (drafter.target_layers if drafter else ())) * c.hidden_size * 2,
+        "tapped_features": tokens
+        * len(c.tapped_layers or (drafter.target_layers if drafter else ()))
+        * c.hidden_size
+        * 2,
         "ffn": 3 * tokens * ffn * 4,
-        "attention": (PALLAS_PARTIALS * (value_dim + 2) * 4 if attention == "pallas"
-                      else 2 * rows * heads_local * slots * keys * 4),
+        "attention": (
+            PALLAS_PARTIALS * (value_dim + 2) * 4
+            if attention == "pallas"
+            else 2 * rows * heads_local * slots * keys * 4
+        ),
     }
     if isinstance(c, DeepSeekV3Config):  # absorbed queries [rows, T, H_local, kv_lora + rope] and outputs, f32
         act["attention"] += 2 * tokens * heads_local * key_dim * 4
-    return MemoryPlan(layout=layout, batch=batch, context=context, budget=budget, tree_slots=slots,
-                      rows_per_device=rows, weights=weights, drafter_weights=drafter_weights, kv_cache=kv,
-                      drafter_cache=drafter_cache, activations=act, headroom=int(headroom_bytes),
-                      capacity=int(device_bytes * usable_fraction))
+    return MemoryPlan(
+        layout=layout,
+        batch=batch,
+        context=context,
+        budget=budget,
+        tree_slots=slots,
+        rows_per_device=rows,
+        weights=weights,
+        drafter_weights=drafter_weights,
+        kv_cache=kv,
+        drafter_cache=drafter_cache,
+        activations=act,
+        headroom=int(headroom_bytes),
+        capacity=int(device_bytes * usable_fraction),
+    )
 
 
 def max_context(config, *, batch: int = 1, budget: int = 64, limit: int | None = None, **kwargs) -> int:
     """The longest context (committed tokens per row) whose plan fits; 0 if not even context 0 fits.
     `limit` caps the search (e.g. config.max_position_embeddings); the uncapped memory limit otherwise.
     Other keyword arguments go to plan_memory."""
+
     def fits(s):
         return plan_memory(config, batch=batch, context=s, budget=budget, **kwargs).fits
 

@@ -56,7 +56,6 @@ import dataclasses
 import math
 import sys
 
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.analysis.memory import (
     MeshLayout,
     cache_bytes_per_token,
@@ -67,6 +66,7 @@ from ddtree_jax.analysis.memory import (
     parse_layout,
     weight_inventory,
 )
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.presets import preset_pair
 
 METHODS = ("ar", "chain", "ddtree")
@@ -224,8 +224,19 @@ def _head(config):
     return "embed" if config.tie_word_embeddings else "lm_head"
 
 
-def _verify_phase(config, layout: MeshLayout, *, rows: int, tokens_per_row: int, context: int, expert_format,
-                  dense_format: str, cache_dtype: str, hw: Hardware, ep_collective: str):
+def _verify_phase(
+    config,
+    layout: MeshLayout,
+    *,
+    rows: int,
+    tokens_per_row: int,
+    context: int,
+    expert_format,
+    dense_format: str,
+    cache_dtype: str,
+    hw: Hardware,
+    ep_collective: str,
+):
     c = config
     tokens = rows * tokens_per_row
     inventory = weight_inventory(c, expert_format=expert_format, dense_format=dense_format)
@@ -237,7 +248,9 @@ def _verify_phase(config, layout: MeshLayout, *, rows: int, tokens_per_row: int,
         e, k = c.n_routed_experts, c.num_experts_per_tok
         if layout.kind == "ep":
             if e % layout.model:
-                raise ValueError(f"{e} routed experts do not divide over {layout.model} devices (layout {layout.name!r})")
+                raise ValueError(
+                    f"{e} routed experts do not divide over {layout.model} devices (layout {layout.name!r})"
+                )
             touched = expected_max_group_experts(tokens, e, k, layout.model)  # whole experts on the busiest rank
             experts_per_layer = touched * layout.model
         else:
@@ -267,9 +280,12 @@ def _verify_phase(config, layout: MeshLayout, *, rows: int, tokens_per_row: int,
         flops += 4.0 * tokens * c.num_layers * heads_local * keys * c.head_dim
     per_token = cache_bytes_per_token(c, layout, cache_dtype)
     vocab_local = c.vocab_size // layout.split("vocab")
-    nbytes = {"weights": weights, "routed_experts": expert_bytes,
-              "kv_cache": rows * keys * per_token + tokens * per_token,
-              "logits": tokens * vocab_local * 4 + 2 * tokens * c.vocab_size * 4}
+    nbytes = {
+        "weights": weights,
+        "routed_experts": expert_bytes,
+        "kv_cache": rows * keys * per_token + tokens * per_token,
+        "logits": tokens * vocab_local * 4 + 2 * tokens * c.vocab_size * 4,
+    }
     p, act = layout.model, tokens * c.hidden_size * ACT_BYTES
     coll, count = 0.0, 0
     if p > 1:
@@ -288,8 +304,9 @@ def _verify_phase(config, layout: MeshLayout, *, rows: int, tokens_per_row: int,
     return phase, experts_per_layer
 
 
-def _draft_phase(config, drafter: DFlashConfig, layout: MeshLayout, *, rows: int, context: int, cache_dtype: str,
-                 hw: Hardware):
+def _draft_phase(
+    config, drafter: DFlashConfig, layout: MeshLayout, *, rows: int, context: int, cache_dtype: str, hw: Hardware
+):
     c, d = config, drafter
     block = d.block_size
     tokens = rows * block
@@ -311,8 +328,11 @@ def _draft_phase(config, drafter: DFlashConfig, layout: MeshLayout, *, rows: int
     flops += 2.0 * draft_positions * math.prod(head_local)
     per_token = drafter_cache_bytes_per_token(d, layout, cache_dtype)
     vocab_local = c.vocab_size // layout.split("vocab")
-    nbytes = {"weights": weights, "kv_cache": rows * keys * per_token,
-              "logits": draft_positions * vocab_local * 4 + 2 * draft_positions * c.vocab_size * 4}
+    nbytes = {
+        "weights": weights,
+        "kv_cache": rows * keys * per_token,
+        "logits": draft_positions * vocab_local * 4 + 2 * draft_positions * c.vocab_size * 4,
+    }
     p, act = layout.model, tokens * c.hidden_size * ACT_BYTES
     coll, count = 0.0, 0
     if p > 1:
@@ -321,10 +341,22 @@ def _draft_phase(config, drafter: DFlashConfig, layout: MeshLayout, *, rows: int
     return Phase("draft", tokens, nbytes, flops, coll, count, hw)
 
 
-def step_cost(config, *, drafter: DFlashConfig | None = None, method: str = "ddtree", budget: int | None = None,
-              layout="tp8", batch: int = 1, context: int = 4096, expert_format: str | None = None,
-              dense_format: str = "bf16", cache_dtype: str = "bf16", hardware: Hardware = H200,
-              ep_collective: str = "allreduce", overhead_s: float = 0.0) -> StepCost:
+def step_cost(
+    config,
+    *,
+    drafter: DFlashConfig | None = None,
+    method: str = "ddtree",
+    budget: int | None = None,
+    layout="tp8",
+    batch: int = 1,
+    context: int = 4096,
+    expert_format: str | None = None,
+    dense_format: str = "bf16",
+    cache_dtype: str = "bf16",
+    hardware: Hardware = H200,
+    ep_collective: str = "allreduce",
+    overhead_s: float = 0.0,
+) -> StepCost:
     """The roofline of one decode step of `method` ("ar", "chain", "ddtree" with `budget`)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -349,9 +381,18 @@ def step_cost(config, *, drafter: DFlashConfig | None = None, method: str = "ddt
         budget = None
         tokens_per_row = 1 if method == "ar" else drafter.block_size
     rows = -(-batch // layout.data)
-    verify, experts = _verify_phase(config, layout, rows=rows, tokens_per_row=tokens_per_row, context=context,
-                                    expert_format=expert_format, dense_format=dense_format, cache_dtype=cache_dtype,
-                                    hw=hardware, ep_collective=ep_collective)
+    verify, experts = _verify_phase(
+        config,
+        layout,
+        rows=rows,
+        tokens_per_row=tokens_per_row,
+        context=context,
+        expert_format=expert_format,
+        dense_format=dense_format,
+        cache_dtype=cache_dtype,
+        hw=hardware,
+        ep_collective=ep_collective,
+    )
     draft = None
     if method != "ar":
         draft = _draft_phase(config, drafter, layout, rows=rows, context=context, cache_dtype=cache_dtype, hw=hardware)
@@ -367,8 +408,17 @@ MODELS = {
 }
 
 
-def roofline_table(config, drafter: DFlashConfig, *, layout="tp8", batch: int = 1, context: int = 4096,
-                   budgets=(8, 16, 32, 64), chain: bool = True, **kwargs) -> list[StepCost]:
+def roofline_table(
+    config,
+    drafter: DFlashConfig,
+    *,
+    layout="tp8",
+    batch: int = 1,
+    context: int = 4096,
+    budgets=(8, 16, 32, 64),
+    chain: bool = True,
+    **kwargs,
+) -> list[StepCost]:
     """AR, the DFlash chain (the drafter's block) and DDTree at each budget; kwargs go to step_cost."""
     common = dict(layout=layout, batch=batch, context=context, **kwargs)
     rows = [step_cost(config, method="ar", **common)]
@@ -383,15 +433,34 @@ def format_table(costs: list[StepCost], taus=()) -> str:
     ar = costs[0]
     if ar.method != "ar":
         raise ValueError(f"the first row must be AR, got {ar.method!r}")
-    head = ["method", "tokens/row", "experts read/layer", "GB read", "TFLOP", "memory ms", "compute ms", "collectives ms",
-            "step ms", "break-even tau"] + [f"tok/s/row @ tau={t:g}" for t in taus]
+    head = [
+        "method",
+        "tokens/row",
+        "experts read/layer",
+        "GB read",
+        "TFLOP",
+        "memory ms",
+        "compute ms",
+        "collectives ms",
+        "step ms",
+        "break-even tau",
+    ] + [f"tok/s/row @ tau={t:g}" for t in taus]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in costs:
         name = c.method if c.budget is None else f"{c.method} {c.budget}"
         experts = f"{c.experts_per_layer:.1f}" if c.experts_per_layer else "-"
-        cells = [name, f"{c.tokens_per_row}", experts, f"{c.total_bytes / 1e9:.2f}",
-                 f"{c.flops / 1e12:.3f}", f"{c.memory_s * 1e3:.2f}", f"{c.compute_s * 1e3:.2f}",
-                 f"{c.collectives_s * 1e3:.2f}", f"{c.step_s * 1e3:.2f}", f"{break_even_tau(c, ar):.2f}"]
+        cells = [
+            name,
+            f"{c.tokens_per_row}",
+            experts,
+            f"{c.total_bytes / 1e9:.2f}",
+            f"{c.flops / 1e12:.3f}",
+            f"{c.memory_s * 1e3:.2f}",
+            f"{c.compute_s * 1e3:.2f}",
+            f"{c.collectives_s * 1e3:.2f}",
+            f"{c.step_s * 1e3:.2f}",
+            f"{break_even_tau(c, ar):.2f}",
+        ]
         cells += [f"{c.tokens_per_s(1.0 if c.method == 'ar' else t):.0f}" for t in taus]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -431,7 +500,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budgets", type=str, default=None, help="comma-separated DDTree budgets")
     parser.add_argument("--tau", type=float, action="append", default=[], help="add a tokens/s column at this tau")
-    parser.add_argument("--overhead-us", type=float, default=0.0, help="fixed per-step overhead (tree, sampling, launches)")
+    parser.add_argument(
+        "--overhead-us", type=float, default=0.0, help="fixed per-step overhead (tree, sampling, launches)"
+    )
     parser.add_argument("--ep-collective", choices=EP_COLLECTIVES, default="allreduce")
     parser.add_argument("--plot", help="write tokens/s vs tau to this PNG")
     args = parser.parse_args(argv)
@@ -445,14 +516,23 @@ def main(argv=None) -> int:
             layout = parse_layout(default_layout)
             layout = MeshLayout(layout.kind, layout.model, args.data)
         budgets = tuple(int(b) for b in args.budgets.split(",")) if args.budgets else default_budgets
-        costs = roofline_table(*preset_pair(pair_name), layout=layout, batch=args.batch, context=args.context,
-                               budgets=budgets, ep_collective=args.ep_collective, overhead_s=args.overhead_us * 1e-6)
+        costs = roofline_table(
+            *preset_pair(pair_name),
+            layout=layout,
+            batch=args.batch,
+            context=args.context,
+            budgets=budgets,
+            ep_collective=args.ep_collective,
+            overhead_s=args.overhead_us * 1e-6,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.model} on {layout.devices} x {H200.name} ({layout.name}), batch {args.batch}, context {args.context:,}; "
-          f"per device, HBM {H200.hbm_bytes_per_s / 1e12:.1f} TB/s, {H200.peak_flops / 1e12:.0f} TFLOP/s, "
-          f"overhead {args.overhead_us:g} us")
+    print(
+        f"{args.model} on {layout.devices} x {H200.name} ({layout.name}), batch {args.batch}, context {args.context:,}; "
+        f"per device, HBM {H200.hbm_bytes_per_s / 1e12:.1f} TB/s, {H200.peak_flops / 1e12:.0f} TFLOP/s, "
+        f"overhead {args.overhead_us:g} us"
+    )
     print(format_table(costs, args.tau))
     if args.plot:
         plot_tokens_per_second(costs, args.plot)

@@ -25,8 +25,10 @@ def read_config(path: str) -> dict:
     """The config.json of a checkpoint directory (or a config file's path) as a dict (a ConfigDict
     remembering its file); CheckpointError naming the file when it is not a JSON object."""
     if os.path.isfile(path) and path.endswith(".safetensors"):
-        raise CheckpointError(f"{path} is a safetensors file; give the checkpoint directory that holds it "
-                              f"(with config.json): {os.path.dirname(path) or '.'}")
+        raise CheckpointError(
+            f"{path} is a safetensors file; give the checkpoint directory that holds it "
+            f"(with config.json): {os.path.dirname(path) or '.'}"
+        )
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise CheckpointNotFoundError(f"no config.json at {path}")
@@ -46,7 +48,8 @@ def read_config(path: str) -> dict:
 
 def _json_type(value) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__)
+        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__
+    )
 
 
 _REQUIRED = object()
@@ -66,7 +69,11 @@ def _int(cfg: dict, key: str, default=_REQUIRED, minimum: int | None = 0):
     if _absent(cfg, key, default):
         return default
     value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not value.is_integer())
+    ):
         raise CheckpointError(f"{key} must be an integer, got {value!r} ({_json_type(value)})")
     if minimum is not None and value < minimum:
         raise CheckpointError(f"{key} must be an integer >= {minimum}, got {value!r}")
@@ -116,7 +123,9 @@ def _int_list(cfg: dict, key: str) -> tuple[int, ...] | None:
 def _rope(cfg: dict) -> float:
     rope = _rope_parameters(cfg)
     if rope["rope_type"] != "default":
-        raise CheckpointError(f"rope type {rope['rope_type']!r} is not supported for this model family (only 'default')")
+        raise CheckpointError(
+            f"rope type {rope['rope_type']!r} is not supported for this model family (only 'default')"
+        )
     if rope.get("rope_theta") is None:
         raise CheckpointError("config has no rope_theta (neither top-level nor in rope_parameters)")
     return _float(rope, "rope_theta", positive=True)
@@ -131,7 +140,9 @@ def _common(cfg: dict) -> dict:
     num_heads = _int(cfg, "num_attention_heads", minimum=1)
     num_kv_heads = _int(cfg, "num_key_value_heads", num_heads, minimum=1)
     if num_heads % num_kv_heads:
-        raise CheckpointError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+        raise CheckpointError(
+            f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+        )
     head_dim = _int(cfg, "head_dim", None, minimum=1)
     if head_dim is None:
         if hidden < num_heads:
@@ -186,13 +197,17 @@ def _parse(cfg: dict, where: str):
     model_type = cfg.get("model_type")
     if is_dflash(cfg):
         if model_type != "qwen3":
-            raise CheckpointError(f"DFlash drafters with model_type {model_type!r} are not supported (only Qwen3-style layers)")
+            raise CheckpointError(
+                f"DFlash drafters with model_type {model_type!r} are not supported (only Qwen3-style layers)"
+            )
         extra = _object(cfg, "dflash_config")
         if any(k in extra for k in ("conv_kernel_size", "selector_top_k")):
             raise CheckpointError("this DFlash variant (convolutions / candidate selector) is not supported")
         rope = _rope_parameters(cfg)
         if rope["rope_type"] not in ("default", "yarn"):
-            raise CheckpointError(f"rope type {rope['rope_type']!r} is not supported for DFlash drafters (default, yarn)")
+            raise CheckpointError(
+                f"rope type {rope['rope_type']!r} is not supported for DFlash drafters (default, yarn)"
+            )
         common = _common({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": rope.get("rope_theta")}})
         common.update(_yarn_fields(rope))
         layers = _int_list(extra, "target_layer_ids")
@@ -203,8 +218,12 @@ def _parse(cfg: dict, where: str):
         block_from, mask_from = (extra if extra.get(k) is not None else cfg for k in ("block_size", "mask_token_id"))
         if block_from.get("block_size") is None or mask_from.get("mask_token_id") is None:
             raise CheckpointError("DFlash config needs block_size and mask_token_id (in dflash_config or top level)")
-        return DFlashConfig(**common, block_size=_int(block_from, "block_size", minimum=2),
-                            mask_token_id=_int(mask_from, "mask_token_id", minimum=0), target_layers=tuple(layers))
+        return DFlashConfig(
+            **common,
+            block_size=_int(block_from, "block_size", minimum=2),
+            mask_token_id=_int(mask_from, "mask_token_id", minimum=0),
+            target_layers=tuple(layers),
+        )
     if model_type == "kimi_k25":  # the multimodal wrapper: the text model sits in text_config
         if cfg.get("text_config") is None:
             raise CheckpointError("kimi_k25 config without a text_config")
@@ -237,11 +256,23 @@ def to_hf_dict(config: Qwen3Config | DFlashConfig, vocab_size: int | None = None
         "hidden_act": "silu",
     }
     if isinstance(config, DFlashConfig):
-        return {**base, "architectures": ["DFlashDraftModel"], "vocab_size": vocab_size,
-                "dflash_config": {"block_size": config.block_size, "mask_token_id": config.mask_token_id,
-                                  "target_layer_ids": list(config.target_layers)}}
-    return {**base, "architectures": ["Qwen3ForCausalLM"], "vocab_size": config.vocab_size,
-            "tie_word_embeddings": config.tie_word_embeddings, "max_position_embeddings": config.max_position_embeddings}
+        return {
+            **base,
+            "architectures": ["DFlashDraftModel"],
+            "vocab_size": vocab_size,
+            "dflash_config": {
+                "block_size": config.block_size,
+                "mask_token_id": config.mask_token_id,
+                "target_layer_ids": list(config.target_layers),
+            },
+        }
+    return {
+        **base,
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
 
 
 def _rope_parameters(cfg: dict) -> dict:
@@ -258,35 +289,51 @@ def _rope_parameters(cfg: dict) -> dict:
 def _yarn_fields(rope: dict) -> dict:
     """Our rope_* config fields from an HF rope dict (either layout, after _rope_parameters)."""
     return dict(
-        rope_type=rope["rope_type"], rope_factor=_float(rope, "factor", 1.0, positive=True),
+        rope_type=rope["rope_type"],
+        rope_factor=_float(rope, "factor", 1.0, positive=True),
         rope_original_max_position=_int(rope, "original_max_position_embeddings", 4096, minimum=1),
-        rope_beta_fast=_float(rope, "beta_fast", 32.0) or 32.0, rope_beta_slow=_float(rope, "beta_slow", 1.0) or 1.0,
-        rope_mscale=_float(rope, "mscale", 0.0), rope_mscale_all_dim=_float(rope, "mscale_all_dim", 0.0),
+        rope_beta_fast=_float(rope, "beta_fast", 32.0) or 32.0,
+        rope_beta_slow=_float(rope, "beta_slow", 1.0) or 1.0,
+        rope_mscale=_float(rope, "mscale", 0.0),
+        rope_mscale_all_dim=_float(rope, "mscale_all_dim", 0.0),
     )
 
 
 def _deepseek(cfg: dict) -> DeepSeekV3Config:
     rope = _rope_parameters(cfg)
     if rope["rope_type"] not in ("default", "yarn"):
-        raise CheckpointError(f"rope type {rope['rope_type']!r} is not supported for DeepSeek-V3 / Kimi K2 (default, yarn)")
+        raise CheckpointError(
+            f"rope type {rope['rope_type']!r} is not supported for DeepSeek-V3 / Kimi K2 (default, yarn)"
+        )
     if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         raise CheckpointError("only sigmoid scoring with noaux_tc top-k routing is supported (DeepSeek-V3 / Kimi K2)")
     if _bool(cfg, "attention_bias", False):
         raise CheckpointError("attention_bias = true is not supported")
     return DeepSeekV3Config(
         expert_format=_expert_format(cfg.get("quantization_config")),
-        vocab_size=_int(cfg, "vocab_size", minimum=1), hidden_size=_int(cfg, "hidden_size", minimum=1),
+        vocab_size=_int(cfg, "vocab_size", minimum=1),
+        hidden_size=_int(cfg, "hidden_size", minimum=1),
         intermediate_size=_int(cfg, "intermediate_size", minimum=1),
-        moe_intermediate_size=_int(cfg, "moe_intermediate_size", minimum=1), num_layers=_int(cfg, "num_hidden_layers", minimum=1),
-        first_k_dense_replace=_int(cfg, "first_k_dense_replace", 0), n_routed_experts=_int(cfg, "n_routed_experts", minimum=1),
-        n_shared_experts=_int(cfg, "n_shared_experts", 0), num_experts_per_tok=_int(cfg, "num_experts_per_tok", minimum=1),
-        n_group=_int(cfg, "n_group", 1) or 1, topk_group=_int(cfg, "topk_group", 1) or 1,
-        routed_scaling_factor=_float(cfg, "routed_scaling_factor", 1.0), norm_topk_prob=_bool(cfg, "norm_topk_prob", True),
-        num_heads=_int(cfg, "num_attention_heads", minimum=1), q_lora_rank=_int(cfg, "q_lora_rank", None, minimum=1),
-        kv_lora_rank=_int(cfg, "kv_lora_rank", minimum=1), qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", minimum=1),
-        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", minimum=1), v_head_dim=_int(cfg, "v_head_dim", minimum=1),
-        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, positive=True), rope_theta=_float(rope, "rope_theta", positive=True),
-        **_yarn_fields(rope), rope_interleave=_bool(cfg, "rope_interleave", True),
+        moe_intermediate_size=_int(cfg, "moe_intermediate_size", minimum=1),
+        num_layers=_int(cfg, "num_hidden_layers", minimum=1),
+        first_k_dense_replace=_int(cfg, "first_k_dense_replace", 0),
+        n_routed_experts=_int(cfg, "n_routed_experts", minimum=1),
+        n_shared_experts=_int(cfg, "n_shared_experts", 0),
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok", minimum=1),
+        n_group=_int(cfg, "n_group", 1) or 1,
+        topk_group=_int(cfg, "topk_group", 1) or 1,
+        routed_scaling_factor=_float(cfg, "routed_scaling_factor", 1.0),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", True),
+        num_heads=_int(cfg, "num_attention_heads", minimum=1),
+        q_lora_rank=_int(cfg, "q_lora_rank", None, minimum=1),
+        kv_lora_rank=_int(cfg, "kv_lora_rank", minimum=1),
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", minimum=1),
+        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", minimum=1),
+        v_head_dim=_int(cfg, "v_head_dim", minimum=1),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, positive=True),
+        rope_theta=_float(rope, "rope_theta", positive=True),
+        **_yarn_fields(rope),
+        rope_interleave=_bool(cfg, "rope_interleave", True),
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096, minimum=1),
     )
@@ -307,16 +354,25 @@ def _expert_format(quant: dict | None) -> str:
         for group in quant.get("config_groups", {}).values():
             w = group.get("weights", {})
             if (w.get("num_bits"), w.get("group_size"), w.get("symmetric"), w.get("type")) != (4, 32, True, "int"):
-                raise CheckpointError(f"unsupported compressed-tensors weights {w} (need symmetric int4, group size 32)")
+                raise CheckpointError(
+                    f"unsupported compressed-tensors weights {w} (need symmetric int4, group size 32)"
+                )
         return "int4"
-    raise CheckpointError(f"unsupported quantization_config (quant_method {method!r}, format {quant.get('format')!r}); "
-                     "supported: compressed-tensors pack-quantized INT4 experts, block FP8")
+    raise CheckpointError(
+        f"unsupported quantization_config (quant_method {method!r}, format {quant.get('format')!r}); "
+        "supported: compressed-tensors pack-quantized INT4 experts, block FP8"
+    )
 
 
 def _rope_dict(config) -> dict:
     out = {"rope_type": getattr(config, "rope_type", "default"), "rope_theta": config.rope_theta}
     if out["rope_type"] == "yarn":
-        out.update(factor=config.rope_factor, original_max_position_embeddings=config.rope_original_max_position,
-                   beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow, mscale=config.rope_mscale,
-                   mscale_all_dim=config.rope_mscale_all_dim)
+        out.update(
+            factor=config.rope_factor,
+            original_max_position_embeddings=config.rope_original_max_position,
+            beta_fast=config.rope_beta_fast,
+            beta_slow=config.rope_beta_slow,
+            mscale=config.rope_mscale,
+            mscale_all_dim=config.rope_mscale_all_dim,
+        )
     return out

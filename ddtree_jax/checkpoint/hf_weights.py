@@ -63,8 +63,23 @@ _EXPERT_NAMES = {"expert_gate": "gate_proj.weight", "expert_up": "up_proj.weight
 
 _INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 _FLOAT_DTYPES = {"F16": jnp.float16, "BF16": jnp.bfloat16, "F32": jnp.float32, "F64": jnp.float64}  # for dtype="auto"
 
 
@@ -72,14 +87,17 @@ def _deepseek_names(config: DeepSeekV3Config) -> dict:
     """{(stack, ours): [[HF name per expert] per layer] or [HF name per layer]} for every stacked tensor."""
     shapes = deepseek_v3.param_shapes(config)
     names = {}
-    for stack, first, count in (("dense_layers", 0, config.first_k_dense_replace),
-                                ("moe_layers", config.first_k_dense_replace, config.num_moe_layers)):
+    for stack, first, count in (
+        ("dense_layers", 0, config.first_k_dense_replace),
+        ("moe_layers", config.first_k_dense_replace, config.num_moe_layers),
+    ):
         for ours in shapes[stack]:
             layers = range(first, first + count)
             if ours in _EXPERT_NAMES:
                 base = _EXPERT_NAMES[ours].removesuffix(".weight")
-                names[(stack, ours)] = [[f"model.layers.{l}.mlp.experts.{e}.{base}" for e in range(config.n_routed_experts)]
-                                        for l in layers]
+                names[(stack, ours)] = [
+                    [f"model.layers.{l}.mlp.experts.{e}.{base}" for e in range(config.n_routed_experts)] for l in layers
+                ]
             else:
                 names[(stack, ours)] = [f"model.layers.{l}.{_MLA_NAMES[ours]}" for l in layers]
     return names
@@ -127,18 +145,24 @@ def read_safetensors_header(file: str) -> dict:
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{file} is not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+            raise CheckpointError(
+                f"{file} is not a safetensors file: {size} bytes, shorter than the 8-byte header length"
+            )
         header_len = int.from_bytes(head, "little")
         if header_len > size - 8:
-            raise CheckpointError(f"{file} is truncated or not a safetensors file: its header length is {header_len} "
-                                  f"bytes, but the file has only {size - 8} bytes after the length field")
+            raise CheckpointError(
+                f"{file} is truncated or not a safetensors file: its header length is {header_len} "
+                f"bytes, but the file has only {size - 8} bytes after the length field"
+            )
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file} has a damaged safetensors header (not UTF-8 JSON: {e})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{file} has a damaged safetensors header (a JSON {type(header).__name__}, not an object)")
+        raise CheckpointError(
+            f"{file} has a damaged safetensors header (a JSON {type(header).__name__}, not an object)"
+        )
     header.pop("__metadata__", None)
     data_bytes = size - 8 - header_len
     for name, info in header.items():
@@ -149,11 +173,15 @@ def read_safetensors_header(file: str) -> dict:
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file}: damaged header entry for tensor {name!r}: {info!r}") from None
         if not ok or not 0 <= begin <= end or end - begin != width * int(np.prod(shape, dtype=np.int64)):
-            raise CheckpointError(f"{file}: damaged header entry for tensor {name!r}: data_offsets {info['data_offsets']} "
-                                  f"do not hold a {dtype} tensor of shape {shape}")
+            raise CheckpointError(
+                f"{file}: damaged header entry for tensor {name!r}: data_offsets {info['data_offsets']} "
+                f"do not hold a {dtype} tensor of shape {shape}"
+            )
         if end > data_bytes:
-            raise CheckpointError(f"{file} is truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data, "
-                                  f"the file holds {data_bytes}")
+            raise CheckpointError(
+                f"{file} is truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data, "
+                f"the file holds {data_bytes}"
+            )
     return header
 
 
@@ -162,7 +190,9 @@ class TensorSource:
 
     def __init__(self, path: str):
         if os.path.isfile(path):
-            raise CheckpointError(f"{path} is a file; give the checkpoint directory that holds it: {os.path.dirname(path) or '.'}")
+            raise CheckpointError(
+                f"{path} is a file; give the checkpoint directory that holds it: {os.path.dirname(path) or '.'}"
+            )
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
         index = os.path.join(path, "model.safetensors.index.json")
@@ -236,8 +266,10 @@ def check_finite_array(arr: np.ndarray, name: str, file: str) -> None:
     bad = ~np.isfinite(arr)
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise CheckpointError(f"tensor {name!r} in {file} holds {int(bad.sum())} non-finite value(s) (NaN/inf), "
-                              f"first at index {first}: {arr[first]}")
+        raise CheckpointError(
+            f"tensor {name!r} in {file} holds {int(bad.sum())} non-finite value(s) (NaN/inf), "
+            f"first at index {first}: {arr[first]}"
+        )
 
 
 def resolve_dtype(dtype, source: TensorSource, names) -> object:
@@ -270,13 +302,17 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
     fp8_scales = {n for n in available if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in expected}
     unexpected = sorted(n for n in available - expected - fp8_scales if not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise CheckpointError(f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}")
+        raise CheckpointError(
+            f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}"
+        )
     dtype = resolve_dtype(dtype, source, sorted(expected))
 
     def fetch(name, shape):
         file, info = source.info(name)
         if tuple(info["shape"]) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(info['shape'])}, expected {tuple(shape)} (in {file})")
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(info['shape'])}, expected {tuple(shape)} (in {file})"
+            )
         arr = source.get(name)
         if check_finite:
             check_finite_array(arr, name, file)
@@ -292,12 +328,18 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
             one = shapes[stack][ours][0][1:]  # one layer's shape
             if ours in _EXPERT_NAMES and config.expert_format == "int4":
                 out, inner = one[1:]
-                packed = np.stack([np.stack([fetch(f"{n}.weight_packed", (out, inner // 8)) for n in e]) for e in per_layer])
-                scale = np.stack([np.stack([fetch(f"{n}.weight_scale", (out, inner // 32)) for n in e]) for e in per_layer])
+                packed = np.stack(
+                    [np.stack([fetch(f"{n}.weight_packed", (out, inner // 8)) for n in e]) for e in per_layer]
+                )
+                scale = np.stack(
+                    [np.stack([fetch(f"{n}.weight_scale", (out, inner // 32)) for n in e]) for e in per_layer]
+                )
                 for experts in per_layer:
                     for n in experts:
                         if tuple(source.get(f"{n}.weight_shape").tolist()) != (out, inner):
-                            raise CheckpointError(f"tensor '{n}.weight_shape' is {source.get(f'{n}.weight_shape').tolist()}, expected {[out, inner]}")
+                            raise CheckpointError(
+                                f"tensor '{n}.weight_shape' is {source.get(f'{n}.weight_shape').tolist()}, expected {[out, inner]}"
+                            )
                 params[stack][ours] = Int4Weight(jnp.asarray(packed.view(np.int32)), jnp.asarray(scale, dtype))
                 continue
             names = [[f"{n}.weight" for n in e] for e in per_layer] if ours in _EXPERT_NAMES else per_layer
@@ -305,7 +347,9 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
             if flat and f"{flat[0]}_scale_inv" in fp8_scales:  # block-FP8: kept in FP8 with its scales
                 missing_scale = [n for n in flat if f"{n}_scale_inv" not in fp8_scales]
                 if missing_scale:
-                    raise CheckpointError(f"tensor '{missing_scale[0]}_scale_inv' is missing (the other layers are FP8)")
+                    raise CheckpointError(
+                        f"tensor '{missing_scale[0]}_scale_inv' is missing (the other layers are FP8)"
+                    )
                 out, inner = one[-2:]
                 blocks = (-(-out // 128), -(-inner // 128))
 
@@ -314,8 +358,10 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
                         return np.stack([np.stack([fetch(f"{n}{suffix}", shape) for n in e]) for e in names])
                     return np.stack([fetch(f"{n}{suffix}", shape) for n in names])
 
-                params[stack_name][ours] = Fp8BlockWeight(jnp.asarray(stacked_arrays("", (out, inner))),
-                                                          jnp.asarray(stacked_arrays("_scale_inv", blocks), jnp.float32))
+                params[stack_name][ours] = Fp8BlockWeight(
+                    jnp.asarray(stacked_arrays("", (out, inner))),
+                    jnp.asarray(stacked_arrays("_scale_inv", blocks), jnp.float32),
+                )
                 continue
             if ours in _EXPERT_NAMES:
                 arrays = [np.stack([fetch(n, one[1:]) for n in e]) for e in names]
@@ -361,4 +407,6 @@ def save_weights(path: str, config, params: dict, dtype=np.float32, max_shard_by
         save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}, f, indent=1)
+        json.dump(
+            {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}, f, indent=1
+        )

@@ -25,8 +25,15 @@ def load_hf(path: str, dtype="auto", *, check_finite: bool = False) -> tuple[Qwe
     return config, load_weights(path, config, dtype, check_finite=check_finite)
 
 
-def save_hf(path: str, config: Qwen3Config | DFlashConfig, params: dict, *, vocab_size: int | None = None,
-            dtype=np.float32, max_shard_bytes: int | None = None) -> None:
+def save_hf(
+    path: str,
+    config: Qwen3Config | DFlashConfig,
+    params: dict,
+    *,
+    vocab_size: int | None = None,
+    dtype=np.float32,
+    max_shard_bytes: int | None = None,
+) -> None:
     """Writes config.json and safetensors that `load_hf` (and HF-style loaders) read back."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -131,8 +131,9 @@ class Tokenizer:
             return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         for i in ids:
             if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is not in the tokenizer ({self.source}, "
-                                 f"ids 0 .. {self.vocab_size - 1})")
+                raise ValueError(
+                    f"token id {i} is not in the tokenizer ({self.source}, ids 0 .. {self.vocab_size - 1})"
+                )
         if skip_special_tokens:
             first_special = self.backend.n_vocab - len(self.special_tokens)
             ids = [i for i in ids if i < first_special]
@@ -149,9 +150,16 @@ class Tokenizer:
         except KeyError:
             return None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            template_name: str | None = None, tools: list[dict] | None = None,
-                            documents: list[dict] | None = None, **kwargs) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        template_name: str | None = None,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
         """Renders `messages` ([{"role": ..., "content": ...}, ...]) through the chat template, as
         transformers' `apply_chat_template(..., tokenize=False)` does: the template sees `messages`,
         `tools`, `documents`, `add_generation_prompt`, the special-token names (`bos_token`,
@@ -166,27 +174,34 @@ class Tokenizer:
 
         try:
             return _compile_template(template).render(
-                messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-                **context
+                messages=messages,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **context,
             )
         except jinja2.TemplateSyntaxError as err:
-            raise ValueError(f"chat template of {self.template_source} does not parse (line {err.lineno}): "
-                             f"{err.message}") from err
+            raise ValueError(
+                f"chat template of {self.template_source} does not parse (line {err.lineno}): {err.message}"
+            ) from err
         except jinja2.TemplateError as err:  # raise_exception(...) in the template, undefined calls, ...
             raise ValueError(f"chat template of {self.template_source}: {err}") from err
 
     def _template(self, name: str | None) -> str:
         if not self.chat_template:
-            raise ValueError(f"no chat template for {os.path.dirname(self.source) or '.'} "
-                             "(neither chat_template.jinja nor tokenizer_config.json's chat_template)")
+            raise ValueError(
+                f"no chat template for {os.path.dirname(self.source) or '.'} "
+                "(neither chat_template.jinja nor tokenizer_config.json's chat_template)"
+            )
         if isinstance(self.chat_template, str):
             if name is not None:
                 raise ValueError(f"{self.template_source} has a single chat template, not named ones ({name!r})")
             return self.chat_template
         name = "default" if name is None else name
         if name not in self.chat_template:
-            raise ValueError(f"{self.template_source} has no chat template named {name!r} "
-                             f"(it has {sorted(self.chat_template)})")
+            raise ValueError(
+                f"{self.template_source} has no chat template named {name!r} (it has {sorted(self.chat_template)})"
+            )
         return self.chat_template[name]
 
 
@@ -211,8 +226,13 @@ def load_tokenizer(directory: str) -> Tokenizer | None:
     template, template_source = _read_chat_template(directory, config)
     names, ids = _special_token_names(directory, config, tokenizer)
     return dataclasses.replace(
-        tokenizer, bos_token=names.get("bos_token"), eos_token=names.get("eos_token"), bos_token_id=ids["bos_token"],
-        eos_token_id=ids["eos_token"], chat_template=template, template_source=template_source,
+        tokenizer,
+        bos_token=names.get("bos_token"),
+        eos_token=names.get("eos_token"),
+        bos_token_id=ids["bos_token"],
+        eos_token_id=ids["eos_token"],
+        chat_template=template,
+        template_source=template_source,
         template_tokens=names,
     )
 
@@ -254,8 +274,10 @@ def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
         raise ValueError(f"{path}: ranks are not 0 .. {len(ranks) - 1} (rank {missing} is missing)")
     missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
     if missing_bytes:
-        raise ValueError(f"{path}: single byte(s) {[hex(b) for b in missing_bytes[:8]]} are not tokens "
-                         f"({len(missing_bytes)} missing; every byte must be one)")
+        raise ValueError(
+            f"{path}: single byte(s) {[hex(b) for b in missing_bytes[:8]]} are not tokens "
+            f"({len(missing_bytes)} missing; every byte must be one)"
+        )
     return ranks
 
 
@@ -277,8 +299,10 @@ def _load_tiktoken(path: str, config: dict, config_path: str):
         if not isinstance(content, str) or not content:
             raise ValueError(f"{config_path}: added_tokens_decoder[{key!r}] has no content string: {_show(entry)}")
         if token_id < first:
-            raise ValueError(f"{config_path}: added token {content!r} has id {token_id}, inside the {first} BPE "
-                             f"ranks of {path} (special tokens must come after them)")
+            raise ValueError(
+                f"{config_path}: added token {content!r} has id {token_id}, inside the {first} BPE "
+                f"ranks of {path} (special tokens must come after them)"
+            )
         named[token_id] = content
     end = max(first + KIMI_NUM_RESERVED_SPECIAL_TOKENS, max(named, default=0) + 1)
     special_tokens: dict[str, int] = {}
@@ -287,8 +311,12 @@ def _load_tiktoken(path: str, config: dict, config_path: str):
         if name in special_tokens:
             raise ValueError(f"{config_path}: special token {name!r} has two ids ({special_tokens[name]}, {token_id})")
         special_tokens[name] = token_id
-    encoding = tiktoken.Encoding(name=os.path.basename(os.path.dirname(os.path.abspath(path))) or "tiktoken",
-                                 pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=special_tokens)
+    encoding = tiktoken.Encoding(
+        name=os.path.basename(os.path.dirname(os.path.abspath(path))) or "tiktoken",
+        pat_str=KIMI_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens=special_tokens,
+    )
     return encoding, special_tokens
 
 
@@ -301,8 +329,9 @@ def _load_tokenizers(path: str):
         raise ValueError(f"{path}: not a readable tokenizers file ({err})") from err
 
 
-def _special_token_names(directory: str, config: dict,
-                         tokenizer: Tokenizer) -> tuple[dict[str, Any], dict[str, int | None]]:
+def _special_token_names(
+    directory: str, config: dict, tokenizer: Tokenizer
+) -> tuple[dict[str, Any], dict[str, int | None]]:
     """Special-token names (tokenizer_config.json, else special_tokens_map.json) for the template, and
     bos / eos ids: the named token's id, else config.json's bos_token_id / eos_token_id."""
     config_path = os.path.join(directory, "tokenizer_config.json")
@@ -362,14 +391,19 @@ def _read_chat_template(directory: str, config: dict) -> tuple[str | dict[str, s
     if isinstance(template, list):
         named = {}
         for entry in template:
-            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                    and isinstance(entry.get("template"), str)):
-                raise ValueError(f"{config_path}: chat_template entries must be {{name, template}} strings, "
-                                 f"got {_show(entry)}")
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
+                raise ValueError(
+                    f"{config_path}: chat_template entries must be {{name, template}} strings, got {_show(entry)}"
+                )
             named[entry["name"]] = entry["template"]
         return named, config_path
-    raise ValueError(f"{config_path}: chat_template must be a string or a list of {{name, template}}, "
-                     f"got {_show(template)}")
+    raise ValueError(
+        f"{config_path}: chat_template must be a string or a list of {{name, template}}, got {_show(template)}"
+    )
 
 
 @functools.lru_cache(maxsize=16)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from collections.abc import Callable
-
-from ddtree_jax.engine.step import DecodeState, StepTrace, traced_decode_step, steps_per_token
+from ddtree_jax.engine.step import DecodeState, StepTrace, steps_per_token, traced_decode_step
 from ddtree_jax.models import target_module
 from ddtree_jax.options import DecodeOptions, check_method
 from ddtree_jax.sampling import SamplingParams, sample
@@ -35,7 +34,9 @@ class GenerationResult:
         return (self.accepted + self.steps) / jnp.maximum(self.steps, 1)
 
 
-jax.tree_util.register_dataclass(GenerationResult, data_fields=["tokens", "num_generated", "steps", "accepted"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    GenerationResult, data_fields=["tokens", "num_generated", "steps", "accepted"], meta_fields=[]
+)
 
 
 def cache_capacity(prompt_len: int, max_new_tokens: int, method: str, budget: int, block_size: int) -> int:
@@ -44,17 +45,31 @@ def cache_capacity(prompt_len: int, max_new_tokens: int, method: str, budget: in
     return prompt_len + max_new_tokens + max(slots, block_size) + 1
 
 
-def prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, *,
-            max_new_tokens: int, method: str, budget: int, block_size: int, cache_dtype=jnp.float32,
-            options: DecodeOptions = DecodeOptions()) -> DecodeState:
+def prefill(
+    target_config,
+    target_params,
+    drafter,
+    prompts,
+    prompt_lengths,
+    sampling: SamplingParams,
+    keys,
+    *,
+    max_new_tokens: int,
+    method: str,
+    budget: int,
+    block_size: int,
+    cache_dtype=jnp.float32,
+    options: DecodeOptions = DecodeOptions(),
+) -> DecodeState:
     """Target prefill; the first token from the plain sampler; the drafter's context from the prompt's
     tapped hidden states."""
     batch, prompt_len = prompts.shape
     capacity = cache_capacity(prompt_len, max_new_tokens, method, budget, block_size)
     target = target_module(target_config)
     cache = target.create_cache(target_config, batch, capacity, cache_dtype)
-    logits, features, cache = target.prefill(target_config, target_params, cache, prompts, prompt_lengths,
-                                             **options.target_impls(target_config))
+    logits, features, cache = target.prefill(
+        target_config, target_params, cache, prompts, prompt_lengths, **options.target_impls(target_config)
+    )
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     first_keys = jax.vmap(lambda k: jax.random.fold_in(k, PREFILL_SALT))(keys)  # steps fold in 0, 1, ...
     bonus = sample(last, sampling, first_keys)
@@ -79,15 +94,42 @@ def prefill(target_config, target_params, drafter, prompts, prompt_lengths, samp
     )
 
 
-def start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
-                max_new, *, max_new_tokens: int, method: str, budget: int, block_size: int, cache_dtype=jnp.float32,
-                options: DecodeOptions = DecodeOptions()) -> DecodeState:
+def start_state(
+    target_config,
+    target_params,
+    drafter,
+    prompts,
+    prompt_lengths,
+    sampling: SamplingParams,
+    keys,
+    stop_tokens,
+    max_new,
+    *,
+    max_new_tokens: int,
+    method: str,
+    budget: int,
+    block_size: int,
+    cache_dtype=jnp.float32,
+    options: DecodeOptions = DecodeOptions(),
+) -> DecodeState:
     """`prefill`, then rows whose first token is a stop token or whose max_new <= 1 are marked done: the
     state the decode loop starts from (`generate`'s while_loop, `engine.host_loop`)."""
     check_method(method)
-    state = prefill(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys,
-                    max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                    cache_dtype=cache_dtype, options=options)
+    state = prefill(
+        target_config,
+        target_params,
+        drafter,
+        prompts,
+        prompt_lengths,
+        sampling,
+        keys,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        options=options,
+    )
     first_stop = (state.bonus[:, None] == stop_tokens).any(1)
     return dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
 
@@ -95,16 +137,45 @@ def start_state(target_config, target_params, drafter, prompts, prompt_lengths, 
 Recorder = Callable[[StepTrace, SamplingParams], dict]
 
 
-def _decode_loop(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new, *,
-                 max_new_tokens, method, budget, block_size, options, recorder: Recorder | None):
+def _decode_loop(
+    target_config,
+    target_params,
+    drafter,
+    state,
+    sampling,
+    keys,
+    stop_tokens,
+    max_new,
+    *,
+    max_new_tokens,
+    method,
+    budget,
+    block_size,
+    options,
+    recorder: Recorder | None,
+):
     """The while_loop over decode steps; with a recorder, also its records [max_new_tokens, B] per key."""
     batch = state.bonus.shape[0]
     if recorder is None:
         records = {}
     else:  # the records' shapes from one abstract evaluation of the recorder on a step's trace
-        trace_shape = jax.eval_shape(lambda s: traced_decode_step(
-            target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new, method=method,
-            budget=budget, block_size=block_size, options=options)[1], state)
+        trace_shape = jax.eval_shape(
+            lambda s: traced_decode_step(
+                target_config,
+                target_params,
+                drafter,
+                s,
+                sampling,
+                keys,
+                stop_tokens,
+                max_new,
+                method=method,
+                budget=budget,
+                block_size=block_size,
+                options=options,
+            )[1],
+            state,
+        )
         shapes = jax.eval_shape(recorder, trace_shape, sampling)
         records = {name: jnp.zeros((max_new_tokens,) + sd.shape, sd.dtype) for name, sd in shapes.items()}
 
@@ -114,8 +185,20 @@ def _decode_loop(target_config, target_params, drafter, state, sampling, keys, s
 
     def body(carry):
         s, rec = carry
-        new, trace = traced_decode_step(target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new,
-                                        method=method, budget=budget, block_size=block_size, options=options)
+        new, trace = traced_decode_step(
+            target_config,
+            target_params,
+            drafter,
+            s,
+            sampling,
+            keys,
+            stop_tokens,
+            max_new,
+            method=method,
+            budget=budget,
+            block_size=block_size,
+            options=options,
+        )
         if recorder is not None:
             rec = {name: rec[name].at[s.step].set(value) for name, value in recorder(trace, sampling).items()}
         return new, rec
@@ -128,9 +211,24 @@ _STATIC = ("target_config", "max_new_tokens", "method", "budget", "block_size", 
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def generate(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys, stop_tokens,
-             max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
-             cache_dtype=jnp.float32, options: DecodeOptions = DecodeOptions()):
+def generate(
+    target_config,
+    target_params,
+    drafter,
+    prompts,
+    prompt_lengths,
+    sampling: SamplingParams,
+    keys,
+    stop_tokens,
+    max_new,
+    *,
+    max_new_tokens: int,
+    method: str = "ddtree",
+    budget: int = 32,
+    block_size: int = 8,
+    cache_dtype=jnp.float32,
+    options: DecodeOptions = DecodeOptions(),
+):
     """Generates up to max_new[b] <= max_new_tokens tokens per row, as one compiled program.
 
     Args:
@@ -144,28 +242,97 @@ def generate(target_config, target_params, drafter, prompts, prompt_lengths, sam
     Returns:
       GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
     """
-    state = start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
-                        max_new, max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                        cache_dtype=cache_dtype, options=options)
-    state, _ = _decode_loop(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new,
-                            max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                            options=options, recorder=None)
+    state = start_state(
+        target_config,
+        target_params,
+        drafter,
+        prompts,
+        prompt_lengths,
+        sampling,
+        keys,
+        stop_tokens,
+        max_new,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        options=options,
+    )
+    state, _ = _decode_loop(
+        target_config,
+        target_params,
+        drafter,
+        state,
+        sampling,
+        keys,
+        stop_tokens,
+        max_new,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        options=options,
+        recorder=None,
+    )
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("recorder",))
-def generate_recorded(target_config, target_params, drafter, prompts, prompt_lengths, sampling: SamplingParams, keys,
-                      stop_tokens, max_new, *, recorder: Recorder, max_new_tokens: int, method: str = "ddtree",
-                      budget: int = 32, block_size: int = 8, cache_dtype=jnp.float32,
-                      options: DecodeOptions = DecodeOptions()):
+def generate_recorded(
+    target_config,
+    target_params,
+    drafter,
+    prompts,
+    prompt_lengths,
+    sampling: SamplingParams,
+    keys,
+    stop_tokens,
+    max_new,
+    *,
+    recorder: Recorder,
+    max_new_tokens: int,
+    method: str = "ddtree",
+    budget: int = 32,
+    block_size: int = 8,
+    cache_dtype=jnp.float32,
+    options: DecodeOptions = DecodeOptions(),
+):
     """`generate` (same arguments, same tokens) that also records, at every decode step s, what
     `recorder(trace, sampling)` returns (a dict of arrays, e.g. [B] per row) from the step's `StepTrace`.
     recorder: a static, hashable function (a module-level def). Returns (GenerationResult, records: dict
     name -> [max_new_tokens, ...], zeros after the last step)."""
-    state = start_state(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
-                        max_new, max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                        cache_dtype=cache_dtype, options=options)
-    state, records = _decode_loop(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new,
-                                  max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                                  options=options, recorder=recorder)
+    state = start_state(
+        target_config,
+        target_params,
+        drafter,
+        prompts,
+        prompt_lengths,
+        sampling,
+        keys,
+        stop_tokens,
+        max_new,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        options=options,
+    )
+    state, records = _decode_loop(
+        target_config,
+        target_params,
+        drafter,
+        state,
+        sampling,
+        keys,
+        stop_tokens,
+        max_new,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        options=options,
+        recorder=recorder,
+    )
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted), records

@@ -34,17 +34,46 @@ _STEP_STATIC = ("target_config", "method", "budget", "block_size", "options")
 _step = jax.jit(decode_step, static_argnames=_STEP_STATIC, donate_argnums=(3,))
 
 
-def generate_host_loop(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens,
-                       max_new, *, max_new_tokens: int, method: str = "ddtree", budget: int = 32, block_size: int = 8,
-                       cache_dtype=jnp.float32, options: DecodeOptions = DecodeOptions(),
-                       sync_every: int = 8) -> GenerationResult:
+def generate_host_loop(
+    target_config,
+    target_params,
+    drafter,
+    prompts,
+    prompt_lengths,
+    sampling,
+    keys,
+    stop_tokens,
+    max_new,
+    *,
+    max_new_tokens: int,
+    method: str = "ddtree",
+    budget: int = 32,
+    block_size: int = 8,
+    cache_dtype=jnp.float32,
+    options: DecodeOptions = DecodeOptions(),
+    sync_every: int = 8,
+) -> GenerationResult:
     """`generate` (same arguments, same tokens), with the step loop on the host. sync_every: steps queued
     between reads of the rows' done flags (>= 1). Each read is one host sync."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-    state = _start(target_config, target_params, drafter, prompts, prompt_lengths, sampling, keys, stop_tokens, max_new,
-                   max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size,
-                   cache_dtype=cache_dtype, options=options)
+    state = _start(
+        target_config,
+        target_params,
+        drafter,
+        prompts,
+        prompt_lengths,
+        sampling,
+        keys,
+        stop_tokens,
+        max_new,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        options=options,
+    )
     step = functools.partial(_step, target_config, method=method, budget=budget, block_size=block_size, options=options)
     for index in range(max_new_tokens):  # the while_loop's bound: at most max_new_tokens steps
         if index % sync_every == 0 and bool(jnp.all(state.done)):

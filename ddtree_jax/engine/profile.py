@@ -56,10 +56,23 @@ def _measure(fn, args: tuple, repeats: int):
     return out, float(np.median(times))
 
 
-def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int = 32, block_size: int | None = None,
-                max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                min_p: float = 0.0, seed: int = 0, options: DecodeOptions = DecodeOptions(), warmup_steps: int = 1,
-                repeats: int = 5) -> dict[str, float]:
+def stage_times(
+    pair: Pair,
+    prompt_ids,
+    *,
+    method: str = "ddtree",
+    budget: int = 32,
+    block_size: int | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    options: DecodeOptions = DecodeOptions(),
+    warmup_steps: int = 1,
+    repeats: int = 5,
+) -> dict[str, float]:
     """Median seconds of each stage of one decode step, of the fused step, and the non-forward share.
 
     prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). max_new_tokens
@@ -71,16 +84,36 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
     check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
     block = resolve_block_size(pair, method, block_size)
     config, params, drafter, prompts, lengths, sampling, keys, stop, max_new = request_args(
-        pair, prompt_ids, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-        max_new_tokens=max_new_tokens)
+        pair,
+        prompt_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+    )
     shape = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block)
 
     state = jax.jit(lambda *a: prefill(config, *a, **shape, options=options))(
-        params, drafter, prompts, lengths, sampling, keys)
+        params, drafter, prompts, lengths, sampling, keys
+    )
 
     def step_fn(params, drafter, state, sampling, keys, stop, max_new):
-        return decode_step(config, params, drafter, state, sampling, keys, stop, max_new, method=method, budget=budget,
-                           block_size=block, options=options)
+        return decode_step(
+            config,
+            params,
+            drafter,
+            state,
+            sampling,
+            keys,
+            stop,
+            max_new,
+            method=method,
+            budget=budget,
+            block_size=block,
+            options=options,
+        )
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new)
     step = jax.jit(step_fn).lower(*step_args).compile()
@@ -95,14 +128,21 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
         draft_logits, times["draft"] = None, 0.0
     else:
         draft_logits, times["draft"] = _measure(
-            lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block), (drafter, draft_state, state.bonus),
-            repeats)
-    tree, times["tree"] = _measure(lambda l, b: tree_stage(l, b, method=method, budget=budget, topk_impl=options.topk_impl),
-                                   (draft_logits, state.bonus), repeats)
+            lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block),
+            (drafter, draft_state, state.bonus),
+            repeats,
+        )
+    tree, times["tree"] = _measure(
+        lambda l, b: tree_stage(l, b, method=method, budget=budget, topk_impl=options.topk_impl),
+        (draft_logits, state.bonus),
+        repeats,
+    )
     (logits, tapped, cache), times["tree_forward"] = _measure(
-        lambda p, c, t: tree_forward_stage(config, p, c, t, options), (params, state.target_cache, tree), repeats)
-    result, times["walk"] = _measure(lambda t, l, s, k, i: walk_stage(t, l, s, k, i, options),
-                                     (tree, logits, sampling, keys, state.step), repeats)
+        lambda p, c, t: tree_forward_stage(config, p, c, t, options), (params, state.target_cache, tree), repeats
+    )
+    result, times["walk"] = _measure(
+        lambda t, l, s, k, i: walk_stage(t, l, s, k, i, options), (tree, logits, sampling, keys, state.step), repeats
+    )
 
     def commit_fn(drafter, draft_state, cache, tapped, result, state, stop, max_new):
         cache, features, count = commit_stage(cache, tapped, result, ~state.done)
@@ -110,7 +150,9 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
         features = features.astype(state.ctx_features.dtype)
         return cache, emitted, append_stage(drafter, draft_state, features, count, method=method)
 
-    _, times["commit"] = _measure(commit_fn, (drafter, draft_state, cache, tapped, result, state, stop, max_new), repeats)
+    _, times["commit"] = _measure(
+        commit_fn, (drafter, draft_state, cache, tapped, result, state, stop, max_new), repeats
+    )
     times["step"] = step_s
     times["stages_sum"] = sum(times[s] for s in STAGES)
     times["non_forward_share"] = sum(times[s] for s in NON_FORWARD) / step_s
@@ -119,12 +161,16 @@ def stage_times(pair: Pair, prompt_ids, *, method: str = "ddtree", budget: int =
 
 def format_stage_table(rows: list[tuple[str, dict[str, float]]]) -> str:
     """A text table of `stage_times` results, one (label, times) per line, times in milliseconds."""
-    header = (f"{'method':<14}{'draft':>9}{'tree':>9}{'target fwd':>12}{'walk':>14}{'commit':>9}"
-              f"{'sum':>9}{'step':>9}{'non-fwd':>9}")
+    header = (
+        f"{'method':<14}{'draft':>9}{'tree':>9}{'target fwd':>12}{'walk':>14}{'commit':>9}"
+        f"{'sum':>9}{'step':>9}{'non-fwd':>9}"
+    )
     lines = [header, "-" * len(header)]
     for label, t in rows:
         ms = {k: v * 1e3 for k, v in t.items()}
-        lines.append(f"{label:<14}{ms['draft']:>9.3f}{ms['tree']:>9.3f}{ms['tree_forward']:>12.3f}"
-                     f"{ms['walk']:>14.3f}{ms['commit']:>9.3f}{ms['stages_sum']:>9.3f}{ms['step']:>9.3f}"
-                     f"{t['non_forward_share']:>8.1%}")
+        lines.append(
+            f"{label:<14}{ms['draft']:>9.3f}{ms['tree']:>9.3f}{ms['tree_forward']:>12.3f}"
+            f"{ms['walk']:>14.3f}{ms['commit']:>9.3f}{ms['stages_sum']:>9.3f}{ms['step']:>9.3f}"
+            f"{t['non_forward_share']:>8.1%}"
+        )
     return "\n".join(lines) + "\n(milliseconds per decode step, median; non-fwd = (tree + walk + commit) / step)"

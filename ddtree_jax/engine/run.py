@@ -20,8 +20,9 @@ from ddtree_jax.checkpoint.hf_weights import load_weights
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
-from ddtree_jax.options import METHODS, DecodeOptions
 from ddtree_jax.models import dflash, qwen3, target_module
+from ddtree_jax.options import METHODS, DecodeOptions
+from ddtree_jax.presets import preset_pair
 from ddtree_jax.sampling import SamplingParams, row_keys
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ddtree_jax", "xla")
@@ -60,13 +61,17 @@ def check_configs(target_config, drafter_config: DFlashConfig, drafter_vocab: in
     embedding and LM head, [V, D]), tapped layers the target has, its mask token inside the target's
     vocabulary, and the same vocabulary size when its config.json states one. ValueError otherwise."""
     if drafter_config.hidden_size != target_config.hidden_size:
-        raise ValueError(f"drafter hidden_size {drafter_config.hidden_size} != target hidden_size "
-                         f"{target_config.hidden_size} (the drafter runs on the target's embedding and LM head)")
+        raise ValueError(
+            f"drafter hidden_size {drafter_config.hidden_size} != target hidden_size "
+            f"{target_config.hidden_size} (the drafter runs on the target's embedding and LM head)"
+        )
     if drafter_vocab is not None and drafter_vocab != target_config.vocab_size:
         raise ValueError(f"drafter vocab_size {drafter_vocab} != target vocab_size {target_config.vocab_size}")
     if not 0 <= drafter_config.mask_token_id < target_config.vocab_size:
-        raise ValueError(f"drafter mask_token_id {drafter_config.mask_token_id} is outside the target vocabulary "
-                         f"[0, {target_config.vocab_size})")
+        raise ValueError(
+            f"drafter mask_token_id {drafter_config.mask_token_id} is outside the target vocabulary "
+            f"[0, {target_config.vocab_size})"
+        )
     bad = [l for l in drafter_config.target_layers if not 0 <= l < target_config.num_layers]
     if bad:
         raise ValueError(f"drafter target_layers {bad} are outside the target's {target_config.num_layers} layers")
@@ -84,16 +89,21 @@ def check_pair(pair: Pair) -> None:
     for name in ("embed", "lm_head"):
         shape = tuple(getattr(drafter, name).shape)
         if shape != expected:
-            raise ValueError(f"drafter {name} has shape {shape}, expected [target vocab_size, hidden_size] = {expected}")
+            raise ValueError(
+                f"drafter {name} has shape {shape}, expected [target vocab_size, hidden_size] = {expected}"
+            )
     fc = tuple(drafter.params["fc"].shape)
     want = (drafter.config.hidden_size, len(drafter.config.target_layers) * config.hidden_size)
     if fc != want:
-        raise ValueError(f"drafter fc has shape {fc}, expected {want} ({len(drafter.config.target_layers)} tapped "
-                         f"layers of hidden size {config.hidden_size})")
+        raise ValueError(
+            f"drafter fc has shape {fc}, expected {want} ({len(drafter.config.target_layers)} tapped "
+            f"layers of hidden size {config.hidden_size})"
+        )
 
 
-def check_options(method: str, *, budget: int | None = None, block_size: int | None = None, max_new_tokens: int = 1,
-                  drafter=None) -> None:
+def check_options(
+    method: str, *, budget: int | None = None, block_size: int | None = None, max_new_tokens: int = 1, drafter=None
+) -> None:
     """The prompt-independent half of `check_request`: the method (and its drafter, for DDTree / chain),
     budget in [1, MAX_BUDGET] (DDTree), block size in [2, the drafter's block_size] (DDTree / chain),
     max_new_tokens >= 1. ValueError naming the bad value."""
@@ -111,8 +121,15 @@ def check_options(method: str, *, budget: int | None = None, block_size: int | N
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def check_request(pair: Pair, prompt_ids, *, method: str, budget: int | None = None, block_size: int | None = None,
-                  max_new_tokens: int = 1) -> None:
+def check_request(
+    pair: Pair,
+    prompt_ids,
+    *,
+    method: str,
+    budget: int | None = None,
+    block_size: int | None = None,
+    max_new_tokens: int = 1,
+) -> None:
     """Pair-level checks of a generation request (`run`, `benchmark` and the profiler call it):
     `check_options`, non-empty prompts of ids inside the target vocabulary, prompt + max_new_tokens
     within the target's max_position_embeddings (when its config has one), and `check_pair`.
@@ -129,8 +146,10 @@ def check_request(pair: Pair, prompt_ids, *, method: str, budget: int | None = N
         if bad:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the target vocabulary [0, {config.vocab_size})")
         if limit is not None and len(prompt) + max_new_tokens > limit:
-            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens {max_new_tokens} = "
-                             f"{len(prompt) + max_new_tokens} exceeds the target's max_position_embeddings {limit}")
+            raise ValueError(
+                f"prompt {i} ({len(prompt)} tokens) + max_new_tokens {max_new_tokens} = "
+                f"{len(prompt) + max_new_tokens} exceeds the target's max_position_embeddings {limit}"
+            )
     check_pair(pair)
 
 
@@ -158,8 +177,9 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pa
     drafter = None
     if drafter_config is not None:
         drafter_params = load_weights(drafter_dir, drafter_config, dtype)
-        drafter = DFlashDrafter(drafter_config, drafter_params, target.embedding(target_params),
-                                target.head(target_config, target_params))
+        drafter = DFlashDrafter(
+            drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params)
+        )
     pair = Pair(target_config, target_params, drafter, tokenizer)
     check_pair(pair)
     return pair
@@ -167,15 +187,17 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pa
 
 def random_tiny_pair(seed: int = 0, vocab: int = 512) -> Pair:
     """A random tiny target + drafter (no checkpoint): for smoke runs of the machinery, not acceptance."""
-    from ddtree_jax.presets import preset_pair
-
     target_config, drafter_config = preset_pair("qwen3-tiny")
     target_config = dataclasses.replace(target_config, vocab_size=vocab)
     drafter_config = dataclasses.replace(drafter_config, mask_token_id=vocab - 1)
     keys = jax.random.split(jax.random.key(seed))
     target_params = qwen3.init_params(target_config, keys[0])
-    drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, target_config.hidden_size, keys[1]),
-                            qwen3.embedding(target_params), qwen3.head(target_config, target_params))
+    drafter = DFlashDrafter(
+        drafter_config,
+        dflash.init_params(drafter_config, target_config.hidden_size, keys[1]),
+        qwen3.embedding(target_params),
+        qwen3.head(target_config, target_params),
+    )
     return Pair(target_config, target_params, drafter)
 
 
@@ -195,9 +217,20 @@ def resolve_block_size(pair: Pair, method: str, block_size: int | None) -> int:
     return block_size or pair.drafter.max_block_size
 
 
-def request_args(pair: Pair, prompt_ids: list[list[int]], *, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, seed: int = 0, stop_tokens=(), max_new_tokens: int, width: int | None = None,
-                 request_ids=None) -> tuple:
+def request_args(
+    pair: Pair,
+    prompt_ids: list[list[int]],
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    stop_tokens=(),
+    max_new_tokens: int,
+    width: int | None = None,
+    request_ids=None,
+) -> tuple:
     """`generate`'s positional arguments for a batch of prompts (right-padded to `width`, default the
     longest), with one key per request (`request_ids`, default 0 .. B - 1) folded from `seed`."""
     batch = len(prompt_ids)
@@ -207,7 +240,10 @@ def request_args(pair: Pair, prompt_ids: list[list[int]], *, temperature: float,
         prompts[b, : len(p)] = p
     request_ids = jnp.arange(batch) if request_ids is None else jnp.asarray(request_ids)
     return (
-        pair.target_config, pair.target_params, pair.drafter, jnp.asarray(prompts),
+        pair.target_config,
+        pair.target_params,
+        pair.drafter,
+        jnp.asarray(prompts),
         jnp.asarray([len(p) for p in prompt_ids], jnp.int32),
         SamplingParams.create(batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
         row_keys(jax.random.key(seed), request_ids),
@@ -232,26 +268,54 @@ def _timed(compiled, args: tuple, repeats: int):
     return result, float(np.median(times))
 
 
-def run(pair: Pair, prompt_ids: list[list[int]], *, method: str, budget: int, block_size: int | None, max_new_tokens: int,
-        temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-        stop_tokens: list[int] = (), repeats: int = 1, options: DecodeOptions = DecodeOptions()) -> dict:
+def run(
+    pair: Pair,
+    prompt_ids: list[list[int]],
+    *,
+    method: str,
+    budget: int,
+    block_size: int | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    stop_tokens: list[int] = (),
+    repeats: int = 1,
+    options: DecodeOptions = DecodeOptions(),
+) -> dict:
     """Compiles once, then generates `repeats` times; returns tokens, tau and timings (seconds).
     Checks the request first (`check_request`); options: how the step runs (`DecodeOptions`)."""
     check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
     block = resolve_block_size(pair, method, block_size)
     batch = len(prompt_ids)
-    args = request_args(pair, prompt_ids, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                        stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+    args = request_args(
+        pair,
+        prompt_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        stop_tokens=stop_tokens,
+        max_new_tokens=max_new_tokens,
+    )
     static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, options=options)
     compiled, compile_s = _compile(args, static)
     result, run_s = _timed(compiled, args, repeats)
     tokens = np.asarray(result.tokens)
     n = np.asarray(result.num_generated)
     return {
-        "method": method, "budget": budget if method == "ddtree" else None, "block_size": block,
+        "method": method,
+        "budget": budget if method == "ddtree" else None,
+        "block_size": block,
         "tokens": [tokens[b, : n[b]].tolist() for b in range(batch)],
-        "tau": float(np.asarray(result.tau).mean()), "steps": int(np.asarray(result.steps).max()),
-        "compile_s": compile_s, "run_s": run_s, "tokens_per_s": float(n.sum() / run_s),
+        "tau": float(np.asarray(result.tau).mean()),
+        "steps": int(np.asarray(result.steps).max()),
+        "compile_s": compile_s,
+        "run_s": run_s,
+        "tokens_per_s": float(n.sum() / run_s),
     }
 
 
@@ -263,10 +327,24 @@ def bench_columns(budgets, methods=METHODS) -> list[tuple[str, int | None]]:
     return columns
 
 
-def benchmark(pair: Pair, prompt_ids: list[list[int]], *, budgets=(32,), block_size: int | None = None,
-              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-              min_p: float = 0.0, seed: int = 0, stop_tokens=(), repeats: int = 1, methods=METHODS,
-              progress: bool = False, options: DecodeOptions = DecodeOptions()) -> list[dict]:
+def benchmark(
+    pair: Pair,
+    prompt_ids: list[list[int]],
+    *,
+    budgets=(32,),
+    block_size: int | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    stop_tokens=(),
+    repeats: int = 1,
+    methods=METHODS,
+    progress: bool = False,
+    options: DecodeOptions = DecodeOptions(),
+) -> list[dict]:
     """AR vs DFlash chain vs DDTree (one column per budget) on the same prompts, one prompt at a time.
 
     Every prompt is padded to the longest, so each column compiles once (compile_s); prompt i runs with
@@ -276,21 +354,32 @@ def benchmark(pair: Pair, prompt_ids: list[list[int]], *, budgets=(32,), block_s
     """
     columns = bench_columns(budgets, methods)
     for method, budget in columns:  # every request is checked before anything compiles
-        check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
+        check_request(
+            pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens
+        )
     width = max(len(p) for p in prompt_ids)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(columns) * len(prompt_ids), desc="bench", unit="run", leave=False, disable=None)
-    common = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
-                  max_new_tokens=max_new_tokens, width=width)
+    common = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        stop_tokens=stop_tokens,
+        max_new_tokens=max_new_tokens,
+        width=width,
+    )
     rows = []
     try:
         for method, budget in columns:
             block = resolve_block_size(pair, method, block_size)
-            static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget or 1, block_size=block,
-                          options=options)
+            static = dict(
+                max_new_tokens=max_new_tokens, method=method, budget=budget or 1, block_size=block, options=options
+            )
             if bar is not None:
                 bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: compile")
             compiled, compile_s = _compile(request_args(pair, prompt_ids[:1], request_ids=[0], **common), static)
@@ -300,21 +389,36 @@ def benchmark(pair: Pair, prompt_ids: list[list[int]], *, budgets=(32,), block_s
                     bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: prompt {i}")
                 result, run_s = _timed(compiled, request_args(pair, [prompt], request_ids=[i], **common), repeats)
                 n = int(np.asarray(result.num_generated)[0])
-                per_prompt.append({
-                    "prompt": i, "prompt_tokens": len(prompt), "num_tokens": n, "run_s": run_s,
-                    "tokens_per_s": n / run_s, "tau": float(np.asarray(result.tau)[0]),
-                    "steps": int(np.asarray(result.steps)[0]), "tokens": np.asarray(result.tokens)[0, :n].tolist(),
-                })
+                per_prompt.append(
+                    {
+                        "prompt": i,
+                        "prompt_tokens": len(prompt),
+                        "num_tokens": n,
+                        "run_s": run_s,
+                        "tokens_per_s": n / run_s,
+                        "tau": float(np.asarray(result.tau)[0]),
+                        "steps": int(np.asarray(result.steps)[0]),
+                        "tokens": np.asarray(result.tokens)[0, :n].tolist(),
+                    }
+                )
                 if bar is not None:
                     bar.update(1)
             run_s = sum(p["run_s"] for p in per_prompt)
             num_tokens = sum(p["num_tokens"] for p in per_prompt)
-            rows.append({
-                "method": method, "budget": budget, "block_size": None if method == "ar" else block,
-                "tokens_per_s": num_tokens / run_s, "mean_tau": float(np.mean([p["tau"] for p in per_prompt])),
-                "speedup": None, "compile_s": compile_s, "run_s": run_s, "num_tokens": num_tokens,
-                "per_prompt": per_prompt,
-            })
+            rows.append(
+                {
+                    "method": method,
+                    "budget": budget,
+                    "block_size": None if method == "ar" else block,
+                    "tokens_per_s": num_tokens / run_s,
+                    "mean_tau": float(np.mean([p["tau"] for p in per_prompt])),
+                    "speedup": None,
+                    "compile_s": compile_s,
+                    "run_s": run_s,
+                    "num_tokens": num_tokens,
+                    "per_prompt": per_prompt,
+                }
+            )
     finally:
         if bar is not None:
             bar.close()
@@ -322,5 +426,7 @@ def benchmark(pair: Pair, prompt_ids: list[list[int]], *, budgets=(32,), block_s
     for row in rows:
         if ar is not None:
             row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
-            row["same_text_as_ar"] = all(p["tokens"] == q["tokens"] for p, q in zip(row["per_prompt"], ar["per_prompt"]))
+            row["same_text_as_ar"] = all(
+                p["tokens"] == q["tokens"] for p, q in zip(row["per_prompt"], ar["per_prompt"])
+            )
     return rows

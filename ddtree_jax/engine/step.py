@@ -28,9 +28,23 @@ from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams
 from ddtree_jax.tree import DraftTree, ancestor_mask, build_chain, build_tree
 from ddtree_jax.verify import VerifyResult, verify_step
 
-__all__ = ["METHODS", "DecodeOptions", "DecodeState", "StepTrace", "decode_step", "traced_decode_step", "root_only_tree",
-           "steps_per_token", "append_stage", "draft_stage", "tree_stage", "tree_forward_stage", "walk_stage",
-           "commit_stage", "emit_stage"]
+__all__ = [
+    "METHODS",
+    "DecodeOptions",
+    "DecodeState",
+    "StepTrace",
+    "decode_step",
+    "traced_decode_step",
+    "root_only_tree",
+    "steps_per_token",
+    "append_stage",
+    "draft_stage",
+    "tree_stage",
+    "tree_forward_stage",
+    "walk_stage",
+    "commit_stage",
+    "emit_stage",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +73,19 @@ class DecodeState:
 
 jax.tree_util.register_dataclass(
     DecodeState,
-    data_fields=["target_cache", "draft_state", "bonus", "ctx_features", "ctx_count", "output", "num_generated",
-                 "steps", "accepted", "done", "step"],
+    data_fields=[
+        "target_cache",
+        "draft_state",
+        "bonus",
+        "ctx_features",
+        "ctx_count",
+        "output",
+        "num_generated",
+        "steps",
+        "accepted",
+        "done",
+        "step",
+    ],
     meta_fields=[],
 )
 
@@ -98,8 +123,9 @@ def draft_stage(drafter, draft_state, bonus: jax.Array, *, method: str, block_si
     return drafter.draft(draft_state, bonus, block_size)
 
 
-def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str, budget: int,
-               topk_impl: str = "auto") -> DraftTree:
+def tree_stage(
+    draft_logits: jax.Array | None, bonus: jax.Array, *, method: str, budget: int, topk_impl: str = "auto"
+) -> DraftTree:
     """The draft tree: build_tree (DDTree), build_chain (DFlash) or the root alone (AR)."""
     if method == "ar":
         return root_only_tree(bonus)
@@ -108,22 +134,46 @@ def tree_stage(draft_logits: jax.Array | None, bonus: jax.Array, *, method: str,
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
-def tree_forward_stage(target_config, target_params, cache: KVCache, tree: DraftTree, options: DecodeOptions = DecodeOptions()):
+def tree_forward_stage(
+    target_config, target_params, cache: KVCache, tree: DraftTree, options: DecodeOptions = DecodeOptions()
+):
     """The target's forward over the tree's slots: (logits [B, N, V], tapped [B, N, F*D], cache with the
     tree's K/V written)."""
-    return target_module(target_config).tree_forward(target_config, target_params, cache, tree.tokens, tree.depths,
-                                                     ancestor_mask(tree), **options.target_impls(target_config))
+    return target_module(target_config).tree_forward(
+        target_config,
+        target_params,
+        cache,
+        tree.tokens,
+        tree.depths,
+        ancestor_mask(tree),
+        **options.target_impls(target_config),
+    )
 
 
-def walk_stage(tree: DraftTree, logits: jax.Array, sampling: SamplingParams, keys: jax.Array, step: jax.Array,
-               options: DecodeOptions = DecodeOptions()) -> VerifyResult:
+def walk_stage(
+    tree: DraftTree,
+    logits: jax.Array,
+    sampling: SamplingParams,
+    keys: jax.Array,
+    step: jax.Array,
+    options: DecodeOptions = DecodeOptions(),
+) -> VerifyResult:
     """The tree rejection walk (`verify_step`) with this step's keys (the request keys with the step folded
     in), in `options.order`, by `options.verifier` at `options.verify_impl` (the sample-then-walk verifier
     has no kernel and always runs in XLA), with the options' acceptance thresholds (1.0: exact)."""
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
     impl = options.verify_impl if options.verifier == "sampling" else "xla"
-    return verify_step(tree, logits, sampling, step_keys, order=options.order, verifier=options.verifier, impl=impl,
-                       threshold_single=options.threshold_single, threshold_acc=options.threshold_acc)
+    return verify_step(
+        tree,
+        logits,
+        sampling,
+        step_keys,
+        order=options.order,
+        verifier=options.verifier,
+        impl=impl,
+        threshold_single=options.threshold_single,
+        threshold_acc=options.threshold_acc,
+    )
 
 
 def commit_stage(cache: KVCache, tapped: jax.Array, result: VerifyResult, active: jax.Array):
@@ -174,9 +224,21 @@ class StepTrace:
 jax.tree_util.register_dataclass(StepTrace, data_fields=["tree", "target_logits", "result", "active"], meta_fields=[])
 
 
-def traced_decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams,
-                       keys: jax.Array, stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int,
-                       block_size: int, options: DecodeOptions = DecodeOptions()) -> tuple[DecodeState, StepTrace]:
+def traced_decode_step(
+    target_config,
+    target_params,
+    drafter,
+    state: DecodeState,
+    sampling: SamplingParams,
+    keys: jax.Array,
+    stop_tokens: jax.Array,
+    max_new: jax.Array,
+    *,
+    method: str,
+    budget: int,
+    block_size: int,
+    options: DecodeOptions = DecodeOptions(),
+) -> tuple[DecodeState, StepTrace]:
     """Advances every active row by one speculative step (see the module docstring): the stages above, in
     order. Returns (the next state, the step's trace)."""
     active = ~state.done
@@ -203,9 +265,33 @@ def traced_decode_step(target_config, target_params, drafter, state: DecodeState
     return new_state, StepTrace(tree=tree, target_logits=logits, result=result, active=active)
 
 
-def decode_step(target_config, target_params, drafter, state: DecodeState, sampling: SamplingParams, keys: jax.Array,
-                stop_tokens: jax.Array, max_new: jax.Array, *, method: str, budget: int, block_size: int,
-                options: DecodeOptions = DecodeOptions()) -> DecodeState:
+def decode_step(
+    target_config,
+    target_params,
+    drafter,
+    state: DecodeState,
+    sampling: SamplingParams,
+    keys: jax.Array,
+    stop_tokens: jax.Array,
+    max_new: jax.Array,
+    *,
+    method: str,
+    budget: int,
+    block_size: int,
+    options: DecodeOptions = DecodeOptions(),
+) -> DecodeState:
     """`traced_decode_step`'s next state (the trace is dead code: XLA drops it)."""
-    return traced_decode_step(target_config, target_params, drafter, state, sampling, keys, stop_tokens, max_new,
-                              method=method, budget=budget, block_size=block_size, options=options)[0]
+    return traced_decode_step(
+        target_config,
+        target_params,
+        drafter,
+        state,
+        sampling,
+        keys,
+        stop_tokens,
+        max_new,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        options=options,
+    )[0]

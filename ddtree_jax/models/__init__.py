@@ -16,5 +16,15 @@ def target_module(config):
     raise ValueError(f"no target model for config type {type(config).__name__}")
 
 
-__all__ = ["qwen3", "deepseek_v3", "moe", "dflash", "attention", "ATTENTION_IMPLS", "KVCache", "commit",
-           "gather_accepted", "target_module"]
+__all__ = [
+    "qwen3",
+    "deepseek_v3",
+    "moe",
+    "dflash",
+    "attention",
+    "ATTENTION_IMPLS",
+    "KVCache",
+    "commit",
+    "gather_accepted",
+    "target_module",
+]

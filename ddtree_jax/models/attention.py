@@ -8,17 +8,18 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-from ddtree_kernels.tree_attention import attention_reference, tree_attention
 
 from ddtree_jax import dispatch
 from ddtree_jax.dispatch import ATTENTION_IMPLS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
+from ddtree_kernels.tree_attention import attention_reference, tree_attention
 
 __all__ = ["ATTENTION_IMPLS", "attention", "sharded_tree_attention"]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
-              impl: str = "xla") -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None, impl: str = "xla"
+) -> jax.Array:
     """Grouped-query attention.
 
     Args:
@@ -30,7 +31,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scal
     Head dims that are not powers of two fall back to "xla" under "pallas" (split keys into parts and call
     `ddtree_kernels.tree_attention` directly, as the absorbed MLA does).
     """
-    if dispatch.attention_impl(impl, queries=q.shape[1]) == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
+    if dispatch.attention_impl(impl, queries=q.shape[1]) == "pallas" and all(
+        d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])
+    ):
         return sharded_tree_attention((q,), (k,), v, mask, scale=scale)
     return attention_reference(q, k, v, mask, scale=scale)
 
@@ -43,7 +46,11 @@ def sharded_tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Arra
     kv = heads(4) if k_parts[0].shape[2] > 1 else rows(4)
     if v is None:
         specs = (tuple(heads(4) for _ in q_parts), tuple(kv for _ in k_parts), rows(3))
-        return shard_call(lambda q, k, m: tree_attention(q, k, None, m, scale=scale), (tuple(q_parts), tuple(k_parts), mask),
-                          specs, heads(4))
+        return shard_call(
+            lambda q, k, m: tree_attention(q, k, None, m, scale=scale),
+            (tuple(q_parts), tuple(k_parts), mask),
+            specs,
+            heads(4),
+        )
     specs = (tuple(heads(4) for _ in q_parts), tuple(kv for _ in k_parts), kv, rows(3))
     return shard_call(partial(tree_attention, scale=scale), (tuple(q_parts), tuple(k_parts), v, mask), specs, heads(4))

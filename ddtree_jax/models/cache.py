@@ -26,7 +26,9 @@ class KVCache:
         return self.k.shape[2]
 
     @classmethod
-    def create(cls, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16) -> "KVCache":
+    def create(
+        cls, num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16
+    ) -> KVCache:
         shape = (num_layers, batch, capacity, kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
@@ -91,5 +93,7 @@ def gather_accepted(values: jax.Array, accept_index: jax.Array, num_accepted: ja
     gathered with -1). Used for the drafter's new context features (the tapped target hidden states)."""
     steps = accept_index.shape[1]
     keep = jnp.arange(steps)[None, :] <= num_accepted[:, None]
-    picked = jnp.take_along_axis(values, jnp.where(keep, accept_index, 0).reshape(keep.shape + (1,) * (values.ndim - 2)), axis=1)
+    picked = jnp.take_along_axis(
+        values, jnp.where(keep, accept_index, 0).reshape(keep.shape + (1,) * (values.ndim - 2)), axis=1
+    )
     return jnp.where(keep.reshape(keep.shape + (1,) * (values.ndim - 2)), picked, 0)

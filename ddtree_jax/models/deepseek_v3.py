@@ -16,14 +16,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ddtree_kernels.quant import dense
-
 from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
 from ddtree_jax.models.attention import attention, sharded_tree_attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
-from ddtree_jax.models.moe import EXPERT_AXES, LayerOf, moe, moe_reference, route  # noqa: F401  (route re-exported)
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
     axes_of,
@@ -36,6 +33,8 @@ from ddtree_jax.models.layers import (
     swiglu,
     yarn_mscale,
 )
+from ddtree_jax.models.moe import EXPERT_AXES, LayerOf, moe, moe_reference, route  # noqa: F401  (route re-exported)
+from ddtree_kernels.quant import dense
 
 
 def _attention_shapes(c: DeepSeekV3Config) -> dict:
@@ -96,7 +95,9 @@ def init_params(config: DeepSeekV3Config, key: jax.Array, dtype=jnp.float32, nor
     params = init_from_shapes(param_shapes(config), key, dtype, norm_jitter)
     if config.num_moe_layers:
         bias_key = jax.random.fold_in(key, 1)
-        params["moe_layers"]["router_bias"] = 0.3 * jax.random.normal(bias_key, params["moe_layers"]["router_bias"].shape)
+        params["moe_layers"]["router_bias"] = 0.3 * jax.random.normal(
+            bias_key, params["moe_layers"]["router_bias"].shape
+        )
     return params
 
 
@@ -158,7 +159,11 @@ def forward_logits(config: DeepSeekV3Config, params: dict, input_ids: jax.Array)
             p = jax.tree.map(lambda w: w[layer], params[stack])
             h = h + _mla_naive(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin, mask)
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if stack == "dense_layers" else moe_reference(c, p, x))
+            h = h + (
+                swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
+                if stack == "dense_layers"
+                else moe_reference(c, p, x)
+            )
     h = rms_norm(h, params["final_norm"], c.rms_norm_eps)
     head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
     return linear(h, head).astype(jnp.float32)
@@ -170,8 +175,10 @@ def forward_logits(config: DeepSeekV3Config, params: dict, input_ids: jax.Array)
 def _check_matmul_impl(matmul_impl: str) -> None:
     """This family's dense projections run in XLA for now (its routed experts have moe_impl="pallas")."""
     if matmul_impl not in ("xla", "auto"):
-        raise NotImplementedError(f"matmul_impl={matmul_impl!r} is not wired into the DeepSeek-V3 family yet; "
-                                  "use moe_impl='pallas' for the INT4 experts")
+        raise NotImplementedError(
+            f"matmul_impl={matmul_impl!r} is not wired into the DeepSeek-V3 family yet; "
+            "use moe_impl='pallas' for the INT4 experts"
+        )
 
 
 def create_cache(config: DeepSeekV3Config, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
@@ -179,8 +186,11 @@ def create_cache(config: DeepSeekV3Config, batch: int, capacity: int, dtype=jnp.
     the roped shared key [layers, B, S, 1, qk_rope_head_dim]: kv_lora_rank + qk_rope_head_dim values
     per token and layer (576 for K2), one shared KV head."""
     shape = (config.num_layers, batch, capacity, 1)
-    return KVCache(jnp.zeros(shape + (config.kv_lora_rank,), dtype), jnp.zeros(shape + (config.qk_rope_head_dim,), dtype),
-                   jnp.zeros((batch,), jnp.int32))
+    return KVCache(
+        jnp.zeros(shape + (config.kv_lora_rank,), dtype),
+        jnp.zeros(shape + (config.qk_rope_head_dim,), dtype),
+        jnp.zeros((batch,), jnp.int32),
+    )
 
 
 def embedding(params: dict) -> jax.Array:
@@ -191,8 +201,9 @@ def head(config: DeepSeekV3Config, params: dict) -> jax.Array:
     return params["embed"] if config.tie_word_embeddings else params["lm_head"]
 
 
-def mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask,
-                 attn_impl: str = "xla"):
+def mla_absorbed(
+    config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask, attn_impl: str = "xla"
+):
     """Absorbed MLA: W_UK folded into the query, attention over [latent ; rope key] with one shared KV head
     and the latent as value, W_UV after. Writes this step's latent / rope key into the caches.
 
@@ -208,11 +219,17 @@ def mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, r
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
-    if dispatch.attention_impl(attn_impl, queries=steps, mla=True) == "pallas":  # the two key parts as they are: no [latent ; rope] copy
+    if (
+        dispatch.attention_impl(attn_impl, queries=steps, mla=True) == "pallas"
+    ):  # the two key parts as they are: no [latent ; rope] copy
         dtype = q_latent.dtype
-        out_latent = sharded_tree_attention((q_latent, q_rot.astype(dtype)),
-                                            (latent_cache.astype(dtype), rope_cache.astype(dtype)),
-                                            None, mask, scale=softmax_scale(c))  # values: the latent key part
+        out_latent = sharded_tree_attention(
+            (q_latent, q_rot.astype(dtype)),
+            (latent_cache.astype(dtype), rope_cache.astype(dtype)),
+            None,
+            mask,
+            scale=softmax_scale(c),
+        )  # values: the latent key part
     else:
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
         keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]
@@ -224,8 +241,18 @@ def mla_absorbed(config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, r
 LAYER_LOOPS = ("scan", "unrolled")
 
 
-def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCache, write_start, moe_impl: str,
-         attn_impl: str = "xla", layer_loop: str = "scan"):
+def _run(
+    config: DeepSeekV3Config,
+    params,
+    tokens,
+    positions,
+    mask,
+    cache: KVCache,
+    write_start,
+    moe_impl: str,
+    attn_impl: str = "xla",
+    layer_loop: str = "scan",
+):
     """Embeds, runs the dense then the MoE layers, returns (logits f32, tapped [B, T, F*D], cache).
 
     layer_loop "scan": `lax.scan` over each stack of layers (the stacked parameters and that stack's cache
@@ -241,12 +268,25 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
     def layer_fn(kind):
         def step(h, inputs):
             p, latent_cache, rope_cache = inputs
-            attn, lat, rope = mla_absorbed(c, p, rms_norm(h, p["input_norm"], c.rms_norm_eps), cos, sin,
-                                           latent_cache, rope_cache, write_start, mask, attn_impl)
+            attn, lat, rope = mla_absorbed(
+                c,
+                p,
+                rms_norm(h, p["input_norm"], c.rms_norm_eps),
+                cos,
+                sin,
+                latent_cache,
+                rope_cache,
+                write_start,
+                mask,
+                attn_impl,
+            )
             h = h + attn
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-            h = h + (swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]) if kind == "dense_layers"
-                     else moe(c, p, x, impl=moe_impl))
+            h = h + (
+                swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
+                if kind == "dense_layers"
+                else moe(c, p, x, impl=moe_impl)
+            )
             return h, (lat, rope, h)
 
         return step
@@ -260,7 +300,7 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
         # grouped kernel reads its layer in place instead of a per-layer slice copy (models/moe.py)
         stacks = {name: params[kind][name] for name in EXPERT_AXES if name in params[kind]}
         rest = {name: value for name, value in params[kind].items() if name not in stacks}
-        xs = (rest, cache.k[first: first + count], cache.v[first: first + count], jnp.arange(count, dtype=jnp.int32))
+        xs = (rest, cache.k[first : first + count], cache.v[first : first + count], jnp.arange(count, dtype=jnp.int32))
 
         def step(h, inputs, kind=kind, stacks=stacks):
             p, latent_cache, rope_cache, layer = inputs
@@ -286,8 +326,18 @@ def _run(config: DeepSeekV3Config, params, tokens, positions, mask, cache: KVCac
     return logits, features, KVCache(jnp.concatenate(latents), jnp.concatenate(ropes), cache.lengths)
 
 
-def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *,
-            attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla", layer_loop: str = "scan"):
+def prefill(
+    config: DeepSeekV3Config,
+    params: dict,
+    cache: KVCache,
+    input_ids: jax.Array,
+    num_new: jax.Array,
+    *,
+    attn_impl: str = "xla",
+    moe_impl: str = "auto",
+    matmul_impl: str = "xla",
+    layer_loop: str = "scan",
+):
     """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new).
     moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference);
     attn_impl: models.attention's ("pallas": kernels/tree_attention with the latent and rope key parts);
@@ -298,14 +348,25 @@ def prefill(config: DeepSeekV3Config, params: dict, cache: KVCache, input_ids: j
     start = cache.lengths
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl,
-                                   layer_loop)
+    logits, features, cache = _run(
+        config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl, layer_loop
+    )
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
-def tree_forward(config: DeepSeekV3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array,
-           tree_mask: jax.Array, *, attn_impl: str = "xla", moe_impl: str = "auto", matmul_impl: str = "xla",
-           layer_loop: str = "scan"):
+def tree_forward(
+    config: DeepSeekV3Config,
+    params: dict,
+    cache: KVCache,
+    tokens: jax.Array,
+    depths: jax.Array,
+    tree_mask: jax.Array,
+    *,
+    attn_impl: str = "xla",
+    moe_impl: str = "auto",
+    matmul_impl: str = "xla",
+    layer_loop: str = "scan",
+):
     """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""
     _check_matmul_impl(matmul_impl)
     slots = tokens.shape[1]

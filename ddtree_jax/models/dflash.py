@@ -50,7 +50,9 @@ def param_axes(config: DFlashConfig, target_hidden: int) -> dict:
     return axes_of(param_shapes(config, target_hidden))
 
 
-def init_params(config: DFlashConfig, target_hidden: int, key: jax.Array, dtype=jnp.float32, norm_jitter: float = 0.0) -> dict:
+def init_params(
+    config: DFlashConfig, target_hidden: int, key: jax.Array, dtype=jnp.float32, norm_jitter: float = 0.0
+) -> dict:
     return init_from_shapes(param_shapes(config, target_hidden), key, dtype, norm_jitter)
 
 
@@ -78,7 +80,9 @@ def _project_kv(config: DFlashConfig, p: dict, x, positions):
     return apply_rope(rms_norm(k, p["k_norm"], config.rms_norm_eps), cos, sin), v
 
 
-def append_context(config: DFlashConfig, params: dict, cache: KVCache, features: jax.Array, num_new: jax.Array) -> KVCache:
+def append_context(
+    config: DFlashConfig, params: dict, cache: KVCache, features: jax.Array, num_new: jax.Array
+) -> KVCache:
     """Appends committed tokens' context K/V: features [B, T, F*D] (row b's first num_new[b] real),
     at positions lengths .. lengths + T - 1. Returns the cache with lengths += num_new."""
     steps = features.shape[1]
@@ -94,8 +98,17 @@ def append_context(config: DFlashConfig, params: dict, cache: KVCache, features:
     return KVCache(jnp.stack(ks), jnp.stack(vs), cache.lengths + num_new)
 
 
-def draft(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Array, cache: KVCache, bonus: jax.Array, *,
-          block_size: int | None = None, attn_impl: str = "xla") -> jax.Array:
+def draft(
+    config: DFlashConfig,
+    params: dict,
+    embed: jax.Array,
+    lm_head: jax.Array,
+    cache: KVCache,
+    bonus: jax.Array,
+    *,
+    block_size: int | None = None,
+    attn_impl: str = "xla",
+) -> jax.Array:
     """One draft pass: float32 draft logits [B, block_size - 1, V] for the tokens after `bonus` [B].
 
     embed [V, D] and lm_head [V, D] are the target's. `block_size` may be smaller than the drafter's
@@ -109,7 +122,9 @@ def draft(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Arr
     positions = cache.lengths[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
     cos, sin = _rope(config, positions)
     context_rows = jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None]  # [B, 1, C]
-    mask = jnp.concatenate([jnp.broadcast_to(context_rows, (batch, size, cache.capacity)), jnp.ones((batch, size, size), bool)], axis=2)
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(context_rows, (batch, size, cache.capacity)), jnp.ones((batch, size, size), bool)], axis=2
+    )
     h = embed[tokens].astype(params["fc"].dtype)
     for layer in range(config.num_layers):
         p = jax.tree.map(lambda w: w[layer], params["layers"])
@@ -126,8 +141,15 @@ def draft(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Arr
     return linear(h, lm_head).astype(jnp.float32)
 
 
-def train_logits(config: DFlashConfig, params: dict, embed: jax.Array, lm_head: jax.Array, features: jax.Array,
-                 tokens: jax.Array, anchors: jax.Array) -> jax.Array:
+def train_logits(
+    config: DFlashConfig,
+    params: dict,
+    embed: jax.Array,
+    lm_head: jax.Array,
+    features: jax.Array,
+    tokens: jax.Array,
+    anchors: jax.Array,
+) -> jax.Array:
     """The training forward: many independent draft blocks per sequence in one pass (DFlash's recipe).
 
     Args:
@@ -182,7 +204,10 @@ def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, visible):
     row_max = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))  # finite
     w_ctx, w_blk = jnp.exp(s_ctx - row_max), jnp.exp(s_blk - row_max)
     denom = w_ctx.sum(axis=-1, keepdims=True) + w_blk.sum(axis=-1, keepdims=True)
-    out = contract("bnkgst,btkd->bnskgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-    out = out + contract("bnkgsr,bnrkd->bnskgd", (w_blk / denom).astype(v_blk.dtype), v_blk,
-                           preferred_element_type=jnp.float32)
+    out = contract(
+        "bnkgst,btkd->bnskgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32
+    )
+    out = out + contract(
+        "bnkgsr,bnrkd->bnskgd", (w_blk / denom).astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
+    )
     return out.reshape(batch, blocks, size, q_heads, head_dim).astype(q.dtype)

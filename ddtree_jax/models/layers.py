@@ -10,11 +10,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from ddtree_jax import dispatch
 from ddtree_kernels.decode_matmul import matmul, matmul_reference
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 from ddtree_kernels.tiling import dot_precision
-
-from ddtree_jax import dispatch
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -110,8 +110,17 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_inv_freq(dim: int, theta: float, *, rope_type: str = "default", factor: float = 1.0, original_max: int = 4096,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> jax.Array:
+def rope_inv_freq(
+    dim: int,
+    theta: float,
+    *,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    original_max: int = 4096,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> jax.Array:
     """float32 [dim / 2] inverse frequencies; YaRN blends interpolated and extrapolated frequencies with
     a linear ramp over the correction range of dimensions (Peng et al., YaRN, arXiv 2309.00071)."""
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
@@ -154,9 +163,15 @@ def rope_cos_sin(positions: jax.Array, dim: int, config) -> tuple[jax.Array, jax
     """cos, sin float32 [..., dim / 2] (one entry per frequency) for a config with rope_theta, rope_type
     and the YaRN fields (rope_factor, rope_original_max_position, rope_beta_fast / slow, rope_mscale,
     rope_mscale_all_dim); YaRN's attention factor is applied to both, as HF does."""
-    inv_freq = rope_inv_freq(dim, config.rope_theta, rope_type=config.rope_type, factor=config.rope_factor,
-                             original_max=config.rope_original_max_position, beta_fast=config.rope_beta_fast,
-                             beta_slow=config.rope_beta_slow)
+    inv_freq = rope_inv_freq(
+        dim,
+        config.rope_theta,
+        rope_type=config.rope_type,
+        factor=config.rope_factor,
+        original_max=config.rope_original_max_position,
+        beta_fast=config.rope_beta_fast,
+        beta_slow=config.rope_beta_slow,
+    )
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     scale = 1.0
     if config.rope_type == "yarn":

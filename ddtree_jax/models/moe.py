@@ -51,21 +51,23 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from ddtree_kernels.decode_matmul import grouped_matmul
-from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
-from ddtree_kernels.tiling import dot_precision
-
 from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS
 from ddtree_jax.models.layers import contract, linear, swiglu
 from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
+from ddtree_kernels.decode_matmul import grouped_matmul
+from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
+from ddtree_kernels.tiling import dot_precision
 
 # logical axes of one layer's routed-expert weights (deepseek_v3.param_shapes uses these; the rule tables
 # of sharding/rules.py map them to mesh axes, here and for the manual regions below)
-EXPERT_AXES = {"expert_gate": ("experts", "expert_mlp", "embed"), "expert_up": ("experts", "expert_mlp", "embed"),
-               "expert_down": ("experts", "embed", "expert_mlp")}
+EXPERT_AXES = {
+    "expert_gate": ("experts", "expert_mlp", "embed"),
+    "expert_up": ("experts", "expert_mlp", "embed"),
+    "expert_down": ("experts", "embed", "expert_mlp"),
+}
 
 
 @jax.tree_util.register_dataclass
@@ -173,8 +175,9 @@ def routed_gather(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
 
 
 # lhs [N, in] ragged over N, rhs [G, out, in] (the stored [out, in] layout) -> [N, out]
-_RAGGED_DIMS = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
-                                             rhs_group_dimensions=[0])
+_RAGGED_DIMS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
 
 
 def _ragged(lhs: jax.Array, weight: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -227,8 +230,9 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 
-def _routed_expert_parallel(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array,
-                            local_impl: str | None = None) -> jax.Array:
+def _routed_expert_parallel(
+    p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, local_impl: str | None = None
+) -> jax.Array:
     """The per-device program of "ep": this device's E / m experts (the routed experts split over "model")
     on the assignments that chose one of them (the others weigh 0; the kernel runs them as local expert 0's
     rows), then the sum over devices. Dispatch on the device: `dispatch.local_expert_impl` unless given."""
@@ -251,22 +255,29 @@ def _routed_tensor_parallel(impl: str, p: dict, x: jax.Array, experts: jax.Array
 _ROUTED = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas}
 
 
-def _routed_on_mesh(impl: str, p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array,
-                    local_impl: str | None = None) -> jax.Array:
-    """"ep", and "pallas" under a mesh: the routed experts as a manual region (`sharding.regions`). Tokens
+def _routed_on_mesh(
+    impl: str, p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, local_impl: str | None = None
+) -> jax.Array:
+    """ "ep", and "pallas" under a mesh: the routed experts as a manual region (`sharding.regions`). Tokens
     (replicated over "model", split by batch over "data") meet the experts where they live, results are
     summed over "model"; without a mesh "ep" is "gather" and "pallas" runs as is."""
     if context_mesh() is None:
         return _ROUTED["gather" if impl == "ep" else impl](p, x, experts, weights)
     # the experts' specs from the rule tables: "ep" splits "experts", "tp" each expert's "expert_mlp"
-    layout, fn = (("ep", functools.partial(_routed_expert_parallel, local_impl=local_impl)) if impl == "ep"
-                  else ("tp", functools.partial(_routed_tensor_parallel, impl)))
+    layout, fn = (
+        ("ep", functools.partial(_routed_expert_parallel, local_impl=local_impl))
+        if impl == "ep"
+        else ("tp", functools.partial(_routed_tensor_parallel, impl))
+    )
     specs = {name: partition_spec(axes, layout) for name, axes in EXPERT_AXES.items()}
-    specs = {name: LayerOf(PartitionSpec(None, *spec), PartitionSpec()) if isinstance(p[name], LayerOf) else spec
-             for name, spec in specs.items()}  # a stack's layer axis and the layer index: replicated
+    specs = {
+        name: LayerOf(PartitionSpec(None, *spec), PartitionSpec()) if isinstance(p[name], LayerOf) else spec
+        for name, spec in specs.items()
+    }  # a stack's layer axis and the layer index: replicated
     experts_only = {name: p[name] for name in EXPERT_AXES}
-    return shard_call(fn, (experts_only, x, experts, weights), (specs, rows(2), rows(2), rows(2)), rows(2),
-                      reduce_axes=(MODEL,))
+    return shard_call(
+        fn, (experts_only, x, experts, weights), (specs, rows(2), rows(2), rows(2)), rows(2), reduce_axes=(MODEL,)
+    )
 
 
 def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") -> jax.Array:

@@ -75,8 +75,18 @@ def _head(config: Qwen3Config, params: dict, h, matmul_impl: str = "xla") -> jax
 LAYER_LOOPS = ("scan", "unrolled")
 
 
-def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl, matmul_impl="xla",
-         layer_loop: str = "unrolled"):
+def _run(
+    config,
+    params,
+    tokens,
+    positions,
+    mask,
+    cache,
+    write_start,
+    attn_impl,
+    matmul_impl="xla",
+    layer_loop: str = "unrolled",
+):
     """Shared body: embeds, runs every layer, returns (logits f32, tapped [B, T, F*D], cache).
 
     layer_loop "unrolled": a Python loop (one copy of the layer per layer in the program). "scan":
@@ -90,8 +100,9 @@ def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl,
     cos, sin = rope_tables(positions, config.head_dim, config.rope_theta)
 
     taps = list(dict.fromkeys(config.tapped_layers))  # distinct tapped layers -> their slot in `tapped`
-    tap_slot = jnp.asarray([taps.index(layer) if layer in taps else len(taps) for layer in range(config.num_layers)],
-                           jnp.int32)  # untapped layers write the scratch slot len(taps)
+    tap_slot = jnp.asarray(
+        [taps.index(layer) if layer in taps else len(taps) for layer in range(config.num_layers)], jnp.int32
+    )  # untapped layers write the scratch slot len(taps)
 
     def step(carry, xs):  # carry (h, tapped, k_all, v_all) (no k / v without a cache); xs (layer params, index)
         p, layer = xs
@@ -122,23 +133,41 @@ def _run(config, params, tokens, positions, mask, cache, write_start, attn_impl,
     h, tapped = carry[0], carry[1]
     if cache is not None:
         cache = KVCache(carry[2], carry[3], cache.lengths)
-    features = (jnp.concatenate([tapped[taps.index(layer)] for layer in config.tapped_layers], axis=-1)
-                if taps else jnp.zeros(h.shape[:2] + (0,), h.dtype))
+    features = (
+        jnp.concatenate([tapped[taps.index(layer)] for layer in config.tapped_layers], axis=-1)
+        if taps
+        else jnp.zeros(h.shape[:2] + (0,), h.dtype)
+    )
     return _head(config, params, h, matmul_impl), features, cache
 
 
-def forward_logits(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla",
-                   matmul_impl: str = "xla", layer_loop: str = "unrolled") -> jax.Array:
+def forward_logits(
+    config: Qwen3Config,
+    params: dict,
+    input_ids: jax.Array,
+    *,
+    attn_impl: str = "xla",
+    matmul_impl: str = "xla",
+    layer_loop: str = "unrolled",
+) -> jax.Array:
     """Plain causal forward, no cache: input_ids int32 [B, T] -> logits float32 [B, T, V].
 
     layer_loop: "unrolled" (default; one copy of the layer per layer in the program) or "scan"
     (`lax.scan` over the stacked layers: the program holds one layer); see `_run`."""
-    return forward_features(config, params, input_ids, attn_impl=attn_impl, matmul_impl=matmul_impl,
-                            layer_loop=layer_loop)[0]
+    return forward_features(
+        config, params, input_ids, attn_impl=attn_impl, matmul_impl=matmul_impl, layer_loop=layer_loop
+    )[0]
 
 
-def forward_features(config: Qwen3Config, params: dict, input_ids: jax.Array, *, attn_impl: str = "xla",
-                     matmul_impl: str = "xla", layer_loop: str = "unrolled"):
+def forward_features(
+    config: Qwen3Config,
+    params: dict,
+    input_ids: jax.Array,
+    *,
+    attn_impl: str = "xla",
+    matmul_impl: str = "xla",
+    layer_loop: str = "unrolled",
+):
     """Plain causal forward, no cache: (logits float32 [B, T, V], tapped hidden [B, T, F*D]) for
     input_ids int32 [B, T]; the tapped layers' outputs are what the DFlash drafter trains on.
 
@@ -147,13 +176,23 @@ def forward_features(config: Qwen3Config, params: dict, input_ids: jax.Array, *,
     steps = input_ids.shape[1]
     positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), input_ids.shape)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (input_ids.shape[0], steps, steps))
-    logits, features, _ = _run(config, params, input_ids, positions, mask, None, None, attn_impl, matmul_impl,
-                               layer_loop)
+    logits, features, _ = _run(
+        config, params, input_ids, positions, mask, None, None, attn_impl, matmul_impl, layer_loop
+    )
     return logits, features
 
 
-def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Array, num_new: jax.Array, *, attn_impl: str = "xla",
-            matmul_impl: str = "xla", layer_loop: str = "unrolled"):
+def prefill(
+    config: Qwen3Config,
+    params: dict,
+    cache: KVCache,
+    input_ids: jax.Array,
+    num_new: jax.Array,
+    *,
+    attn_impl: str = "xla",
+    matmul_impl: str = "xla",
+    layer_loop: str = "unrolled",
+):
     """Causal pass over new tokens appended at each row's length.
 
     Args:
@@ -171,13 +210,24 @@ def prefill(config: Qwen3Config, params: dict, cache: KVCache, input_ids: jax.Ar
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     rows = jnp.arange(cache.capacity, dtype=jnp.int32)
     mask = rows[None, None, :] <= positions[:, :, None]  # causal over the committed prefix + new tokens
-    logits, features, cache = _run(config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl,
-                                   layer_loop)
+    logits, features, cache = _run(
+        config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl, layer_loop
+    )
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
 
-def tree_forward(config: Qwen3Config, params: dict, cache: KVCache, tokens: jax.Array, depths: jax.Array, tree_mask: jax.Array, *,
-           attn_impl: str = "xla", matmul_impl: str = "xla", layer_loop: str = "unrolled"):
+def tree_forward(
+    config: Qwen3Config,
+    params: dict,
+    cache: KVCache,
+    tokens: jax.Array,
+    depths: jax.Array,
+    tree_mask: jax.Array,
+    *,
+    attn_impl: str = "xla",
+    matmul_impl: str = "xla",
+    layer_loop: str = "unrolled",
+):
     """The tree-verify pass: N slots at positions lengths + depth.
 
     Slot i's K/V are written at cache row lengths + i; slot i attends the committed prefix and the

@@ -62,7 +62,7 @@ class SamplingParams:
         """bool [B]: rows decoded greedily (temperature 0)."""
         return self.temperature == 0
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raises ValueError naming the first bad row and value; returns self."""
         t, k, p, m = (np.asarray(x) for x in (self.temperature, self.top_k, self.top_p, self.min_p))
         checks = [
@@ -81,6 +81,4 @@ class SamplingParams:
         return self
 
 
-jax.tree_util.register_dataclass(
-    SamplingParams, data_fields=["temperature", "top_k", "top_p", "min_p"], meta_fields=[]
-)
+jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p", "min_p"], meta_fields=[])

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from ddtree_kernels.sampling_reference import processed_probs_reference, valid_rows
 
 from ddtree_jax.sampling.params import SamplingParams
+from ddtree_kernels.sampling_reference import processed_probs_reference, valid_rows
 
 __all__ = ["INVALID_TOKEN", "check_logits", "processed_probs", "valid_rows"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from ddtree_kernels.sampling_reference import inverse_cdf
 
 from ddtree_jax.sampling.coins import draw_coins
 from ddtree_jax.sampling.params import SamplingParams
 from ddtree_jax.sampling.probs import INVALID_TOKEN, processed_probs, valid_rows
+from ddtree_kernels.sampling_reference import inverse_cdf
 
 
 def sample(logits: jax.Array, params: SamplingParams, keys: jax.Array) -> jax.Array:

@@ -8,6 +8,13 @@ from ddtree_jax.sharding.regions import context_mesh, shard_call
 from ddtree_jax.sharding.rules import RULES, batch_sharding, param_shardings, param_specs, partition_spec, shard_params
 
 __all__ = [
-    "RULES", "batch_sharding", "context_mesh", "make_mesh", "shard_call", "param_shardings", "param_specs",
-    "partition_spec", "shard_params",
+    "RULES",
+    "batch_sharding",
+    "context_mesh",
+    "make_mesh",
+    "shard_call",
+    "param_shardings",
+    "param_specs",
+    "partition_spec",
+    "shard_params",
 ]

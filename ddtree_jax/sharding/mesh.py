@@ -15,7 +15,10 @@ def make_mesh(model: int, data: int = 1, devices=None) -> jax.sharding.Mesh:
     if model < 1 or data < 1:
         raise ValueError(f"mesh sizes must be >= 1, got data={data}, model={model}")
     if data * model > len(available):
-        raise ValueError(f"a {data} x {model} mesh needs {data * model} devices, {len(available)} are available "
-                         "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto),
-                         devices=available[: data * model])
+        raise ValueError(
+            f"a {data} x {model} mesh needs {data * model} devices, {len(available)} are available "
+            "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+        )
+    return jax.make_mesh(
+        (data, model), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto), devices=available[: data * model]
+    )

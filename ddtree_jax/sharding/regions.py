@@ -65,8 +65,7 @@ def fit_specs(mesh, args, in_specs, out_specs):
     return fitted + (unusable,)
 
 
-def shard_call(fn: Callable, args: tuple, in_specs: tuple, out_specs, *, reduce_axes: tuple[str, ...] = (),
-               mesh=None):
+def shard_call(fn: Callable, args: tuple, in_specs: tuple, out_specs, *, reduce_axes: tuple[str, ...] = (), mesh=None):
     """fn(*args), per shard inside `jax.shard_map` when a mesh is set (module docstring), else fn(*args).
 
     fn must be a per-shard program: on the operands' blocks it computes the output's block, with its own
@@ -81,8 +80,10 @@ def shard_call(fn: Callable, args: tuple, in_specs: tuple, out_specs, *, reduce_
     blocked = [a for a in reduce_axes if a in dropped and axis_size(mesh, a) > 1]
     if blocked:
         shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(args)]
-        raise ValueError(f"mesh axis {blocked[0]!r} (size {axis_size(mesh, blocked[0])}) does not divide an operand "
-                         f"of this sharded region (operand shapes {shapes}, specs {in_specs})")
+        raise ValueError(
+            f"mesh axis {blocked[0]!r} (size {axis_size(mesh, blocked[0])}) does not divide an operand "
+            f"of this sharded region (operand shapes {shapes}, specs {in_specs})"
+        )
     return jax.shard_map(fn, mesh=mesh, in_specs=in_fit, out_specs=out_fit, check_vma=False)(*args)
 
 

@@ -28,8 +28,17 @@ from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 DATA, MODEL = "data", "model"
 
 _SHARED = {
-    "layers": None, "embed": None, "head_dim": None, "kv_lora": None, "q_lora": None, "features": None,
-    "q_heads": MODEL, "kv_heads": MODEL, "mlp": MODEL, "vocab": MODEL, "batch": DATA,
+    "layers": None,
+    "embed": None,
+    "head_dim": None,
+    "kv_lora": None,
+    "q_lora": None,
+    "features": None,
+    "q_heads": MODEL,
+    "kv_heads": MODEL,
+    "mlp": MODEL,
+    "vocab": MODEL,
+    "batch": DATA,
 }
 RULES = {
     "tp": {**_SHARED, "experts": None, "expert_mlp": MODEL},
@@ -77,8 +86,10 @@ def shard_params(params, axes, mesh, layout: str):
     for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings)):
         for dim, axis in enumerate(sharding.spec):
             if axis is not None and leaf.shape[dim] % mesh.shape[axis]:
-                raise ValueError(f"{jax.tree_util.keystr(path)}: dimension {dim} of size {leaf.shape[dim]} does not "
-                                 f"divide over mesh axis {axis!r} of size {mesh.shape[axis]} (layout {layout!r})")
+                raise ValueError(
+                    f"{jax.tree_util.keystr(path)}: dimension {dim} of size {leaf.shape[dim]} does not "
+                    f"divide over mesh axis {axis!r} of size {mesh.shape[axis]} (layout {layout!r})"
+                )
     return jax.device_put(params, shardings)
 
 

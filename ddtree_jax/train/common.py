@@ -17,9 +17,21 @@ from ddtree_jax.checkpoint import restore_orbax, save_orbax
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 TRAIN_DEFAULTS = {
-    "steps": 100, "batch_size": 8, "lr": 6e-4, "warmup_frac": 0.04, "end_lr_frac": 0.1, "weight_decay": 0.01,
-    "b1": 0.9, "b2": 0.95, "clip": 1.0, "dtype": "float32", "eval_every": 0, "eval_batches": 8,
-    "checkpoint_every": 0, "keep_checkpoints": 2, "log_every": 10,
+    "steps": 100,
+    "batch_size": 8,
+    "lr": 6e-4,
+    "warmup_frac": 0.04,
+    "end_lr_frac": 0.1,
+    "weight_decay": 0.01,
+    "b1": 0.9,
+    "b2": 0.95,
+    "clip": 1.0,
+    "dtype": "float32",
+    "eval_every": 0,
+    "eval_batches": 8,
+    "checkpoint_every": 0,
+    "keep_checkpoints": 2,
+    "log_every": 10,
 }
 
 
@@ -37,8 +49,9 @@ def schedule(settings: dict) -> optax.Schedule:
     """Linear warm-up over warmup_frac of the steps, then cosine decay to end_lr_frac * lr."""
     steps = settings["steps"]
     warmup = max(1, int(round(settings["warmup_frac"] * steps)))
-    return optax.warmup_cosine_decay_schedule(0.0, settings["lr"], warmup, max(steps, warmup + 1),
-                                              end_value=settings["lr"] * settings["end_lr_frac"])
+    return optax.warmup_cosine_decay_schedule(
+        0.0, settings["lr"], warmup, max(steps, warmup + 1), end_value=settings["lr"] * settings["end_lr_frac"]
+    )
 
 
 def optimizer(settings: dict) -> optax.GradientTransformation:
@@ -46,8 +59,13 @@ def optimizer(settings: dict) -> optax.GradientTransformation:
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(settings["clip"]),
-        optax.adamw(schedule(settings), b1=settings["b1"], b2=settings["b2"], weight_decay=settings["weight_decay"],
-                    mask=decay_mask),
+        optax.adamw(
+            schedule(settings),
+            b1=settings["b1"],
+            b2=settings["b2"],
+            weight_decay=settings["weight_decay"],
+            mask=decay_mask,
+        ),
     )
 
 
@@ -141,8 +159,20 @@ def open_checkpoints(checkpoint_dir: str | None, settings: dict, state, resume: 
     return checkpoints, 0, state
 
 
-def training_loop(name: str, state, step_fn, *, steps: int, start: int, settings: dict, evaluate, checkpoints,
-                  log: Log | None, history: list, show_progress: bool):
+def training_loop(
+    name: str,
+    state,
+    step_fn,
+    *,
+    steps: int,
+    start: int,
+    settings: dict,
+    evaluate,
+    checkpoints,
+    log: Log | None,
+    history: list,
+    show_progress: bool,
+):
     """Steps `start`..`steps` of a training run; returns (state, wall seconds).
 
     step_fn(state, step) -> (state, metrics): metrics holds "grad_norm" and the scalars that are averaged

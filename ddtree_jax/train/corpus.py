@@ -26,12 +26,14 @@ def stdlib_root() -> str:
 
 
 def split_of(relpath: str, held_out_fraction: float) -> str:
-    """"heldout" or "train" from the path alone (deterministic, independent of the other files)."""
+    """ "heldout" or "train" from the path alone (deterministic, independent of the other files)."""
     digest = hashlib.sha256(relpath.encode("utf-8")).digest()
     return "heldout" if int.from_bytes(digest[:8], "big") / 2.0**64 < held_out_fraction else "train"
 
 
-def list_files(root: str, include: list[str] | tuple[str, ...] = (), exclude: list[str] | tuple[str, ...] = ()) -> list[str]:
+def list_files(
+    root: str, include: list[str] | tuple[str, ...] = (), exclude: list[str] | tuple[str, ...] = ()
+) -> list[str]:
     """Sorted POSIX relative paths of the .py files under root; `include` / `exclude` are path prefixes
     (a file is kept when it matches some include prefix, or include is empty, and no exclude prefix);
     site-packages, dist-packages and __pycache__ are always excluded."""
@@ -53,8 +55,15 @@ def list_files(root: str, include: list[str] | tuple[str, ...] = (), exclude: li
     return sorted(out)
 
 
-def build_manifest(root: str | None = None, *, include=(), exclude=(), held_out_fraction: float = 0.05,
-                   max_files: int | None = None, source: str | None = None) -> dict:
+def build_manifest(
+    root: str | None = None,
+    *,
+    include=(),
+    exclude=(),
+    held_out_fraction: float = 0.05,
+    max_files: int | None = None,
+    source: str | None = None,
+) -> dict:
     """The corpus manifest: every kept file with its split, size and sha256. Files that are not valid
     UTF-8 (the standard library's tests keep a few on purpose) are listed under `skipped`.
     `max_files` keeps the first files in path order (for quick test configs). `python_version` is the
@@ -76,20 +85,31 @@ def build_manifest(root: str | None = None, *, include=(), exclude=(), held_out_
         except UnicodeDecodeError:
             skipped.append(rel)
             continue
-        files.append({"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                      "split": split_of(rel, held_out_fraction)})
+        files.append(
+            {
+                "path": rel,
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "split": split_of(rel, held_out_fraction),
+            }
+        )
     counts = {s: sum(f["split"] == s for f in files) for s in ("train", "heldout")}
     if not counts["train"] or not counts["heldout"]:
-        raise ValueError(f"the split of {len(files)} files under {root} leaves a side empty ({counts}); "
-                         "widen the corpus or change held_out_fraction")
+        raise ValueError(
+            f"the split of {len(files)} files under {root} leaves a side empty ({counts}); "
+            "widen the corpus or change held_out_fraction"
+        )
     return {
         "root": root,
         "source": source or ("the running interpreter's standard library" if own_stdlib else None),
         "python_version": platform.python_version() if own_stdlib else None,
         "python_implementation": sys.implementation.name,
-        "include": list(include), "exclude": list(exclude), "held_out_fraction": held_out_fraction,
+        "include": list(include),
+        "exclude": list(exclude),
+        "held_out_fraction": held_out_fraction,
         "max_files": max_files,
-        "num_files": counts, "num_bytes": {s: sum(f["bytes"] for f in files if f["split"] == s) for s in counts},
+        "num_files": counts,
+        "num_bytes": {s: sum(f["bytes"] for f in files if f["split"] == s) for s in counts},
         "file_list_hash": hashlib.sha256("\n".join(f["path"] for f in files).encode()).hexdigest(),
         "content_hash": hashlib.sha256("\n".join(f"{f['path']} {f['sha256']}" for f in files).encode()).hexdigest(),
         "skipped": skipped,
@@ -98,10 +118,14 @@ def build_manifest(root: str | None = None, *, include=(), exclude=(), held_out_
 
 
 def manifest_from_config(corpus_cfg: dict) -> dict:
-    return build_manifest(corpus_cfg.get("root"), include=tuple(corpus_cfg.get("include", ())),
-                          exclude=tuple(corpus_cfg.get("exclude", ())),
-                          held_out_fraction=float(corpus_cfg.get("held_out_fraction", 0.05)),
-                          max_files=corpus_cfg.get("max_files"), source=corpus_cfg.get("source"))
+    return build_manifest(
+        corpus_cfg.get("root"),
+        include=tuple(corpus_cfg.get("include", ())),
+        exclude=tuple(corpus_cfg.get("exclude", ())),
+        held_out_fraction=float(corpus_cfg.get("held_out_fraction", 0.05)),
+        max_files=corpus_cfg.get("max_files"),
+        source=corpus_cfg.get("source"),
+    )
 
 
 def write_manifest(manifest: dict, path: str) -> None:

@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from ddtree_jax.train.corpus import read_texts
+
 
 def encode_texts(tok, texts: list[str]) -> list[np.ndarray]:
     """int32 token ids of each text (no special tokens added)."""
@@ -73,11 +75,11 @@ def eval_batches(sequences: np.ndarray, batch_size: int, max_batches: int | None
     return [sequences[i * batch_size : (i + 1) * batch_size] for i in range(count)]
 
 
-def load_or_build(work: str, split: str, tok, tok_hash: str, manifest: dict, eos_id: int, seq_len: int) -> tuple[np.ndarray, int]:
+def load_or_build(
+    work: str, split: str, tok, tok_hash: str, manifest: dict, eos_id: int, seq_len: int
+) -> tuple[np.ndarray, int]:
     """(packed sequences, tokens in the split) for one split, cached under work/data keyed by the
     tokenizer file hash, the corpus content hash and seq_len."""
-    from ddtree_jax.train.corpus import read_texts
-
     directory = os.path.join(work, "data")
     key = {"tokenizer": tok_hash, "content_hash": manifest["content_hash"], "seq_len": seq_len, "split": split}
     arr_path, meta_path = os.path.join(directory, f"{split}.npy"), os.path.join(directory, f"{split}.json")

@@ -28,13 +28,30 @@ import optax
 
 from ddtree_jax.config import DFlashConfig, Qwen3Config, default_tapped_layers
 from ddtree_jax.models import dflash, qwen3
-from ddtree_jax.train.common import (DTYPES, Log, cast, count_params, on_device, open_checkpoints, optimizer,
-                                     training_loop)
+from ddtree_jax.train.common import (
+    DTYPES,
+    Log,
+    cast,
+    count_params,
+    on_device,
+    open_checkpoints,
+    optimizer,
+    training_loop,
+)
 from ddtree_jax.train.data import Batches, eval_batches
 from ddtree_jax.train.target import with_tapped
 
-MODEL_KEYS = ("intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "target_layers",
-              "rms_norm_eps", "rope_theta")
+MODEL_KEYS = (
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "block_size",
+    "target_layers",
+    "rms_norm_eps",
+    "rope_theta",
+)
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -82,8 +99,9 @@ def block_labels(tokens: jax.Array, anchors: jax.Array, block_size: int) -> jax.
 
 def block_loss(config: DFlashConfig, params: dict, embed, head, features, tokens, anchors, weights, dtype=jnp.float32):
     """(weighted loss, metrics) of the drafter on the blocks at `anchors` (features: the target's)."""
-    logits = dflash.train_logits(config, cast(params, dtype), embed.astype(dtype), head.astype(dtype),
-                                 features.astype(dtype), tokens, anchors)
+    logits = dflash.train_logits(
+        config, cast(params, dtype), embed.astype(dtype), head.astype(dtype), features.astype(dtype), tokens, anchors
+    )
     labels = block_labels(tokens, anchors, config.block_size)
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None], axis=-1)[..., 0]  # [B, N, L]
     w = jnp.asarray(weights)
@@ -104,7 +122,9 @@ def target_features(target: Qwen3Config, target_params: dict, tokens, dtype):
     return jax.lax.stop_gradient(features)
 
 
-def make_step(config: DFlashConfig, target: Qwen3Config, settings: dict, gamma: float, num_anchors: int, seed: int, dtype):
+def make_step(
+    config: DFlashConfig, target: Qwen3Config, settings: dict, gamma: float, num_anchors: int, seed: int, dtype
+):
     """The jitted train step(state, target_params, tokens) -> (state, metrics); anchors are drawn from
     fold_in(key(seed), step), so a resumed run draws the same ones. Cached per arguments."""
     return _make_step(config, target, tuple(sorted(settings.items())), gamma, num_anchors, seed, dtype)
@@ -146,8 +166,17 @@ def _make_eval(config, target, gamma, num_anchors, dtype):
     def one(params, target_params, tokens, key):
         anchors = sample_anchors(key, tokens.shape[0], tokens.shape[1], num_anchors, config.block_size)
         features = target_features(target, target_params, tokens, dtype)
-        return block_loss(config, params, qwen3.embedding(target_params), qwen3.head(target, target_params), features,
-                          tokens, anchors, weights, dtype)[1]
+        return block_loss(
+            config,
+            params,
+            qwen3.embedding(target_params),
+            qwen3.head(target, target_params),
+            features,
+            tokens,
+            anchors,
+            weights,
+            dtype,
+        )[1]
 
     return jax.jit(one)
 
@@ -157,9 +186,12 @@ def evaluate(eval_fn, params: dict, target_params: dict, batches, seed: int) -> 
     base = jax.random.fold_in(jax.random.key(seed), 2**30)
     out = [eval_fn(params, target_params, jnp.asarray(b), jax.random.fold_in(base, i)) for i, b in enumerate(batches)]
     mean = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *out)
-    return {"loss": float(mean["loss"]), "accept_length": float(mean["accept_length"]),
-            "nll_per_position": [round(float(x), 4) for x in mean["nll_per_position"]],
-            "acc_per_position": [round(float(x), 4) for x in mean["acc_per_position"]]}
+    return {
+        "loss": float(mean["loss"]),
+        "accept_length": float(mean["accept_length"]),
+        "nll_per_position": [round(float(x), 4) for x in mean["nll_per_position"]],
+        "acc_per_position": [round(float(x), 4) for x in mean["acc_per_position"]],
+    }
 
 
 def init_state(config: DFlashConfig, settings: dict, seed: int) -> dict:
@@ -178,9 +210,20 @@ def _init_fn(config: DFlashConfig, settings_items: tuple):
     return jax.jit(init)
 
 
-def train(config: DFlashConfig, target: Qwen3Config, target_params: dict, settings: dict, train_seqs: np.ndarray,
-          heldout_seqs: np.ndarray, *, seed: int, checkpoint_dir: str | None = None, log_path: str | None = None,
-          resume: bool = False, show_progress: bool = True) -> tuple[dict, dict]:
+def train(
+    config: DFlashConfig,
+    target: Qwen3Config,
+    target_params: dict,
+    settings: dict,
+    train_seqs: np.ndarray,
+    heldout_seqs: np.ndarray,
+    *,
+    seed: int,
+    checkpoint_dir: str | None = None,
+    log_path: str | None = None,
+    resume: bool = False,
+    show_progress: bool = True,
+) -> tuple[dict, dict]:
     """Trains the drafter against the frozen target; returns (float32 drafter params, results)."""
     dtype = DTYPES[settings["dtype"]]
     target = with_tapped(target, config.target_layers)
@@ -200,34 +243,66 @@ def train(config: DFlashConfig, target: Qwen3Config, target_params: dict, settin
         if "loss" in r:
             history.append({"step": r["step"], "train_loss": r["loss"], "train_accept_length": r["accept_length"]})
         elif "heldout" in r and r["step"] < steps:
-            history.append({"step": r["step"], "heldout_loss": r["heldout"]["loss"],
-                            "heldout_accept_length": r["heldout"]["accept_length"]})
+            history.append(
+                {
+                    "step": r["step"],
+                    "heldout_loss": r["heldout"]["loss"],
+                    "heldout_accept_length": r["heldout"]["accept_length"],
+                }
+            )
 
     def periodic_eval(state):
         held = evaluate(eval_fn, state["params"], target_params, heldout, seed)
-        return ({"heldout": held}, {"heldout_loss": held["loss"], "heldout_accept_length": held["accept_length"]},
-                f"held-out loss {held['loss']:.4f}, accept length {held['accept_length']:.3f}")
+        return (
+            {"heldout": held},
+            {"heldout_loss": held["loss"], "heldout_accept_length": held["accept_length"]},
+            f"held-out loss {held['loss']:.4f}, accept length {held['accept_length']:.3f}",
+        )
 
     def train_step(state, step):
         state, metrics = step_fn(state, target_params, jnp.asarray(batches.batch(step)))
-        return state, {"loss": metrics["loss"], "accept_length": metrics["accept_length"], "grad_norm": metrics["grad_norm"]}
+        return state, {
+            "loss": metrics["loss"],
+            "accept_length": metrics["accept_length"],
+            "grad_norm": metrics["grad_norm"],
+        }
 
-    state, wall = training_loop("drafter", state, train_step, steps=steps, start=start, settings=settings,
-                                evaluate=periodic_eval, checkpoints=checkpoints, log=log, history=history,
-                                show_progress=show_progress)
+    state, wall = training_loop(
+        "drafter",
+        state,
+        train_step,
+        steps=steps,
+        start=start,
+        settings=settings,
+        evaluate=periodic_eval,
+        checkpoints=checkpoints,
+        log=log,
+        history=history,
+        show_progress=show_progress,
+    )
     params = state["params"]
     held = evaluate(eval_fn, params, target_params, heldout, seed)
     if log:
         log.write(step=steps, heldout=held)
     last = next((h for h in reversed(history) if "train_loss" in h), {})
     results = {
-        "params": count_params(params), "steps": steps, "resumed_from": start or None, "batch_size": batch_size,
-        "num_anchors": num_anchors, "gamma": gamma, "loss_weights": [round(float(w), 4) for w in weights],
-        "block_size": config.block_size, "target_layers": list(config.target_layers), "settings": settings,
-        "final_train_loss": last.get("train_loss"), "final_train_accept_length": last.get("train_accept_length"),
-        "heldout_loss": held["loss"], "heldout_accept_length": held["accept_length"],
-        "heldout_acc_per_position": held["acc_per_position"], "heldout_nll_per_position": held["nll_per_position"],
-        "wall_s": round(wall, 2), "history": history,
+        "params": count_params(params),
+        "steps": steps,
+        "resumed_from": start or None,
+        "batch_size": batch_size,
+        "num_anchors": num_anchors,
+        "gamma": gamma,
+        "loss_weights": [round(float(w), 4) for w in weights],
+        "block_size": config.block_size,
+        "target_layers": list(config.target_layers),
+        "settings": settings,
+        "final_train_loss": last.get("train_loss"),
+        "final_train_accept_length": last.get("train_accept_length"),
+        "heldout_loss": held["loss"],
+        "heldout_accept_length": held["accept_length"],
+        "heldout_acc_per_position": held["acc_per_position"],
+        "heldout_nll_per_position": held["nll_per_position"],
+        "wall_s": round(wall, 2),
+        "history": history,
     }
     return params, results
-

@@ -68,8 +68,17 @@ def load_config(path: str, overrides: list[str] = ()) -> dict:
 
 
 class Run:
-    def __init__(self, cfg: dict, out: str, work: str | None = None, *, commit: str | None = None, resume: bool = False,
-                 show_progress: bool = True, config_path: str | None = None):
+    def __init__(
+        self,
+        cfg: dict,
+        out: str,
+        work: str | None = None,
+        *,
+        commit: str | None = None,
+        resume: bool = False,
+        show_progress: bool = True,
+        config_path: str | None = None,
+    ):
         self.cfg = cfg
         self.out = os.path.abspath(out)
         self.work = os.path.abspath(work or os.path.join(out, "work"))
@@ -102,20 +111,36 @@ class Run:
         corpus_mod.write_manifest(manifest, self.path("corpus", "manifest.json"))
         tcfg = self.cfg["tokenizer"]
         specials = {**tok_mod.DEFAULT_SPECIALS, **tcfg.get("special_tokens", {})}
-        tok = tok_mod.train_tokenizer(corpus_mod.read_texts(manifest, "train"), int(tcfg.get("vocab_size", 8192)),
-                                      int(tcfg.get("min_frequency", 2)), specials)
+        tok = tok_mod.train_tokenizer(
+            corpus_mod.read_texts(manifest, "train"),
+            int(tcfg.get("vocab_size", 8192)),
+            int(tcfg.get("min_frequency", 2)),
+            specials,
+        )
         tok_mod.save(tok, self.path("tokenizer"), specials)
-        info = {"vocab_size": tok.get_vocab_size(), "requested_vocab_size": int(tcfg.get("vocab_size", 8192)),
-                "special_tokens": {k: {"text": specials[k], "id": i} for k, i in tok_mod.special_ids(tok, specials).items()},
-                "tokenizer_sha256": tok_mod.file_hash(self.path("tokenizer")), "trained_on": "train split",
-                "kind": "byte-level BPE (tokenizers)"}
-        self.update_provenance(corpus=corpus_mod.summary(manifest), tokenizer=info,
-                               wall_s={"tokenizer": round(time.perf_counter() - began, 2)})
+        info = {
+            "vocab_size": tok.get_vocab_size(),
+            "requested_vocab_size": int(tcfg.get("vocab_size", 8192)),
+            "special_tokens": {
+                k: {"text": specials[k], "id": i} for k, i in tok_mod.special_ids(tok, specials).items()
+            },
+            "tokenizer_sha256": tok_mod.file_hash(self.path("tokenizer")),
+            "trained_on": "train split",
+            "kind": "byte-level BPE (tokenizers)",
+        }
+        self.update_provenance(
+            corpus=corpus_mod.summary(manifest),
+            tokenizer=info,
+            wall_s={"tokenizer": round(time.perf_counter() - began, 2)},
+        )
         return info
 
     def _inputs(self):
         """(manifest, tokenizer, special ids, train sequences, held-out sequences), building what is missing."""
-        if not (os.path.exists(self.path("corpus", "manifest.json")) and os.path.exists(self.path("tokenizer", "tokenizer.json"))):
+        if not (
+            os.path.exists(self.path("corpus", "manifest.json"))
+            and os.path.exists(self.path("tokenizer", "tokenizer.json"))
+        ):
             self.tokenizer()
         manifest = corpus_mod.read_manifest(self.path("corpus", "manifest.json"))
         specials = {**tok_mod.DEFAULT_SPECIALS, **self.cfg["tokenizer"].get("special_tokens", {})}
@@ -125,13 +150,22 @@ class Run:
         seq_len = int(self.cfg["data"]["seq_len"])
         train, n_train = data_mod.load_or_build(self.work, "train", tok, tok_hash, manifest, ids["eos"], seq_len)
         held, n_held = data_mod.load_or_build(self.work, "heldout", tok, tok_hash, manifest, ids["eos"], seq_len)
-        self.update_provenance(data={"seq_len": seq_len, "train_tokens": n_train, "heldout_tokens": n_held,
-                                     "train_sequences": int(len(train)), "heldout_sequences": int(len(held)),
-                                     "packing": "files in path order, each followed by eos, cut into seq_len chunks"})
+        self.update_provenance(
+            data={
+                "seq_len": seq_len,
+                "train_tokens": n_train,
+                "heldout_tokens": n_held,
+                "train_sequences": int(len(train)),
+                "heldout_sequences": int(len(held)),
+                "packing": "files in path order, each followed by eos, cut into seq_len chunks",
+            }
+        )
         return manifest, tok, ids, train, held
 
     def vocab_size(self, tok) -> int:
-        size = int(self.cfg["target"]["model"].get("vocab_size", 0)) or int(self.cfg["tokenizer"].get("vocab_size", 8192))
+        size = int(self.cfg["target"]["model"].get("vocab_size", 0)) or int(
+            self.cfg["tokenizer"].get("vocab_size", 8192)
+        )
         if tok.get_vocab_size() > size:
             raise ValueError(f"the tokenizer has {tok.get_vocab_size()} ids, more than the model's vocab_size {size}")
         return size
@@ -141,16 +175,28 @@ class Run:
         model_cfg = {k: v for k, v in self.cfg["target"]["model"].items() if k != "vocab_size"}
         config = target_mod.model_config(model_cfg, self.vocab_size(tok))
         settings = train_settings(self.cfg["target"]["train"])
-        params, results = target_mod.train(config, settings, train, held, seed=self.seed,
-                                           checkpoint_dir=self.path("orbax", "target"), log_path=self.path("logs", "target.jsonl"),
-                                           resume=self.resume, show_progress=self.show_progress)
+        params, results = target_mod.train(
+            config,
+            settings,
+            train,
+            held,
+            seed=self.seed,
+            checkpoint_dir=self.path("orbax", "target"),
+            log_path=self.path("logs", "target.jsonl"),
+            resume=self.resume,
+            show_progress=self.show_progress,
+        )
         if os.path.exists(self.target_dir):
             shutil.rmtree(self.target_dir)
         save_hf(self.target_dir, config, params, dtype=self.export_dtype)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(self.path("tokenizer", name), os.path.join(self.target_dir, name))
-        _patch_json(os.path.join(self.target_dir, "config.json"), eos_token_id=ids["eos"], pad_token_id=ids["pad"],
-                    torch_dtype=self.cfg.get("export_dtype", "float32"))
+        _patch_json(
+            os.path.join(self.target_dir, "config.json"),
+            eos_token_id=ids["eos"],
+            pad_token_id=ids["pad"],
+            torch_dtype=self.cfg.get("export_dtype", "float32"),
+        )
         results.update(config=to_hf_dict(config), size_mb=_dir_mb(self.target_dir))
         self.update_provenance(target=results, wall_s={"target": results["wall_s"]})
         return results
@@ -162,18 +208,33 @@ class Run:
         target_config, target_params = load_hf(self.target_dir, jnp.float32)
         config = drafter_mod.model_config(dict(self.cfg["drafter"]["model"]), target_config, ids["mask"])
         settings = train_settings(self.cfg["drafter"]["train"])
-        params, results = drafter_mod.train(config, target_config, target_params, settings, train, held, seed=self.seed,
-                                            checkpoint_dir=self.path("orbax", "drafter"),
-                                            log_path=self.path("logs", "drafter.jsonl"), resume=self.resume,
-                                            show_progress=self.show_progress)
+        params, results = drafter_mod.train(
+            config,
+            target_config,
+            target_params,
+            settings,
+            train,
+            held,
+            seed=self.seed,
+            checkpoint_dir=self.path("orbax", "drafter"),
+            log_path=self.path("logs", "drafter.jsonl"),
+            resume=self.resume,
+            show_progress=self.show_progress,
+        )
         if os.path.exists(self.drafter_dir):
             shutil.rmtree(self.drafter_dir)
         save_hf(self.drafter_dir, config, params, vocab_size=target_config.vocab_size, dtype=self.export_dtype)
-        _patch_json(os.path.join(self.drafter_dir, "config.json"), num_target_layers=target_config.num_layers,
-                    torch_dtype=self.cfg.get("export_dtype", "float32"))
+        _patch_json(
+            os.path.join(self.drafter_dir, "config.json"),
+            num_target_layers=target_config.num_layers,
+            torch_dtype=self.cfg.get("export_dtype", "float32"),
+        )
         frozen = ["model.embed_tokens.weight"] + ([] if target_config.tie_word_embeddings else ["lm_head.weight"])
-        results.update(config=to_hf_dict(config, target_config.vocab_size), size_mb=_dir_mb(self.drafter_dir),
-                       frozen_from_target=frozen)
+        results.update(
+            config=to_hf_dict(config, target_config.vocab_size),
+            size_mb=_dir_mb(self.drafter_dir),
+            frozen_from_target=frozen,
+        )
         self.update_provenance(drafter=results, wall_s={"drafter": results["wall_s"]})
         return results
 
@@ -212,18 +273,37 @@ class Run:
     def _header(self) -> dict:
         device = jax.devices()[0]
         return {
-            "updated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": self.commit or _git_commit(),
             "recipe": os.path.relpath(self.config_path) if self.config_path else None,
-            "config": copy.deepcopy(self.cfg), "seed": self.seed,
+            "config": copy.deepcopy(self.cfg),
+            "seed": self.seed,
             "python_version": platform.python_version(),
-            "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count(),
-                       "jax": jax.__version__},
+            "device": {
+                "platform": device.platform,
+                "kind": device.device_kind,
+                "count": jax.device_count(),
+                "jax": jax.__version__,
+            },
         }
 
 
-_ORDER = ("commit", "updated", "recipe", "seed", "python_version", "device", "corpus", "tokenizer", "data", "target",
-          "drafter", "total_size_mb", "wall_s", "config")
+_ORDER = (
+    "commit",
+    "updated",
+    "recipe",
+    "seed",
+    "python_version",
+    "device",
+    "corpus",
+    "tokenizer",
+    "data",
+    "target",
+    "drafter",
+    "total_size_mb",
+    "wall_s",
+    "config",
+)
 
 
 def _ordered(prov: dict) -> dict:

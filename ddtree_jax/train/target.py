@@ -19,12 +19,30 @@ import optax
 
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models import qwen3
-from ddtree_jax.train.common import (DTYPES, Log, cast, count_params, on_device, open_checkpoints, optimizer,
-                                     training_loop)
+from ddtree_jax.train.common import (
+    DTYPES,
+    Log,
+    cast,
+    count_params,
+    on_device,
+    open_checkpoints,
+    optimizer,
+    training_loop,
+)
 from ddtree_jax.train.data import Batches, eval_batches
 
-MODEL_KEYS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps",
-              "rope_theta", "tie_word_embeddings", "max_position_embeddings")
+MODEL_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+)
 
 
 def model_config(model_cfg: dict, vocab_size: int) -> Qwen3Config:
@@ -95,9 +113,18 @@ def _init_fn(config: Qwen3Config, settings_items: tuple):
     return jax.jit(init)
 
 
-def train(config: Qwen3Config, settings: dict, train_seqs: np.ndarray, heldout_seqs: np.ndarray, *, seed: int,
-          checkpoint_dir: str | None = None, log_path: str | None = None, resume: bool = False,
-          show_progress: bool = True) -> tuple[dict, dict]:
+def train(
+    config: Qwen3Config,
+    settings: dict,
+    train_seqs: np.ndarray,
+    heldout_seqs: np.ndarray,
+    *,
+    seed: int,
+    checkpoint_dir: str | None = None,
+    log_path: str | None = None,
+    resume: bool = False,
+    show_progress: bool = True,
+) -> tuple[dict, dict]:
     """Trains the target; returns (float32 params, results for the provenance file)."""
     dtype = DTYPES[settings["dtype"]]
     steps, batch_size = settings["steps"], settings["batch_size"]
@@ -117,12 +144,25 @@ def train(config: Qwen3Config, settings: dict, train_seqs: np.ndarray, heldout_s
 
     def periodic_eval(state):
         held = evaluate(config, state["params"], heldout)
-        return ({"heldout_loss": held, "heldout_ppl": math.exp(held)}, {"heldout_loss": held},
-                f"held-out loss {held:.4f} (ppl {math.exp(held):.2f})")
+        return (
+            {"heldout_loss": held, "heldout_ppl": math.exp(held)},
+            {"heldout_loss": held},
+            f"held-out loss {held:.4f} (ppl {math.exp(held):.2f})",
+        )
 
-    state, wall = training_loop("target", state, lambda s, i: step_fn(s, jnp.asarray(batches.batch(i))), steps=steps,
-                                start=start, settings=settings, evaluate=periodic_eval, checkpoints=checkpoints,
-                                log=log, history=history, show_progress=show_progress)
+    state, wall = training_loop(
+        "target",
+        state,
+        lambda s, i: step_fn(s, jnp.asarray(batches.batch(i))),
+        steps=steps,
+        start=start,
+        settings=settings,
+        evaluate=periodic_eval,
+        checkpoints=checkpoints,
+        log=log,
+        history=history,
+        show_progress=show_progress,
+    )
     params = state["params"]
     held = evaluate(config, params, heldout)
     train_eval_loss = evaluate(config, params, train_eval)
@@ -130,13 +170,21 @@ def train(config: Qwen3Config, settings: dict, train_seqs: np.ndarray, heldout_s
     if log:
         log.write(step=steps, heldout_loss=held, heldout_ppl=math.exp(held), train_eval_loss=train_eval_loss)
     results = {
-        "params": count_params(params), "steps": steps, "resumed_from": start or None, "batch_size": batch_size,
-        "seq_len": int(train_seqs.shape[1]), "tokens_seen": steps * batch_size * int(train_seqs.shape[1]),
-        "epochs": round(batches.epochs(steps), 3), "settings": settings,
-        "final_train_loss": last_train, "train_eval_loss": train_eval_loss,
-        "heldout_loss": held, "heldout_ppl": math.exp(held),
+        "params": count_params(params),
+        "steps": steps,
+        "resumed_from": start or None,
+        "batch_size": batch_size,
+        "seq_len": int(train_seqs.shape[1]),
+        "tokens_seen": steps * batch_size * int(train_seqs.shape[1]),
+        "epochs": round(batches.epochs(steps), 3),
+        "settings": settings,
+        "final_train_loss": last_train,
+        "train_eval_loss": train_eval_loss,
+        "heldout_loss": held,
+        "heldout_ppl": math.exp(held),
         "heldout_eval_tokens": int(sum(b.shape[0] * (b.shape[1] - 1) for b in heldout)),
-        "wall_s": round(wall, 2), "history": history,
+        "wall_s": round(wall, 2),
+        "history": history,
     }
     return params, results
 

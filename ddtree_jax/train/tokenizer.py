@@ -24,9 +24,13 @@ def train_tokenizer(texts, vocab_size: int = 8192, min_frequency: int = 2, speci
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                  special_tokens=list(specials.values()),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=False,
+        special_tokens=list(specials.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if hasattr(texts, "__len__") else None)
     return tok
 
@@ -46,8 +50,14 @@ def save(tok, directory: str, specials: dict | None = None) -> None:
     specials = DEFAULT_SPECIALS if specials is None else specials
     os.makedirs(directory, exist_ok=True)
     tok.save(os.path.join(directory, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials["eos"], "pad_token": specials["pad"],
-              "mask_token": specials["mask"], "model_max_length": 1_000_000, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": specials["eos"],
+        "pad_token": specials["pad"],
+        "mask_token": specials["mask"],
+        "model_max_length": 1_000_000,
+        "clean_up_tokenization_spaces": False,
+    }
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
 

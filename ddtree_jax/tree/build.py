@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
 from ddtree_jax.dispatch import BUILD_TOPK_IMPLS
+from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
 from ddtree_jax.tree.select import top_k_log_probs
 from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 
@@ -59,7 +59,7 @@ def _check_finite(draft_logits) -> None:
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Static (parent position, rank) pairs with (i + 1) * (r + 1) <= budget, r < k, i < budget."""
     parent_pos, rank = [], []
@@ -111,7 +111,9 @@ def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
         lex_order = jnp.argsort(lex_key).astype(jnp.int32)
         lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(positions)
         # materialise each level: keeps XLA from re-deriving (and duplicating) earlier levels
-        levels.append(lax.optimization_barrier((logw, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order)))
+        levels.append(
+            lax.optimization_barrier((logw, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order))
+        )
 
     # Global lexicographic (DFS preorder) index of every entry, from subtree sizes: an entry's
     # preorder = its parent's + 1 + the sizes of the siblings before it (siblings are contiguous in
@@ -250,7 +252,9 @@ def _build_chain_jit(draft_logits, root_tokens) -> DraftTree:
     )
 
 
-def build_chain(draft_logits: jax.Array, root_tokens: jax.Array | None = None, *, check_finite: bool = True) -> DraftTree:
+def build_chain(
+    draft_logits: jax.Array, root_tokens: jax.Array | None = None, *, check_finite: bool = True
+) -> DraftTree:
     """The linear DFlash chain: the root plus the top-1 token at each depth (L + 1 slots).
 
     Not `build_tree(budget=L)`, which branches. Same `DraftTree` form; all slots are real.

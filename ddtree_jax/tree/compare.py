@@ -65,8 +65,10 @@ def rank_swap_allowed(ref: ReferenceTree, depth: int, rank: int, ref_rank: int, 
     if not (0 <= rank < k and 0 <= ref_rank < k):
         return False
     d = depth - 1
-    return bool(ref.top_logits[d, rank] != ref.top_logits[d, ref_rank]
-                and abs(np.float64(ref.top_log_probs[d, rank]) - ref.top_log_probs[d, ref_rank]) <= tol)
+    return bool(
+        ref.top_logits[d, rank] != ref.top_logits[d, ref_rank]
+        and abs(np.float64(ref.top_log_probs[d, rank]) - ref.top_log_probs[d, ref_rank]) <= tol
+    )
 
 
 def near_tie_swap_only(row: dict, ref: ReferenceTree, tol: float = NEAR_TIE) -> str | None:
@@ -122,7 +124,9 @@ def near_tie_swap_only(row: dict, ref: ReferenceTree, tol: float = NEAR_TIE) -> 
         if not np.isclose(row["logw"][i], logw, rtol=1e-6, atol=4 * tol):
             return f"slot {i}: logw {row['logw'][i]} != its path's {logw}"
         if abs(np.float64(logw) - boundary) > tol:
-            return f"slot {i}: path {path} is not in the reference tree and not at the cut (logw {logw}, cut {boundary})"
+            return (
+                f"slot {i}: path {path} is not in the reference tree and not at the cut (logw {logw}, cut {boundary})"
+            )
     for j, path in enumerate(reference[1:], start=1):
         if path not in built_slot and abs(np.float64(ref.logw[j]) - boundary) > tol:
             return f"reference slot {j}: path {path} is missing and not at the cut (logw {ref.logw[j]}, cut {boundary})"

@@ -59,7 +59,7 @@ class DraftTree:
         """bool [B, N]: slot index < num_nodes (root and draft nodes, not padding)."""
         return jnp.arange(self.num_slots)[None, :] < self.num_nodes[:, None]
 
-    def row(self, b: int) -> "DraftTree":
+    def row(self, b: int) -> DraftTree:
         """The b-th row as a batch of one (handy for printing and plotting)."""
         return jax.tree.map(lambda x: x[b : b + 1], self)
 

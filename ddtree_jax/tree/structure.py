@@ -84,8 +84,8 @@ def _sibling_lists(parents: jax.Array, within: jax.Array) -> tuple[jax.Array, ja
     first_of_group = jnp.concatenate([jnp.ones((batch, 1), bool), group_s[:, 1:] != group_s[:, :-1]], axis=1)
 
     rows = jnp.arange(batch)[:, None]
-    next_sibling = jnp.full((batch, slots), -1, jnp.int32).at[rows, slot_s].set(
-        jnp.where(real_s & same_as_next, following, -1)
+    next_sibling = (
+        jnp.full((batch, slots), -1, jnp.int32).at[rows, slot_s].set(jnp.where(real_s & same_as_next, following, -1))
     )
     # scatter each group's first child to its parent; non-first entries write to a dropped index
     target = jnp.where(real_s & first_of_group, group_s, slots)

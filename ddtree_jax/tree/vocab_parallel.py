@@ -57,8 +57,9 @@ def _merge(values, ids, k: int):
     return best, jnp.take_along_axis(ids, position, axis=-1)
 
 
-def sharded_top_k_log_probs(logits: jax.Array, k: int, *, impl: str = "vocab_parallel", mesh=None
-                            ) -> tuple[jax.Array, jax.Array]:
+def sharded_top_k_log_probs(
+    logits: jax.Array, k: int, *, impl: str = "vocab_parallel", mesh=None
+) -> tuple[jax.Array, jax.Array]:
     """`tree.select.top_k_log_probs(logits, k)` for logits whose last axis (the vocabulary) is split over
     the mesh's "model" axis.
 
@@ -88,14 +89,17 @@ def sharded_top_k_log_probs(logits: jax.Array, k: int, *, impl: str = "vocab_par
     out_spec = PartitionSpec(DATA, *([None] * (logits.ndim - 1)))
 
     if impl == "gathered":
+
         def fn(x):
             full = lax.all_gather(x, MODEL, axis=x.ndim - 1, tiled=True)
             return top_k_log_probs(full, k, impl="xla")
     else:
+
         def fn(x):
             values, ids = _local_top_k(x, k, vocab // parts)
             return _merge(lax.all_gather(values, MODEL), lax.all_gather(ids, MODEL), k)
 
     return shard_call(fn, (logits,), (in_spec,), (out_spec, out_spec), reduce_axes=(MODEL,), mesh=mesh)
+
 
 __all__ = ["VOCAB_TOPK_IMPLS", "sharded_top_k_log_probs"]

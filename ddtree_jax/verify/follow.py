@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ddtree_kernels.sampling_reference import emitted_tokens, inverse_cdf
-
 from ddtree_jax.verify.result import VerifyResult
 from ddtree_jax.verify.sampling import check_tree_lists
+from ddtree_kernels.sampling_reference import emitted_tokens, inverse_cdf
 
 
 def _follow_row(candidates, next_token, next_sibling, chosen, *, max_accept):
@@ -38,7 +37,13 @@ def _follow_row(candidates, next_token, next_sibling, chosen, *, max_accept):
         cur = jnp.where(match, next_token[node], jnp.where(active, next_sibling[node], cur))
         return cur, jnp.where(match, node, row), n_acc, done, accept
 
-    init = (next_token[0], jnp.int32(0), jnp.int32(0), jnp.bool_(steps == 1), jnp.full((steps,), -1, jnp.int32).at[0].set(0))
+    init = (
+        next_token[0],
+        jnp.int32(0),
+        jnp.int32(0),
+        jnp.bool_(steps == 1),
+        jnp.full((steps,), -1, jnp.int32).at[0].set(0),
+    )
     _, row, n_acc, _, accept = lax.fori_loop(0, slots + 1, body, init)
     return accept, n_acc, emitted_tokens(candidates, accept, n_acc, chosen[row])
 
@@ -58,14 +63,21 @@ def _check_common(candidates, next_token, next_sibling, max_accept, check):
         check_tree_lists(candidates, next_token, next_sibling)
 
 
-def verify_greedy(candidates, next_token, next_sibling, target_logits, *, max_accept: int, check: bool = True) -> VerifyResult:
+def verify_greedy(
+    candidates, next_token, next_sibling, target_logits, *, max_accept: int, check: bool = True
+) -> VerifyResult:
     """Greedy (T = 0) verification: follow the child whose token is the argmax of the row (ties to the
     lowest id), emit the argmax at the first row without such a child. Equals `verify_sampling` on
     one-hot targets. target_logits: [B, N, V] (any float dtype)."""
     _check_common(candidates, next_token, next_sibling, max_accept, check)
     chosen = jnp.argmax(jnp.asarray(target_logits), axis=-1).astype(jnp.int32)
-    return _follow(jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32),
-                   jnp.asarray(next_sibling, jnp.int32), chosen, max_accept=int(max_accept))
+    return _follow(
+        jnp.asarray(candidates, jnp.int32),
+        jnp.asarray(next_token, jnp.int32),
+        jnp.asarray(next_sibling, jnp.int32),
+        chosen,
+        max_accept=int(max_accept),
+    )
 
 
 def verify_sample_then_walk(
@@ -78,5 +90,10 @@ def verify_sample_then_walk(
     probs = jnp.asarray(target_probs, jnp.float32)
     chosen, has_mass = inverse_cdf(probs, jnp.asarray(coins, jnp.float32))
     chosen = jnp.where(has_mass, chosen, probs.shape[-1] - 1)
-    return _follow(jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32),
-                   jnp.asarray(next_sibling, jnp.int32), chosen, max_accept=int(max_accept))
+    return _follow(
+        jnp.asarray(candidates, jnp.int32),
+        jnp.asarray(next_token, jnp.int32),
+        jnp.asarray(next_sibling, jnp.int32),
+        chosen,
+        max_accept=int(max_accept),
+    )

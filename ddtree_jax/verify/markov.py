@@ -86,8 +86,17 @@ def simulate(
     for step in range(num_steps):
         tree = build_tree(draft_table[roots], budget, roots, check_finite=False)
         keys = row_keys(jax.random.fold_in(key, step), jnp.arange(samples))
-        result = verify_step(tree, transition_logits[tree.tokens], params, keys, order=order, verifier=verifier,
-                             threshold_single=threshold_single, threshold_acc=threshold_acc, impl=impl)
+        result = verify_step(
+            tree,
+            transition_logits[tree.tokens],
+            params,
+            keys,
+            order=order,
+            verifier=verifier,
+            threshold_single=threshold_single,
+            threshold_acc=threshold_acc,
+            impl=impl,
+        )
         n_out = result.num_accepted + 1
         target = jnp.where(cursor < n_out[:, None], written[:, None] + cursor, emitted.shape[1])
         emitted = emitted.at[jnp.arange(samples)[:, None], target].set(result.tokens, mode="drop")

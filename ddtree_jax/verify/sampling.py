@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_kernels.sampling_reference import walk_reference
-from ddtree_kernels.tree_sampling import tree_sampling_from_probs
-
 from ddtree_jax import dispatch
 from ddtree_jax.sharding.regions import rows, shard_call
 from ddtree_jax.verify.result import VerifyResult
+from ddtree_kernels.sampling_reference import walk_reference
+from ddtree_kernels.tree_sampling import tree_sampling_from_probs
 
 
 def check_tree_lists(candidates, next_token, next_sibling) -> None:
@@ -97,24 +96,34 @@ def verify_sampling(
         if not 0.0 <= float(value) <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     if target_probs.ndim != 3 or target_probs.shape[:2] != candidates.shape:
-        raise ValueError(f"target_probs must have shape [B, N, V] with [B, N] = {tuple(candidates.shape)}, got {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"target_probs must have shape [B, N, V] with [B, N] = {tuple(candidates.shape)}, got {tuple(target_probs.shape)}"
+        )
     if coins.shape != candidates.shape or final_coins.shape != candidates.shape[:1]:
-        raise ValueError(f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}")
+        raise ValueError(
+            f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}"
+        )
     if check:
         check_tree_lists(candidates, next_token, next_sibling)
     if dispatch.verify_impl(impl) == "pallas":
-        kernel = functools.partial(tree_sampling_from_probs, max_accept=max_accept, threshold_single=threshold_single,
-                                   threshold_acc=threshold_acc)
+        kernel = functools.partial(
+            tree_sampling_from_probs,
+            max_accept=max_accept,
+            threshold_single=threshold_single,
+            threshold_acc=threshold_acc,
+        )
         args = (candidates, next_token, next_sibling, target_probs, coins, final_coins)
         return _result(shard_call(kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(1)), rows(1)))
-    return _result(walk_reference(
-        jnp.asarray(candidates, jnp.int32),
-        jnp.asarray(next_token, jnp.int32),
-        jnp.asarray(next_sibling, jnp.int32),
-        jnp.asarray(target_probs, jnp.float32),
-        jnp.asarray(coins, jnp.float32),
-        jnp.asarray(final_coins, jnp.float32),
-        max_accept=int(max_accept),
-        threshold_single=float(threshold_single),
-        threshold_acc=float(threshold_acc),
-    ))
+    return _result(
+        walk_reference(
+            jnp.asarray(candidates, jnp.int32),
+            jnp.asarray(next_token, jnp.int32),
+            jnp.asarray(next_sibling, jnp.int32),
+            jnp.asarray(target_probs, jnp.float32),
+            jnp.asarray(coins, jnp.float32),
+            jnp.asarray(final_coins, jnp.float32),
+            max_accept=int(max_accept),
+            threshold_single=float(threshold_single),
+            threshold_acc=float(threshold_acc),
+        )
+    )

@@ -6,20 +6,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from ddtree_kernels.tree_sampling import tree_sampling_from_logits
 
 from ddtree_jax import dispatch
 from ddtree_jax.options import VERIFIERS
-from ddtree_jax.sharding.regions import rows, shard_call
-
 from ddtree_jax.sampling.coins import draw_coins
 from ddtree_jax.sampling.params import SamplingParams
 from ddtree_jax.sampling.probs import INVALID_TOKEN, processed_probs, valid_rows
+from ddtree_jax.sharding.regions import rows, shard_call
 from ddtree_jax.tree.draft_tree import DraftTree
 from ddtree_jax.tree.structure import verification_order
 from ddtree_jax.verify.follow import verify_sample_then_walk
 from ddtree_jax.verify.result import VerifyResult
 from ddtree_jax.verify.sampling import verify_sampling
+from ddtree_kernels.tree_sampling import tree_sampling_from_logits
 
 
 def verify_step(
@@ -58,12 +57,16 @@ def verify_step(
         raise ValueError(f"verifier must be one of {VERIFIERS}, got {verifier!r}")
     batch, slots = tree.tokens.shape
     if target_logits.shape[:2] != (batch, slots):
-        raise ValueError(f"target_logits must be [B, N, V] with [B, N] = ({batch}, {slots}), got {tuple(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must be [B, N, V] with [B, N] = ({batch}, {slots}), got {tuple(target_logits.shape)}"
+        )
     if keys.shape != (batch,):
         raise ValueError(f"keys must be one typed PRNG key per row, shape ({batch},), got {keys.shape}")
     if verifier == "sample_then_walk" and (threshold_single, threshold_acc) != (1.0, 1.0):
-        raise ValueError(f"the sample-then-walk verifier has no lossy thresholds, got threshold_single={threshold_single}, "
-                         f"threshold_acc={threshold_acc}")
+        raise ValueError(
+            f"the sample-then-walk verifier has no lossy thresholds, got threshold_single={threshold_single}, "
+            f"threshold_acc={threshold_acc}"
+        )
     impl = dispatch.verify_impl(impl)
     if impl == "pallas" and verifier != "sampling":
         raise ValueError(f"impl='pallas' implements verifier='sampling' only, got verifier={verifier!r}")
@@ -72,22 +75,44 @@ def verify_step(
     coins = draw_coins(split[:, 1], (slots,))
     if impl == "pallas":
         # per shard on a mesh: rows over "data"; vocab-split logits are gathered over "model" on the way in
-        kernel = functools.partial(tree_sampling_from_logits, max_accept=tree.max_depth,
-                                   threshold_single=threshold_single, threshold_acc=threshold_acc)
-        args = (tree.tokens, next_token, next_sibling, target_logits, params.as_rows(), coins,
-                draw_coins(split[:, 2], ()))
+        kernel = functools.partial(
+            tree_sampling_from_logits,
+            max_accept=tree.max_depth,
+            threshold_single=threshold_single,
+            threshold_acc=threshold_acc,
+        )
+        args = (
+            tree.tokens,
+            next_token,
+            next_sibling,
+            target_logits,
+            params.as_rows(),
+            coins,
+            draw_coins(split[:, 2], ()),
+        )
         accept_index, num_accepted, tokens, slot_valid = shard_call(
-            kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(2), rows(1)), rows(1))
+            kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(2), rows(1)), rows(1)
+        )
         return mask_invalid_rows(VerifyResult(accept_index, num_accepted, tokens), slot_valid, tree)
     probs = processed_probs(target_logits, params)
     if verifier == "sampling":
         final_coins = draw_coins(split[:, 2], ())
         result = verify_sampling(
-            tree.tokens, next_token, next_sibling, probs, coins, final_coins,
-            max_accept=tree.max_depth, threshold_single=threshold_single, threshold_acc=threshold_acc, check=False,
+            tree.tokens,
+            next_token,
+            next_sibling,
+            probs,
+            coins,
+            final_coins,
+            max_accept=tree.max_depth,
+            threshold_single=threshold_single,
+            threshold_acc=threshold_acc,
+            check=False,
         )
     else:
-        result = verify_sample_then_walk(tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False)
+        result = verify_sample_then_walk(
+            tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False
+        )
     return mask_invalid_rows(result, valid_rows(target_logits), tree)
 
 
@@ -101,5 +126,3 @@ def mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTr
         num_accepted=jnp.where(row_ok, result.num_accepted, 0),
         tokens=jnp.where(row_ok[:, None], result.tokens, INVALID_TOKEN),
     )
-
-

@@ -64,16 +64,21 @@ def stage_tiles(kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int, blo
     counts): the activation tile (INT4: its 8 planes) and the weight tile in its stored format (INT4: the
     packed words and the group scales; FP8: float8 values)."""
     if kind == "int4":
-        return [((8, block_m, block_k // 8), x_dtype), ((block_n, block_k // 8), jnp.int32),
-                ((block_n, block_k // INT4_GROUP), scale_dtype)]
+        return [
+            ((8, block_m, block_k // 8), x_dtype),
+            ((block_n, block_k // 8), jnp.int32),
+            ((block_n, block_k // INT4_GROUP), scale_dtype),
+        ]
     return [((block_m, block_k), x_dtype), ((block_n, block_k), weight_dtype)]
 
 
-def fit_tiling(kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int, block_n: int, block_k: int,
-               num_stages: int) -> tuple[int, int]:
+def fit_tiling(
+    kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int, block_n: int, block_k: int, num_stages: int
+) -> tuple[int, int]:
     """(block_k, num_stages) that fit the shared memory, from the requested ones: fewer stages first (down
     to 2), then halved K steps (down to the format's minimum), then a single stage. 4-byte operands (float32
     activations or weights) need this; the bf16 / INT4 / FP8 defaults fit as they are."""
+
     def nbytes(bk, stages):
         return pipelined_bytes(stage_tiles(kind, x_dtype, weight_dtype, scale_dtype, block_m, block_n, bk), stages)
 
@@ -125,15 +130,19 @@ def _dense_kernel(x_ref, w_ref, o_ref, *, n: int, k: int, block_m: int, block_k:
         k0 = split * k_per_split + i * block_k
         cols = k0 + jnp.arange(block_k)
         x = x_ref[pl.ds(m_tile * block_m, block_m), pl.ds(k0, block_k)]
-        w = plgpu.load(w_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
-                       mask=(rows < n)[:, None] & (cols < k)[None, :], other=0.0)
+        w = plgpu.load(
+            w_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
+            mask=(rows < n)[:, None] & (cols < k)[None, :],
+            other=0.0,
+        )
         return acc + _dot_t(x, w.astype(x.dtype), precision)
 
     o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
 
 
-def _int4_kernel(x_ref, packed_ref, scale_ref, o_ref, *, n: int, k: int, block_m: int, block_k: int, k_per_split: int,
-                 precision):
+def _int4_kernel(
+    x_ref, packed_ref, scale_ref, o_ref, *, n: int, k: int, block_m: int, block_k: int, k_per_split: int, precision
+):
     # x_ref: [8, M_pad, K_pad / 8] plane-major activation; packed_ref: i32 [N, K / 8]; scale_ref: [N, K / 32]
     n_tile, split, m_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = n_tile * BLOCK_N + jnp.arange(BLOCK_N)
@@ -143,11 +152,17 @@ def _int4_kernel(x_ref, packed_ref, scale_ref, o_ref, *, n: int, k: int, block_m
         k0 = split * k_per_split + i * block_k
         row_ok = (rows < n)[:, None]
         word = k0 // 8 + jnp.arange(words)
-        packed = plgpu.load(packed_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // 8, words)],
-                            mask=row_ok & (word < k // 8)[None, :], other=0)
+        packed = plgpu.load(
+            packed_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // 8, words)],
+            mask=row_ok & (word < k // 8)[None, :],
+            other=0,
+        )
         group = k0 // INT4_GROUP + jnp.arange(groups)
-        scale = plgpu.load(scale_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // INT4_GROUP, groups)],
-                           mask=row_ok & (group < k // INT4_GROUP)[None, :], other=0.0).astype(jnp.float32)
+        scale = plgpu.load(
+            scale_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0 // INT4_GROUP, groups)],
+            mask=row_ok & (group < k // INT4_GROUP)[None, :],
+            other=0.0,
+        ).astype(jnp.float32)
         scale = jnp.broadcast_to(scale[:, :, None], (BLOCK_N, groups, INT4_GROUP // 8)).reshape(BLOCK_N, words)
         for plane in range(8):
             codes = (packed >> (4 * plane)) & 0xF
@@ -159,8 +174,9 @@ def _int4_kernel(x_ref, packed_ref, scale_ref, o_ref, *, n: int, k: int, block_m
     o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, BLOCK_N), jnp.float32))
 
 
-def _fp8_kernel(x_ref, w_ref, scale_ref, o_ref, *, n: int, k: int, block_m: int, block_k: int, k_per_split: int,
-                precision):
+def _fp8_kernel(
+    x_ref, w_ref, scale_ref, o_ref, *, n: int, k: int, block_m: int, block_k: int, k_per_split: int, precision
+):
     # x_ref: [M_pad, K_pad]; w_ref: float8_e4m3fn [N, K]; scale_ref: f32 [ceil(N / 128), ceil(K / 128)]
     n_tile, split, m_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = n_tile * BLOCK_N + jnp.arange(BLOCK_N)
@@ -169,8 +185,11 @@ def _fp8_kernel(x_ref, w_ref, scale_ref, o_ref, *, n: int, k: int, block_m: int,
     def body(i, acc):
         k0 = split * k_per_split + i * block_k
         cols = k0 + jnp.arange(block_k)
-        w = plgpu.load(w_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
-                       mask=(rows < n)[:, None] & (cols < k)[None, :], other=0.0).astype(jnp.float32)
+        w = plgpu.load(
+            w_ref.at[pl.ds(n_tile * BLOCK_N, BLOCK_N), pl.ds(k0, block_k)],
+            mask=(rows < n)[:, None] & (cols < k)[None, :],
+            other=0.0,
+        ).astype(jnp.float32)
         block_row = jnp.minimum((n_tile * BLOCK_N) // FP8_BLOCK, scale_rows - 1)
         block_col = jnp.minimum(k0 // FP8_BLOCK, scale_cols - 1)
         w = (w * scale_ref[block_row, block_col]).astype(x_ref.dtype)
@@ -191,8 +210,9 @@ def _matmul_2d(x, weight, *, interpret: bool):
     precision = dot_precision(x.dtype)
     kind = _weight_kind(weight)
     block_k = FP8_BLOCK if kind == "fp8" else BLOCK_K  # FP8: one scale per tile
-    block_k, num_stages = fit_tiling(kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight), _block_m(rows),
-                                     BLOCK_N, block_k, NUM_STAGES)
+    block_k, num_stages = fit_tiling(
+        kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight), _block_m(rows), BLOCK_N, block_k, NUM_STAGES
+    )
     block_m, m_tiles, splits, k_per_split = _plan(rows, n, k, block_k)
     m_pad, k_pad = m_tiles * block_m, splits * k_per_split
     x_pad = jnp.pad(x, ((0, m_pad - rows), (0, k_pad - k)))
@@ -213,13 +233,19 @@ def _matmul_2d(x, weight, *, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((splits, m_pad, n_tiles * BLOCK_N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages),
         interpret=interpret,
-        name="decode_matmul_" + type(weight).__name__.lower() if not isinstance(weight, jax.Array) else "decode_matmul_dense",
+        name="decode_matmul_" + type(weight).__name__.lower()
+        if not isinstance(weight, jax.Array)
+        else "decode_matmul_dense",
     )(*inputs)
     return partial.sum(axis=0)[:rows, :n].astype(x.dtype)
 
 
 def _stored_dtype(weight):
-    return jnp.int32 if isinstance(weight, Int4Weight) else (weight.weight if isinstance(weight, Fp8BlockWeight) else weight).dtype
+    return (
+        jnp.int32
+        if isinstance(weight, Int4Weight)
+        else (weight.weight if isinstance(weight, Fp8BlockWeight) else weight).dtype
+    )
 
 
 def _scale_dtype(weight):
@@ -281,16 +307,30 @@ class GroupedTiles:
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
         need = {"int4": 8 * INT4_GROUP, "fp8": FP8_BLOCK, "dense": 16}[kind]
         if self.block_k % need or (kind == "fp8" and self.block_k != FP8_BLOCK):
-            raise ValueError(f"block_k {self.block_k} does not suit {kind} weights (a multiple of {need}"
-                             + (f", exactly {FP8_BLOCK}" if kind == "fp8" else "") + ")")
+            raise ValueError(
+                f"block_k {self.block_k} does not suit {kind} weights (a multiple of {need}"
+                + (f", exactly {FP8_BLOCK}" if kind == "fp8" else "")
+                + ")"
+            )
         if kind == "fp8" and FP8_BLOCK % self.block_n:
             raise ValueError(f"block_n {self.block_n} must divide {FP8_BLOCK} for FP8 weights")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits must be >= 1 or None, got {self.splits}")
 
 
-def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: int, block_n: int, block_k: int,
-                    k_per_split: int, precision):
+def _grouped_kernel(
+    tile_ref,
+    x_ref,
+    *refs,
+    kind: str,
+    n: int,
+    k: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    k_per_split: int,
+    precision,
+):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4)
     # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
@@ -309,12 +349,16 @@ def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: 
             if kind == "int4":
                 packed_ref, scale_ref = weight_refs
                 words, groups = block_k // 8, block_k // INT4_GROUP
-                packed = plgpu.load(packed_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
-                                    mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :], other=0)
-                scale = plgpu.load(scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n),
-                                                pl.ds(k0 // INT4_GROUP, groups)],
-                                   mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
-                                   other=0.0).astype(jnp.float32)
+                packed = plgpu.load(
+                    packed_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
+                    mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :],
+                    other=0,
+                )
+                scale = plgpu.load(
+                    scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
+                    mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
+                    other=0.0,
+                ).astype(jnp.float32)
                 scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
                 for plane in range(8):
                     w = ((((packed >> (4 * plane)) & 0xF) - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
@@ -322,18 +366,31 @@ def _grouped_kernel(tile_ref, x_ref, *refs, kind: str, n: int, k: int, block_m: 
                 return acc
             w_ref = weight_refs[0]
             cols = k0 + jnp.arange(block_k)
-            w = plgpu.load(w_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0, block_k)],
-                           mask=row_ok & (cols < k)[None, :], other=0.0).astype(jnp.float32)
+            w = plgpu.load(
+                w_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0, block_k)],
+                mask=row_ok & (cols < k)[None, :],
+                other=0.0,
+            ).astype(jnp.float32)
             if kind == "fp8":
                 scale_ref = weight_refs[1]
-                w = w * scale_ref[layer, expert, jnp.minimum((n_tile * block_n) // FP8_BLOCK, scale_ref.shape[2] - 1),
-                                  jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[3] - 1)]
+                w = (
+                    w
+                    * scale_ref[
+                        layer,
+                        expert,
+                        jnp.minimum((n_tile * block_n) // FP8_BLOCK, scale_ref.shape[2] - 1),
+                        jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[3] - 1),
+                    ]
+                )
             return acc + _dot_t(x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.astype(x_ref.dtype), precision)
 
         acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         out_rows = first + jnp.arange(block_m)
-        plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc,
-                    mask=(out_rows < first + count)[:, None])
+        plgpu.store(
+            o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)],
+            acc,
+            mask=(out_rows < first + count)[:, None],
+        )
 
 
 def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array:
@@ -345,8 +402,9 @@ def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array
     t = jnp.arange(max_tiles, dtype=jnp.int32)
     # compare_all: one [T, E] comparison. searchsorted's default ("scan") is a log2(E)-step while loop,
     # which on GPU waits for the host at every step (~190 us a call on the H200, more than the kernel at T = 1)
-    expert = jnp.clip(jnp.searchsorted(tile_start + tiles_per, t, side="right", method="compare_all"), 0,
-                      group_sizes.shape[0] - 1)
+    expert = jnp.clip(
+        jnp.searchsorted(tile_start + tiles_per, t, side="right", method="compare_all"), 0, group_sizes.shape[0] - 1
+    )
     within = t - tile_start[expert]
     first = starts[expert] + within * block_m
     rows = jnp.clip(group_sizes[expert] - within * block_m, 0, block_m)
@@ -357,8 +415,9 @@ def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array
 def fit_grouped_tiles(tiles: GroupedTiles, kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int) -> GroupedTiles:
     """`tiles` with its K step and stages cut down (`fit_tiling`) until a program's tiles fit the shared
     memory: 4-byte operands at 128 columns and 256-wide K steps ask for more than Hopper's 227 KiB."""
-    block_k, num_stages = fit_tiling(kind, x_dtype, weight_dtype, scale_dtype, block_m, tiles.block_n, tiles.block_k,
-                                     tiles.num_stages)
+    block_k, num_stages = fit_tiling(
+        kind, x_dtype, weight_dtype, scale_dtype, block_m, tiles.block_n, tiles.block_k, tiles.num_stages
+    )
     return dataclasses.replace(tiles, block_k=block_k, num_stages=num_stages)
 
 
@@ -382,8 +441,9 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     kind = _weight_kind(weight)
     tiles.check(kind)
     precision = dot_precision(x.dtype)
-    tiles = fit_grouped_tiles(tiles, kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight),
-                              grouped_plan(rows, experts, n, k, tiles)[0])
+    tiles = fit_grouped_tiles(
+        tiles, kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight), grouped_plan(rows, experts, n, k, tiles)[0]
+    )
     block_m, max_tiles, splits, k_per_split = grouped_plan(rows, experts, n, k, tiles)
     tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
     tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
@@ -398,8 +458,17 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     else:
         inputs = (x_pad, weight)
     out = pl.pallas_call(
-        functools.partial(_grouped_kernel, kind=kind, n=n, k=k, block_m=block_m, block_n=tiles.block_n,
-                          block_k=tiles.block_k, k_per_split=k_per_split, precision=precision),
+        functools.partial(
+            _grouped_kernel,
+            kind=kind,
+            n=n,
+            k=k,
+            block_m=block_m,
+            block_n=tiles.block_n,
+            block_k=tiles.block_k,
+            k_per_split=k_per_split,
+            precision=precision,
+        ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],
         out_specs=_whole((splits, a_pad, n_tiles * tiles.block_n)),
@@ -412,8 +481,15 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     return out[:, :rows, :n].sum(axis=0).astype(x.dtype)
 
 
-def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, layer: jax.Array | int | None = None,
-                   interpret: bool | None = None, tiles: GroupedTiles | None = None) -> jax.Array:
+def grouped_matmul(
+    x: jax.Array,
+    weight,
+    group_sizes: jax.Array,
+    *,
+    layer: jax.Array | int | None = None,
+    interpret: bool | None = None,
+    tiles: GroupedTiles | None = None,
+) -> jax.Array:
     """Rows of x [A, K] sorted by expert (group_sizes int32 [E], summing to A) against stacked expert
     weights [E, N, K] (array, Int4Weight or Fp8BlockWeight) -> [A, N] in x's dtype: row a is
     x[a] @ W[e(a)]^T. Each expert's weights stream once per row tile of its group; experts without
@@ -427,12 +503,16 @@ def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, layer: jax.A
     shape = weight.shape
     if layer is None:
         if len(shape) != 3:
-            raise ValueError(f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape} "
-                             "(all layers' [L, E, N, K]: pass layer=)")
+            raise ValueError(
+                f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape} "
+                "(all layers' [L, E, N, K]: pass layer=)"
+            )
         weight = jax.tree.map(lambda a: a[None], weight)  # L = 1: a bitcast
         layer = 0
     elif len(shape) != 4:
-        raise ValueError(f"with layer= grouped_matmul takes every layer's expert weights [L, E, N, K], got shape {shape}")
+        raise ValueError(
+            f"with layer= grouped_matmul takes every layer's expert weights [L, E, N, K], got shape {shape}"
+        )
     shape = shape[-3:]
     if x.ndim != 2 or x.shape[1] != shape[2]:
         raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
@@ -441,8 +521,9 @@ def grouped_matmul(x: jax.Array, weight, group_sizes: jax.Array, *, layer: jax.A
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     tiles = tiles or default_grouped_tiles(weight)
-    return _grouped_2d(x, weight, group_sizes, jnp.asarray(layer, jnp.int32),
-                       interpret=default_interpret(interpret), tiles=tiles)
+    return _grouped_2d(
+        x, weight, group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
+    )
 
 
 def default_grouped_tiles(weight) -> GroupedTiles:
@@ -457,5 +538,6 @@ def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array, *, la
         weight = jax.tree.map(lambda a: a[layer], weight)
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
     w = dense(weight, x.dtype)[expert]  # [A, N, K]
-    return jnp.einsum("ak,ank->an", x, w, preferred_element_type=jnp.float32,
-                      precision=dot_precision(x.dtype)).astype(x.dtype)
+    return jnp.einsum("ak,ank->an", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype)).astype(
+        x.dtype
+    )

@@ -51,8 +51,9 @@ def _renormalise(p: jax.Array) -> jax.Array:
     return p / jnp.where(total > 0, total, 1.0)
 
 
-def processed_probs_reference(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                              min_p: jax.Array) -> jax.Array:
+def processed_probs_reference(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
     """float32 [B, ..., V] probabilities from logits [B, ..., V] (float32 or bfloat16) and per-row settings
     temperature f32 [B] (0: greedy), top_k int32 [B] (0: off), top_p f32 [B] (1: off), min_p f32 [B]
     (0: off): the module docstring's definitions, with a sort. Numerically safe at any temperature > 0
@@ -131,7 +132,9 @@ def emitted_tokens(candidates: jax.Array, accept: jax.Array, num_accepted: jax.A
     return jnp.where(positions == num_accepted, final, tokens).astype(jnp.int32)
 
 
-def _walk_row(candidates, next_token, next_sibling, probs, coins, final_coin, *, max_accept, threshold_single, threshold_acc):
+def _walk_row(
+    candidates, next_token, next_sibling, probs, coins, final_coin, *, max_accept, threshold_single, threshold_acc
+):
     """One row. candidates/next_token/next_sibling/coins [N], probs [N, V], final_coin []."""
     slots, vocab = probs.shape
     steps = max_accept + 1
@@ -179,8 +182,18 @@ def _walk_row(candidates, next_token, next_sibling, probs, coins, final_coin, *,
 
 
 @functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc"))
-def walk_reference(candidates, next_token, next_sibling, target_probs, coins, final_coins, *, max_accept: int,
-                   threshold_single: float = 1.0, threshold_acc: float = 1.0):
+def walk_reference(
+    candidates,
+    next_token,
+    next_sibling,
+    target_probs,
+    coins,
+    final_coins,
+    *,
+    max_accept: int,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+):
     """The walk over every row (module docstring).
 
     candidates / next_token / next_sibling int32 [B, N] (slot 0 = root; first child / next sibling in
@@ -188,6 +201,7 @@ def walk_reference(candidates, next_token, next_sibling, target_probs, coins, fi
     static max_accept and thresholds. Returns (accept_index int32 [B, S], num_accepted int32 [B],
     tokens int32 [B, S]) with S = max_accept + 1.
     """
-    walk = functools.partial(_walk_row, max_accept=max_accept, threshold_single=threshold_single,
-                             threshold_acc=threshold_acc)
+    walk = functools.partial(
+        _walk_row, max_accept=max_accept, threshold_single=threshold_single, threshold_acc=threshold_acc
+    )
     return jax.vmap(walk)(candidates, next_token, next_sibling, target_probs, coins, final_coins)

@@ -52,6 +52,7 @@ BLOCK_CHOICES = ((64, 2), (64, 1), (32, 2), (32, 1), (16, 1))
 
 class BlockConfig(NamedTuple):
     """Static tiling of one kernel launch: keys per inner block, Triton warps and pipeline stages."""
+
     block_s: int
     num_warps: int
     num_stages: int
@@ -80,15 +81,26 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, block_m: int, block_s: int,
-                      split_size: int, scale: float, values_from_keys: bool, precision):
+def _attention_kernel(
+    len_ref,
+    mask_ref,
+    *refs,
+    num_parts: int,
+    t_pad: int,
+    block_m: int,
+    block_s: int,
+    split_size: int,
+    scale: float,
+    values_from_keys: bool,
+    precision,
+):
     # len_ref: i32 [B] keys visible per row (kv_lengths); mask_ref: i8 [T_pad, S] this row's mask
     # q parts: [BM, D_p] this program's query rows (row r = g * T_pad + t); k parts: [S, D_p] of this KV head;
     # v_ref: [S, Dv] (absent when values_from_keys: the values are key part 0, loaded once for both products);
     # outputs: acc f32 [BM, Dv], m f32 [BM], l f32 [BM]
-    q_refs, k_refs = refs[:num_parts], refs[num_parts: 2 * num_parts]
+    q_refs, k_refs = refs[:num_parts], refs[num_parts : 2 * num_parts]
     v_ref = None if values_from_keys else refs[2 * num_parts]
-    acc_ref, m_ref, l_ref = refs[2 * num_parts + (0 if values_from_keys else 1):]
+    acc_ref, m_ref, l_ref = refs[2 * num_parts + (0 if values_from_keys else 1) :]
     b, row_block, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kv_len = len_ref[b]
     s_start = split * split_size
@@ -108,8 +120,9 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
         for q, k_ref in zip(queries, k_refs):
             k = plgpu.load(k_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
             key_blocks.append(k)
-            scores += lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                      preferred_element_type=jnp.float32)
+            scores += lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
         if block_m >= t_pad:  # the block holds whole groups: repeat the [T_pad, BS] mask per group
             tile = plgpu.load(mask_ref.at[:, pl.ds(s0, block_s)], mask=live[None, :], other=0)
             visible = jnp.broadcast_to(tile[None], (block_m // t_pad, t_pad, block_s)).reshape(block_m, block_s)
@@ -121,13 +134,21 @@ def _attention_kernel(len_ref, mask_ref, *refs, num_parts: int, t_pad: int, bloc
         safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
         p = jnp.exp(scores - safe[:, None])  # exp(-inf) = 0 for hidden keys
         correction = jnp.exp(jnp.where(m > -jnp.inf, m - safe, -jnp.inf))
-        v = key_blocks[0] if values_from_keys else plgpu.load(v_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
-        acc = acc * correction[:, None] + lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                          precision=precision, preferred_element_type=jnp.float32)
+        v = (
+            key_blocks[0]
+            if values_from_keys
+            else plgpu.load(v_ref.at[pl.ds(s0, block_s), :], mask=live[:, None], other=0.0)
+        )
+        acc = acc * correction[:, None] + lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
         return acc, m_new, l * correction + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((block_m, dv), jnp.float32), jnp.full((block_m,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_m,), jnp.float32))
+    init = (
+        jnp.zeros((block_m, dv), jnp.float32),
+        jnp.full((block_m,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
     acc, m, l = lax.fori_loop(0, num_blocks, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
@@ -167,20 +188,37 @@ def _tree_attention(q_parts, k_parts, v, mask, kv_lengths, *, scale: float, conf
     q_specs = [pl.BlockSpec((None, None, block_m, q.shape[-1]), lambda b, h, r, s: (b, h, r, 0)) for q in queries]
     k_specs = [pl.BlockSpec((None, capacity, None, k.shape[-1]), lambda b, h, r, s: (b, 0, h, 0)) for k in k_parts]
     v_spec = pl.BlockSpec((None, capacity, None, dv), lambda b, h, r, s: (b, 0, h, 0))
-    out_part = lambda *tail: pl.BlockSpec((None, None, None, block_m) + tail,  # noqa: E731
-                                          lambda b, h, r, s: (b, h, s, r) + (0,) * len(tail))
-    kernel = functools.partial(_attention_kernel, num_parts=len(q_parts), t_pad=t_pad, block_m=block_m, block_s=block_s,
-                               split_size=split_size, scale=scale, values_from_keys=values_from_keys,
-                               precision=dot_precision(q_parts[0].dtype))
+    out_part = lambda *tail: pl.BlockSpec(
+        (None, None, None, block_m) + tail,  # noqa: E731
+        lambda b, h, r, s: (b, h, s, r) + (0,) * len(tail),
+    )
+    kernel = functools.partial(
+        _attention_kernel,
+        num_parts=len(q_parts),
+        t_pad=t_pad,
+        block_m=block_m,
+        block_s=block_s,
+        split_size=split_size,
+        scale=scale,
+        values_from_keys=values_from_keys,
+        precision=dot_precision(q_parts[0].dtype),
+    )
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, row_blocks, splits),
-        in_specs=[pl.BlockSpec((batch,), lambda *_: (0,)), pl.BlockSpec((None, t_pad, capacity), lambda b, h, r, s: (b, 0, 0))]
-        + q_specs + k_specs + ([] if values_from_keys else [v_spec]),
+        in_specs=[
+            pl.BlockSpec((batch,), lambda *_: (0,)),
+            pl.BlockSpec((None, t_pad, capacity), lambda b, h, r, s: (b, 0, 0)),
+        ]
+        + q_specs
+        + k_specs
+        + ([] if values_from_keys else [v_spec]),
         out_specs=[out_part(dv), out_part(), out_part()],
-        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad, dv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tree_attention",
@@ -200,9 +238,17 @@ def visible_lengths(mask: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(mask, keys + 1, 0), axis=(1, 2)).astype(jnp.int32)
 
 
-def tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, scale: float | None = None,
-                   kv_lengths: jax.Array | None = None, config: BlockConfig | None = None,
-                   interpret: bool | None = None) -> jax.Array:
+def tree_attention(
+    q_parts,
+    k_parts,
+    v: jax.Array | None,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    kv_lengths: jax.Array | None = None,
+    config: BlockConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
     """Attention of T queries per row over S cached keys, scores summed over key parts.
 
     Args:
@@ -223,7 +269,11 @@ def tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, sc
     batch, steps, q_heads, _ = q_parts[0].shape
     capacity, kv_heads = k_parts[0].shape[1], k_parts[0].shape[2]
     for q, k in zip(q_parts, k_parts):
-        if q.shape[:3] != (batch, steps, q_heads) or k.shape[:3] != (batch, capacity, kv_heads) or q.shape[-1] != k.shape[-1]:
+        if (
+            q.shape[:3] != (batch, steps, q_heads)
+            or k.shape[:3] != (batch, capacity, kv_heads)
+            or q.shape[-1] != k.shape[-1]
+        ):
             raise ValueError(f"query part {q.shape} does not match key part {k.shape}")
         if q.shape[-1] & (q.shape[-1] - 1):
             raise ValueError(f"head dims must be powers of two (split the keys into parts), got {q.shape[-1]}")
@@ -236,18 +286,28 @@ def tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, sc
     key_dims = tuple(q.shape[-1] for q in q_parts)
     value_dim = key_dims[0] if v is None else v.shape[-1]
     if config is None:
-        config = default_block_config(block_rows(q_heads // kv_heads, steps), key_dims, value_dim,
-                                      jnp.dtype(q_parts[0].dtype).itemsize)
+        config = default_block_config(
+            block_rows(q_heads // kv_heads, steps), key_dims, value_dim, jnp.dtype(q_parts[0].dtype).itemsize
+        )
     elif not isinstance(config, BlockConfig) or config.block_s & (config.block_s - 1) or config.block_s < 16:
         raise ValueError(f"config must be a BlockConfig with block_s a power of two >= 16, got {config!r}")
     scale = sum(key_dims) ** -0.5 if scale is None else float(scale)
     kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
-    return _tree_attention(q_parts, k_parts, v, mask, kv_lengths, scale=scale, config=BlockConfig(*config),
-                           interpret=default_interpret(interpret))
+    return _tree_attention(
+        q_parts,
+        k_parts,
+        v,
+        mask,
+        kv_lengths,
+        scale=scale,
+        config=BlockConfig(*config),
+        interpret=default_interpret(interpret),
+    )
 
 
-def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                        scale: float | None = None) -> jax.Array:
+def attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None
+) -> jax.Array:
     """Grouped-query attention in plain XLA (the models' "xla" attention).
 
     Args:
@@ -268,13 +328,15 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     weights = weights / jnp.maximum(weights.sum(axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                     precision=precision)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision
+    )
     return out.reshape(batch, steps, q_heads, v.shape[-1]).astype(q.dtype)
 
 
-def tree_attention_reference(q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *,
-                             scale: float | None = None) -> jax.Array:
+def tree_attention_reference(
+    q_parts, k_parts, v: jax.Array | None, mask: jax.Array, *, scale: float | None = None
+) -> jax.Array:
     """The twin: `attention_reference` over the concatenated parts (v None: key part 0)."""
     q = jnp.concatenate(q_parts, axis=-1)
     k = jnp.concatenate(k_parts, axis=-1)

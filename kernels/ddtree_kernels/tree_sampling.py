@@ -129,7 +129,11 @@ def _partial_stats_kernel(
     argmax_ref,  # out i32 []: first index of the span max
     kmin_ref,  # out i32 []: min logit_key over the span
     bad_ref,  # out i32 []: 1 if the span holds a NaN or +inf
-    *, vocab: int, span: int, block: int, shift: int,
+    *,
+    vocab: int,
+    span: int,
+    block: int,
+    shift: int,
 ):
     base = pl.program_id(1) * span
     inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
@@ -173,7 +177,12 @@ def _search_pass_kernel(
     logits_ref,  # [V] bf16 / f32
     out_ref,  # out f32 [16]: "count": #{key >= t_j}; "mass": sum of e over key > t_j (and key >= cut)
     total_ref,  # out f32 []: "mass": sum of e over key >= cut (Z after top-k); "count": 0
-    *, mode: str, vocab: int, span: int, block: int, shift: int,
+    *,
+    mode: str,
+    vocab: int,
+    span: int,
+    block: int,
+    shift: int,
 ):
     base = pl.program_id(1) * span
     out_ref[...] = jnp.zeros((SEARCH_FANOUT,), jnp.float32)
@@ -196,8 +205,9 @@ def _search_pass_kernel(
             e = jnp.where(in_row & (key >= cut) & (x > -jnp.inf), jnp.exp((x - m) / inv_t), 0.0)
             return acc + jnp.where(key[:, None] > t[None, :], e[:, None], 0.0), total + e
 
-        acc, total = lax.fori_loop(0, num_chunks, body, (jnp.zeros((block, SEARCH_FANOUT), jnp.float32),
-                                                         jnp.zeros((block,), jnp.float32)))
+        acc, total = lax.fori_loop(
+            0, num_chunks, body, (jnp.zeros((block, SEARCH_FANOUT), jnp.float32), jnp.zeros((block,), jnp.float32))
+        )
         acc, total = jnp.sum(acc, axis=0), jnp.sum(total)
         out_ref[...] = acc
         total_ref[...] = total
@@ -210,10 +220,15 @@ def _kept_mass_kernel(
     active_ref,  # i32 []: 0 = skip (Z from kernel 1 stands)
     cut_ref,  # i32 []: keep iff logit_key(x) >= cut ...
     min_e_ref,  # f32 []: ... and e >= min_e
-    max_ref, temp_ref,  # f32 []: row max and temperature
+    max_ref,
+    temp_ref,  # f32 []: row max and temperature
     logits_ref,  # [V]
     z_ref,  # out f32 []: sum of kept e over the span
-    *, vocab: int, span: int, block: int, shift: int,
+    *,
+    vocab: int,
+    span: int,
+    block: int,
+    shift: int,
 ):
     base = pl.program_id(1) * span
     z_ref[...] = jnp.float32(0.0)
@@ -239,12 +254,20 @@ def _row_scalar_specs(count: int):
 
 def _grid_call(kernel, rows, splits, in_specs, out_specs, out_shape, name, interpret, num_warps=4):
     return pl.pallas_call(
-        kernel, grid=(rows, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret, name=name)
+        kernel,
+        grid=(rows, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name=name,
+    )
 
 
-def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | None = None,
-              skip_with_cond: bool = True) -> dict:
+def row_stats(
+    logits: jax.Array, params_rows: jax.Array, *, interpret: bool | None = None, skip_with_cond: bool = True
+) -> dict:
     """Per-row statistics of logits [R, V] (bf16 / f32) under per-row params f32 [R, 4]
     (temperature, top_k, top_p, min_p) -> dict of [R] arrays:
 
@@ -277,10 +300,15 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
     common = dict(vocab=vocab, span=span, shift=shift)
 
     m_s, z_s, arg_s, kmin_s, bad_s = _grid_call(
-        functools.partial(_partial_stats_kernel, block=STATS_BLOCK, **common), rows, splits,
-        _row_scalar_specs(1) + [row_spec], [part] * 5,
+        functools.partial(_partial_stats_kernel, block=STATS_BLOCK, **common),
+        rows,
+        splits,
+        _row_scalar_specs(1) + [row_spec],
+        [part] * 5,
         [jax.ShapeDtypeStruct((rows, splits), d) for d in (jnp.float32, jnp.float32, jnp.int32, jnp.int32, jnp.int32)],
-        "tree_sampling_partial_stats", interpret)(temperature, logits)
+        "tree_sampling_partial_stats",
+        interpret,
+    )(temperature, logits)
     m = jnp.max(m_s, axis=1)
     valid = (bad_s.max(axis=1) == 0) & (m > -jnp.inf)
     m = jnp.where(valid, m, 0.0)
@@ -293,12 +321,20 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
         """`passes` passes narrowing (lo, hi]; threshold_fn(values, total) -> satisfied mask [R, 16]."""
         kernel = functools.partial(_search_pass_kernel, mode=mode, block=SEARCH_BLOCK, **common)
         call = _grid_call(
-            kernel, rows, splits,
+            kernel,
+            rows,
+            splits,
             [pl.BlockSpec((None,), lambda r, s: (r,)), pl.BlockSpec((None, SEARCH_FANOUT), lambda r, s: (r, 0))]
-            + _row_scalar_specs(3) + [row_spec],
+            + _row_scalar_specs(3)
+            + [row_spec],
             [pl.BlockSpec((None, None, SEARCH_FANOUT), lambda r, s: (r, s, 0)), part],
-            [jax.ShapeDtypeStruct((rows, splits, SEARCH_FANOUT), jnp.float32), jax.ShapeDtypeStruct((rows, splits), jnp.float32)],
-            f"tree_sampling_search_{mode}", interpret)
+            [
+                jax.ShapeDtypeStruct((rows, splits, SEARCH_FANOUT), jnp.float32),
+                jax.ShapeDtypeStruct((rows, splits), jnp.float32),
+            ],
+            f"tree_sampling_search_{mode}",
+            interpret,
+        )
 
         def run(bracket):
             lo, hi = bracket
@@ -327,17 +363,35 @@ def row_stats(logits: jax.Array, params_rows: jax.Array, *, interpret: bool | No
 
     def filtered(z):
         # top-k: the largest key t with count(key >= t) >= k (the k-th largest logit)
-        cut_k, _ = search("count", topk_on, jnp.where(topk_on, kmin, _INT32_MIN), kmax + 1,
-                          jnp.full((rows,), _INT32_MIN, jnp.int32), lambda counts, _: counts >= top_k[:, None].astype(jnp.float32))
+        cut_k, _ = search(
+            "count",
+            topk_on,
+            jnp.where(topk_on, kmin, _INT32_MIN),
+            kmax + 1,
+            jnp.full((rows,), _INT32_MIN, jnp.int32),
+            lambda counts, _: counts >= top_k[:, None].astype(jnp.float32),
+        )
         cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
         # top-p: the smallest key t with mass(key > t, key >= cut_k) < top_p * Z_k
-        _, cut_p = search("mass", topp_on, jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1, kmax, cut_k,
-                          lambda masses, zk: masses < (top_p * zk)[:, None])
+        _, cut_p = search(
+            "mass",
+            topp_on,
+            jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1,
+            kmax,
+            cut_k,
+            lambda masses, zk: masses < (top_p * zk)[:, None],
+        )
         cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
         z_parts = _grid_call(
-            functools.partial(_kept_mass_kernel, block=STATS_BLOCK, **common), rows, splits,
-            _row_scalar_specs(5) + [row_spec], part, jax.ShapeDtypeStruct((rows, splits), jnp.float32),
-            "tree_sampling_kept_mass", interpret)(any_filter.astype(jnp.int32), cut, min_e, m, temperature, logits)
+            functools.partial(_kept_mass_kernel, block=STATS_BLOCK, **common),
+            rows,
+            splits,
+            _row_scalar_specs(5) + [row_spec],
+            part,
+            jax.ShapeDtypeStruct((rows, splits), jnp.float32),
+            "tree_sampling_kept_mass",
+            interpret,
+        )(any_filter.astype(jnp.int32), cut, min_e, m, temperature, logits)
         return cut, jnp.where(any_filter, z_parts.sum(axis=1), z)
 
     no_cut = jnp.full((rows,), _INT32_MIN, jnp.int32)
@@ -369,26 +423,39 @@ def _slot_prob(mode, values_ref, stats, row, tok, shift):
     return jnp.where(greedy, (tok == argmax_ref[row]).astype(jnp.float32), p)
 
 
-def _walk_kernel(*refs, mode: str, vocab: int, slots: int, max_accept: int, threshold_single: float, threshold_acc: float):
+def _walk_kernel(
+    *refs, mode: str, vocab: int, slots: int, max_accept: int, threshold_single: float, threshold_acc: float
+):
     if mode == "logits":
-        (cand_ref,  # i32 [N]: token of each slot
-         first_ref,  # i32 [N]: first child in verification order, -1 = none
-         sib_ref,  # i32 [N]: next sibling in verification order, -1 = none
-         coins_ref,  # f32 [N]: coin i decides among slot i's children
-         temp_ref,  # f32 []: this row's temperature (0 = greedy)
-         values_ref,  # [N, V] bf16 / f32: target logits at every slot
-         max_ref, z_ref, min_e_ref,  # f32 [N]: row statistics (see row_stats)
-         cut_ref, argmax_ref,  # i32 [N]
-         accept_ref,  # out i32 [S_pad]: accepted slots (0 first), -1 after
-         walk_ref,  # out i32 [4]: (num_accepted, final row, excluded count, last rejected token)
-         excl_ref,  # out i32 [N_pad]: tokens rejected at the final row
-         ) = refs
+        (
+            cand_ref,  # i32 [N]: token of each slot
+            first_ref,  # i32 [N]: first child in verification order, -1 = none
+            sib_ref,  # i32 [N]: next sibling in verification order, -1 = none
+            coins_ref,  # f32 [N]: coin i decides among slot i's children
+            temp_ref,  # f32 []: this row's temperature (0 = greedy)
+            values_ref,  # [N, V] bf16 / f32: target logits at every slot
+            max_ref,
+            z_ref,
+            min_e_ref,  # f32 [N]: row statistics (see row_stats)
+            cut_ref,
+            argmax_ref,  # i32 [N]
+            accept_ref,  # out i32 [S_pad]: accepted slots (0 first), -1 after
+            walk_ref,  # out i32 [4]: (num_accepted, final row, excluded count, last rejected token)
+            excl_ref,  # out i32 [N_pad]: tokens rejected at the final row
+        ) = refs
         stats = (max_ref, z_ref, min_e_ref, cut_ref, argmax_ref, temp_ref[...])
         shift = 16 if values_ref.dtype == jnp.bfloat16 else 0
     else:
-        (cand_ref, first_ref, sib_ref, coins_ref,
-         values_ref,  # f32 [N, V]: processed target probabilities
-         accept_ref, walk_ref, excl_ref) = refs
+        (
+            cand_ref,
+            first_ref,
+            sib_ref,
+            coins_ref,
+            values_ref,  # f32 [N, V]: processed target probabilities
+            accept_ref,
+            walk_ref,
+            excl_ref,
+        ) = refs
         stats, shift = None, 0
 
     steps = max_accept + 1
@@ -423,7 +490,15 @@ def _walk_kernel(*refs, mode: str, vocab: int, slots: int, max_accept: int, thre
         cur = jnp.where(take, first_ref[node], jnp.where(reject, sib_ref[node], cur))
         return cur, row, prob_acc, n_acc, done, last_rejected, n_excl
 
-    init = (first_ref[0], jnp.int32(0), jnp.float32(0.0), jnp.int32(0), jnp.bool_(steps == 1), jnp.int32(-1), jnp.int32(0))
+    init = (
+        first_ref[0],
+        jnp.int32(0),
+        jnp.float32(0.0),
+        jnp.int32(0),
+        jnp.bool_(steps == 1),
+        jnp.int32(-1),
+        jnp.int32(0),
+    )
     _, row, _, n_acc, _, last_rejected, n_excl = lax.fori_loop(0, slots + 1, body, init)
     walk_ref[0] = n_acc
     walk_ref[1] = row
@@ -471,15 +546,18 @@ def _residual_sums_kernel(*refs, mode: str, vocab: int, span: int, block: int):
     last_ref[...] = jnp.int32(-1)
 
     def sums():
-        residual, num_chunks = _residual_loader(mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block,
-                                                vocab, base)
+        residual, num_chunks = _residual_loader(
+            mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block, vocab, base
+        )
 
         def body(c, carry):
             total, last = carry
             idx, res = residual(c)
             return total + res, jnp.maximum(last, jnp.where(res > 0, idx, -1))
 
-        total, last = lax.fori_loop(0, num_chunks, body, (jnp.zeros((block,), jnp.float32), jnp.full((block,), -1, jnp.int32)))
+        total, last = lax.fori_loop(
+            0, num_chunks, body, (jnp.zeros((block,), jnp.float32), jnp.full((block,), -1, jnp.int32))
+        )
         sum_ref[...] = jnp.sum(total)
         last_ref[...] = jnp.max(last)
 
@@ -497,8 +575,9 @@ def _final_scan_kernel(*refs, mode: str, vocab: int, span: int, block: int):
 
     @pl.when(split_ref[...] >= 0)
     def _():
-        residual, num_chunks = _residual_loader(mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block,
-                                                vocab, base=split_ref[...] * span)
+        residual, num_chunks = _residual_loader(
+            mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block, vocab, base=split_ref[...] * span
+        )
         u = u_ref[...]
 
         def cond(state):
@@ -512,7 +591,9 @@ def _final_scan_kernel(*refs, mode: str, vocab: int, span: int, block: int):
             first = jnp.min(jnp.where((res > 0) & (cdf > u), idx, vocab))
             return c + 1, running + jnp.sum(res), first < vocab, first
 
-        _, _, found, first = lax.while_loop(cond, body, (jnp.int32(0), before_ref[...], jnp.bool_(False), jnp.int32(vocab)))
+        _, _, found, first = lax.while_loop(
+            cond, body, (jnp.int32(0), before_ref[...], jnp.bool_(False), jnp.int32(vocab))
+        )
         token_ref[...] = jnp.where(found, first, vocab)
 
 
@@ -534,28 +615,59 @@ def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, thresho
     params = dict(mode=mode, vocab=vocab)
     compiler = plgpu.CompilerParams(num_warps=4, num_stages=2)
 
-    walk_kernel = functools.partial(_walk_kernel, slots=slots, max_accept=max_accept, threshold_single=threshold_single,
-                                    threshold_acc=threshold_acc, **params)
-    walk_inputs = [candidates, next_token, next_sibling, coins] + ([value_inputs[0]] if mode == "logits" else []) + value_inputs[
-        (1 if mode == "logits" else 0):]
+    walk_kernel = functools.partial(
+        _walk_kernel,
+        slots=slots,
+        max_accept=max_accept,
+        threshold_single=threshold_single,
+        threshold_acc=threshold_acc,
+        **params,
+    )
+    walk_inputs = (
+        [candidates, next_token, next_sibling, coins]
+        + ([value_inputs[0]] if mode == "logits" else [])
+        + value_inputs[(1 if mode == "logits" else 0) :]
+    )
     walk_specs = [row_vec] * 4 + value_specs
     accept, walk, excl = pl.pallas_call(
-        walk_kernel, grid=(batch, 1), in_specs=walk_specs,
-        out_specs=[pl.BlockSpec((None, s_pad), lambda b, s: (b, 0)), pl.BlockSpec((None, 4), lambda b, s: (b, 0)),
-                   pl.BlockSpec((None, n_pad), lambda b, s: (b, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, s_pad), jnp.int32), jax.ShapeDtypeStruct((batch, 4), jnp.int32),
-                   jax.ShapeDtypeStruct((batch, n_pad), jnp.int32)],
-        compiler_params=compiler, interpret=interpret, name=f"tree_sampling_walk_{mode}")(*walk_inputs)
+        walk_kernel,
+        grid=(batch, 1),
+        in_specs=walk_specs,
+        out_specs=[
+            pl.BlockSpec((None, s_pad), lambda b, s: (b, 0)),
+            pl.BlockSpec((None, 4), lambda b, s: (b, 0)),
+            pl.BlockSpec((None, n_pad), lambda b, s: (b, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, s_pad), jnp.int32),
+            jax.ShapeDtypeStruct((batch, 4), jnp.int32),
+            jax.ShapeDtypeStruct((batch, n_pad), jnp.int32),
+        ],
+        compiler_params=compiler,
+        interpret=interpret,
+        name=f"tree_sampling_walk_{mode}",
+    )(*walk_inputs)
 
     splits, span = _split(vocab, batch, FINAL_BLOCK)
-    final_specs = [pl.BlockSpec((None, 4), lambda b, s: (b, 0)), pl.BlockSpec((None, n_pad), lambda b, s: (b, 0))] + value_specs
+    final_specs = [
+        pl.BlockSpec((None, 4), lambda b, s: (b, 0)),
+        pl.BlockSpec((None, n_pad), lambda b, s: (b, 0)),
+    ] + value_specs
     final_inputs = [walk, excl] + value_inputs
     part = pl.BlockSpec((None, None), lambda b, s: (b, s))
     sums, last = pl.pallas_call(
-        functools.partial(_residual_sums_kernel, span=span, block=FINAL_BLOCK, **params), grid=(batch, splits),
-        in_specs=final_specs, out_specs=[part, part],
-        out_shape=[jax.ShapeDtypeStruct((batch, splits), jnp.float32), jax.ShapeDtypeStruct((batch, splits), jnp.int32)],
-        compiler_params=compiler, interpret=interpret, name=f"tree_sampling_residual_{mode}")(*final_inputs)
+        functools.partial(_residual_sums_kernel, span=span, block=FINAL_BLOCK, **params),
+        grid=(batch, splits),
+        in_specs=final_specs,
+        out_specs=[part, part],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, splits), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits), jnp.int32),
+        ],
+        compiler_params=compiler,
+        interpret=interpret,
+        name=f"tree_sampling_residual_{mode}",
+    )(*final_inputs)
     u = final_coins * sums.sum(axis=1)
     upper = jnp.cumsum(sums, axis=1)
     crossing = (upper > u[:, None]) & (sums > 0)
@@ -563,15 +675,24 @@ def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, thresho
     before = jnp.take_along_axis(upper - sums, jnp.maximum(split, 0)[:, None], axis=1)[:, 0]
     scalar = pl.BlockSpec((None,), lambda b, s: (b,))
     token = pl.pallas_call(
-        functools.partial(_final_scan_kernel, span=span, block=FINAL_BLOCK, **params), grid=(batch, 1),
-        in_specs=final_specs + [scalar] * 3, out_specs=scalar, out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32),
-        compiler_params=compiler, interpret=interpret, name=f"tree_sampling_final_{mode}")(*final_inputs, split, before, u)
+        functools.partial(_final_scan_kernel, span=span, block=FINAL_BLOCK, **params),
+        grid=(batch, 1),
+        in_specs=final_specs + [scalar] * 3,
+        out_specs=scalar,
+        out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        compiler_params=compiler,
+        interpret=interpret,
+        name=f"tree_sampling_final_{mode}",
+    )(*final_inputs, split, before, u)
 
     num_accepted, final_row, last_rejected = walk[:, 0], walk[:, 1], walk[:, 3]
     last_positive = last.max(axis=1)
     # no crossing (u at the very top of the CDF, rounding): the last token with mass, else the walk's fallbacks
-    final = jnp.where(token < vocab, token,
-                      jnp.where(last_positive >= 0, last_positive, jnp.where(last_rejected >= 0, last_rejected, vocab - 1)))
+    final = jnp.where(
+        token < vocab,
+        token,
+        jnp.where(last_positive >= 0, last_positive, jnp.where(last_rejected >= 0, last_rejected, vocab - 1)),
+    )
     if mode == "logits":
         argmax = jnp.take_along_axis(stats["argmax"].reshape(batch, slots), final_row[:, None], axis=1)[:, 0]
         final = jnp.where(temperature == 0.0, argmax, final)
@@ -599,7 +720,9 @@ def row_stats_reference(logits: jax.Array, params_rows: jax.Array) -> dict:
     vocab = x.shape[-1]
     sorted_key = -jnp.sort(-key, axis=-1)
     topk_on = valid & ~greedy & (top_k > 0) & (top_k < vocab)
-    cut_k = jnp.where(topk_on, jnp.take_along_axis(sorted_key, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], -1)[:, 0], _INT32_MIN)
+    cut_k = jnp.where(
+        topk_on, jnp.take_along_axis(sorted_key, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], -1)[:, 0], _INT32_MIN
+    )
     ek = jnp.where(key >= cut_k[:, None], e, 0.0)
     above = jnp.sum(jnp.where(key[:, None, :] > key[:, :, None], ek[:, None, :], 0.0), -1)  # [R, V] mass above each
     topp_on = valid & ~greedy & (top_p < 1.0)
@@ -608,57 +731,134 @@ def row_stats_reference(logits: jax.Array, params_rows: jax.Array) -> dict:
     cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
     min_e = jnp.where(valid & ~greedy, min_p, 0.0)
     kept = (key >= cut[:, None]) & (e >= min_e[:, None])
-    return dict(max=m, z=jnp.sum(jnp.where(kept, e, 0.0), -1), min_e=min_e, cut=cut,
-                argmax=jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), -1).astype(jnp.int32), valid=valid.astype(jnp.int32))
+    return dict(
+        max=m,
+        z=jnp.sum(jnp.where(kept, e, 0.0), -1),
+        min_e=min_e,
+        cut=cut,
+        argmax=jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), -1).astype(jnp.int32),
+        valid=valid.astype(jnp.int32),
+    )
 
 
 # --- public entries -------------------------------------------------------------------------------------
 
 
-def _check_common(candidates, next_token, next_sibling, values, coins, final_coins, max_accept, threshold_single, threshold_acc):
+def _check_common(
+    candidates, next_token, next_sibling, values, coins, final_coins, max_accept, threshold_single, threshold_acc
+):
     if isinstance(max_accept, bool) or not isinstance(max_accept, (int, np.integer)) or max_accept < 0:
         raise ValueError(f"max_accept must be an integer >= 0, got {max_accept!r}")
     for name, value in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
         if not 0.0 <= float(value) <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     if values.ndim != 3 or values.shape[:2] != candidates.shape:
-        raise ValueError(f"probs/logits must have shape [B, N, V] with [B, N] = {tuple(candidates.shape)}, got {tuple(values.shape)}")
+        raise ValueError(
+            f"probs/logits must have shape [B, N, V] with [B, N] = {tuple(candidates.shape)}, got {tuple(values.shape)}"
+        )
     if next_token.shape != candidates.shape or next_sibling.shape != candidates.shape:
         raise ValueError(f"next_token and next_sibling must have the shape of candidates {tuple(candidates.shape)}")
     if coins.shape != candidates.shape or final_coins.shape != candidates.shape[:1]:
-        raise ValueError(f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}")
+        raise ValueError(
+            f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret"))
-def _from_probs_jit(candidates, next_token, next_sibling, probs, coins, final_coins, *, max_accept, threshold_single,
-                    threshold_acc, interpret):
-    return _walk("probs", (candidates, next_token, next_sibling), coins, final_coins, probs, None,
-                 max_accept=max_accept, threshold_single=threshold_single, threshold_acc=threshold_acc, interpret=interpret)
+def _from_probs_jit(
+    candidates,
+    next_token,
+    next_sibling,
+    probs,
+    coins,
+    final_coins,
+    *,
+    max_accept,
+    threshold_single,
+    threshold_acc,
+    interpret,
+):
+    return _walk(
+        "probs",
+        (candidates, next_token, next_sibling),
+        coins,
+        final_coins,
+        probs,
+        None,
+        max_accept=max_accept,
+        threshold_single=threshold_single,
+        threshold_acc=threshold_acc,
+        interpret=interpret,
+    )
 
 
-def tree_sampling_from_probs(candidates, next_token, next_sibling, target_probs, coins, final_coins, *, max_accept: int,
-                             threshold_single: float = 1.0, threshold_acc: float = 1.0, interpret: bool | None = None):
+def tree_sampling_from_probs(
+    candidates,
+    next_token,
+    next_sibling,
+    target_probs,
+    coins,
+    final_coins,
+    *,
+    max_accept: int,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    interpret: bool | None = None,
+):
     """Mode (a): the walk over processed probabilities (`walk_reference`'s arguments: candidates /
     next_token / next_sibling int32 [B, N], target_probs f32 [B, N, V], coins f32 [B, N], final_coins
     f32 [B]; static max_accept and thresholds) -> (accept_index int32 [B, S], num_accepted int32 [B],
     tokens int32 [B, S]), S = max_accept + 1. Sibling tokens must be distinct (the library's
     `verify_sampling` checks concrete inputs)."""
-    _check_common(candidates, next_token, next_sibling, target_probs, coins, final_coins, max_accept, threshold_single, threshold_acc)
+    _check_common(
+        candidates,
+        next_token,
+        next_sibling,
+        target_probs,
+        coins,
+        final_coins,
+        max_accept,
+        threshold_single,
+        threshold_acc,
+    )
     return _from_probs_jit(
-        jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32), jnp.asarray(next_sibling, jnp.int32),
-        jnp.asarray(target_probs, jnp.float32), jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32),
-        max_accept=int(max_accept), threshold_single=float(threshold_single), threshold_acc=float(threshold_acc),
-        interpret=default_interpret(interpret))
+        jnp.asarray(candidates, jnp.int32),
+        jnp.asarray(next_token, jnp.int32),
+        jnp.asarray(next_sibling, jnp.int32),
+        jnp.asarray(target_probs, jnp.float32),
+        jnp.asarray(coins, jnp.float32),
+        jnp.asarray(final_coins, jnp.float32),
+        max_accept=int(max_accept),
+        threshold_single=float(threshold_single),
+        threshold_acc=float(threshold_acc),
+        interpret=default_interpret(interpret),
+    )
 
 
-def tree_sampling_from_probs_reference(candidates, next_token, next_sibling, target_probs, coins, final_coins, *,
-                                       max_accept: int, threshold_single: float = 1.0, threshold_acc: float = 1.0):
+def tree_sampling_from_probs_reference(
+    candidates,
+    next_token,
+    next_sibling,
+    target_probs,
+    coins,
+    final_coins,
+    *,
+    max_accept: int,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+):
     """The reference twin of mode (a): `walk_reference`."""
-    return walk_reference(jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32),
-                          jnp.asarray(next_sibling, jnp.int32), jnp.asarray(target_probs, jnp.float32),
-                          jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32),
-                          max_accept=int(max_accept), threshold_single=float(threshold_single),
-                          threshold_acc=float(threshold_acc))
+    return walk_reference(
+        jnp.asarray(candidates, jnp.int32),
+        jnp.asarray(next_token, jnp.int32),
+        jnp.asarray(next_sibling, jnp.int32),
+        jnp.asarray(target_probs, jnp.float32),
+        jnp.asarray(coins, jnp.float32),
+        jnp.asarray(final_coins, jnp.float32),
+        max_accept=int(max_accept),
+        threshold_single=float(threshold_single),
+        threshold_acc=float(threshold_acc),
+    )
 
 
 def params_rows(sampling_params: jax.Array, slots: int) -> jax.Array:
@@ -666,29 +866,69 @@ def params_rows(sampling_params: jax.Array, slots: int) -> jax.Array:
     return jnp.repeat(sampling_params.astype(jnp.float32), slots, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret",
-                                             "skip_with_cond"))
-def _from_logits_jit(candidates, next_token, next_sibling, logits, sampling_params, coins, final_coins, *, max_accept,
-                     threshold_single, threshold_acc, interpret, skip_with_cond):
+@functools.partial(
+    jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "skip_with_cond")
+)
+def _from_logits_jit(
+    candidates,
+    next_token,
+    next_sibling,
+    logits,
+    sampling_params,
+    coins,
+    final_coins,
+    *,
+    max_accept,
+    threshold_single,
+    threshold_acc,
+    interpret,
+    skip_with_cond,
+):
     batch, slots, vocab = logits.shape
-    stats = row_stats(logits.reshape(batch * slots, vocab), params_rows(sampling_params, slots), interpret=interpret,
-                      skip_with_cond=skip_with_cond)
-    accept, num_accepted, tokens = _walk("logits", (candidates, next_token, next_sibling), coins, final_coins, logits,
-                                         (sampling_params[:, 0], stats), max_accept=max_accept,
-                                         threshold_single=threshold_single, threshold_acc=threshold_acc,
-                                         interpret=interpret)
+    stats = row_stats(
+        logits.reshape(batch * slots, vocab),
+        params_rows(sampling_params, slots),
+        interpret=interpret,
+        skip_with_cond=skip_with_cond,
+    )
+    accept, num_accepted, tokens = _walk(
+        "logits",
+        (candidates, next_token, next_sibling),
+        coins,
+        final_coins,
+        logits,
+        (sampling_params[:, 0], stats),
+        max_accept=max_accept,
+        threshold_single=threshold_single,
+        threshold_acc=threshold_acc,
+        interpret=interpret,
+    )
     return accept, num_accepted, tokens, stats["valid"].reshape(batch, slots).astype(bool)
 
 
 def _check_sampling_params(sampling_params, batch: int) -> None:
     if sampling_params.shape != (batch, 4):
-        raise ValueError(f"sampling_params must be f32 [B, 4] = ({batch}, 4) (temperature, top_k, top_p, min_p), "
-                         f"got {tuple(sampling_params.shape)}")
+        raise ValueError(
+            f"sampling_params must be f32 [B, 4] = ({batch}, 4) (temperature, top_k, top_p, min_p), "
+            f"got {tuple(sampling_params.shape)}"
+        )
 
 
-def tree_sampling_from_logits(candidates, next_token, next_sibling, target_logits, sampling_params, coins, final_coins, *,
-                              max_accept: int, threshold_single: float = 1.0, threshold_acc: float = 1.0,
-                              interpret: bool | None = None, skip_with_cond: bool = True):
+def tree_sampling_from_logits(
+    candidates,
+    next_token,
+    next_sibling,
+    target_logits,
+    sampling_params,
+    coins,
+    final_coins,
+    *,
+    max_accept: int,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    interpret: bool | None = None,
+    skip_with_cond: bool = True,
+):
     """Mode (b): fused from raw logits [B, N, V] (bf16 / f32) and per-row settings sampling_params f32 [B, 4]
     (temperature, top_k, top_p, min_p; the library's `SamplingParams.as_rows()`).
 
@@ -697,26 +937,63 @@ def tree_sampling_from_logits(candidates, next_token, next_sibling, target_logit
     turns rows with an invalid reachable slot into invalid rows, exactly as for the reference path.
     skip_with_cond: skip the filter passes with one lax.cond when no row filters (`row_stats`).
     """
-    _check_common(candidates, next_token, next_sibling, target_logits, coins, final_coins, max_accept, threshold_single, threshold_acc)
+    _check_common(
+        candidates,
+        next_token,
+        next_sibling,
+        target_logits,
+        coins,
+        final_coins,
+        max_accept,
+        threshold_single,
+        threshold_acc,
+    )
     if target_logits.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"target_logits must be bfloat16 or float32, got {target_logits.dtype}")
     _check_sampling_params(sampling_params, candidates.shape[0])
     return _from_logits_jit(
-        jnp.asarray(candidates, jnp.int32), jnp.asarray(next_token, jnp.int32), jnp.asarray(next_sibling, jnp.int32),
-        target_logits, jnp.asarray(sampling_params, jnp.float32), jnp.asarray(coins, jnp.float32),
-        jnp.asarray(final_coins, jnp.float32), max_accept=int(max_accept), threshold_single=float(threshold_single),
-        threshold_acc=float(threshold_acc), interpret=default_interpret(interpret), skip_with_cond=bool(skip_with_cond))
+        jnp.asarray(candidates, jnp.int32),
+        jnp.asarray(next_token, jnp.int32),
+        jnp.asarray(next_sibling, jnp.int32),
+        target_logits,
+        jnp.asarray(sampling_params, jnp.float32),
+        jnp.asarray(coins, jnp.float32),
+        jnp.asarray(final_coins, jnp.float32),
+        max_accept=int(max_accept),
+        threshold_single=float(threshold_single),
+        threshold_acc=float(threshold_acc),
+        interpret=default_interpret(interpret),
+        skip_with_cond=bool(skip_with_cond),
+    )
 
 
-def tree_sampling_from_logits_reference(candidates, next_token, next_sibling, target_logits, sampling_params, coins,
-                                        final_coins, *, max_accept: int, threshold_single: float = 1.0,
-                                        threshold_acc: float = 1.0):
+def tree_sampling_from_logits_reference(
+    candidates,
+    next_token,
+    next_sibling,
+    target_logits,
+    sampling_params,
+    coins,
+    final_coins,
+    *,
+    max_accept: int,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+):
     """The reference twin of mode (b): `walk_reference(processed_probs_reference(logits, ...), ...)`, plus
     `valid_rows(logits)`; same returns as `tree_sampling_from_logits`."""
     _check_sampling_params(sampling_params, candidates.shape[0])
     temperature, top_k, top_p, min_p = (sampling_params[:, i] for i in range(4))
     probs = processed_probs_reference(target_logits, temperature, top_k.astype(jnp.int32), top_p, min_p)
     accept, num_accepted, tokens = tree_sampling_from_probs_reference(
-        candidates, next_token, next_sibling, probs, coins, final_coins, max_accept=max_accept,
-        threshold_single=threshold_single, threshold_acc=threshold_acc)
+        candidates,
+        next_token,
+        next_sibling,
+        probs,
+        coins,
+        final_coins,
+        max_accept=max_accept,
+        threshold_single=threshold_single,
+        threshold_acc=threshold_acc,
+    )
     return accept, num_accepted, tokens, valid_rows(target_logits)

@@ -8,10 +8,6 @@ import pathlib
 
 import pytest
 
-from ddtree_jax.checkpoint import parse_config
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
-from ddtree_jax.models import deepseek_v3, dflash, qwen3
-from ddtree_jax.sharding.rules import MODEL, RULES
 from ddtree_jax import presets
 from ddtree_jax.analysis import memory
 from ddtree_jax.analysis.memory import (
@@ -25,18 +21,56 @@ from ddtree_jax.analysis.memory import (
     weight_bytes,
     weight_inventory,
 )
+from ddtree_jax.checkpoint import parse_config
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
+from ddtree_jax.models import deepseek_v3, dflash, qwen3
+from ddtree_jax.sharding.rules import MODEL, RULES
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 # the tiny DeepSeek-V3 config of tests/models/test_deepseek_v3.py (copied: q_lora, 16 experts in 4 groups)
-DSV3_TINY = DeepSeekV3Config(vocab_size=50, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=3,
-                             first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
-                             n_group=4, topk_group=2, routed_scaling_factor=2.827, norm_topk_prob=True, num_heads=4,
-                             q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-QWEN3_TINY = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
-                         head_dim=8, tapped_layers=(0, 2))
-DRAFTER_TINY = DFlashConfig(hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                            block_size=5, mask_token_id=60, target_layers=(0, 2))
+DSV3_TINY = DeepSeekV3Config(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    num_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+)
+QWEN3_TINY = Qwen3Config(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tapped_layers=(0, 2),
+)
+DRAFTER_TINY = DFlashConfig(
+    hidden_size=32,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    block_size=5,
+    mask_token_id=60,
+    target_layers=(0, 2),
+)
 
 
 def _k2_tiny():
@@ -57,12 +91,16 @@ def _same_tensors(inventory, shapes):
     assert {t.path: (t.shape, t.axes) for t in inventory} == _flatten(shapes)
 
 
-@pytest.mark.parametrize("config", [
-    DSV3_TINY,
-    dataclasses.replace(DSV3_TINY, q_lora_rank=None, tie_word_embeddings=True, first_k_dense_replace=0),
-    dataclasses.replace(DSV3_TINY, n_shared_experts=2, first_k_dense_replace=3),
-    "k2_tiny",
-], ids=["dsv3-tiny", "no-q-lora-tied", "all-dense-2-shared", "kimi_k2_tiny.json"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        DSV3_TINY,
+        dataclasses.replace(DSV3_TINY, q_lora_rank=None, tie_word_embeddings=True, first_k_dense_replace=0),
+        dataclasses.replace(DSV3_TINY, n_shared_experts=2, first_k_dense_replace=3),
+        "k2_tiny",
+    ],
+    ids=["dsv3-tiny", "no-q-lora-tied", "all-dense-2-shared", "kimi_k2_tiny.json"],
+)
 def test_deepseek_inventory_is_param_shapes_exactly(config):
     config = _k2_tiny() if config == "k2_tiny" else config
     inventory = weight_inventory(config)
@@ -171,10 +209,14 @@ def test_auto_attention_is_resolved_as_on_a_gpu():
     # MLA: "auto" is XLA (models.attention.resolve_attention_impl); Qwen3's GQA at N <= 32: the kernel
     k2, q = presets.kimi_k2_6(), presets.qwen3_8b()
     assert plan_memory(k2, attention_impl="auto").activations == plan_memory(k2, attention_impl="xla").activations
-    assert (plan_memory(q, layout="single", budget=16, attention_impl="auto").activations
-            == plan_memory(q, layout="single", budget=16, attention_impl="pallas").activations)
-    assert (plan_memory(q, layout="single", budget=64, attention_impl="auto").activations
-            == plan_memory(q, layout="single", budget=64, attention_impl="xla").activations)
+    assert (
+        plan_memory(q, layout="single", budget=16, attention_impl="auto").activations
+        == plan_memory(q, layout="single", budget=16, attention_impl="pallas").activations
+    )
+    assert (
+        plan_memory(q, layout="single", budget=64, attention_impl="auto").activations
+        == plan_memory(q, layout="single", budget=64, attention_impl="xla").activations
+    )
 
 
 def test_layouts():
@@ -186,19 +228,22 @@ def test_layouts():
     assert parse_layout("tp8").split("kv_lora") == 1  # MLA's shared low-rank projections are replicated
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(batch=0), "batch must be an integer >= 1, got 0"),
-    (dict(context=-5), "context must be an integer >= 0, got -5"),
-    (dict(budget=-1), "budget must be an integer >= 0, got -1"),
-    (dict(layout="pp8"), "got 'pp8'"),
-    (dict(layout="tp3"), "of size 163840 does not divide over 3 devices .layout .tp3.."),
-    (dict(layout="ep5"), "does not divide over 5 devices"),
-    (dict(expert_format="int3"), "expert_format must be one of .* got 'int3'"),
-    (dict(dense_format="fp4"), "got 'fp4'"),
-    (dict(cache_dtype="fp16"), "got 'fp16'"),
-    (dict(attention_impl="cuda"), "got 'cuda'"),
-    (dict(usable_fraction=1.5), "got 1.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch=0), "batch must be an integer >= 1, got 0"),
+        (dict(context=-5), "context must be an integer >= 0, got -5"),
+        (dict(budget=-1), "budget must be an integer >= 0, got -1"),
+        (dict(layout="pp8"), "got 'pp8'"),
+        (dict(layout="tp3"), "of size 163840 does not divide over 3 devices .layout .tp3.."),
+        (dict(layout="ep5"), "does not divide over 5 devices"),
+        (dict(expert_format="int3"), "expert_format must be one of .* got 'int3'"),
+        (dict(dense_format="fp4"), "got 'fp4'"),
+        (dict(cache_dtype="fp16"), "got 'fp16'"),
+        (dict(attention_impl="cuda"), "got 'cuda'"),
+        (dict(usable_fraction=1.5), "got 1.5"),
+    ],
+)
 def test_bad_inputs_raise_naming_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_memory(presets.kimi_k2_6(), **kwargs)

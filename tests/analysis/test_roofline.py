@@ -88,17 +88,20 @@ def test_qwen3_8b_on_one_h200():
     assert 1 < taus[0] <= taus[1] < taus[2]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(method="beam"), "method must be one of .* got 'beam'"),
-    (dict(method="ddtree", budget=0), "budget >= 1, got 0"),
-    (dict(method="ddtree", budget=None), "got None"),
-    (dict(method="chain", drafter=None), "needs a drafter"),
-    (dict(batch=0), "batch must be an integer >= 1, got 0"),
-    (dict(context=-1), "got -1"),
-    (dict(layout="ep5"), "384 routed experts do not divide over 5 devices"),
-    (dict(ep_collective="ring"), "got 'ring'"),
-    (dict(cache_dtype="int2"), "got 'int2'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="beam"), "method must be one of .* got 'beam'"),
+        (dict(method="ddtree", budget=0), "budget >= 1, got 0"),
+        (dict(method="ddtree", budget=None), "got None"),
+        (dict(method="chain", drafter=None), "needs a drafter"),
+        (dict(batch=0), "batch must be an integer >= 1, got 0"),
+        (dict(context=-1), "got -1"),
+        (dict(layout="ep5"), "384 routed experts do not divide over 5 devices"),
+        (dict(ep_collective="ring"), "got 'ring'"),
+        (dict(cache_dtype="int2"), "got 'int2'"),
+    ],
+)
 def test_bad_inputs_raise_naming_the_value(kwargs, message):
     args = dict(drafter=K2_DRAFTER, method="ar")
     args.update(kwargs)

@@ -6,15 +6,16 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.bench_model_parts import time_parts
-from benchmarks.op_profile import format_op_table, op_times
 from benchmarks.k26_model import k26_config, random_int4_target
+from benchmarks.op_profile import format_op_table, op_times
 
 
 def test_parts_are_timed_and_summed():
     config = k26_config(3, tiny=True)  # 1 dense + 2 MoE layers
     params = jax.jit(lambda k: random_int4_target(config, k, jnp.float32))(jax.random.key(0))
-    ms, ops = time_parts(config, params, 2, context=16, runs=1, moe_impls=["auto", "gather"], loops=["scan"],
-                         profile=("moe:gather",))
+    ms, ops = time_parts(
+        config, params, 2, context=16, runs=1, moe_impls=["auto", "gather"], loops=["scan"], profile=("moe:gather",)
+    )
     assert set(ms) == {"embed", "mla", "dense_mlp", "moe:auto", "moe:gather", "head", "forward:scan", "sum_of_parts"}
     assert all(v > 0 for v in ms.values())
     want = ms["embed"] + 3 * ms["mla"] + ms["dense_mlp"] + 2 * ms["moe:auto"] + ms["head"]

@@ -15,8 +15,16 @@ from ddtree_jax.checkpoint import CheckpointError, load_hf, parse_config, read_c
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models import qwen3
 
-TARGET = Qwen3Config(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=4, rope_theta=10_000.0)
+TARGET = Qwen3Config(
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    rope_theta=10_000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +60,29 @@ def test_null_architectures_as_transformers_writes_them_parse(tmp_path, target_p
     assert config == TARGET
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda cfg: cfg.pop("hidden_size"), "hidden_size is missing"),
-    (lambda cfg: cfg.update(hidden_size=None), "hidden_size is null"),
-    (lambda cfg: cfg.update(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
-    (lambda cfg: cfg.update(num_key_value_heads=0), "num_key_value_heads must be an integer >= 1, got 0"),
-    (lambda cfg: (cfg.pop("head_dim"), cfg.update(num_attention_heads=0)), "num_attention_heads must be an integer >= 1, got 0"),
-    (lambda cfg: cfg.update(hidden_size="16"), r"hidden_size must be an integer, got '16' \(string\)"),
-    (lambda cfg: cfg.update(num_hidden_layers=2.5), "num_hidden_layers must be an integer, got 2.5"),
-    (lambda cfg: cfg.update(rms_norm_eps="1e-6"), "rms_norm_eps must be a number, got '1e-6'"),
-    (lambda cfg: cfg["rope_parameters"].update(rope_theta="1e4"), "rope_theta must be a number, got '1e4'"),
-    (lambda cfg: cfg.update(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
-    (lambda cfg: cfg.update(architectures="Qwen3ForCausalLM"), "architectures must be a list"),
-    (lambda cfg: cfg.update(num_attention_heads=4, num_key_value_heads=3), "must be a multiple of num_key_value_heads"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda cfg: cfg.pop("hidden_size"), "hidden_size is missing"),
+        (lambda cfg: cfg.update(hidden_size=None), "hidden_size is null"),
+        (lambda cfg: cfg.update(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
+        (lambda cfg: cfg.update(num_key_value_heads=0), "num_key_value_heads must be an integer >= 1, got 0"),
+        (
+            lambda cfg: (cfg.pop("head_dim"), cfg.update(num_attention_heads=0)),
+            "num_attention_heads must be an integer >= 1, got 0",
+        ),
+        (lambda cfg: cfg.update(hidden_size="16"), r"hidden_size must be an integer, got '16' \(string\)"),
+        (lambda cfg: cfg.update(num_hidden_layers=2.5), "num_hidden_layers must be an integer, got 2.5"),
+        (lambda cfg: cfg.update(rms_norm_eps="1e-6"), "rms_norm_eps must be a number, got '1e-6'"),
+        (lambda cfg: cfg["rope_parameters"].update(rope_theta="1e4"), "rope_theta must be a number, got '1e4'"),
+        (lambda cfg: cfg.update(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+        (lambda cfg: cfg.update(architectures="Qwen3ForCausalLM"), "architectures must be a list"),
+        (
+            lambda cfg: cfg.update(num_attention_heads=4, num_key_value_heads=3),
+            "must be a multiple of num_key_value_heads",
+        ),
+    ],
+)
 def test_bad_config_values_name_the_file_and_key(tmp_path, target_params, edit, message):
     path = _saved(tmp_path, target_params)
     file = _rewrite_config(path, edit)
@@ -74,16 +91,34 @@ def test_bad_config_values_name_the_file_and_key(tmp_path, target_params, edit, 
 
 
 def test_drafter_config_values_are_checked():
-    base = {"model_type": "qwen3", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "rope_theta": 1e4,
-            "architectures": None}
-    _raises("block_size must be an integer, got '16'", parse_config,
-            {**base, "dflash_config": {"block_size": "16", "mask_token_id": 3, "target_layer_ids": [0]}})
-    _raises(r"target_layer_ids must be a list of integers, got 0", parse_config,
-            {**base, "dflash_config": {"block_size": 16, "mask_token_id": 3, "target_layer_ids": 0}})
+    base = {
+        "model_type": "qwen3",
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 4,
+        "rope_theta": 1e4,
+        "architectures": None,
+    }
+    _raises(
+        "block_size must be an integer, got '16'",
+        parse_config,
+        {**base, "dflash_config": {"block_size": "16", "mask_token_id": 3, "target_layer_ids": [0]}},
+    )
+    _raises(
+        r"target_layer_ids must be a list of integers, got 0",
+        parse_config,
+        {**base, "dflash_config": {"block_size": 16, "mask_token_id": 3, "target_layer_ids": 0}},
+    )
     _raises(r"dflash_config must be a JSON object", parse_config, {**base, "dflash_config": [16]})
-    _raises(r"^my/drafter: num_target_layers must be an integer", parse_config,
-            {**base, "dflash_config": {"block_size": 16, "mask_token_id": 3}, "num_target_layers": "36"}, "my/drafter")
+    _raises(
+        r"^my/drafter: num_target_layers must be an integer",
+        parse_config,
+        {**base, "dflash_config": {"block_size": 16, "mask_token_id": 3}, "num_target_layers": "36"},
+        "my/drafter",
+    )
 
 
 def test_config_json_that_is_not_a_json_object(tmp_path):
@@ -122,14 +157,14 @@ def test_damaged_safetensors_headers_name_the_file(tmp_path, target_params):
     open(file, "wb").write((2**62).to_bytes(8, "little") + data[8:])
     _raises(re.escape(file) + f" is truncated or not a safetensors file: its header length is {2**62}", load_hf, path)
     garbled = bytearray(data)
-    garbled[8 + header_len // 2: 8 + header_len // 2 + 4] = b"\xff}}\x00"
+    garbled[8 + header_len // 2 : 8 + header_len // 2 + 4] = b"\xff}}\x00"
     open(file, "wb").write(bytes(garbled))
     _raises(re.escape(file) + " has a damaged safetensors header", load_hf, path)
-    header = json.loads(data[8: 8 + header_len])
+    header = json.loads(data[8 : 8 + header_len])
     name = "model.layers.0.mlp.up_proj.weight"
     header[name]["data_offsets"][1] += 4  # an entry whose bytes do not match its shape
     text = json.dumps(header).encode()
-    open(file, "wb").write(len(text).to_bytes(8, "little") + text + data[8 + header_len:])
+    open(file, "wb").write(len(text).to_bytes(8, "little") + text + data[8 + header_len :])
     _raises(re.escape(file) + f": damaged header entry for tensor '{re.escape(name)}'", load_hf, path)
 
 
@@ -145,7 +180,11 @@ def test_sharded_index_errors_name_the_index(tmp_path, target_params):
     name = "model.layers.1.mlp.down_proj.weight"
     wrong = next(shard for shard in sorted(set(weight_map.values())) if shard != weight_map[name])
     json.dump({**content, "weight_map": {**weight_map, name: wrong}}, open(index, "w"))
-    _raises(f"maps tensor '{re.escape(name)}' to {re.escape(os.path.join(path, wrong))}, which does not hold it", load_hf, path)
+    _raises(
+        f"maps tensor '{re.escape(name)}' to {re.escape(os.path.join(path, wrong))}, which does not hold it",
+        load_hf,
+        path,
+    )
     json.dump({**content, "weight_map": {**weight_map, name: "model-missing.safetensors"}}, open(index, "w"))
     with pytest.raises(FileNotFoundError, match="model-missing.safetensors"):
         load_hf(path)
@@ -161,8 +200,9 @@ def test_check_finite_names_the_tensor_and_file(tmp_path, target_params):
     save_file(tensors, file)
     _, params = load_hf(path)  # off by default in the Python API
     assert np.isnan(np.asarray(params["layers"]["o_proj"][1, 3, 5]))
-    text = _raises(f"tensor '{re.escape(name)}' in {re.escape(file)} holds 2 non-finite value", load_hf, path,
-                   check_finite=True)
+    text = _raises(
+        f"tensor '{re.escape(name)}' in {re.escape(file)} holds 2 non-finite value", load_hf, path, check_finite=True
+    )
     assert "first at index (3, 5)" in text
     tensors[name][3, 5] = tensors[name][4, 0] = 0.0  # a finite checkpoint passes the check
     tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.float16)

@@ -13,8 +13,10 @@ import pytest
 from ddtree_jax.engine.run import load_pair, run
 
 PAIR = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "embedded")
-PROMPTS = ['import os\n\n\ndef list_python_files(root):\n    """Return the paths of the .py files under root."""\n',
-           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"]
+PROMPTS = [
+    'import os\n\n\ndef list_python_files(root):\n    """Return the paths of the .py files under root."""\n',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,12 @@ def _perplexity(pair, sequences) -> float:
 
     nll, count = 0.0, 0
     for ids in sequences:
-        logits = np.asarray(target_module(pair.target_config).forward_logits(
-            pair.target_config, pair.target_params, np.asarray([ids]))[0], np.float64)
+        logits = np.asarray(
+            target_module(pair.target_config).forward_logits(pair.target_config, pair.target_params, np.asarray([ids]))[
+                0
+            ],
+            np.float64,
+        )
         top = logits.max(-1, keepdims=True)
         log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
         nll -= sum(log_probs[i, ids[i + 1]] for i in range(len(ids) - 1))
@@ -65,8 +71,10 @@ def test_greedy_speculative_text_equals_autoregressive_greedy(pair):
     from ddtree_jax.models import target_module
 
     ids = [pair.tokenizer.encode(p) for p in PROMPTS]
-    ar = [run(pair, [x], method="ar", budget=1, block_size=None, max_new_tokens=48, temperature=0.0)["tokens"][0]
-          for x in ids]
+    ar = [
+        run(pair, [x], method="ar", budget=1, block_size=None, max_new_tokens=48, temperature=0.0)["tokens"][0]
+        for x in ids
+    ]
     taus = []
     for method, budget in (("ddtree", 32), ("chain", 1)):
         for x, want in zip(ids, ar):
@@ -76,7 +84,8 @@ def test_greedy_speculative_text_equals_autoregressive_greedy(pair):
             if got != want:  # only at a near-tie of the AR logits
                 at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
                 logits = target_module(pair.target_config).forward_logits(
-                    pair.target_config, pair.target_params, np.asarray([x + want[:at]]))[0, -1]
+                    pair.target_config, pair.target_params, np.asarray([x + want[:at]])
+                )[0, -1]
                 top2 = np.sort(np.asarray(logits, np.float64))[-2:]
                 assert top2[1] - top2[0] < 1e-4, (method, at, top2)
     assert min(taus) > 1.5  # the trained drafter is accepted: several tokens per step

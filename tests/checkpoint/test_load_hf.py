@@ -14,10 +14,28 @@ from ddtree_jax.checkpoint import load_hf, parse_config, restore_orbax, save_hf,
 from ddtree_jax.config import DFlashConfig, Qwen3Config
 from ddtree_jax.models import dflash, qwen3
 
-TARGET = Qwen3Config(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=4, rope_theta=10_000.0)
-DRAFTER = DFlashConfig(hidden_size=16, intermediate_size=20, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4,
-                       block_size=4, mask_token_id=39, target_layers=(0, 1), rope_theta=10_000.0)
+TARGET = Qwen3Config(
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    rope_theta=10_000.0,
+)
+DRAFTER = DFlashConfig(
+    hidden_size=16,
+    intermediate_size=20,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    block_size=4,
+    mask_token_id=39,
+    target_layers=(0, 1),
+    rope_theta=10_000.0,
+)
 
 
 def _assert_same(a, b):
@@ -49,8 +67,17 @@ def test_drafter_round_trip(tmp_path):
 
 
 def _hf_dict(**over):
-    cfg = {"model_type": "qwen3", "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "rms_norm_eps": 1e-6}
+    cfg = {
+        "model_type": "qwen3",
+        "vocab_size": 40,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 4,
+        "rms_norm_eps": 1e-6,
+    }
     cfg.update(over)
     return cfg
 
@@ -59,8 +86,16 @@ def test_both_rope_layouts_and_drafter_defaults():
     old = parse_config(_hf_dict(rope_theta=10000.0, rope_scaling=None))
     new = parse_config(_hf_dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
     assert old == new == TARGET
-    drafter = parse_config(_hf_dict(rope_theta=1e6, num_hidden_layers=5, num_target_layers=36,
-                                    dflash_config={"mask_token_id": 151669}, block_size=16, architectures=["DFlashDraftModel"]))
+    drafter = parse_config(
+        _hf_dict(
+            rope_theta=1e6,
+            num_hidden_layers=5,
+            num_target_layers=36,
+            dflash_config={"mask_token_id": 151669},
+            block_size=16,
+            architectures=["DFlashDraftModel"],
+        )
+    )
     assert drafter.target_layers == (1, 9, 17, 25, 33) and drafter.block_size == 16 and drafter.mask_token_id == 151669
 
 
@@ -71,7 +106,10 @@ def test_both_rope_layouts_and_drafter_defaults():
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), "rope type 'yarn'"),
         (dict(rope_theta=1.0, attention_bias=True), "attention_bias"),
         (dict(rope_theta=1.0, dflash_config={"block_size": 16, "target_layer_ids": [0]}), "mask_token_id"),
-        (dict(rope_theta=1.0, dflash_config={"block_size": 16, "mask_token_id": 3}), "target_layer_ids or num_target_layers"),
+        (
+            dict(rope_theta=1.0, dflash_config={"block_size": 16, "mask_token_id": 3}),
+            "target_layer_ids or num_target_layers",
+        ),
     ],
 )
 def test_config_errors(over, message):
@@ -94,7 +132,9 @@ def test_bad_tensors_are_named(tmp_path):
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         load_hf(str(tmp_path))
     rewrite(lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", np.zeros((3, 16), np.float32)))
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(3, 16\), expected \(8, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(3, 16\), expected \(8, 16\)"
+    ):
         load_hf(str(tmp_path))
     rewrite(lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", np.zeros((16,), np.float32)))
     with pytest.raises(ValueError, match="does not use.*q_proj.bias"):
@@ -112,7 +152,9 @@ def test_orbax_round_trip(tmp_path):
 
 def test_deepseek_family_configs_in_both_layouts():
     """kimi_k25 wraps the text model in text_config; older configs use rope_scaling {type: yarn}."""
-    text = json.loads((pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny" / "config.json").read_text())
+    text = json.loads(
+        (pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny" / "config.json").read_text()
+    )
     newer = parse_config(text)
     older = dict(text)
     rope = older.pop("rope_parameters")
@@ -137,15 +179,39 @@ def test_kimi_style_yarn_drafter_loads_and_runs_on_the_deepseek_target(tmp_path)
 
     target_dir = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny"
     vocab, hidden = 97, 32
-    drafter = DFlashConfig(hidden_size=hidden, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                           block_size=4, mask_token_id=vocab - 1, target_layers=(0, 2), rope_theta=50_000.0,
-                           rope_type="yarn", rope_factor=4.0, rope_original_max_position=16)
-    save_hf(str(tmp_path), drafter, dflash.init_params(drafter, hidden, jax.random.key(7), norm_jitter=0.1),
-            vocab_size=vocab)
+    drafter = DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=40,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        mask_token_id=vocab - 1,
+        target_layers=(0, 2),
+        rope_theta=50_000.0,
+        rope_type="yarn",
+        rope_factor=4.0,
+        rope_original_max_position=16,
+    )
+    save_hf(
+        str(tmp_path),
+        drafter,
+        dflash.init_params(drafter, hidden, jax.random.key(7), norm_jitter=0.1),
+        vocab_size=vocab,
+    )
     kimi_layout = {  # the key set of Kimi-K2.5-DFlash's config.json, at this tiny size
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 50_000.0,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 40,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 50_000.0,
         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
         "dflash_config": {"block_size": 4, "mask_token_id": vocab - 1, "target_layer_ids": [0, 2]},
     }

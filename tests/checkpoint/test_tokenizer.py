@@ -34,9 +34,18 @@ TEXTS = [
 
 # Kimi K2's layout: special tokens right after the BPE ranks, offsets as in K2's tokenizer_config.json
 # ([BOS] = first, [EOS], <|im_end|>, <|im_user|>, <|im_assistant|>, ..., <|im_system|>, <|im_middle|>).
-KIMI_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
-                 6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
-                 17: "<|im_middle|>"}
+KIMI_SPECIALS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    9: "[EOT]",
+    10: "<|im_system|>",
+    17: "<|im_middle|>",
+}
 
 # A short template in the style of Kimi K2's (tool declaration, the default system prompt, one
 # <|im_{role}|>{role}<|im_middle|>...<|im_end|> block per message, the generation prompt).
@@ -114,10 +123,20 @@ def _write_tiktoken(directory, ranks, config=None, **extra):
     n = len(ranks)
     if config is None:
         config = {
-            "added_tokens_decoder": {str(n + k): {"content": name, "lstrip": False, "normalized": False,
-                                                  "rstrip": False, "single_word": False, "special": True}
-                                     for k, name in KIMI_SPECIALS.items()},
-            "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": KIMI_TEMPLATE,
+            "added_tokens_decoder": {
+                str(n + k): {
+                    "content": name,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for k, name in KIMI_SPECIALS.items()
+            },
+            "bos_token": "[BOS]",
+            "eos_token": "[EOS]",
+            "chat_template": KIMI_TEMPLATE,
             "tokenizer_class": "TikTokenTokenizer",
         }
     config.update(extra)
@@ -186,14 +205,19 @@ def test_kimi_chat_template(kimi, ranks):
     assert kimi.has_chat_template and kimi.template_source.endswith("tokenizer_config.json")
     messages = [{"role": "user", "content": "What is 2+2?"}]
     text = kimi.apply_chat_template(messages)
-    assert text == (KIMI_SYSTEM + "<|im_user|>user<|im_middle|>What is 2+2?<|im_end|>"
-                    "<|im_assistant|>assistant<|im_middle|>")
+    assert text == (
+        KIMI_SYSTEM + "<|im_user|>user<|im_middle|>What is 2+2?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
     assert kimi.apply_chat_template(messages, add_generation_prompt=False).endswith("What is 2+2?<|im_end|>")
     ids = kimi.encode(text)
     assert [i - n for i in ids if i >= n] == [10, 17, 2, 3, 17, 2, 4, 17]
 
-    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                    {"role": "assistant", "content": "hello"}, {"role": "user", "content": "ça va?"}]
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "ça va?"},
+    ]
     tools = [{"type": "function", "function": {"name": "météo", "parameters": {"type": "object"}}}]
     text = kimi.apply_chat_template(conversation, tools=tools)
     assert text == (
@@ -218,15 +242,25 @@ def hf_dir(tmp_path_factory):
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     hf.train_from_iterator([CORPUS] * 3, trainer)
     hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     directory = tmp_path_factory.mktemp("hf")
     hf.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "<|im_end|>", "special": True}, "chat_template": CHATML_TEMPLATE}
-    ))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": {"content": "<|im_end|>", "special": True},
+                "chat_template": CHATML_TEMPLATE,
+            }
+        )
+    )
     return directory
 
 
@@ -271,14 +305,17 @@ def test_tokenizer_json_wins_and_empty_directories_have_none(tmp_path, hf_dir, r
 def test_template_sources_and_token_ids(tmp_path, ranks):
     n = len(ranks)
     directory = _write_tiktoken(tmp_path / "a", ranks)
-    (directory / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}"
-                                                   "{% if add_generation_prompt %}{{ eos_token }}{% endif %}")
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.content }}]{% endfor %}{% if add_generation_prompt %}{{ eos_token }}{% endif %}"
+    )
     tok = load_tokenizer(str(directory))  # chat_template.jinja wins over tokenizer_config.json's
     assert tok.template_source.endswith("chat_template.jinja")
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[x][EOS]"
 
-    named = [{"name": "default", "template": "D{{ messages[0].content }}"},
-             {"name": "tool_use", "template": "T{{ messages[0].content }}"}]
+    named = [
+        {"name": "default", "template": "D{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T{{ messages[0].content }}"},
+    ]
     tok = load_tokenizer(str(_write_tiktoken(tmp_path / "b", ranks, chat_template=named)))
     messages = [{"role": "user", "content": "x"}]
     assert tok.apply_chat_template(messages) == "Dx"
@@ -304,7 +341,7 @@ def test_template_sources_and_token_ids(tmp_path, ranks):
     # a named id past the 256 reserved ones extends the range (Kimi-Linear's file has 258)
     config = {"added_tokens_decoder": {str(n + 257): {"content": "<|extra|>"}}}
     tok = load_tokenizer(str(_write_tiktoken(tmp_path / "d", ranks, config=config)))
-    assert tok.vocab_size == n + 258 and tok.token_to_id("<|reserved_token_%d|>" % (n + 256)) == n + 256
+    assert tok.vocab_size == n + 258 and tok.token_to_id(f"<|reserved_token_{n + 256}|>") == n + 256
     assert tok.encode("a<|extra|>")[-1] == n + 257
 
 
@@ -414,8 +451,9 @@ def test_cli_chat_wraps_the_prompt(tmp_path, ranks, monkeypatch, capsys):
     common = ["generate", "--target", str(directory), "--method", "ar", "--compilation-cache", ""]
     assert main(common + ["--prompt", "2+2?", "--chat"]) == 0
     tok = load_tokenizer(str(directory))
-    assert seen["prompt"] == tok.encode(KIMI_SYSTEM + "<|im_user|>user<|im_middle|>2+2?<|im_end|>"
-                                        "<|im_assistant|>assistant<|im_middle|>")
+    assert seen["prompt"] == tok.encode(
+        KIMI_SYSTEM + "<|im_user|>user<|im_middle|>2+2?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
     assert capsys.readouterr().out.splitlines()[-1] == "4"  # decoded without the special tokens
     assert main(common + ["--prompt", "2+2?"]) == 0
     assert seen["prompt"] == tok.encode("2+2?")

@@ -16,14 +16,34 @@ from ddtree_jax.sampling import SamplingParams, row_keys
 from tests.stats_helpers import ALPHA, chi_square_pvalue
 
 V = 24
-TARGET = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=8, rope_theta=10_000.0, tapped_layers=(0, 1))
-DRAFTER = DFlashConfig(hidden_size=32, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                       block_size=5, mask_token_id=V - 1, target_layers=(0, 1), rope_theta=10_000.0)
+TARGET = Qwen3Config(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10_000.0,
+    tapped_layers=(0, 1),
+)
+DRAFTER = DFlashConfig(
+    hidden_size=32,
+    intermediate_size=40,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    block_size=5,
+    mask_token_id=V - 1,
+    target_layers=(0, 1),
+    rope_theta=10_000.0,
+)
 T_PARAMS = qwen3.init_params(TARGET, jax.random.key(0), norm_jitter=0.1)
 T_PARAMS = {**T_PARAMS, "lm_head": T_PARAMS["lm_head"] * 60.0}  # peaked next-token laws (logit std ~ 3)
-DFLASH = DFlashDrafter(DRAFTER, dflash.init_params(DRAFTER, 32, jax.random.key(1)), qwen3.embedding(T_PARAMS),
-                       qwen3.head(TARGET, T_PARAMS))
+DFLASH = DFlashDrafter(
+    DRAFTER, dflash.init_params(DRAFTER, 32, jax.random.key(1)), qwen3.embedding(T_PARAMS), qwen3.head(TARGET, T_PARAMS)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +75,22 @@ def _run(drafter, prompts, lengths, *, method, temperature=0.0, max_new=10, budg
     params = SamplingParams.create(batch, temperature=temperature)
     keys = row_keys(jax.random.key(seed), jnp.arange(batch))
     stop = jnp.full((batch, 1), -1, jnp.int32) if stop is None else stop
-    return generate(TARGET, T_PARAMS, drafter, jnp.asarray(prompts), jnp.asarray(lengths), params, keys, stop,
-                    jnp.full((batch,), max_new, jnp.int32), max_new_tokens=max_new, method=method, budget=budget,
-                    block_size=5, **kw)
+    return generate(
+        TARGET,
+        T_PARAMS,
+        drafter,
+        jnp.asarray(prompts),
+        jnp.asarray(lengths),
+        params,
+        keys,
+        stop,
+        jnp.full((batch,), max_new, jnp.int32),
+        max_new_tokens=max_new,
+        method=method,
+        budget=budget,
+        block_size=5,
+        **kw,
+    )
 
 
 PROMPTS = np.array([[3, 8, 1, 5, 9, 2], [4, 4, 7, 0, 0, 0], [11, 2, 6, 13, 5, 0]], np.int32)
@@ -98,15 +131,27 @@ def test_stop_tokens_and_max_new(ar_greedy):
     n = np.asarray(out.num_generated)
     first = int(np.argmax(ar_greedy[0] == stop_at))
     assert n[0] == first + 1 and np.asarray(out.tokens)[0, n[0] - 1] == stop_at
-    assert (np.asarray(out.tokens)[0, n[0]:] == -1).all() and n[1] == n[2] == 12
+    assert (np.asarray(out.tokens)[0, n[0] :] == -1).all() and n[1] == n[2] == 12
 
 
 def test_rows_do_not_influence_each_other():
     full = _run(DFLASH, PROMPTS, LENGTHS, method="ddtree", temperature=1.0, seed=5)
     keys_all = row_keys(jax.random.key(5), jnp.arange(3))
-    alone = generate(TARGET, T_PARAMS, DFLASH, jnp.asarray(PROMPTS[1:2]), jnp.asarray(LENGTHS[1:2]),
-                     SamplingParams.create(1, temperature=1.0), keys_all[1:2], jnp.full((1, 1), -1, jnp.int32),
-                     jnp.array([10], jnp.int32), max_new_tokens=10, method="ddtree", budget=8, block_size=5)
+    alone = generate(
+        TARGET,
+        T_PARAMS,
+        DFLASH,
+        jnp.asarray(PROMPTS[1:2]),
+        jnp.asarray(LENGTHS[1:2]),
+        SamplingParams.create(1, temperature=1.0),
+        keys_all[1:2],
+        jnp.full((1, 1), -1, jnp.int32),
+        jnp.array([10], jnp.int32),
+        max_new_tokens=10,
+        method="ddtree",
+        budget=8,
+        block_size=5,
+    )
     np.testing.assert_array_equal(np.asarray(full.tokens)[1], np.asarray(alone.tokens)[0])
 
 
@@ -124,16 +169,32 @@ def test_output_law_at_temperature_one_is_the_target_law():
         z = logits / temperature
         logp = z - z.max(-1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-        return np.exp(logp[rows, 3, seqs[:, 0]] + logp[rows, 4, seqs[:, 1]] + logp[rows, 5, seqs[:, 2]]).reshape(V, V, V)
+        return np.exp(logp[rows, 3, seqs[:, 0]] + logp[rows, 4, seqs[:, 1]] + logp[rows, 5, seqs[:, 2]]).reshape(
+            V, V, V
+        )
 
     law, wrong_law = law_at(1.0), law_at(1.3)
     samples = 6000
     prompts = np.broadcast_to(prompt, (samples, 4))
-    for drafter in (DFLASH, OracleDrafter(jnp.asarray(np.tile(np.concatenate([prompt, seqs[77]]), (samples, 5))[:, :40]))):
-        out = generate(TARGET, T_PARAMS, drafter, jnp.asarray(prompts), jnp.full((samples,), 4, jnp.int32),
-                       SamplingParams.create(samples, temperature=1.0), row_keys(jax.random.key(11), jnp.arange(samples)),
-                       jnp.full((samples, 1), -1, jnp.int32), jnp.full((samples,), 3, jnp.int32), max_new_tokens=3,
-                       method="ddtree", budget=6, block_size=4)
+    for drafter in (
+        DFLASH,
+        OracleDrafter(jnp.asarray(np.tile(np.concatenate([prompt, seqs[77]]), (samples, 5))[:, :40])),
+    ):
+        out = generate(
+            TARGET,
+            T_PARAMS,
+            drafter,
+            jnp.asarray(prompts),
+            jnp.full((samples,), 4, jnp.int32),
+            SamplingParams.create(samples, temperature=1.0),
+            row_keys(jax.random.key(11), jnp.arange(samples)),
+            jnp.full((samples, 1), -1, jnp.int32),
+            jnp.full((samples,), 3, jnp.int32),
+            max_new_tokens=3,
+            method="ddtree",
+            budget=6,
+            block_size=4,
+        )
         tokens = np.asarray(out.tokens)
         counts = np.zeros((V, V, V))
         np.add.at(counts, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
@@ -147,10 +208,21 @@ def test_output_law_at_temperature_one_is_the_target_law():
 @pytest.mark.slow
 @pytest.mark.parametrize("budget,block_size", [(1, 5), (64, 3), (200, 5)])
 def test_any_budget_and_smaller_blocks_keep_greedy_text(ar_greedy, budget, block_size):
-    out = generate(TARGET, T_PARAMS, _oracle(ar_greedy, noise=True), jnp.asarray(PROMPTS), jnp.asarray(LENGTHS),
-                   SamplingParams.create(3, temperature=0.0), row_keys(jax.random.key(3), jnp.arange(3)),
-                   jnp.full((3, 1), -1, jnp.int32), jnp.full((3,), 12, jnp.int32), max_new_tokens=12, method="ddtree",
-                   budget=budget, block_size=block_size)
+    out = generate(
+        TARGET,
+        T_PARAMS,
+        _oracle(ar_greedy, noise=True),
+        jnp.asarray(PROMPTS),
+        jnp.asarray(LENGTHS),
+        SamplingParams.create(3, temperature=0.0),
+        row_keys(jax.random.key(3), jnp.arange(3)),
+        jnp.full((3, 1), -1, jnp.int32),
+        jnp.full((3,), 12, jnp.int32),
+        max_new_tokens=12,
+        method="ddtree",
+        budget=budget,
+        block_size=block_size,
+    )
     np.testing.assert_array_equal(np.asarray(out.tokens), ar_greedy)
     assert (np.asarray(out.tau) <= block_size).all()
 
@@ -161,34 +233,97 @@ def test_engine_runs_the_deepseek_family_target():
     from ddtree_jax.config import DeepSeekV3Config
     from ddtree_jax.models import deepseek_v3
 
-    config = DeepSeekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=2,
-                              first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                              n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_heads=4,
-                              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                              rope_type="yarn", rope_factor=4.0, rope_original_max_position=16, rope_mscale=1.0,
-                              rope_mscale_all_dim=1.0, tapped_layers=(0, 1))
+    config = DeepSeekV3Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        rope_type="yarn",
+        rope_factor=4.0,
+        rope_original_max_position=16,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=1.0,
+        tapped_layers=(0, 1),
+    )
     params = deepseek_v3.init_params(config, jax.random.key(4), norm_jitter=0.1)
     params = {**params, "lm_head": params["lm_head"] * 60.0}
-    common = dict(sampling=SamplingParams.create(3, temperature=0.0), keys=row_keys(jax.random.key(3), jnp.arange(3)),
-                  stop_tokens=jnp.full((3, 1), -1, jnp.int32), max_new=jnp.full((3,), 10, jnp.int32))
-    ar = generate(config, params, None, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=10, method="ar")
+    common = dict(
+        sampling=SamplingParams.create(3, temperature=0.0),
+        keys=row_keys(jax.random.key(3), jnp.arange(3)),
+        stop_tokens=jnp.full((3, 1), -1, jnp.int32),
+        max_new=jnp.full((3,), 10, jnp.int32),
+    )
+    ar = generate(
+        config, params, None, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=10, method="ar"
+    )
     ar_tokens = np.asarray(ar.tokens)
     table = np.zeros((3, 40), np.int32)
     for b in range(3):
         seq = np.concatenate([PROMPTS[b, : LENGTHS[b]], ar_tokens[b]])
         table[b, : len(seq)] = seq
-    out = generate(config, params, OracleDrafter(jnp.asarray(table)), jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common,
-                   max_new_tokens=10, method="ddtree", budget=8, block_size=5)
+    out = generate(
+        config,
+        params,
+        OracleDrafter(jnp.asarray(table)),
+        jnp.asarray(PROMPTS),
+        jnp.asarray(LENGTHS),
+        **common,
+        max_new_tokens=10,
+        method="ddtree",
+        budget=8,
+        block_size=5,
+    )
     np.testing.assert_array_equal(np.asarray(out.tokens), ar_tokens)
     assert (np.asarray(out.tau) > 3.0).all()
     # a DFlash drafter with YaRN RoPE (the Kimi drafters' kind) on this target: same greedy text
-    drafter_config = DFlashConfig(hidden_size=32, intermediate_size=40, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                                  block_size=4, mask_token_id=V - 1, target_layers=(0, 1), rope_theta=50_000.0,
-                                  rope_type="yarn", rope_factor=4.0, rope_original_max_position=16)
-    drafter = DFlashDrafter(drafter_config, dflash.init_params(drafter_config, 32, jax.random.key(5)),
-                            deepseek_v3.embedding(params), deepseek_v3.head(config, params))
-    out = generate(config, params, drafter, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=10,
-                   method="ddtree", budget=8, block_size=4)
+    drafter_config = DFlashConfig(
+        hidden_size=32,
+        intermediate_size=40,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        mask_token_id=V - 1,
+        target_layers=(0, 1),
+        rope_theta=50_000.0,
+        rope_type="yarn",
+        rope_factor=4.0,
+        rope_original_max_position=16,
+    )
+    drafter = DFlashDrafter(
+        drafter_config,
+        dflash.init_params(drafter_config, 32, jax.random.key(5)),
+        deepseek_v3.embedding(params),
+        deepseek_v3.head(config, params),
+    )
+    out = generate(
+        config,
+        params,
+        drafter,
+        jnp.asarray(PROMPTS),
+        jnp.asarray(LENGTHS),
+        **common,
+        max_new_tokens=10,
+        method="ddtree",
+        budget=8,
+        block_size=4,
+    )
     np.testing.assert_array_equal(np.asarray(out.tokens), ar_tokens)
 
 
@@ -202,14 +337,38 @@ def test_the_fused_sampling_kernel_gives_the_same_generation():
 
     pair = random_tiny_pair(0)
     args = request_args(pair, [[1, 2, 3, 4, 5], [7, 8]], temperature=1.0, top_p=0.9, seed=0, max_new_tokens=24)
-    out = {impl: np.asarray(generate(*args, max_new_tokens=24, method="ddtree", budget=8, block_size=8,
-                                     options=DecodeOptions(verify_impl=impl)).tokens) for impl in ("xla", "pallas")}
+    out = {
+        impl: np.asarray(
+            generate(
+                *args,
+                max_new_tokens=24,
+                method="ddtree",
+                budget=8,
+                block_size=8,
+                options=DecodeOptions(verify_impl=impl),
+            ).tokens
+        )
+        for impl in ("xla", "pallas")
+    }
     np.testing.assert_array_equal(out["pallas"], out["xla"])
 
 
 def test_moe_impl_needs_an_moe_target():
-    common = dict(sampling=SamplingParams.create(3, temperature=0.0), keys=row_keys(jax.random.key(3), jnp.arange(3)),
-                  stop_tokens=jnp.full((3, 1), -1, jnp.int32), max_new=jnp.full((3,), 4, jnp.int32))
+    common = dict(
+        sampling=SamplingParams.create(3, temperature=0.0),
+        keys=row_keys(jax.random.key(3), jnp.arange(3)),
+        stop_tokens=jnp.full((3, 1), -1, jnp.int32),
+        max_new=jnp.full((3,), 4, jnp.int32),
+    )
     with pytest.raises(ValueError, match="moe_impl='ep' needs an MoE target; Qwen3Config"):
-        generate(TARGET, T_PARAMS, None, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), **common, max_new_tokens=4,
-                 method="ar", options=DecodeOptions(moe_impl="ep"))
+        generate(
+            TARGET,
+            T_PARAMS,
+            None,
+            jnp.asarray(PROMPTS),
+            jnp.asarray(LENGTHS),
+            **common,
+            max_new_tokens=4,
+            method="ar",
+            options=DecodeOptions(moe_impl="ep"),
+        )

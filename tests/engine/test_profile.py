@@ -12,8 +12,17 @@ def pair():
 
 
 def test_ddtree_stage_times_are_positive_and_add_up(pair):
-    times = stage_times(pair, [3, 1, 4, 1, 5], method="ddtree", budget=6, block_size=4, max_new_tokens=8,
-                        temperature=0.8, top_k=20, repeats=2)
+    times = stage_times(
+        pair,
+        [3, 1, 4, 1, 5],
+        method="ddtree",
+        budget=6,
+        block_size=4,
+        max_new_tokens=8,
+        temperature=0.8,
+        top_k=20,
+        repeats=2,
+    )
     assert set(times) == set(STAGES) | {"step", "stages_sum", "non_forward_share"}
     assert all(times[s] > 0 for s in STAGES) and times["step"] > 0
     assert times["stages_sum"] == pytest.approx(sum(times[s] for s in STAGES))

@@ -51,8 +51,9 @@ def test_tau_bounds_and_step_records(sweep):
 def test_surrogate_grows_with_the_budget(sweep):
     """A bigger best-first tree holds every node of a smaller one (up to near-ties), so its surrogate is larger."""
     for t in budget_sweep.SMALL["temperatures"]:
-        tree = sorted((r for r in sweep["rows"] if r["method"] == "ddtree" and r["temperature"] == t),
-                      key=lambda r: r["budget"])
+        tree = sorted(
+            (r for r in sweep["rows"] if r["method"] == "ddtree" and r["temperature"] == t), key=lambda r: r["budget"]
+        )
         means = [r["step_surrogate_mean"] for r in tree]
         assert means == sorted(means)
 
@@ -69,10 +70,12 @@ def test_targets_table_and_plot(sweep, tmp_path):
 
 
 def test_targets_logic():
-    rows = [{"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0},
-            {"method": "ddtree", "budget": 4, "temperature": 0.0, "mean_tau": 2.0},
-            {"method": "ddtree", "budget": 8, "temperature": 0.0, "mean_tau": 3.5},
-            {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 4.2}]
+    rows = [
+        {"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0},
+        {"method": "ddtree", "budget": 4, "temperature": 0.0, "mean_tau": 2.0},
+        {"method": "ddtree", "budget": 8, "temperature": 0.0, "mean_tau": 3.5},
+        {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 4.2},
+    ]
     t = budget_sweep.targets(rows)
     assert t["tau_budget64_T0"] == 4.2 and t["tau_budget64_T0_at_least_4"] is True
     assert t["ddtree_above_chain"]["T=0"] == {"per_budget": {8: True, 64: True}, "all": True}
@@ -89,8 +92,26 @@ def test_targets_logic():
 def test_cli_writes_json_and_plot(tiny_pair_dir, tmp_path, capsys):
     target, drafter = pair_dirs(tiny_pair_dir)
     out = tmp_path / "sweep.json"
-    assert budget_sweep.main(["--target", target, "--drafter", drafter, "--small", "--budgets", "4", "--temperatures",
-                              "0", "--out", str(out), "--no-progress", "--no-steps"]) == 0
+    assert (
+        budget_sweep.main(
+            [
+                "--target",
+                target,
+                "--drafter",
+                drafter,
+                "--small",
+                "--budgets",
+                "4",
+                "--temperatures",
+                "0",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--no-steps",
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert {(r["method"], r["budget"]) for r in result["rows"]} == {("chain", None), ("ddtree", 4)}
     assert "steps" not in result["rows"][0] and os.path.exists(tmp_path / "sweep.png")

@@ -20,7 +20,9 @@ def test_prompts_are_deterministic_held_out_and_exactly_p_tokens(tiny_pair_dir, 
     prompts = load_prompts(tiny_pair_dir, tokenizer, n=6, length=20, seed=3, min_continuation=10)
     again = load_prompts(tiny_pair_dir, tokenizer, n=6, length=20, seed=3, min_continuation=10)
     assert prompts == again
-    assert [p["ids"] for p in load_prompts(tiny_pair_dir, tokenizer, n=6, length=20, seed=4)] != [p["ids"] for p in prompts]
+    assert [p["ids"] for p in load_prompts(tiny_pair_dir, tokenizer, n=6, length=20, seed=4)] != [
+        p["ids"] for p in prompts
+    ]
     manifest = read_manifest(os.path.join(tiny_pair_dir, "work", "corpus", "manifest.json"))
     held = set(held_out_files(manifest))
     fraction = manifest["held_out_fraction"]
@@ -29,7 +31,7 @@ def test_prompts_are_deterministic_held_out_and_exactly_p_tokens(tiny_pair_dir, 
         assert p["path"] in held and split_of(p["path"], fraction) == "heldout"
         with open(os.path.join(manifest["root"], p["path"])) as f:
             text = f.read()
-        assert text[p["char"]:].startswith(p["text"])  # a prefix of the file from a line start on
+        assert text[p["char"] :].startswith(p["text"])  # a prefix of the file from a line start on
         assert p["char"] == 0 or text[p["char"] - 1] == "\n"
     # distinct files first: as many different files as there are held-out files (or prompts)
     assert len({p["path"] for p in prompts}) == min(6, len(held))
@@ -44,8 +46,9 @@ def test_without_the_work_manifest_the_split_is_rebuilt_from_provenance(tiny_pai
     original = read_manifest(os.path.join(tiny_pair_dir, "work", "corpus", "manifest.json"))
     assert held_out_files(rebuilt) == held_out_files(original)
     assert rebuilt["file_list_hash"] == original["file_list_hash"]
-    assert (load_prompts(str(shipped), tokenizer, n=3, length=16)
-            == load_prompts(tiny_pair_dir, tokenizer, n=3, length=16))
+    assert load_prompts(str(shipped), tokenizer, n=3, length=16) == load_prompts(
+        tiny_pair_dir, tokenizer, n=3, length=16
+    )
     os.remove(shipped / "provenance.json")
     with pytest.raises(FileNotFoundError, match="manifest"):
         find_manifest(str(shipped))

@@ -35,8 +35,10 @@ def test_homogeneity_accepts_equal_laws_and_rejects_different_ones():
 
 
 def test_coarsen_pools_rare_outputs_the_same_way_for_every_group():
-    groups = [collections.Counter({(0, 1, 1): 50, (0, 1, 2): 1, (0, 3, 2): 2, (0, 4, 4): 1}),
-              collections.Counter({(0, 1, 1): 40, (0, 2, 2): 3, (0, 3, 2): 5, (1, 5, 5): 2})]
+    groups = [
+        collections.Counter({(0, 1, 1): 50, (0, 1, 2): 1, (0, 3, 2): 2, (0, 4, 4): 1}),
+        collections.Counter({(0, 1, 1): 40, (0, 2, 2): 3, (0, 3, 2): 5, (1, 5, 5): 2}),
+    ]
     m = ab.coarsen(groups, min_expected=5)
     assert m[(0, 1, 1)] == (0, 1, 1)  # frequent: its own cell
     assert m[(0, 1, 2)] == m[(0, 2, 2)] == m[(0, 3, 2)] == (0, ab.WILD, 2)  # pooled over t1: 11 x 50 / 104 >= 5

@@ -7,27 +7,32 @@ import pytest
 
 from experiments import speed_projection as sp
 
-SWEEP = {"settings": {"block_size": 16}, "rows": [
-    {"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0, "pooled_tau": 2.4},
-    {"method": "ddtree", "budget": 16, "temperature": 0.0, "mean_tau": 4.0, "pooled_tau": 3.2},
-    {"method": "ddtree", "budget": 32, "temperature": 0.0, "mean_tau": 4.5, "pooled_tau": 3.6},
-    {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 5.0, "pooled_tau": 4.0},
-    {"method": "ddtree", "budget": 512, "temperature": 0.0, "mean_tau": 5.2, "pooled_tau": 4.16},
-    {"method": "chain", "budget": None, "temperature": 1.0, "mean_tau": 2.0, "pooled_tau": 1.6},
-    {"method": "ddtree", "budget": 16, "temperature": 1.0, "mean_tau": 2.5, "pooled_tau": 2.0},
-    {"method": "ddtree", "budget": 64, "temperature": 1.0, "mean_tau": 3.0, "pooled_tau": 2.4},
-]}
+SWEEP = {
+    "settings": {"block_size": 16},
+    "rows": [
+        {"method": "chain", "budget": None, "temperature": 0.0, "mean_tau": 3.0, "pooled_tau": 2.4},
+        {"method": "ddtree", "budget": 16, "temperature": 0.0, "mean_tau": 4.0, "pooled_tau": 3.2},
+        {"method": "ddtree", "budget": 32, "temperature": 0.0, "mean_tau": 4.5, "pooled_tau": 3.6},
+        {"method": "ddtree", "budget": 64, "temperature": 0.0, "mean_tau": 5.0, "pooled_tau": 4.0},
+        {"method": "ddtree", "budget": 512, "temperature": 0.0, "mean_tau": 5.2, "pooled_tau": 4.16},
+        {"method": "chain", "budget": None, "temperature": 1.0, "mean_tau": 2.0, "pooled_tau": 1.6},
+        {"method": "ddtree", "budget": 16, "temperature": 1.0, "mean_tau": 2.5, "pooled_tau": 2.0},
+        {"method": "ddtree", "budget": 64, "temperature": 1.0, "mean_tau": 3.0, "pooled_tau": 2.4},
+    ],
+}
 
 
 @pytest.fixture
 def bench(tmp_path):
     """bench_engine.py's output format: rows with B, method, budget, step_ms (two attention impls for one row)."""
-    rows = [{"B": 1, "method": "ar", "budget": None, "step_ms": 10.0, "attn_impl": "xla", "context": 2048},
-            {"B": 1, "method": "chain", "budget": None, "step_ms": 12.0, "attn_impl": "xla"},
-            {"B": 1, "method": "ddtree", "budget": 16, "step_ms": 13.0, "attn_impl": "xla"},
-            {"B": 1, "method": "ddtree", "budget": 16, "step_ms": 12.5, "attn_impl": "pallas"},
-            {"B": 1, "method": "ddtree", "budget": 64, "step_ms": 16.0, "attn_impl": "xla"},
-            {"B": 8, "method": "ar", "budget": None, "step_ms": 20.0, "attn_impl": "xla"}]
+    rows = [
+        {"B": 1, "method": "ar", "budget": None, "step_ms": 10.0, "attn_impl": "xla", "context": 2048},
+        {"B": 1, "method": "chain", "budget": None, "step_ms": 12.0, "attn_impl": "xla"},
+        {"B": 1, "method": "ddtree", "budget": 16, "step_ms": 13.0, "attn_impl": "xla"},
+        {"B": 1, "method": "ddtree", "budget": 16, "step_ms": 12.5, "attn_impl": "pallas"},
+        {"B": 1, "method": "ddtree", "budget": 64, "step_ms": 16.0, "attn_impl": "xla"},
+        {"B": 8, "method": "ar", "budget": None, "step_ms": 20.0, "attn_impl": "xla"},
+    ]
     path = tmp_path / "engine_qwen3-8b_matmul-xla.json"
     path.write_text(json.dumps({"benchmark": "engine_qwen3-8b", "device": "gpu:H200", "commit": "abc", "rows": rows}))
     return str(path)
@@ -47,9 +52,13 @@ def test_projection_from_a_bench_json(bench, monkeypatch):
     b32 = row[(0.0, "ddtree", 32)]  # interpolated in N = budget + 1 between 16 (N 17) and 64 (N 65)
     assert b32["step_source"] == "interpolated" and b32["step_ms"] == pytest.approx(12.5 + (16 / 48) * 3.5)
     assert row[(0.0, "ddtree", 512)]["step_ms"] is None  # outside the measured range, no roofline
-    assert result["best_budget"]["T=0"]["budget"] == max(
-        (r for r in result["rows"] if r["temperature"] == 0.0 and r["method"] == "ddtree" and r["tokens_per_s"]),
-        key=lambda r: r["tokens_per_s"])["budget"]
+    assert (
+        result["best_budget"]["T=0"]["budget"]
+        == max(
+            (r for r in result["rows"] if r["temperature"] == 0.0 and r["method"] == "ddtree" and r["tokens_per_s"]),
+            key=lambda r: r["tokens_per_s"],
+        )["budget"]
+    )
     assert set(result["best_budget"]) == {"T=0", "T=1"}
     table = sp.format_table(result)
     assert "best budget at T=0" in table and "interpolated" in table

@@ -8,10 +8,9 @@ import pytest
 
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.run import request_args
-from ddtree_jax.sampling import SamplingParams, processed_probs, row_keys
+from ddtree_jax.sampling import SamplingParams, processed_probs
 from ddtree_jax.tree import build_tree
 from ddtree_jax.tree.render import surrogate_tau
-from ddtree_jax.verify import verify_step
 from experiments import budget_sweep
 from experiments.studies import (
     expected_tau_exact,
@@ -42,15 +41,33 @@ def test_study_generate_runs_the_engine_with_its_options(pair, order):
     from experiments.studies import step_record
 
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    res = study_generate(pair, prompts, method="ddtree", budget=6, max_new_tokens=6, temperature=1.0, seed=1,
-                         order=order, threshold_acc=0.5, threshold_single=0.3)
+    res = study_generate(
+        pair,
+        prompts,
+        method="ddtree",
+        budget=6,
+        max_new_tokens=6,
+        temperature=1.0,
+        seed=1,
+        order=order,
+        threshold_acc=0.5,
+        threshold_single=0.3,
+    )
     args = request_args(pair, prompts, temperature=1.0, seed=1, max_new_tokens=6)
     options = DecodeOptions(order=order, threshold_acc=0.5, threshold_single=0.3)
-    want, records = generate_recorded(*args, recorder=step_record, max_new_tokens=6, method="ddtree", budget=6,
-                                      block_size=pair.drafter.max_block_size, options=options)
+    want, records = generate_recorded(
+        *args,
+        recorder=step_record,
+        max_new_tokens=6,
+        method="ddtree",
+        budget=6,
+        block_size=pair.drafter.max_block_size,
+        options=options,
+    )
     np.testing.assert_array_equal(res["tokens"], np.asarray(want.tokens))
-    plain = generate(*args, max_new_tokens=6, method="ddtree", budget=6, block_size=pair.drafter.max_block_size,
-                     options=options)
+    plain = generate(
+        *args, max_new_tokens=6, method="ddtree", budget=6, block_size=pair.drafter.max_block_size, options=options
+    )
     np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(want.tokens))  # recording changes nothing
     active = np.asarray(records["active"])
     np.testing.assert_array_equal(active.sum(axis=0), np.asarray(want.steps))
@@ -89,15 +106,28 @@ def test_study_generate_emits_what_the_engine_emits(pair, tiny_pair_dir):
     s = budget_sweep.SMALL
     from experiments.held_out_prompts import load_prompts
 
-    prompts = [p["ids"] for p in load_prompts(tiny_pair_dir, pair.tokenizer, n=s["num_prompts"], length=s["prompt_len"],
-                                              min_continuation=s["max_new"])] * s["samples"]
+    prompts = [
+        p["ids"]
+        for p in load_prompts(
+            tiny_pair_dir, pair.tokenizer, n=s["num_prompts"], length=s["prompt_len"], min_continuation=s["max_new"]
+        )
+    ] * s["samples"]
     stop = [pair.tokenizer.eos_token_id]
     budget = s["budgets"][0]
-    res = study_generate(pair, prompts, method="ddtree", budget=budget, max_new_tokens=s["max_new"], temperature=1.0,
-                         seed=0, stop_tokens=stop)
+    res = study_generate(
+        pair,
+        prompts,
+        method="ddtree",
+        budget=budget,
+        max_new_tokens=s["max_new"],
+        temperature=1.0,
+        seed=0,
+        stop_tokens=stop,
+    )
     args = request_args(pair, prompts, temperature=1.0, seed=0, stop_tokens=stop, max_new_tokens=s["max_new"])
-    want = generate(*args, max_new_tokens=s["max_new"], method="ddtree", budget=budget,
-                    block_size=pair.drafter.max_block_size)
+    want = generate(
+        *args, max_new_tokens=s["max_new"], method="ddtree", budget=budget, block_size=pair.drafter.max_block_size
+    )
     np.testing.assert_array_equal(res["tokens"], np.asarray(want.tokens))
     np.testing.assert_array_equal(res["steps"], np.asarray(want.steps))
     np.testing.assert_allclose(res["tau"], np.asarray(want.tau), rtol=1e-6)

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_kernels.quant import Fp8BlockWeight, quantize_int4
 from ddtree_kernels.decode_matmul import (
     BLOCK_K,
     BLOCK_N,
@@ -21,6 +20,7 @@ from ddtree_kernels.decode_matmul import (
     matmul_reference,
     row_tiles,
 )
+from ddtree_kernels.quant import Fp8BlockWeight, quantize_int4
 
 
 def _weights(rng, n, k, kind, dtype):
@@ -110,8 +110,14 @@ def test_grouped_matches_the_reference(kind, rows):
 
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
-@pytest.mark.parametrize("tiles", [GroupedTiles(block_n=32, splits=3), GroupedTiles(block_n=128, block_k=512, splits=2),
-                                   GroupedTiles(block_n=16, splits=1)])
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        GroupedTiles(block_n=32, splits=3),
+        GroupedTiles(block_n=128, block_k=512, splits=2),
+        GroupedTiles(block_n=16, splits=1),
+    ],
+)
 def test_grouped_tilings_and_split_k_match_the_reference(kind, tiles):
     """Other tile widths and explicit K splits (partial sums over splits; K = 3 tiles + a ragged edge, so
     3 splits put one tile in each and 2 splits leave the second one short)."""
@@ -144,7 +150,9 @@ def test_grouped_reads_one_layer_of_stacked_weights_in_place(kind):
         ref = np.asarray(grouped_matmul_reference(x, per_layer[layer], sizes))
         assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6, layer
         np.testing.assert_array_equal(ref, np.asarray(grouped_matmul_reference(x, stacked, sizes, layer=layer)))
-    with pytest.raises(ValueError, match=r"with layer= grouped_matmul takes every layer's expert weights \[L, E, N, K\]"):
+    with pytest.raises(
+        ValueError, match=r"with layer= grouped_matmul takes every layer's expert weights \[L, E, N, K\]"
+    ):
         grouped_matmul(x, per_layer[0], sizes, layer=0)
     with pytest.raises(ValueError, match="pass layer="):
         grouped_matmul(x, stacked, sizes)

@@ -37,20 +37,36 @@ def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
     lists = (spec((batch, slots), jnp.int32),) * 3
     coins = (spec((batch, slots)), spec((batch,)))
     static = dict(max_accept=8, threshold_single=1.0, threshold_acc=1.0, interpret=False)
-    text = _from_logits_jit.trace(*lists, spec((batch, slots, vocab), dtype), spec((batch, 4)), *coins,
-                                  **static, skip_with_cond=True).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("partial_stats", "search_count", "search_mass", "kept_mass", "walk_logits", "residual_logits", "final_logits"):
+    text = (
+        _from_logits_jit.trace(
+            *lists, spec((batch, slots, vocab), dtype), spec((batch, 4)), *coins, **static, skip_with_cond=True
+        )
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    for name in (
+        "partial_stats",
+        "search_count",
+        "search_mass",
+        "kept_mass",
+        "walk_logits",
+        "residual_logits",
+        "final_logits",
+    ):
         assert f"tree_sampling_{name}" in text, name
-    text = _from_probs_jit.trace(*lists, spec((batch, slots, vocab), jnp.float32), *coins,
-                                 **static).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        _from_probs_jit.trace(*lists, spec((batch, slots, vocab), jnp.float32), *coins, **static)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     for name in ("walk_probs", "residual_probs", "final_probs"):
         assert f"tree_sampling_{name}" in text, name
 
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
 def test_decode_matmul_lowers_for_triton(hopper, kind):
-    from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
     from ddtree_kernels.decode_matmul import _matmul_2d
+    from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 
     m, k, n = 17, 4096, 12288
     weight = {
@@ -58,28 +74,43 @@ def test_decode_matmul_lowers_for_triton(hopper, kind):
         "int4": Int4Weight(spec((n, k // 8), jnp.int32), spec((n, k // 32), jnp.bfloat16)),
         "fp8": Fp8BlockWeight(spec((n, k), jnp.float8_e4m3fn), spec((n // 128, k // 128), jnp.float32)),
     }[kind]
-    text = _matmul_2d.trace(spec((m, k), jnp.bfloat16), weight, interpret=False).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        _matmul_2d.trace(spec((m, k), jnp.bfloat16), weight, interpret=False)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert "decode_matmul" in text
 
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
 def test_grouped_matmul_lowers_for_triton(hopper, kind):
-    from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
     from ddtree_kernels.decode_matmul import _grouped_2d, default_grouped_tiles
+    from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 
     experts, n, k = 384, 2048, 7168  # Kimi K2.6 experts
     layers = 60  # every MoE layer's experts stacked; the kernel reads one in place
     weight = {
         "dense": spec((layers, experts, n, k), jnp.bfloat16),
-        "int4": Int4Weight(spec((layers, experts, n, k // 8), jnp.int32), spec((layers, experts, n, k // 32), jnp.bfloat16)),
-        "fp8": Fp8BlockWeight(spec((layers, experts, n, k), jnp.float8_e4m3fn),
-                              spec((layers, experts, n // 128, k // 128), jnp.float32)),
+        "int4": Int4Weight(
+            spec((layers, experts, n, k // 8), jnp.int32), spec((layers, experts, n, k // 32), jnp.bfloat16)
+        ),
+        "fp8": Fp8BlockWeight(
+            spec((layers, experts, n, k), jnp.float8_e4m3fn), spec((layers, experts, n // 128, k // 128), jnp.float32)
+        ),
     }[kind]
     for rows in (8, 136):  # one token (split-K), a budget-16 tree
-        text = _grouped_2d.trace(spec((rows, k), jnp.bfloat16), weight, spec((experts,), jnp.int32), spec((), jnp.int32),
-                                 interpret=False, tiles=default_grouped_tiles(weight)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = (
+            _grouped_2d.trace(
+                spec((rows, k), jnp.bfloat16),
+                weight,
+                spec((experts,), jnp.int32),
+                spec((), jnp.int32),
+                interpret=False,
+                tiles=default_grouped_tiles(weight),
+            )
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
         assert "grouped_matmul" in text
 
 
@@ -87,14 +118,28 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
 def test_tree_attention_lowers_for_triton(hopper, case):
     from ddtree_kernels.tree_attention import _tree_attention, block_rows, default_block_config
 
-    batch, steps, q_heads, kv_heads, dims, dv = {"gqa": (8, 65, 32, 8, (128,), 128),  # Qwen3-8B, budget 64
-                                                 "mla": (1, 17, 64, 1, (512, 64), 512)}[case]  # K2.6 on one GPU
+    batch, steps, q_heads, kv_heads, dims, dv = {
+        "gqa": (8, 65, 32, 8, (128,), 128),  # Qwen3-8B, budget 64
+        "mla": (1, 17, 64, 1, (512, 64), 512),
+    }[case]  # K2.6 on one GPU
     capacity = 4096
     mla = case == "mla"  # values = the latent key part (v=None), as deepseek_v3 calls it
     q = tuple(spec((batch, steps, q_heads, d), jnp.bfloat16) for d in dims)
     k = tuple(spec((batch, capacity, kv_heads, d), jnp.bfloat16) for d in dims)
     v = None if mla else spec((batch, capacity, kv_heads, dv), jnp.bfloat16)
     config = default_block_config(block_rows(q_heads // kv_heads, steps), dims, dv)
-    text = _tree_attention.trace(q, k, v, spec((batch, steps, capacity), jnp.bool_), spec((batch,), jnp.int32), scale=0.1,
-                                 config=config, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        _tree_attention.trace(
+            q,
+            k,
+            v,
+            spec((batch, steps, capacity), jnp.bool_),
+            spec((batch,), jnp.int32),
+            scale=0.1,
+            config=config,
+            interpret=False,
+        )
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert "tree_attention" in text

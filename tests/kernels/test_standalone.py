@@ -44,7 +44,13 @@ SCRIPT = textwrap.dedent("""
 
 def test_the_kernel_package_imports_and_runs_without_the_library():
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "kernels"), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=os.path.join(REPO, "kernels"), env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=os.path.join(REPO, "kernels"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "standalone ok" in done.stdout

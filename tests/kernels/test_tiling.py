@@ -24,8 +24,9 @@ BLOCK_M = (16, 32, 64)
 
 
 def _grouped_bytes(kind, x_dtype, w_dtype, s_dtype, block_m, tiles):
-    return tiling.pipelined_bytes(stage_tiles(kind, x_dtype, w_dtype, s_dtype, block_m, tiles.block_n, tiles.block_k),
-                                  tiles.num_stages)
+    return tiling.pipelined_bytes(
+        stage_tiles(kind, x_dtype, w_dtype, s_dtype, block_m, tiles.block_n, tiles.block_k), tiles.num_stages
+    )
 
 
 @pytest.mark.parametrize("weight", WEIGHTS)
@@ -36,7 +37,10 @@ def test_every_default_grouped_tiling_fits_the_shared_memory(weight, x_dtype):
     for block_m in BLOCK_M:
         tiles = fit_grouped_tiles(base, kind, x_dtype, w_dtype, s_dtype, block_m)
         tiles.check(kind)  # still a valid tiling of the format
-        assert _grouped_bytes(kind, x_dtype, w_dtype, s_dtype, block_m, tiles) <= tiling.SMEM_LIMIT_BYTES, (block_m, tiles)
+        assert _grouped_bytes(kind, x_dtype, w_dtype, s_dtype, block_m, tiles) <= tiling.SMEM_LIMIT_BYTES, (
+            block_m,
+            tiles,
+        )
 
 
 @pytest.mark.parametrize("weight", WEIGHTS)
@@ -45,10 +49,12 @@ def test_every_default_plain_tiling_fits_the_shared_memory(weight, x_dtype):
     kind, w_dtype, s_dtype = WEIGHTS[weight]
     block_k0 = 128 if kind == "fp8" else decode_matmul.BLOCK_K
     for block_m in BLOCK_M:
-        block_k, stages = fit_tiling(kind, x_dtype, w_dtype, s_dtype, block_m, decode_matmul.BLOCK_N, block_k0,
-                                     decode_matmul.NUM_STAGES)
-        nbytes = tiling.pipelined_bytes(stage_tiles(kind, x_dtype, w_dtype, s_dtype, block_m, decode_matmul.BLOCK_N,
-                                                    block_k), stages)
+        block_k, stages = fit_tiling(
+            kind, x_dtype, w_dtype, s_dtype, block_m, decode_matmul.BLOCK_N, block_k0, decode_matmul.NUM_STAGES
+        )
+        nbytes = tiling.pipelined_bytes(
+            stage_tiles(kind, x_dtype, w_dtype, s_dtype, block_m, decode_matmul.BLOCK_N, block_k), stages
+        )
         assert nbytes <= tiling.SMEM_LIMIT_BYTES
         assert block_k % {"int4": 256, "fp8": 128, "dense": 16}[kind] == 0
 
@@ -58,8 +64,9 @@ def test_the_bf16_and_int4_defaults_are_left_as_measured():
     for kind, w_dtype, s_dtype in (("dense", jnp.bfloat16, jnp.float32), ("int4", jnp.int32, jnp.bfloat16)):
         assert fit_grouped_tiles(GroupedTiles(), kind, jnp.bfloat16, w_dtype, s_dtype, 16) == GroupedTiles()
         assert fit_tiling(kind, jnp.bfloat16, w_dtype, s_dtype, 64, 64, 256, 3) == (256, 3)
-    assert fit_grouped_tiles(GroupedTiles(block_k=128), "fp8", jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32, 16) \
-        == GroupedTiles(block_k=128)
+    assert fit_grouped_tiles(
+        GroupedTiles(block_k=128), "fp8", jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32, 16
+    ) == GroupedTiles(block_k=128)
     # float32 dense weights at 128 columns: 128 x 256 x 4 bytes a stage alone is 128 KiB; cut to fit
     cut = fit_grouped_tiles(GroupedTiles(), "dense", jnp.float32, jnp.float32, jnp.float32, 16)
     assert (cut.block_k, cut.num_stages) != (GroupedTiles().block_k, GroupedTiles().num_stages)
@@ -86,7 +93,10 @@ def test_attention_tiling_fits_for_every_shape_and_dtype(dtype, itemsize):
     shapes = {"gqa": ((128,), 128), "mla": ((512, 64), 512)}
     for (name, (key_dims, value_dim)), block_m in itertools.product(shapes.items(), BLOCK_M):
         config = tree_attention.default_block_config(block_m, key_dims, value_dim, itemsize)
-        assert tree_attention.shared_memory_bytes(block_m, key_dims, value_dim, config, itemsize) <= tiling.SMEM_LIMIT_BYTES
+        assert (
+            tree_attention.shared_memory_bytes(block_m, key_dims, value_dim, config, itemsize)
+            <= tiling.SMEM_LIMIT_BYTES
+        )
     # float32 halves what fits: the MLA shape at 64 rows must drop to fewer keys per block than bf16's
     bf16 = tree_attention.default_block_config(64, (512, 64), 512, 2)
     f32 = tree_attention.default_block_config(64, (512, 64), 512, 4)

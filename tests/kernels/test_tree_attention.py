@@ -6,8 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_kernels.tree_attention import (SMEM_BUDGET, BlockConfig, default_block_config, shared_memory_bytes, tree_attention,
-                                    tree_attention_reference, visible_lengths)
+from ddtree_kernels.tree_attention import (
+    SMEM_BUDGET,
+    BlockConfig,
+    default_block_config,
+    shared_memory_bytes,
+    tree_attention,
+    tree_attention_reference,
+    visible_lengths,
+)
 
 
 def _tree_mask(rng, batch, steps, capacity, lengths):
@@ -18,7 +25,7 @@ def _tree_mask(rng, batch, steps, capacity, lengths):
         ancestors = np.eye(steps, dtype=bool)
         for i in range(1, steps):
             ancestors[i] |= ancestors[rng.integers(0, i)]
-        mask[b, :, lengths[b]: lengths[b] + steps] = ancestors
+        mask[b, :, lengths[b] : lengths[b] + steps] = ancestors
     return jnp.asarray(mask)
 
 

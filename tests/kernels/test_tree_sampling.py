@@ -17,8 +17,7 @@ import pytest
 from ddtree_jax.sampling import COIN_MAX, COIN_MIN, SamplingParams, processed_probs
 from ddtree_jax.sampling.probs import INVALID_TOKEN
 from ddtree_jax.tree import build_tree, verification_order
-from ddtree_jax.verify import verify_greedy, verify_sampling, verify_step
-from ddtree_jax.verify import VerifyResult
+from ddtree_jax.verify import VerifyResult, verify_greedy, verify_sampling, verify_step
 from ddtree_kernels import tree_sampling
 from ddtree_kernels.tree_sampling import logit_key, params_rows, row_stats, row_stats_reference
 from tests.kernels.margins import row_margin
@@ -30,6 +29,7 @@ from tests.verify.test_verify_sampling import (
     _follow_some_children,
     _worked_example_probs,
 )
+
 
 def tree_sampling_from_probs(*args, **kwargs) -> VerifyResult:
     """The kernel's arrays as the library's result type (what `verify_sampling(impl="pallas")` does)."""
@@ -65,8 +65,11 @@ def _random_params(rng, batch):
 
 def _inputs(seed, batch, depth, vocab, budget, dtype=jnp.float32, order="draft", scale=2.0):
     rng = np.random.default_rng(seed)
-    tree = build_tree((rng.standard_normal((batch, depth, vocab)) * 2).astype(np.float32), budget,
-                      rng.integers(0, vocab, batch).astype(np.int32))
+    tree = build_tree(
+        (rng.standard_normal((batch, depth, vocab)) * 2).astype(np.float32),
+        budget,
+        rng.integers(0, vocab, batch).astype(np.int32),
+    )
     nxt, sib = verification_order(tree, order, jax.random.key(seed))
     target = jnp.asarray(rng.standard_normal((batch, budget + 1, vocab)) * scale, jnp.float32)
     target = _follow_some_children(tree, nxt, sib, target, rng).astype(dtype)
@@ -102,8 +105,15 @@ def test_row_stats_match_the_sorting_reference(dtype):
     x[6] = -np.inf
     x[7, 9] = np.inf
     x[8] = x[8] * 1e-3 - 50.0  # all logits negative, nearly flat
-    p = np.stack([rng.choice([0.0, 0.5, 1.0, 3.0], rows), rng.choice([0, 1, 2, 50, 699, 700, 5000], rows),
-                  rng.choice([1.0, 0.99, 0.7, 0.05], rows), rng.choice([0.0, 0.01, 0.3], rows)], axis=1).astype(np.float32)
+    p = np.stack(
+        [
+            rng.choice([0.0, 0.5, 1.0, 3.0], rows),
+            rng.choice([0, 1, 2, 50, 699, 700, 5000], rows),
+            rng.choice([1.0, 0.99, 0.7, 0.05], rows),
+            rng.choice([0.0, 0.01, 0.3], rows),
+        ],
+        axis=1,
+    ).astype(np.float32)
     p[4] = [1.0, 0, 0.5, 0]  # ties at the top-p cut
     logits = jnp.asarray(x, dtype)
     got = row_stats(logits, jnp.asarray(p))
@@ -118,8 +128,9 @@ def test_row_stats_match_the_sorting_reference(dtype):
 
 def test_logit_key_orders_like_the_floats():
     rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.integers(-30, 30, 1000),
-                        [0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45]]).astype(np.float32)
+    x = np.concatenate(
+        [rng.standard_normal(1000) * 10.0 ** rng.integers(-30, 30, 1000), [0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45]]
+    ).astype(np.float32)
     key = np.asarray(logit_key(jnp.asarray(x), 0))
     order = np.argsort(x, kind="stable")
     assert (np.diff(key[order]) >= 0).all()
@@ -148,14 +159,34 @@ def test_from_probs_agrees_with_verify_sampling(order):
     assert float(np.asarray(ref.num_accepted).mean()) > 0.5  # deep walks are exercised
     t = np.asarray(target, np.float32)
     pr = [np.asarray(a) for a in (params.temperature, params.top_k, params.top_p, params.min_p)]
-    _assert_agreement(got, ref, lambda b: row_margin(
-        np.asarray(tree.tokens[b]), np.asarray(nxt[b]), np.asarray(sib[b]), t[b], [v[b] for v in pr], coins[b], final[b], depth))
+    _assert_agreement(
+        got,
+        ref,
+        lambda b: row_margin(
+            np.asarray(tree.tokens[b]),
+            np.asarray(nxt[b]),
+            np.asarray(sib[b]),
+            t[b],
+            [v[b] for v in pr],
+            coins[b],
+            final[b],
+            depth,
+        ),
+    )
 
 
 def test_from_probs_worked_example_and_verify_sampling_dispatch():
     for (coins, final), (accept, n_acc, tokens) in WORKED_EXAMPLE_CASES:  # each coin's outcome, derived by hand
-        res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), coins, np.array([final], np.float32),
-                              max_accept=3, impl="pallas")
+        res = verify_sampling(
+            EX_CAND,
+            EX_NEXT,
+            EX_SIB,
+            _worked_example_probs(),
+            coins,
+            np.array([final], np.float32),
+            max_accept=3,
+            impl="pallas",
+        )
         assert np.asarray(res.accept_index).tolist() == [accept]
         assert np.asarray(res.num_accepted).tolist() == [n_acc]
         assert np.asarray(res.tokens).tolist() == [tokens]
@@ -173,8 +204,9 @@ def _fan(probs_row, coin, final_coin=0.5, vocab=None):
     probs = np.zeros((1, c + 1, vocab), np.float32)
     probs[0, 0, :c] = probs_row
     probs[0, 1:] = 1.0 / vocab
-    res = tree_sampling_from_probs(cand, nxt, sib, probs, np.full((1, c + 1), coin, np.float32),
-                                   np.array([final_coin], np.float32), max_accept=1)
+    res = tree_sampling_from_probs(
+        cand, nxt, sib, probs, np.full((1, c + 1), coin, np.float32), np.array([final_coin], np.float32), max_accept=1
+    )
     return int(res.num_accepted[0]), int(res.tokens[0, 0])
 
 
@@ -185,8 +217,15 @@ def test_spec_boundary_cases():
     assert _fan(np.array([0.0, 0.0, 1.0], np.float32), coin=COIN_MAX)[1] == 2
     third = np.float32(0.3333333)  # sums to 0.9999999 < the largest coin: residual empty
     assert _fan(np.array([third] * 3, np.float32), coin=COIN_MAX, final_coin=COIN_MAX) == (0, 2)
-    res = tree_sampling_from_probs(EX_CAND, EX_NEXT, EX_SIB, np.zeros((1, 6, 7), np.float32),
-                                   np.full((1, 6), 0.5, np.float32), np.array([0.5], np.float32), max_accept=3)
+    res = tree_sampling_from_probs(
+        EX_CAND,
+        EX_NEXT,
+        EX_SIB,
+        np.zeros((1, 6, 7), np.float32),
+        np.full((1, 6), 0.5, np.float32),
+        np.array([0.5], np.float32),
+        max_accept=3,
+    )
     assert int(res.tokens[0, 0]) == 6  # no mass anywhere: V - 1
     # the final sample scans more than one chunk (V > the kernel's block) and never emits a zero-mass id
     vocab = 8193
@@ -195,9 +234,15 @@ def test_spec_boundary_cases():
     for final_coin, want in ((COIN_MIN, 5), (0.2, 4097), (0.49, 4097), (0.5, 8192), (COIN_MAX, 8192)):
         probs = np.zeros((1, 2, vocab), np.float32)
         probs[0, 0] = row
-        res = tree_sampling_from_probs(np.array([[0, 7]], np.int32), np.array([[1, -1]], np.int32),
-                                       np.array([[-1, -1]], np.int32), probs, np.full((1, 2), 0.5, np.float32),
-                                       np.array([final_coin], np.float32), max_accept=1)
+        res = tree_sampling_from_probs(
+            np.array([[0, 7]], np.int32),
+            np.array([[1, -1]], np.int32),
+            np.array([[-1, -1]], np.int32),
+            probs,
+            np.full((1, 2), 0.5, np.float32),
+            np.array([final_coin], np.float32),
+            max_accept=1,
+        )
         assert int(res.tokens[0, 0]) == want, (final_coin, int(res.tokens[0, 0]))
 
 
@@ -210,13 +255,27 @@ def test_from_logits_agrees_with_the_reference_pipeline(dtype):
     tree, nxt, sib, target, coins, final, rng = _inputs(2, batch, depth, vocab, budget, dtype=dtype)
     params = _random_params(rng, batch)
     got, valid = tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
-    ref, ref_valid = tree_sampling_from_logits_reference(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
+    ref, ref_valid = tree_sampling_from_logits_reference(
+        tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth
+    )
     np.testing.assert_array_equal(np.asarray(valid), np.asarray(ref_valid))
     assert float(np.asarray(ref.num_accepted).mean()) > 0.5
     t = np.asarray(target.astype(jnp.float32))
     pr = [np.asarray(a) for a in (params.temperature, params.top_k, params.top_p, params.min_p)]
-    _assert_agreement(got, ref, lambda b: row_margin(
-        np.asarray(tree.tokens[b]), np.asarray(nxt[b]), np.asarray(sib[b]), t[b], [v[b] for v in pr], coins[b], final[b], depth))
+    _assert_agreement(
+        got,
+        ref,
+        lambda b: row_margin(
+            np.asarray(tree.tokens[b]),
+            np.asarray(nxt[b]),
+            np.asarray(sib[b]),
+            t[b],
+            [v[b] for v in pr],
+            coins[b],
+            final[b],
+            depth,
+        ),
+    )
 
 
 def test_the_margin_check_catches_a_real_difference():
@@ -230,8 +289,21 @@ def test_the_margin_check_catches_a_real_difference():
     ref, _ = tree_sampling_from_logits_reference(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
     t = np.asarray(target)
     with pytest.raises(AssertionError):
-        _assert_agreement(got, ref, lambda b: row_margin(np.asarray(tree.tokens[b]), np.asarray(nxt[b]), np.asarray(sib[b]),
-                                                         t[b], (1.0, 0, 0.9, 0.0), coins[b], final[b], depth), min_share=0.0)
+        _assert_agreement(
+            got,
+            ref,
+            lambda b: row_margin(
+                np.asarray(tree.tokens[b]),
+                np.asarray(nxt[b]),
+                np.asarray(sib[b]),
+                t[b],
+                (1.0, 0, 0.9, 0.0),
+                coins[b],
+                final[b],
+                depth,
+            ),
+            min_share=0.0,
+        )
 
 
 @pytest.mark.slow
@@ -241,15 +313,28 @@ def test_the_margin_check_catches_a_real_difference():
 def test_large_vocabularies(vocab, dtype):
     batch, depth, budget = 3, 5, 12
     tree, nxt, sib, target, coins, final, rng = _inputs(vocab, batch, depth, vocab, budget, dtype=dtype, scale=4.0)
-    params = SamplingParams.create(batch, temperature=[0.0, 1.0, 0.8], top_k=[0, 0, 1000], top_p=[1.0, 0.9, 0.95],
-                                   min_p=[0.0, 0.0, 0.01])
+    params = SamplingParams.create(
+        batch, temperature=[0.0, 1.0, 0.8], top_k=[0, 0, 1000], top_p=[1.0, 0.9, 0.95], min_p=[0.0, 0.0, 0.01]
+    )
     got, _ = tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
     ref, _ = tree_sampling_from_logits_reference(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
     t = np.asarray(target.astype(jnp.float32))
     pr = [np.asarray(a) for a in (params.temperature, params.top_k, params.top_p, params.min_p)]
-    _assert_agreement(got, ref, lambda b: row_margin(
-        np.asarray(tree.tokens[b]), np.asarray(nxt[b]), np.asarray(sib[b]), t[b], [v[b] for v in pr], coins[b], final[b], depth),
-        min_share=0.0)
+    _assert_agreement(
+        got,
+        ref,
+        lambda b: row_margin(
+            np.asarray(tree.tokens[b]),
+            np.asarray(nxt[b]),
+            np.asarray(sib[b]),
+            t[b],
+            [v[b] for v in pr],
+            coins[b],
+            final[b],
+            depth,
+        ),
+        min_share=0.0,
+    )
     probs = np.asarray(processed_probs(target, params))
     tokens, n_acc, accept = (np.asarray(a) for a in (got.tokens, got.num_accepted, got.accept_index))
     for b in range(batch):
@@ -326,8 +411,20 @@ def test_output_law_through_the_fused_kernel():
     samples, setting = 1500, "T1.5-topp0.8-minp0.05"
     params = SamplingParams.create(samples, **test_law.SETTINGS[setting])
     roots = jnp.full((samples,), test_law.ROOT, jnp.int32)
-    runs = {impl: simulate(test_law.TRANSITION, test_law.DRAFT, params, roots, jax.random.key(3), budget=test_law.BUDGET,
-                           num_steps=3, order="random", impl=impl) for impl in ("pallas", "xla")}
+    runs = {
+        impl: simulate(
+            test_law.TRANSITION,
+            test_law.DRAFT,
+            params,
+            roots,
+            jax.random.key(3),
+            budget=test_law.BUDGET,
+            num_steps=3,
+            order="random",
+            impl=impl,
+        )
+        for impl in ("pallas", "xla")
+    }
     emitted, accepted = (np.asarray(a) for a in runs["pallas"])
     same = (emitted == np.asarray(runs["xla"][0])).all(axis=1).mean()
     assert same >= 0.999, same

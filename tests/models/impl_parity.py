@@ -23,6 +23,8 @@ def forward_by_impl(module, config, params, switch: str, impls=("xla", "pallas")
     for impl in impls:
         cache = module.create_cache(config, 2, 32, jnp.float32)
         pre, pre_feats, cache = module.prefill(config, params, cache, prefix, lengths, **{switch: impl})
-        ver, feats, _ = module.tree_forward(config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), **{switch: impl})
+        ver, feats, _ = module.tree_forward(
+            config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), **{switch: impl}
+        )
         outs[impl] = (pre[0], pre[1, :3], pre_feats[0], ver, feats)
     return outs

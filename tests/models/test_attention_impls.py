@@ -11,14 +11,38 @@ from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.attention import attention
 from tests.models.impl_parity import forward_by_impl, relerr
 
-
-QWEN = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, tapped_layers=(0, 1))
-DSV3 = DeepSeekV3Config(vocab_size=50, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=2,
-                        first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_heads=4,
-                        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                        tapped_layers=(0, 1))
+QWEN = Qwen3Config(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tapped_layers=(0, 1),
+)
+DSV3 = DeepSeekV3Config(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_layers=2,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    tapped_layers=(0, 1),
+)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
@@ -32,16 +56,21 @@ def test_prefill_and_tree_verify_equal_the_xla_path(family):
 
 def test_attention_entry_dispatches_and_falls_back_for_odd_head_dims():
     rng = np.random.default_rng(2)
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 3, 2, 12), (1, 10, 1, 12), (1, 10, 1, 12)))
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 3, 2, 12), (1, 10, 1, 12), (1, 10, 1, 12))
+    )
     mask = jnp.asarray(rng.random((1, 3, 10)) < 0.7)
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, mask, impl="pallas")),  # 12: not a power of two -> xla
-                               np.asarray(attention(q, k, v, mask, impl="xla")), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(attention(q, k, v, mask, impl="pallas")),  # 12: not a power of two -> xla
+        np.asarray(attention(q, k, v, mask, impl="xla")),
+        rtol=1e-6,
+    )
     with pytest.raises(ValueError, match="attention impl"):
         attention(q, k, v, mask, impl="flash")
 
 
 def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatch):
-    """"auto": XLA off GPU; on GPU the kernel for GQA calls with <= 32 query positions (tree verify,
+    """ "auto": XLA off GPU; on GPU the kernel for GQA calls with <= 32 query positions (tree verify,
     decode), XLA for absorbed MLA and long blocks (BENCHMARKS.md, tree-verify attention)."""
     from ddtree_jax import dispatch
 

@@ -9,12 +9,32 @@ from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3
 from tests.models.impl_parity import relerr
 
-CONFIG = DeepSeekV3Config(vocab_size=50, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=3,
-                          first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
-                          n_group=4, topk_group=2, routed_scaling_factor=2.827, norm_topk_prob=True, num_heads=4,
-                          q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                          rope_type="yarn", rope_factor=64.0, rope_original_max_position=4096, rope_mscale=1.0,
-                          rope_mscale_all_dim=1.0)
+CONFIG = DeepSeekV3Config(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    num_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    rope_type="yarn",
+    rope_factor=64.0,
+    rope_original_max_position=4096,
+    rope_mscale=1.0,
+    rope_mscale_all_dim=1.0,
+)
 
 
 def test_routing_is_group_limited_normalised_and_bias_only_chooses():
@@ -28,9 +48,11 @@ def test_routing_is_group_limited_normalised_and_bias_only_chooses():
     assert (np.array([len(set(g)) for g in groups.reshape(-1, 3)]) <= 2).all()  # within topk_group groups
     np.testing.assert_allclose(weights.sum(-1), 2.827, rtol=1e-5)  # normalised, times the scaling factor
     scores = 1 / (1 + np.exp(-np.einsum("btd,ed->bte", np.asarray(x), np.asarray(router))))
-    np.testing.assert_allclose(weights / weights.sum(-1, keepdims=True),
-                               np.take_along_axis(scores, experts, -1) / np.take_along_axis(scores, experts, -1).sum(-1, keepdims=True),
-                               rtol=1e-5)  # weights come from the scores, not the biased choice
+    np.testing.assert_allclose(
+        weights / weights.sum(-1, keepdims=True),
+        np.take_along_axis(scores, experts, -1) / np.take_along_axis(scores, experts, -1).sum(-1, keepdims=True),
+        rtol=1e-5,
+    )  # weights come from the scores, not the biased choice
     huge = np.zeros(16, np.float32)
     huge[[5, 6, 7]] = 100.0  # the bias decides the choice
     chosen, _ = deepseek_v3.route(CONFIG, router, jnp.asarray(huge), x)
@@ -57,7 +79,9 @@ def test_param_axes_and_forward_shape():
         DeepSeekV3Config(**{**CONFIG.__dict__, "n_group": 3})
 
 
-TINY = DeepSeekV3Config(**{**CONFIG.__dict__, "rope_factor": 4.0, "rope_original_max_position": 16, "tapped_layers": (0, 2)})
+TINY = DeepSeekV3Config(
+    **{**CONFIG.__dict__, "rope_factor": 4.0, "rope_original_max_position": 16, "tapped_layers": (0, 2)}
+)
 PAD = 20
 
 
@@ -77,7 +101,6 @@ def _naive(params, seq):
     return _naive_at(params, jnp.asarray(padded), len(seq) - 1)
 
 
-
 def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params):
     """Latent-cache prefill (ragged rows), tree verify (each slot = its root-to-node path run causally
     through the expanded-K/V reference), commit, then continue (= uninterrupted decoding)."""
@@ -91,7 +114,9 @@ def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params
     pre_logits, _, cache = deepseek_v3.prefill(TINY, tiny_params, cache, jnp.asarray(prefix), jnp.asarray(lengths))
     assert relerr(pre_logits[0, 4], _naive(tiny_params, prefix[0, :5])) < 1e-5
     tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 7, jnp.array([9, 11], jnp.int32))
-    logits, features, cache = deepseek_v3.tree_forward(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))
+    logits, features, cache = deepseek_v3.tree_forward(
+        TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree)
+    )
     assert features.shape == (2, 8, 64)
     parents, tokens = np.asarray(tree.parents), np.asarray(tree.tokens)
     paths = {}
@@ -127,13 +152,21 @@ def test_scanned_layers_equal_the_unrolled_loop(tiny_params):
     outs = {}
     for loop in ("scan", "unrolled"):
         cache = deepseek_v3.create_cache(TINY, 2, 24, jnp.float32)
-        pre, pre_feats, cache = deepseek_v3.prefill(TINY, tiny_params, cache, prefix, jnp.array([6, 2], jnp.int32),
-                                                    layer_loop=loop)
-        ver, feats, cache = deepseek_v3.tree_forward(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree),
-                                               layer_loop=loop)
+        pre, pre_feats, cache = deepseek_v3.prefill(
+            TINY, tiny_params, cache, prefix, jnp.array([6, 2], jnp.int32), layer_loop=loop
+        )
+        ver, feats, cache = deepseek_v3.tree_forward(
+            TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop
+        )
         outs[loop] = (pre, pre_feats, ver, feats, cache.k, cache.v)
     for got, want in zip(outs["scan"], outs["unrolled"]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="layer_loop"):
-        deepseek_v3.prefill(TINY, tiny_params, deepseek_v3.create_cache(TINY, 2, 24, jnp.float32), prefix,
-                            jnp.array([6, 2], jnp.int32), layer_loop="while")
+        deepseek_v3.prefill(
+            TINY,
+            tiny_params,
+            deepseek_v3.create_cache(TINY, 2, 24, jnp.float32),
+            prefix,
+            jnp.array([6, 2], jnp.int32),
+            layer_loop="while",
+        )

@@ -9,8 +9,18 @@ from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import dflash
 
 D, V = 32, 53
-CONFIG = DFlashConfig(hidden_size=D, intermediate_size=40, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      block_size=5, mask_token_id=V - 1, target_layers=(0, 2, 3), rope_theta=10_000.0)
+CONFIG = DFlashConfig(
+    hidden_size=D,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    block_size=5,
+    mask_token_id=V - 1,
+    target_layers=(0, 2, 3),
+    rope_theta=10_000.0,
+)
 
 
 def _np(x):
@@ -49,7 +59,10 @@ def draft_reference(params, embed, head, features, bonus):
         x = _rms(h, w["input_norm"])
         q = _rope(_rms((x @ w["q_proj"].T).reshape(-1, c.num_heads, c.head_dim), w["q_norm"]), pos_blk)
         src = np.concatenate([ctx, x])
-        k = _rope(_rms((src @ w["k_proj"].T).reshape(-1, c.num_kv_heads, c.head_dim), w["k_norm"]), np.concatenate([pos_ctx, pos_blk]))
+        k = _rope(
+            _rms((src @ w["k_proj"].T).reshape(-1, c.num_kv_heads, c.head_dim), w["k_norm"]),
+            np.concatenate([pos_ctx, pos_blk]),
+        )
         v = (src @ w["v_proj"].T).reshape(-1, c.num_kv_heads, c.head_dim)
         out = np.zeros_like(q)
         for hq in range(c.num_heads):
@@ -114,16 +127,26 @@ def test_yarn_rope_drafter_reduces_to_default_at_factor_one_and_parses():
     feats = jax.random.normal(key[0], (1, 4, len(CONFIG.target_layers) * D))
     outs = []
     for config in (CONFIG, yarn_one):
-        cache = dflash.append_context(config, params, dflash.create_context_cache(config, 1, 8, jnp.float32), feats,
-                                      jnp.array([4], jnp.int32))
+        cache = dflash.append_context(
+            config, params, dflash.create_context_cache(config, 1, 8, jnp.float32), feats, jnp.array([4], jnp.int32)
+        )
         outs.append(np.asarray(dflash.draft(config, params, embed, head, cache, jnp.array([3], jnp.int32))))
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    kimi_style = parse_config({
-        "model_type": "qwen3", "architectures": ["DFlashDraftModel"], "hidden_size": 7168, "intermediate_size": 18432,
-        "num_hidden_layers": 6, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096},
-        "dflash_config": {"block_size": 8, "mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
-    })
+    kimi_style = parse_config(
+        {
+            "model_type": "qwen3",
+            "architectures": ["DFlashDraftModel"],
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rope_theta": 50000.0,
+            "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096},
+            "dflash_config": {"block_size": 8, "mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+        }
+    )
     assert (kimi_style.rope_type, kimi_style.rope_factor, kimi_style.block_size) == ("yarn", 64.0, 8)
     assert kimi_style.target_layers == (1, 12, 24, 35, 47, 58)
 
@@ -139,7 +162,9 @@ def test_train_logits_equal_draft_block_by_block():
     features = jnp.asarray(rng.standard_normal((batch, steps, len(CONFIG.target_layers) * D)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, V - 1, (batch, steps)), jnp.int32)
     anchors = jnp.array([[0, 3, 7], [2, 5, 7]], jnp.int32)  # a <= steps - block_size; a = 0: no context
-    logits = np.asarray(jax.jit(lambda *a: dflash.train_logits(CONFIG, *a))(params, embed, head, features, tokens, anchors))
+    logits = np.asarray(
+        jax.jit(lambda *a: dflash.train_logits(CONFIG, *a))(params, embed, head, features, tokens, anchors)
+    )
     assert logits.shape == (batch, 3, CONFIG.block_size - 1, V)
 
     @jax.jit

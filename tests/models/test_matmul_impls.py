@@ -11,9 +11,16 @@ from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.layers import linear
 from tests.models.impl_parity import forward_by_impl, relerr
 
-
-CONFIG = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=8, tapped_layers=(0, 1))
+CONFIG = Qwen3Config(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tapped_layers=(0, 1),
+)
 
 
 def test_prefill_and_verify_equal_the_xla_path():
@@ -28,26 +35,44 @@ def test_switch_errors():
     with pytest.raises(ValueError, match="matmul impl"):
         linear(x, jnp.ones((4, 8)), "cublas")
     with pytest.raises(NotImplementedError, match="not wired into the DeepSeek-V3 family"):
-        deepseek_v3.tree_forward(None, {}, None, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
-                           jnp.ones((1, 2, 2), bool), matmul_impl="pallas")
+        deepseek_v3.tree_forward(
+            None,
+            {},
+            None,
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.ones((1, 2, 2), bool),
+            matmul_impl="pallas",
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_greedy_generation_is_unchanged():
     from ddtree_jax.engine.generate import generate
-    from ddtree_jax.options import DecodeOptions
     from ddtree_jax.engine.run import random_tiny_pair, request_args
+    from ddtree_jax.options import DecodeOptions
 
     pair = random_tiny_pair(0)
     args = request_args(pair, [[1, 2, 3, 4, 5], [7, 8]], temperature=0.0, seed=0, max_new_tokens=12)
-    out = {impl: np.asarray(generate(*args, max_new_tokens=12, method="ddtree", budget=8, block_size=8,
-                                     options=DecodeOptions(matmul_impl=impl)).tokens) for impl in ("xla", "pallas")}
+    out = {
+        impl: np.asarray(
+            generate(
+                *args,
+                max_new_tokens=12,
+                method="ddtree",
+                budget=8,
+                block_size=8,
+                options=DecodeOptions(matmul_impl=impl),
+            ).tokens
+        )
+        for impl in ("xla", "pallas")
+    }
     np.testing.assert_array_equal(out["pallas"], out["xla"])
 
 
 def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatch):
-    """"auto": XLA off GPU; on GPU the kernel for INT4 / FP8 weights at <= 32 rows, XLA for bf16 weights
+    """ "auto": XLA off GPU; on GPU the kernel for INT4 / FP8 weights at <= 32 rows, XLA for bf16 weights
     (the kernel slowed the whole Qwen3-8B forward) and for quantised ones at more rows (BENCHMARKS.md)."""
     from ddtree_jax import dispatch
 

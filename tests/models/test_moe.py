@@ -15,10 +15,27 @@ from tests.models.impl_parity import relerr
 
 # 16 experts in 4 groups (top-2 groups), 3 per token; hidden 160 spans two 128-wide FP8 blocks, and both
 # expert input widths (160, 32) are multiples of the INT4 group.
-CONFIG = DeepSeekV3Config(vocab_size=50, hidden_size=160, intermediate_size=48, moe_intermediate_size=32, num_layers=2,
-                          first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
-                          n_group=4, topk_group=2, routed_scaling_factor=2.827, norm_topk_prob=True, num_heads=2,
-                          q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+CONFIG = DeepSeekV3Config(
+    vocab_size=50,
+    hidden_size=160,
+    intermediate_size=48,
+    moe_intermediate_size=32,
+    num_layers=2,
+    first_k_dense_replace=1,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    num_heads=2,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+)
 EXPERTS = ("expert_gate", "expert_up", "expert_down")
 
 
@@ -43,13 +60,14 @@ def _layer(fmt: str, seed: int = 0) -> dict:
     return p
 
 
-
 @jax.jit
 def _reference(p, x):
     return moe.moe_reference(CONFIG, p, x)
 
 
-_DISPATCH = {impl: jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl)) for impl in ("gather", "ragged", "pallas")}
+_DISPATCH = {
+    impl: jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl)) for impl in ("gather", "ragged", "pallas")
+}
 
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
@@ -142,13 +160,20 @@ def test_stacked_layers_reach_each_dispatch_in_place():
     for impl in ("reference", "gather", "pallas", "ep"):
         for loop in ("scan", "unrolled"):
             cache = deepseek_v3.create_cache(config, 2, 8, jnp.float32)
-            outs[impl, loop] = deepseek_v3.prefill(config, params, cache, ids, jnp.array([5, 3], jnp.int32),
-                                                   moe_impl=impl, layer_loop=loop)[0]
+            outs[impl, loop] = deepseek_v3.prefill(
+                config, params, cache, ids, jnp.array([5, 3], jnp.int32), moe_impl=impl, layer_loop=loop
+            )[0]
     sliced = {**params, "moe_layers": {**params["moe_layers"]}}
     for name in moe.EXPERT_AXES:  # a different second layer would change the logits: each layer is read
         sliced["moe_layers"][name] = jax.tree.map(lambda a: a.at[1].set(a[0]), params["moe_layers"][name])
-    changed = deepseek_v3.prefill(config, sliced, deepseek_v3.create_cache(config, 2, 8, jnp.float32), ids,
-                                  jnp.array([5, 3], jnp.int32), moe_impl="reference")[0]
+    changed = deepseek_v3.prefill(
+        config,
+        sliced,
+        deepseek_v3.create_cache(config, 2, 8, jnp.float32),
+        ids,
+        jnp.array([5, 3], jnp.int32),
+        moe_impl="reference",
+    )[0]
     assert relerr(changed, outs["reference", "scan"]) > 1e-3
     for key, got in outs.items():
         assert relerr(got, outs["reference", "scan"]) < 1e-5, key

@@ -11,8 +11,17 @@ from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 from ddtree_jax.tree import ancestor_mask, build_tree
 from tests.models.impl_parity import relerr
 
-CONFIG = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                     num_kv_heads=2, head_dim=8, rope_theta=10_000.0, tapped_layers=(0, 2))
+CONFIG = Qwen3Config(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10_000.0,
+    tapped_layers=(0, 2),
+)
 TOL = 2e-5  # float32 throughout; differences are reduction order only
 
 
@@ -43,7 +52,6 @@ def _reference(params, seq):
     return _causal_at(params, jnp.asarray(padded), len(seq) - 1)
 
 
-
 def _prefill_ragged(params, tokens, lengths, capacity=48):
     cache = _cache(tokens.shape[0], capacity)
     return qwen3.prefill(CONFIG, params, cache, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32))
@@ -60,7 +68,9 @@ def test_prefill_then_decode_equals_full_forward(params):
     # decode one token at a time from each row's own length
     for step in range(12 - lengths.max()):
         pos = lengths + step
-        step_logits, _, cache = qwen3.prefill(CONFIG, params, cache, jnp.asarray(tokens[np.arange(3), pos][:, None]), jnp.ones(3, jnp.int32))
+        step_logits, _, cache = qwen3.prefill(
+            CONFIG, params, cache, jnp.asarray(tokens[np.arange(3), pos][:, None]), jnp.ones(3, jnp.int32)
+        )
         for b in range(3):
             assert relerr(step_logits[b, 0], full[b, pos[b]]) < TOL
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + 12 - lengths.max())
@@ -196,7 +206,9 @@ def test_scan_equals_unrolled_prefill_on_ragged_rows(loop_params):
     _, _, cache = _prefill_ragged(loop_params, prefix, np.array([3, 0, 8]), capacity=24)  # ragged start rows
     new = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (3, 7)), jnp.int32)
     num_new = jnp.array([7, 2, 4], jnp.int32)
-    outs = {loop: qwen3.prefill(CONFIG, loop_params, cache, new, num_new, layer_loop=loop) for loop in qwen3.LAYER_LOOPS}
+    outs = {
+        loop: qwen3.prefill(CONFIG, loop_params, cache, new, num_new, layer_loop=loop) for loop in qwen3.LAYER_LOOPS
+    }
     _assert_loops_agree(outs)
     np.testing.assert_array_equal(np.asarray(outs["scan"][2].lengths), [10, 2, 12])
 
@@ -204,8 +216,12 @@ def test_scan_equals_unrolled_prefill_on_ragged_rows(loop_params):
 def test_scan_equals_unrolled_verify_on_a_tree(loop_params):
     tree, prefix, lengths = _tree_case(23, 3, budget=9)
     _, _, cache = _prefill_ragged(loop_params, prefix, lengths, capacity=24)
-    outs = {loop: qwen3.tree_forward(CONFIG, loop_params, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop)
-            for loop in qwen3.LAYER_LOOPS}
+    outs = {
+        loop: qwen3.tree_forward(
+            CONFIG, loop_params, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop
+        )
+        for loop in qwen3.LAYER_LOOPS
+    }
     _assert_loops_agree(outs)
     np.testing.assert_array_equal(np.asarray(outs["scan"][2].lengths), lengths)
 

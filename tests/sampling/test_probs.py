@@ -9,8 +9,14 @@ from ddtree_jax.sampling import SamplingParams, check_logits, processed_probs, v
 from tests.sampling.probs_reference import processed_probs_row
 
 SETTINGS = [  # (temperature, top_k, top_p, min_p)
-    (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1),
-    (0.5, 20, 0.9, 0.05), (0.0, 0, 1.0, 0.0), (2.0, 3, 0.5, 0.2), (1.0, 1, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 5, 1.0, 0.0),
+    (1.3, 0, 0.8, 0.0),
+    (1.0, 0, 1.0, 0.1),
+    (0.5, 20, 0.9, 0.05),
+    (0.0, 0, 1.0, 0.0),
+    (2.0, 3, 0.5, 0.2),
+    (1.0, 1, 1.0, 0.0),
 ]
 
 

@@ -16,7 +16,6 @@ from ddtree_jax.sampling import (
     row_keys,
     sample,
 )
-
 from tests.stats_helpers import ALPHA, chi_square_pvalue
 
 
@@ -47,13 +46,19 @@ def test_sampler_law_matches_processed_probs():
     params_one = SamplingParams.create(1, temperature=0.8, top_k=8, top_p=0.95, min_p=0.02)
     expected = np.asarray(processed_probs(logits, params_one))[0]
     params = SamplingParams.create(draws, temperature=0.8, top_k=8, top_p=0.95, min_p=0.02)
-    tokens = np.asarray(jax.jit(sample)(jnp.broadcast_to(logits, (draws, vocab)), params, row_keys(jax.random.key(4), jnp.arange(draws))))
+    tokens = np.asarray(
+        jax.jit(sample)(
+            jnp.broadcast_to(logits, (draws, vocab)), params, row_keys(jax.random.key(4), jnp.arange(draws))
+        )
+    )
     counts = np.bincount(tokens, minlength=vocab)
     assert (counts[expected == 0] == 0).all()  # support
     p_value = chi_square_pvalue(counts, expected)
     assert p_value > ALPHA, f"chi-square p = {p_value}"
     # negative control: the same test rejects a slightly different temperature
-    near = np.asarray(processed_probs(logits, SamplingParams.create(1, temperature=0.9, top_k=8, top_p=0.95, min_p=0.02)))[0]
+    near = np.asarray(
+        processed_probs(logits, SamplingParams.create(1, temperature=0.9, top_k=8, top_p=0.95, min_p=0.02))
+    )[0]
     assert chi_square_pvalue(counts, near) < ALPHA
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax.models import deepseek_v3
-from ddtree_kernels.quant import quantize_int4
 from ddtree_jax.sharding.mesh import make_mesh
+from ddtree_kernels.quant import quantize_int4
 from tests.sharding.tiny_k2 import CONFIG
 
 

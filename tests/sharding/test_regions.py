@@ -53,8 +53,9 @@ def test_ep_without_a_mesh_is_gather(params):
 
 def _ep_sharded_layer(params, mesh):
     """MoE layer 1 of the tiny K2 target with its experts split over "model" (the EP rule table)."""
-    sharded = shard_params({"moe_layers": params["moe_layers"]}, {"moe_layers": deepseek_v3.param_axes(CONFIG)["moe_layers"]},
-                           mesh, "ep")["moe_layers"]
+    sharded = shard_params(
+        {"moe_layers": params["moe_layers"]}, {"moe_layers": deepseek_v3.param_axes(CONFIG)["moe_layers"]}, mesh, "ep"
+    )["moe_layers"]
     return jax.tree.map(lambda a: a[1], sharded)
 
 
@@ -87,10 +88,13 @@ def test_ep_region_with_the_grouped_kernel_locally(params, mesh, monkeypatch):
 def test_tree_sampling_kernel_region_equals_unsharded(mesh):
     rng = np.random.default_rng(5)
     batch, vocab = 4, 128
-    tree = build_tree(jnp.asarray(rng.standard_normal((batch, 3, vocab)) * 2, jnp.float32), 6,
-                      jnp.asarray([3, 5, 7, 2], jnp.int32))
+    tree = build_tree(
+        jnp.asarray(rng.standard_normal((batch, 3, vocab)) * 2, jnp.float32), 6, jnp.asarray([3, 5, 7, 2], jnp.int32)
+    )
     logits = jnp.asarray(rng.standard_normal((batch, tree.tokens.shape[1], vocab)) * 3, jnp.float32)
-    params = SamplingParams.create(batch, temperature=[1.0, 0.7, 0.0, 1.3], top_p=[0.9, 1.0, 1.0, 0.8], top_k=[0, 20, 0, 0])
+    params = SamplingParams.create(
+        batch, temperature=[1.0, 0.7, 0.0, 1.3], top_p=[0.9, 1.0, 1.0, 0.8], top_k=[0, 20, 0, 0]
+    )
     keys = row_keys(jax.random.key(6), jnp.arange(batch))
     step = jax.jit(functools.partial(verify_step, impl="pallas"))
     want = step(tree, logits, params, keys)

@@ -11,11 +11,12 @@ import pytest
 
 from ddtree_jax.engine import DFlashDrafter, generate
 from ddtree_jax.models import deepseek_v3, dflash
-from ddtree_kernels.quant import Int4Weight, quantize_int4
 from ddtree_jax.sampling import SamplingParams, row_keys
 from ddtree_jax.sharding.mesh import make_mesh
 from ddtree_jax.sharding.rules import param_specs, partition_spec, shard_params
+from ddtree_kernels.quant import Int4Weight, quantize_int4
 from tests.sharding.tiny_k2 import CONFIG, DRAFTER, prefill_verify
+
 
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_sharded_prefill_and_verify_equal_unsharded(params, mesh, layout):
@@ -37,38 +38,57 @@ def test_sharded_generation_equals_unsharded(params, mesh, layout):
     drafter_params = dflash.init_params(DRAFTER, 32, jax.random.key(1))
 
     def pair(target_params, drafter_params):
-        return DFlashDrafter(DRAFTER, drafter_params, deepseek_v3.embedding(target_params),
-                             deepseek_v3.head(CONFIG, target_params))
+        return DFlashDrafter(
+            DRAFTER, drafter_params, deepseek_v3.embedding(target_params), deepseek_v3.head(CONFIG, target_params)
+        )
 
     sharded = shard_params(params, deepseek_v3.param_axes(CONFIG), mesh, layout)
     sharded_drafter = shard_params(drafter_params, dflash.param_axes(DRAFTER, 32), mesh, layout)
     prompts = jnp.asarray(np.random.default_rng(1).integers(0, 63, (2, 6)), jnp.int32)
     lengths = jnp.asarray([6, 3], jnp.int32)
     for temperature in (0.0, 1.0):
-        common = dict(sampling=SamplingParams.create(2, temperature=temperature, top_p=0.9),
-                      keys=row_keys(jax.random.key(2), jnp.arange(2)), stop_tokens=jnp.full((2, 1), -1, jnp.int32),
-                      max_new=jnp.full((2,), 12, jnp.int32), max_new_tokens=12, method="ddtree", budget=6, block_size=4)
+        common = dict(
+            sampling=SamplingParams.create(2, temperature=temperature, top_p=0.9),
+            keys=row_keys(jax.random.key(2), jnp.arange(2)),
+            stop_tokens=jnp.full((2, 1), -1, jnp.int32),
+            max_new=jnp.full((2,), 12, jnp.int32),
+            max_new_tokens=12,
+            method="ddtree",
+            budget=6,
+            block_size=4,
+        )
         want = generate(CONFIG, params, pair(params, drafter_params), prompts, lengths, **common)
         with jax.set_mesh(mesh):  # EP: the routed experts in the "ep" shard_map region
-            got = generate(CONFIG, sharded, pair(sharded, sharded_drafter), prompts, lengths, **common,
-                           moe_impl={"tp": "auto", "ep": "ep"}[layout])
+            got = generate(
+                CONFIG,
+                sharded,
+                pair(sharded, sharded_drafter),
+                prompts,
+                lengths,
+                **common,
+                moe_impl={"tp": "auto", "ep": "ep"}[layout],
+            )
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
         np.testing.assert_array_equal(np.asarray(got.accepted), np.asarray(want.accepted))
 
 
 def test_rule_tables_and_errors(params, mesh):
     assert partition_spec(("layers", "experts", "expert_mlp", "embed"), "tp") == jax.sharding.PartitionSpec(
-        None, None, "model", None)
+        None, None, "model", None
+    )
     assert partition_spec(("layers", "experts", "expert_mlp", "embed"), "ep") == jax.sharding.PartitionSpec(
-        None, "model", None, None)
+        None, "model", None, None
+    )
     specs = param_specs(params, deepseek_v3.param_axes(CONFIG), "tp")
     assert isinstance(specs["moe_layers"]["expert_down"], Int4Weight)
     with pytest.raises(ValueError, match="layout must be one of"):
         partition_spec(("embed",), "fsdp")
     with pytest.raises(ValueError, match="no rule"):
         partition_spec(("embed", "pixels"), "tp")
-    small = {**params, "moe_layers": {**params["moe_layers"], "expert_down": quantize_int4(
-        np.zeros((2, 16, 32, 32), np.float32))}}  # 32 / 32 = 1 scale column cannot split 4 ways
+    small = {
+        **params,
+        "moe_layers": {**params["moe_layers"], "expert_down": quantize_int4(np.zeros((2, 16, 32, 32), np.float32))},
+    }  # 32 / 32 = 1 scale column cannot split 4 ways
     with pytest.raises(ValueError, match=r"expert_down.*does not divide over mesh axis 'model'"):
         shard_params(small, deepseek_v3.param_axes(CONFIG), mesh, "tp")
     with pytest.raises(ValueError, match="needs 16 devices"):

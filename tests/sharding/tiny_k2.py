@@ -12,13 +12,39 @@ from ddtree_jax.models import deepseek_v3
 from ddtree_jax.sharding.rules import batch_sharding
 from ddtree_jax.tree import ancestor_mask, build_tree
 
-CONFIG = DeepSeekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=128, num_layers=3,
-                          first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=3,
-                          n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, num_heads=4,
-                          q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                          tapped_layers=(0, 2))
-DRAFTER = DFlashConfig(hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8,
-                       block_size=4, mask_token_id=63, target_layers=(0, 2))
+CONFIG = DeepSeekV3Config(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=128,
+    num_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    tapped_layers=(0, 2),
+)
+DRAFTER = DFlashConfig(
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=8,
+    block_size=4,
+    mask_token_id=63,
+    target_layers=(0, 2),
+)
 
 
 def prefill_verify(params, mesh=None, *, in_mesh_context: bool = False, **impls):
@@ -37,7 +63,9 @@ def prefill_verify(params, mesh=None, *, in_mesh_context: bool = False, **impls)
     context = jax.set_mesh(mesh) if in_mesh_context else contextlib.nullcontext()
     with context:
         pre, _, cache = jax.jit(lambda p, c, i, l: deepseek_v3.prefill(CONFIG, p, c, i, l, **impls))(
-            params, cache, ids, lengths)
-        ver, feats, _ = jax.jit(lambda p, c: deepseek_v3.tree_forward(CONFIG, p, c, tree.tokens, tree.depths,
-                                                                 ancestor_mask(tree), **impls))(params, cache)
+            params, cache, ids, lengths
+        )
+        ver, feats, _ = jax.jit(
+            lambda p, c: deepseek_v3.tree_forward(CONFIG, p, c, tree.tokens, tree.depths, ancestor_mask(tree), **impls)
+        )(params, cache)
     return pre, ver, feats

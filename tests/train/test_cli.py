@@ -6,7 +6,6 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from safetensors import safe_open
 
 from ddtree_jax.checkpoint import load_hf, load_tokenizer
@@ -20,13 +19,34 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path, capsys):
     out = str(tmp_path / "run")
     config = os.path.join(REPO, "configs", "train_tiny.json")
-    assert main(["all", "--config", config, "--out", out, "--commit", "0123abc", "--no-progress",
-                 "--set", "drafter.train.steps=12", "--set", "export_dtype=bfloat16"]) == 0
+    assert (
+        main(
+            [
+                "all",
+                "--config",
+                config,
+                "--out",
+                out,
+                "--commit",
+                "0123abc",
+                "--no-progress",
+                "--set",
+                "drafter.train.steps=12",
+                "--set",
+                "export_dtype=bfloat16",
+            ]
+        )
+        == 0
+    )
     brief = json.loads(capsys.readouterr().out)
     assert brief["commit"] == "0123abc" and brief["drafter"]["steps"] == 12
 
-    assert sorted(os.listdir(os.path.join(out, "target"))) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                                "tokenizer_config.json"]
+    assert sorted(os.listdir(os.path.join(out, "target"))) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sorted(os.listdir(os.path.join(out, "drafter"))) == ["config.json", "model.safetensors"]
     for part in ("target", "drafter"):  # exported as bfloat16 (--set export_dtype=bfloat16)
         with safe_open(os.path.join(out, part, "model.safetensors"), framework="numpy") as f:
@@ -43,7 +63,10 @@ def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path,
 
     pair = load_pair(os.path.join(out, "target"), os.path.join(out, "drafter"))
     assert pair.tokenizer is not None and pair.target_config.tapped_layers == (0, 1)
-    assert pair.drafter.max_block_size == 16 and pair.drafter.embed.shape == (target_config.vocab_size, target_config.hidden_size)
+    assert pair.drafter.max_block_size == 16 and pair.drafter.embed.shape == (
+        target_config.vocab_size,
+        target_config.hidden_size,
+    )
 
     with open(os.path.join(out, "provenance.json")) as f:
         prov = json.load(f)
@@ -75,4 +98,6 @@ def _leaves(tree):
 def test_bad_export_dtype_is_named(tmp_path):
     config = os.path.join(REPO, "configs", "train_tiny.json")
     with pytest.raises(ValueError, match="export_dtype .* 'float16'"):
-        main(["tokenizer", "--config", config, "--out", str(tmp_path), "--no-progress", "--set", "export_dtype=float16"])
+        main(
+            ["tokenizer", "--config", config, "--out", str(tmp_path), "--no-progress", "--set", "export_dtype=float16"]
+        )

@@ -81,8 +81,11 @@ def test_tokenizer_round_trips_text_and_names_its_specials(tmp_path):
     assert tok.get_vocab_size() <= 400
     ids = tokenizer.special_ids(tok)
     assert sorted(ids.values()) == [0, 1, 2] and ids["eos"] == 0 and ids["mask"] == 1
-    samples = texts[:2] + ["def f(x):\n\tif x:  # tabs, trailing spaces   \n        return 'héllo ☃ \\u2603'\n\n\n",
-                           "   leading\r\nwindows line\x00nul", ""]
+    samples = texts[:2] + [
+        "def f(x):\n\tif x:  # tabs, trailing spaces   \n        return 'héllo ☃ \\u2603'\n\n\n",
+        "   leading\r\nwindows line\x00nul",
+        "",
+    ]
     for text in samples:
         encoded = tok.encode(text, add_special_tokens=False).ids
         assert tok.decode(encoded, skip_special_tokens=False) == text

@@ -13,21 +13,46 @@ from ddtree_jax.train import drafter as drafter_mod
 from ddtree_jax.train.common import Checkpoints, train_settings
 
 V, D, BLOCK = 97, 32, 16
-TARGET = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=8, rope_theta=10_000.0, tie_word_embeddings=True, tapped_layers=(0, 1))
-DRAFTER = DFlashConfig(hidden_size=D, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                       block_size=BLOCK, mask_token_id=V - 1, target_layers=(0, 1), rope_theta=10_000.0)
+TARGET = Qwen3Config(
+    vocab_size=V,
+    hidden_size=D,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10_000.0,
+    tie_word_embeddings=True,
+    tapped_layers=(0, 1),
+)
+DRAFTER = DFlashConfig(
+    hidden_size=D,
+    intermediate_size=48,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    block_size=BLOCK,
+    mask_token_id=V - 1,
+    target_layers=(0, 1),
+    rope_theta=10_000.0,
+)
 
 
 def _models(seed=0):
     keys = jax.random.split(jax.random.key(seed))
-    return (qwen3.init_params(TARGET, keys[0], norm_jitter=0.1),
-            dflash.init_params(DRAFTER, D, keys[1], norm_jitter=0.1))
+    return (
+        qwen3.init_params(TARGET, keys[0], norm_jitter=0.1),
+        dflash.init_params(DRAFTER, D, keys[1], norm_jitter=0.1),
+    )
 
 
 _features = jax.jit(lambda tparams, tokens: qwen3.forward_features(TARGET, tparams, tokens)[1])
-_train_logits = jax.jit(lambda tparams, dparams, features, tokens, anchors: dflash.train_logits(
-    DRAFTER, dparams, tparams["embed"], tparams["embed"], features, tokens, anchors))
+_train_logits = jax.jit(
+    lambda tparams, dparams, features, tokens, anchors: dflash.train_logits(
+        DRAFTER, dparams, tparams["embed"], tparams["embed"], features, tokens, anchors
+    )
+)
 
 
 def _drafter_logits(tparams, dparams, tokens, anchors, features=None):
@@ -89,9 +114,20 @@ def test_drafter_training_reduces_the_loss_with_frozen_embedding_and_head(tmp_pa
     tparams, _ = _models(2)
     tparams["embed"] = tparams["embed"] * 50.0  # unit-scale logits through the frozen tied head (as after training)
     frozen = jax.tree.map(lambda x: np.array(x, copy=True), tparams)
-    settings = train_settings({"steps": 12, "batch_size": 4, "lr": 1e-2, "warmup_frac": 0.1, "num_anchors": 8,
-                               "gamma": 7.0, "log_every": 4, "eval_batches": 1, "dtype": "bfloat16",
-                               "checkpoint_every": 6})
+    settings = train_settings(
+        {
+            "steps": 12,
+            "batch_size": 4,
+            "lr": 1e-2,
+            "warmup_frac": 0.1,
+            "num_anchors": 8,
+            "gamma": 7.0,
+            "log_every": 4,
+            "eval_batches": 1,
+            "dtype": "bfloat16",
+            "checkpoint_every": 6,
+        }
+    )
     train_seqs, held_seqs = _sequences(32, 48, 0), _sequences(4, 48, 1)
     init = drafter_mod.init_state(DRAFTER, settings, 0)["params"]  # what train() starts from
     eval_fn = drafter_mod.make_eval(DRAFTER, TARGET, 7.0, 8)  # the loop's own (cached) float32 evaluation
@@ -100,8 +136,9 @@ def test_drafter_training_reduces_the_loss_with_frozen_embedding_and_head(tmp_pa
         return float(eval_fn(p, tparams, jnp.asarray(held_seqs), jax.random.key(9))["loss"])
 
     ckpt = str(tmp_path / "orbax")
-    params, results = drafter_mod.train(DRAFTER, TARGET, tparams, settings, train_seqs, held_seqs, seed=0,
-                                        checkpoint_dir=ckpt, show_progress=False)
+    params, results = drafter_mod.train(
+        DRAFTER, TARGET, tparams, settings, train_seqs, held_seqs, seed=0, checkpoint_dir=ckpt, show_progress=False
+    )
     assert set(params) == {"fc", "hidden_norm", "layers", "final_norm"}  # no embedding or head of its own
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))  # float32 master weights, bfloat16 compute
     before, after = loss_of(init), loss_of(params)
@@ -117,22 +154,65 @@ def test_drafter_training_reduces_the_loss_with_frozen_embedding_and_head(tmp_pa
     checkpoints = Checkpoints(ckpt)
     assert checkpoints.steps() == [6, 12]
     shutil.rmtree(checkpoints.path(12))
-    resumed, again = drafter_mod.train(DRAFTER, TARGET, tparams, settings, train_seqs, held_seqs, seed=0,
-                                       checkpoint_dir=ckpt, resume=True, show_progress=False)
+    resumed, again = drafter_mod.train(
+        DRAFTER,
+        TARGET,
+        tparams,
+        settings,
+        train_seqs,
+        held_seqs,
+        seed=0,
+        checkpoint_dir=ckpt,
+        resume=True,
+        show_progress=False,
+    )
     assert again["resumed_from"] == 6
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_model_config_defaults():
-    target = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=48, num_layers=6, num_heads=4, num_kv_heads=2,
-                         head_dim=8, rope_theta=5000.0)
-    cfg = drafter_mod.model_config({"num_layers": 2, "intermediate_size": 48, "num_heads": 4, "num_kv_heads": 2,
-                                    "head_dim": 8, "block_size": 16}, target, mask_token_id=1)
+    target = Qwen3Config(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=48,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=5000.0,
+    )
+    cfg = drafter_mod.model_config(
+        {"num_layers": 2, "intermediate_size": 48, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 16},
+        target,
+        mask_token_id=1,
+    )
     assert cfg.hidden_size == D and cfg.rope_theta == 5000.0 and cfg.target_layers == (1, 3) and cfg.mask_token_id == 1
-    cfg = drafter_mod.model_config({"num_layers": 1, "intermediate_size": 48, "num_heads": 4, "num_kv_heads": 2,
-                                    "head_dim": 8, "block_size": 16, "target_layers": [5, 1]}, target, 1)
+    cfg = drafter_mod.model_config(
+        {
+            "num_layers": 1,
+            "intermediate_size": 48,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+            "block_size": 16,
+            "target_layers": [5, 1],
+        },
+        target,
+        1,
+    )
     assert cfg.target_layers == (1, 5)
     with pytest.raises(ValueError, match="outside"):
-        drafter_mod.model_config({"num_layers": 1, "intermediate_size": 48, "num_heads": 4, "num_kv_heads": 2,
-                                  "head_dim": 8, "block_size": 16, "target_layers": [6]}, target, 1)
+        drafter_mod.model_config(
+            {
+                "num_layers": 1,
+                "intermediate_size": 48,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+                "head_dim": 8,
+                "block_size": 16,
+                "target_layers": [6],
+            },
+            target,
+            1,
+        )

@@ -12,9 +12,19 @@ from ddtree_jax.train import target as target_mod
 from ddtree_jax.train.common import Checkpoints, train_settings
 
 V = 61
-CONFIG = target_mod.model_config({"hidden_size": 32, "intermediate_size": 48, "num_layers": 2, "num_heads": 4,
-                                  "num_kv_heads": 2, "head_dim": 8, "rope_theta": 10_000.0,
-                                  "tie_word_embeddings": True}, V)
+CONFIG = target_mod.model_config(
+    {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "rope_theta": 10_000.0,
+        "tie_word_embeddings": True,
+    },
+    V,
+)
 
 
 def _sequences(count, length, seed):
@@ -24,8 +34,18 @@ def _sequences(count, length, seed):
     return np.take_along_axis(motifs, np.arange(length)[None].repeat(count, 0) % 4, axis=1).astype(np.int32)
 
 
-SETTINGS = train_settings({"steps": 8, "batch_size": 4, "lr": 1e-2, "warmup_frac": 0.1, "log_every": 2,
-                           "eval_batches": 1, "checkpoint_every": 4, "keep_checkpoints": 2})
+SETTINGS = train_settings(
+    {
+        "steps": 8,
+        "batch_size": 4,
+        "lr": 1e-2,
+        "warmup_frac": 0.1,
+        "log_every": 2,
+        "eval_batches": 1,
+        "checkpoint_every": 4,
+        "keep_checkpoints": 2,
+    }
+)
 
 
 def test_a_few_steps_reduce_the_loss_and_resume_is_exact(tmp_path):
@@ -37,8 +57,16 @@ def test_a_few_steps_reduce_the_loss_and_resume_is_exact(tmp_path):
 
     init = target_mod.init_state(CONFIG, SETTINGS, 0)["params"]  # what train() starts from (seed 0)
     ckpt = str(tmp_path / "ckpt")
-    params, results = target_mod.train(CONFIG, SETTINGS, train_seqs, held_seqs, seed=0, checkpoint_dir=ckpt,
-                                       log_path=str(tmp_path / "log.jsonl"), show_progress=False)
+    params, results = target_mod.train(
+        CONFIG,
+        SETTINGS,
+        train_seqs,
+        held_seqs,
+        seed=0,
+        checkpoint_dir=ckpt,
+        log_path=str(tmp_path / "log.jsonl"),
+        show_progress=False,
+    )
     before, after = loss(init), loss(params)
     assert np.isfinite(after) and after < before - 0.5, (before, after)
     assert results["heldout_ppl"] == pytest.approx(np.exp(results["heldout_loss"]))
@@ -49,8 +77,17 @@ def test_a_few_steps_reduce_the_loss_and_resume_is_exact(tmp_path):
     assert checkpoints.steps() == [4, 8]
     # interrupted after step 4: resuming from the Orbax checkpoint reproduces the uninterrupted run
     shutil.rmtree(checkpoints.path(8))
-    resumed, results2 = target_mod.train(CONFIG, SETTINGS, train_seqs, held_seqs, seed=0, checkpoint_dir=ckpt,
-                                         log_path=str(tmp_path / "log.jsonl"), resume=True, show_progress=False)
+    resumed, results2 = target_mod.train(
+        CONFIG,
+        SETTINGS,
+        train_seqs,
+        held_seqs,
+        seed=0,
+        checkpoint_dir=ckpt,
+        log_path=str(tmp_path / "log.jsonl"),
+        resume=True,
+        show_progress=False,
+    )
     assert results2["resumed_from"] == 4
     assert results2["history"] == results["history"]  # the steps before the checkpoint come from the log
     assert results2["final_train_loss"] == results["final_train_loss"]

@@ -204,7 +204,16 @@ def test_compare_to_reference_catches_a_wrong_tree():
     ref = build_tree_reference(logits[0], 12)
     assert compare_to_reference(tree, 0, ref) == "exact"
     wrong = tree.tokens.at[0, 5].set((tree.tokens[0, 5] + 1) % 100)
-    assert compare_to_reference(jax.tree.map(lambda x: x, tree.__class__(
-        wrong, tree.parents, tree.depths, tree.ranks, tree.logw, tree.num_nodes, tree.max_depth)), 0, ref) == "mismatch"
+    assert (
+        compare_to_reference(
+            jax.tree.map(
+                lambda x: x,
+                tree.__class__(wrong, tree.parents, tree.depths, tree.ranks, tree.logw, tree.num_nodes, tree.max_depth),
+            ),
+            0,
+            ref,
+        )
+        == "mismatch"
+    )
     short = build_tree(logits, 11)
     assert compare_to_reference(short, 0, ref) == "mismatch"

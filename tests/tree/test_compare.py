@@ -18,8 +18,15 @@ def _tree(tokens, parents, depths, ranks, logw, slots, max_depth) -> DraftTree:
         out[0, :n] = values
         return out
 
-    return DraftTree(pad(tokens, 0, np.int32), pad(parents, -1, np.int32), pad(depths, 0, np.int32),
-                     pad(ranks, -1, np.int32), pad(logw, -np.inf, np.float32), np.array([n], np.int32), max_depth)
+    return DraftTree(
+        pad(tokens, 0, np.int32),
+        pad(parents, -1, np.int32),
+        pad(depths, 0, np.int32),
+        pad(ranks, -1, np.int32),
+        pad(logw, -np.inf, np.float32),
+        np.array([n], np.int32),
+        max_depth,
+    )
 
 
 def _from_ref(ref, slots, max_depth, **over):
@@ -66,8 +73,15 @@ def _fan_logits(tied: bool):
 def _fan_tree(tokens, logits, slots):
     lp = logits[0].astype(np.float64) - np.log(np.exp(logits[0].astype(np.float64)).sum())
     n = len(tokens) + 1
-    return _tree(np.r_[0, tokens], np.r_[-1, np.zeros(n - 1)], np.r_[0, np.ones(n - 1)], np.arange(-1, n - 1),
-                 np.r_[0.0, lp[tokens]].astype(np.float32), slots, 1)
+    return _tree(
+        np.r_[0, tokens],
+        np.r_[-1, np.zeros(n - 1)],
+        np.r_[0, np.ones(n - 1)],
+        np.arange(-1, n - 1),
+        np.r_[0.0, lp[tokens]].astype(np.float32),
+        slots,
+        1,
+    )
 
 
 def test_a_near_tie_excuses_the_swap_of_the_near_tied_nodes_only():
@@ -112,8 +126,15 @@ def test_a_near_tie_at_the_cut_excuses_only_the_near_tied_node():
 
     def with_last(path):
         parent, depth, r, w = nodes[path]
-        return _tree(np.r_[ref.tokens[:3], path[-1]], np.r_[ref.parents[:3], parent], np.r_[ref.depths[:3], depth],
-                     np.r_[ref.ranks[:3], r], np.r_[ref.logw[:3], w], 4, 2)
+        return _tree(
+            np.r_[ref.tokens[:3], path[-1]],
+            np.r_[ref.parents[:3], parent],
+            np.r_[ref.depths[:3], depth],
+            np.r_[ref.ranks[:3], r],
+            np.r_[ref.logw[:3], w],
+            4,
+            2,
+        )
 
     assert compare_to_reference(with_last(chosen), 0, ref) == "exact"
     assert compare_to_reference(with_last(other), 0, ref) == "near-tie"  # the near-tied node across the cut

@@ -33,7 +33,9 @@ def _walk(next_token, next_sibling, i):
 def test_positions_are_start_plus_depth():
     tree = _tree(0)
     start = jnp.array([5, 0, 100], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(positions(tree, start)), np.asarray(start)[:, None] + np.asarray(tree.depths))
+    np.testing.assert_array_equal(
+        np.asarray(positions(tree, start)), np.asarray(start)[:, None] + np.asarray(tree.depths)
+    )
 
 
 @settings(max_examples=15, deadline=None)
@@ -52,7 +54,7 @@ def test_ancestor_mask_is_the_ancestor_closure(seed):
         np.testing.assert_array_equal(mask[b], expected)
     n = np.asarray(tree.num_nodes)
     for b in range(tree.batch_size):  # padding rows attend only to themselves
-        assert (mask[b, n[b]:].sum(-1) == 1).all()
+        assert (mask[b, n[b] :].sum(-1) == 1).all()
 
 
 @settings(max_examples=15, deadline=None)
@@ -73,7 +75,7 @@ def test_each_order_lists_every_node_once_under_its_parent(seed, order):
                 assert kid_ranks == sorted(kid_ranks, reverse=True)
             listed += kids
         assert sorted(listed) == list(range(1, n[b]))  # every non-root node exactly once
-        assert (next_token[b, n[b]:] == -1).all() and (next_sibling[b, n[b]:] == -1).all()
+        assert (next_token[b, n[b] :] == -1).all() and (next_sibling[b, n[b] :] == -1).all()
 
 
 def test_random_order_is_keyed_and_per_row():

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from ddtree_jax.sharding.mesh import make_mesh
-from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 from ddtree_jax.tree.select import top_k_log_probs
+from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (CPU: the 8 fake devices of tests/conftest.py)")
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices (CPU: the 8 fake devices of tests/conftest.py)"
+)
 
 
 def _logits(seed, shape, dtype=jnp.float32, ties=False):

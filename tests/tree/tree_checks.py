@@ -12,9 +12,9 @@ from ddtree_jax.tree.reference import log_softmax_f32, top_k_ranked
 
 
 def row_arrays(tree: DraftTree, b: int) -> dict[str, np.ndarray]:
-    return {
-        name: np.asarray(getattr(tree, name)[b]) for name in ("tokens", "parents", "depths", "ranks", "logw")
-    } | {"num_nodes": int(tree.num_nodes[b])}
+    return {name: np.asarray(getattr(tree, name)[b]) for name in ("tokens", "parents", "depths", "ranks", "logw")} | {
+        "num_nodes": int(tree.num_nodes[b])
+    }
 
 
 def independent_ranking(draft_logits_row: np.ndarray) -> np.ndarray:
@@ -50,9 +50,11 @@ def check_invariants(tree: DraftTree, b: int, draft_logits_row: np.ndarray, k: i
         want = int(ranking[d - 1, r])
         if tok != want:
             assert x[d - 1, tok] != x[d - 1, want], (
-                f"slot {i}: token {tok} at rank {r}, but equal logits rank lower ids first: {want}")
+                f"slot {i}: token {tok} at rank {r}, but equal logits rank lower ids first: {want}"
+            )
             assert abs(float(log_probs[d - 1, tok]) - float(log_probs[d - 1, want])) <= NEAR_TIE, (
-                f"slot {i}: token {tok} at depth {d} rank {r}, the independent top-K has {want} there")
+                f"slot {i}: token {tok} at depth {d} rank {r}, the independent top-K has {want} there"
+            )
         expected = np.float32(row["logw"][p] + log_probs[d - 1, tok])
         # the builder's log-softmax is a separate float32 computation, which may round differently (GPU)
         assert abs(row["logw"][i] - expected) <= 1e-6 + 2e-6 * abs(expected), (

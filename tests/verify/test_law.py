@@ -31,8 +31,18 @@ SETTINGS = {
 
 def _run(setting, order="draft", verifier="sampling", seed=1, **thresholds):
     params = SamplingParams.create(SAMPLES, **SETTINGS[setting])
-    emitted, accepted = simulate(TRANSITION, DRAFT, params, jnp.full((SAMPLES,), ROOT, jnp.int32), jax.random.key(seed),
-                                 budget=BUDGET, num_steps=3, order=order, verifier=verifier, **thresholds)
+    emitted, accepted = simulate(
+        TRANSITION,
+        DRAFT,
+        params,
+        jnp.full((SAMPLES,), ROOT, jnp.int32),
+        jax.random.key(seed),
+        budget=BUDGET,
+        num_steps=3,
+        order=order,
+        verifier=verifier,
+        **thresholds,
+    )
     probs = transition_probs(TRANSITION, SamplingParams.create(1, **SETTINGS[setting]))
     return np.asarray(emitted), np.asarray(accepted), probs
 
@@ -130,7 +140,9 @@ def test_verify_step_rows_are_independent_keyed_and_flag_invalid_rows():
     bad = logits.at[5, 0, 1].set(jnp.nan)
     d = verify_step(tree, bad, params, keys)
     assert (np.asarray(d.tokens[5]) == INVALID_TOKEN).all() and int(d.num_accepted[5]) == 0
-    np.testing.assert_array_equal(np.asarray(d.tokens[:5]), np.asarray(verify_step(tree, logits, params, keys).tokens[:5]))
+    np.testing.assert_array_equal(
+        np.asarray(d.tokens[:5]), np.asarray(verify_step(tree, logits, params, keys).tokens[:5])
+    )
     with pytest.raises(ValueError, match="verifier must be one of"):
         verify_step(tree, logits, params, keys, verifier="eagle")
     with pytest.raises(ValueError, match="no lossy thresholds"):

@@ -22,8 +22,16 @@ def _worked_example_probs(vocab=20):
     slot 0 {1: .2, 3: .5, 18: .3}, slot 1 {2: .6, 9: .4}, slot 2 {11: .5, 12: .5}, slot 3 {4: .9, 10: .1},
     slot 4 {5: .4, 13: .6}, slot 5 {14: .25, 15: .75}."""
     probs = np.zeros((1, 6, vocab), np.float32)
-    for slot, dist in enumerate(({1: .2, 3: .5, 18: .3}, {2: .6, 9: .4}, {11: .5, 12: .5}, {4: .9, 10: .1},
-                                 {5: .4, 13: .6}, {14: .25, 15: .75})):
+    for slot, dist in enumerate(
+        (
+            {1: 0.2, 3: 0.5, 18: 0.3},
+            {2: 0.6, 9: 0.4},
+            {11: 0.5, 12: 0.5},
+            {4: 0.9, 10: 0.1},
+            {5: 0.4, 13: 0.6},
+            {14: 0.25, 15: 0.75},
+        )
+    ):
         for tok, p in dist.items():
             probs[0, slot, tok] = p
     return probs
@@ -59,15 +67,17 @@ WORKED_EXAMPLE_CASES = [
 @pytest.mark.parametrize("coins_and_final,expected", WORKED_EXAMPLE_CASES)
 def test_worked_example(coins_and_final, expected):
     coins, final = coins_and_final
-    res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), coins, np.array([final], np.float32),
-                          max_accept=3)
+    res = verify_sampling(
+        EX_CAND, EX_NEXT, EX_SIB, _worked_example_probs(), coins, np.array([final], np.float32), max_accept=3
+    )
     accept, n_acc, tokens = expected
     assert np.asarray(res.accept_index).tolist() == [accept]
     assert np.asarray(res.num_accepted).tolist() == [n_acc]
     assert np.asarray(res.tokens).tolist() == [tokens]
     # the line-by-line twin walks the same way
-    assert walk_reference(EX_CAND[0], EX_NEXT[0], EX_SIB[0], _worked_example_probs()[0], coins[0], np.float32(final), 3)[:3] \
-        == (accept, n_acc, tokens)
+    assert walk_reference(
+        EX_CAND[0], EX_NEXT[0], EX_SIB[0], _worked_example_probs()[0], coins[0], np.float32(final), 3
+    )[:3] == (accept, n_acc, tokens)
 
 
 def on_the_edge_between(u, cdf, token_a, token_b, tol) -> bool:
@@ -99,8 +109,15 @@ def _fan(probs_row, coin, final_coin=0.5, max_accept=1):
     probs = np.zeros((1, c + 1, c), np.float32)
     probs[0, 0] = probs_row
     probs[0, 1:] = 1.0 / c
-    res = verify_sampling(cand, nxt, sib, probs, np.full((1, c + 1), coin, np.float32),
-                          np.array([final_coin], np.float32), max_accept=max_accept)
+    res = verify_sampling(
+        cand,
+        nxt,
+        sib,
+        probs,
+        np.full((1, c + 1), coin, np.float32),
+        np.array([final_coin], np.float32),
+        max_accept=max_accept,
+    )
     return int(res.num_accepted[0]), np.asarray(res.tokens[0]).tolist()
 
 
@@ -119,8 +136,15 @@ def test_zero_probability_candidates_are_never_accepted_or_emitted():
     cand = np.array([[0, 0, 1]], np.int32)
     probs = np.zeros((1, 3, 4), np.float32)
     probs[0, 0, 3] = 1.0
-    res = verify_sampling(cand, np.array([[1, -1, -1]], np.int32), np.array([[-1, 2, -1]], np.int32), probs,
-                          np.full((1, 3), COIN_MAX, np.float32), np.array([COIN_MAX], np.float32), max_accept=2)
+    res = verify_sampling(
+        cand,
+        np.array([[1, -1, -1]], np.int32),
+        np.array([[-1, 2, -1]], np.int32),
+        probs,
+        np.full((1, 3), COIN_MAX, np.float32),
+        np.array([COIN_MAX], np.float32),
+        max_accept=2,
+    )
     assert int(res.num_accepted[0]) == 0 and int(res.tokens[0, 0]) == 3
 
 
@@ -128,20 +152,35 @@ def test_siblings_covering_the_support_fall_back_within_the_vocab():
     third = np.float32(0.3333333)  # three of these sum to 0.9999999 < the largest coin
     n_acc, tokens = _fan(np.array([third, third, third], np.float32), coin=COIN_MAX, final_coin=COIN_MAX)
     assert n_acc == 0 and tokens[0] == 2  # residual is empty: the last rejected token, never an id >= V
-    res = verify_sampling(EX_CAND, EX_NEXT, EX_SIB, np.zeros((1, 6, 7), np.float32), np.full((1, 6), 0.5, np.float32),
-                          np.array([0.5], np.float32), max_accept=3)
+    res = verify_sampling(
+        EX_CAND,
+        EX_NEXT,
+        EX_SIB,
+        np.zeros((1, 6, 7), np.float32),
+        np.full((1, 6), 0.5, np.float32),
+        np.array([0.5], np.float32),
+        max_accept=3,
+    )
     assert int(res.tokens[0, 0]) == 6  # nothing has mass anywhere: V - 1
 
 
 def _random_tree_inputs(seed, batch, depth, vocab, budget, order="draft"):
     rng = np.random.default_rng(seed)
-    tree = build_tree((rng.standard_normal((batch, depth, vocab)) * 2).astype(np.float32), budget,
-                      rng.integers(0, vocab, batch).astype(np.int32))
+    tree = build_tree(
+        (rng.standard_normal((batch, depth, vocab)) * 2).astype(np.float32),
+        budget,
+        rng.integers(0, vocab, batch).astype(np.int32),
+    )
     nxt, sib = verification_order(tree, order, jax.random.key(seed))
     target = jnp.asarray(rng.standard_normal((batch, budget + 1, vocab)) * 2, jnp.float32)
     t = rng.choice([0.0, 0.6, 1.0, 1.5], batch)
-    params = SamplingParams.create(batch, temperature=t, top_k=rng.choice([0, 3, 10], batch),
-                                   top_p=rng.choice([1.0, 0.9], batch), min_p=rng.choice([0.0, 0.05], batch))
+    params = SamplingParams.create(
+        batch,
+        temperature=t,
+        top_k=rng.choice([0, 3, 10], batch),
+        top_p=rng.choice([1.0, 0.9], batch),
+        min_p=rng.choice([0.0, 0.05], batch),
+    )
     probs = processed_probs(target, params)
     coins = np.clip(rng.random((batch, budget + 1)).astype(np.float32), COIN_MIN, COIN_MAX)
     final = np.clip(rng.random(batch).astype(np.float32), COIN_MIN, COIN_MAX)
@@ -155,20 +194,28 @@ def test_agrees_coin_for_coin_with_the_spec_twin(order, vocab):
     tree, nxt, sib, probs, coins, final, target = _random_tree_inputs(vocab, batch, depth, vocab, budget, order)
     rng = np.random.default_rng(vocab)
     target = _follow_some_children(tree, nxt, sib, target, rng)
-    params = SamplingParams.create(batch, temperature=rng.choice([0.0, 0.7, 1.0], batch), top_k=rng.choice([0, 5], batch))
+    params = SamplingParams.create(
+        batch, temperature=rng.choice([0.0, 0.7, 1.0], batch), top_k=rng.choice([0, 5], batch)
+    )
     probs = processed_probs(target, params)
     res = verify_sampling(tree.tokens, nxt, sib, probs, coins, final, max_accept=depth)
     assert float(np.asarray(res.num_accepted).mean()) > 0.5  # acceptance paths are exercised
     args = [np.asarray(a) for a in (tree.tokens, nxt, sib, probs)]
     for b in range(batch):
-        accept, n_acc, tokens, (u, cdf) = walk_reference(args[0][b], args[1][b], args[2][b], args[3][b], coins[b], final[b], depth)
+        accept, n_acc, tokens, (u, cdf) = walk_reference(
+            args[0][b], args[1][b], args[2][b], args[3][b], coins[b], final[b], depth
+        )
         assert np.asarray(res.accept_index[b]).tolist() == accept
         assert int(res.num_accepted[b]) == n_acc
         got = np.asarray(res.tokens[b]).tolist()
         if got != tokens:  # only the final draw may differ, and only where u sits on the CDF edge between
             assert got[:n_acc] == tokens[:n_acc]  # the two emitted tokens (cumsum order)
             assert on_the_edge_between(u, cdf, got[n_acc], tokens[n_acc], 1e-6 * max(1.0, float(cdf[-1]))), (
-                b, u, got[n_acc], tokens[n_acc])
+                b,
+                u,
+                got[n_acc],
+                tokens[n_acc],
+            )
 
 
 def test_large_vocabularies_emit_tokens_with_mass():
@@ -222,7 +269,9 @@ def test_duplicate_siblings_and_bad_lists_are_rejected():
     with pytest.raises(ValueError, match="slots 1 and 2 are siblings.*same token 5"):
         verify_sampling(cand, nxt, sib, probs, coins, np.array([0.5], np.float32), max_accept=2)
     with pytest.raises(ValueError, match=r"next_sibling\[0, 1\] = 7"):
-        verify_sampling(cand, nxt, np.array([[-1, 7, -1]], np.int32), probs, coins, np.array([0.5], np.float32), max_accept=2)
+        verify_sampling(
+            cand, nxt, np.array([[-1, 7, -1]], np.int32), probs, coins, np.array([0.5], np.float32), max_accept=2
+        )
     with pytest.raises(ValueError, match="max_accept"):
         verify_sampling(cand, nxt, sib, probs, coins, np.array([0.5], np.float32), max_accept=-1)
     with pytest.raises(ValueError, match="threshold_acc"):

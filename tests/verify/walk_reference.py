@@ -3,8 +3,9 @@
 import numpy as np
 
 
-def walk_reference(candidates, next_token, next_sibling, probs, coins, final_coin, max_accept,
-                   threshold_single=1.0, threshold_acc=1.0):
+def walk_reference(
+    candidates, next_token, next_sibling, probs, coins, final_coin, max_accept, threshold_single=1.0, threshold_acc=1.0
+):
     """One row. Returns (accept list, n_acc, tokens list of length S with -1 padding)."""
     f32 = np.float32
     steps = max_accept + 1
