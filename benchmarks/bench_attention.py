@@ -1,6 +1,6 @@
 """Tree-verify attention benchmark: kernels/tree_attention.py vs the models' XLA attention vs the roofline.
 
-Cases (issue 7): contexts 1k..128k, N = 9, 17, 65 tree queries, B = 1 and 8, for
+Cases: contexts 1k..128k, N = 9, 17, 65 tree queries, B = 1 and 8, for
   mla64: absorbed MLA on one GPU: 64 query heads, one shared KV head, scores over latent 512 + rope 64,
          values the 512-dim latent (the two key parts passed separately, as deepseek_v3 does);
   mla8:  the same with 8 query heads (one shard of TP8);
@@ -14,7 +14,7 @@ Counted per call:
           4096 B per key) + the queries and outputs; the bool mask is not counted (an ideal kernel
           derives the prefix part).
   roofline time = max(bytes / copy bandwidth measured in this run, FLOPs / 790 TFLOP/s, the bf16
-  matmul rate measured on this H200 kind: ../shared/spec/performance_notes.md and the device notes).
+  matmul rate measured on this H200 kind: BENCHMARKS.md).
 XLA = `tree_attention_reference` (the models' XLA path: [latent ; rope] concatenated per call, scores
 materialised in float32); cases whose float32 scores would exceed 8 GB are not run on XLA.
 
@@ -45,7 +45,7 @@ from ddtree_kernels.tree_attention import (
 )
 
 REPS = 5
-PEAK_FLOPS = 790e12  # measured bf16 matmul rate of one H200 here (issue 7, performance notes)
+PEAK_FLOPS = 790e12  # measured bf16 matmul rate of one H200 here (BENCHMARKS.md)
 L2_BYTES = 50 << 20
 XLA_SCORE_LIMIT = 8e9  # bytes of float32 scores above which the XLA path is not run
 VARIANTS = {

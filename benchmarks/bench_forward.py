@@ -1,4 +1,4 @@
-"""Whole-forward benchmark (issue 12): the Qwen3-8B-shaped target's AR-step and tree-verify forwards with
+"""Whole-forward benchmark: the Qwen3-8B-shaped target's AR-step and tree-verify forwards with
 the weight-streaming matmul kernel against plain XLA, the layer loop against `lax.scan`, and the
 weight-read roofline.
 
@@ -11,7 +11,7 @@ and times it (median, `block_until_ready`; the cache donated and fed back, as in
   KV bytes       B * context * layers * 2 (K, V) * kv_heads * head_dim * 2 bytes read by attention
   roofline ms    (weight + KV bytes) / the copy bandwidth measured in the same run (1 GiB read + write)
 
-Targets (issue 12): the AR step (T = 1) at B = 1 within 1.5x of the weight-read roofline; the T = 65
+Targets: the AR step (T = 1) at B = 1 within 1.5x of the weight-read roofline; the T = 65
 verify forward within 1.3x of the AR step. Rows are printed as they finish and the JSON is rewritten
 after each, so a time-out keeps them.
 

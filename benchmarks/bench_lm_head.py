@@ -1,4 +1,4 @@
-"""The LM head under tensor parallelism: gather the logits, or select vocab-parallel (issue 10).
+"""The LM head under tensor parallelism: gather the logits, or select vocab-parallel.
 
 On a mesh of every device present ("model" = all of them), with K2.6's vocabulary (163,840) split across
 "model", per decode step:

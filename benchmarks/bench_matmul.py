@@ -8,10 +8,10 @@ buffer, read + write). INT4 weights: 0.5 byte per weight + bf16 scales per 32; F
 scales. The grouped MoE case: 8 * T assignments over 384 K2.6 INT4 experts (routing drawn uniformly),
 bytes = the distinct experts touched.
 
-Whole forwards (the issue's second table) come from `benchmarks/bench_engine.py --matmul-impl pallas`
+Whole forwards come from `benchmarks/bench_engine.py --matmul-impl pallas`
 (AR step and verify forwards of the Qwen3-8B-shaped target against plain XLA).
 
-Targets (issue 12): each matmul >= 80% of the copy bandwidth for M <= 65.
+Targets: each matmul >= 80% of the copy bandwidth for M <= 65.
 
 `--grouped-sweep 1,4,9,17` instead times the grouped INT4 kernel's tilings (`SWEEP_TILES`: column
 width, K step, split-K, warps, stages) on the K2.6 gate and down expert shapes at those token counts,

@@ -10,7 +10,7 @@ several such runs. Roofline: the logits read once (B * N * V * 2 bytes) at the c
 once per run on a 1 GiB buffer (read + write bytes / time). Agreement: share of rows with identical
 tokens between the two.
 
-Targets (issue 4, H200): pallas >= 10x faster than xla with top-p; within 3x of the roofline for
+Targets (H200): pallas >= 10x faster than xla with top-p; within 3x of the roofline for
 B * N >= 64 rows; <= 20 us for B = 1, N = 17.
 
 Usage: python -m benchmarks.bench_tree_sampling --commit $(git rev-parse --short HEAD) [--quick]

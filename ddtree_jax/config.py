@@ -7,7 +7,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """A Qwen3 dense decoder (the targets of the public DFlash drafters; facts: shared/spec/models.md).
+    """A Qwen3 dense decoder (the targets of the public DFlash drafters; the fields of HF's Qwen3 config.json).
 
     `tapped_layers` are the decoder layers whose outputs feed the DFlash drafter (HF
     `hidden_states[l + 1]`); the target returns them concatenated for the verified slots.
@@ -58,7 +58,7 @@ def default_tapped_layers(num_target_layers: int, num_features: int) -> tuple[in
 
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
-    """A DFlash block-diffusion drafter (arXiv 2602.06036; facts: shared/spec/models.md).
+    """A DFlash block-diffusion drafter (arXiv 2602.06036; the fields of the public DFlash config.json).
 
     It shares the target's embedding and LM head (so `hidden_size` equals the target's), fuses the
     outputs of `target_layers` of the target into context features, and predicts block_size - 1

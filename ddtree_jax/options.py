@@ -12,7 +12,7 @@ import dataclasses
 from ddtree_jax import dispatch
 
 METHODS = ("ddtree", "chain", "ar")  # decode methods: DDTree's best-first tree, the DFlash chain, plain AR
-VERIFIERS = ("sampling", "sample_then_walk")  # tree rejection walks: the spec's coin buckets, the paper's
+VERIFIERS = ("sampling", "sample_then_walk")  # tree rejection walks: coin buckets (verify_sampling), the DDTree paper's
 ORDER_POLICIES = ("draft", "reverse", "random")  # sibling verification orders
 
 

@@ -15,7 +15,7 @@ records every decode step (`experiments/studies.study_generate`):
 Per (method, budget, temperature): mean tau over generations (the engine's tau: tokens per decode step of
 one generation) with its standard error, the pooled tau (all tokens / all steps), the step means of the
 three quantities, the surrogate's correlation with the measured length, and a calibration table (measured
-mean per surrogate bin). `targets` checks issue 9's goals: tau >= 4 at budget 64, T = 0, and DDTree above
+mean per surrogate bin). `targets` checks the pair's goals: tau >= 4 at budget 64, T = 0, and DDTree above
 the chain at every budget >= 8. The plot: tau vs budget (DDTree and chain per temperature, the surrogate's
 mean dotted), surrogate vs measured per step, and the exact expectation vs measured.
 

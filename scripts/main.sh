@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: DDTree generation side by side with AR and the DFlash chain.
-# It generates code with the trained pair in checkpoints/embedded/ (issue 9: a small Qwen3-architecture
+# It generates code with the trained pair in checkpoints/embedded/ (a small Qwen3-architecture
 # target trained on the Python standard library and its DFlash drafter), greedy, budget 64; without that
 # directory it falls back to a random-weight tiny pair, whose acceptance is ~1 token per step by
 # construction (the run exercises the machinery, not the speed-up).

@@ -1,4 +1,4 @@
-"""The named configs parse and carry the facts of shared/spec/models.md."""
+"""The named configs parse and carry the public facts of the models (layers, heads, experts, vocabulary)."""
 
 import json
 import pathlib

@@ -41,7 +41,7 @@ Collectives (only over "model"; data replicas are independent), latency + bytes 
 
 Hardware constants (`Hardware`, H200 defaults; each sourced or marked as an assumption):
   hbm_bytes_per_s 4.3e12: device-to-device copy measured on the H200 (KINDS.md; vendor peak 4.8e12;
-      plain XLA copies reach ~3.1e12, shared/spec/performance_notes.md).
+      plain XLA copies reach ~3.1e12: BENCHMARKS.md).
   peak_flops 790e12: 8192^3 bf16 matmul measured (KINDS.md; datasheet dense bf16 ~990e12).
   link_bytes_per_s 450e9: NVLink 4 on H200 SXM, 900 GB/s bidirectional per GPU (vendor), i.e. 450 GB/s
       each way; NVLink multicast / NVLS is off on these machines (KINDS.md), so ring algorithms.

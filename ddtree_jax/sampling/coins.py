@@ -1,7 +1,7 @@
 """Coins: the uniform variates every sampler and verifier consumes.
 
 Each row's coins come from its own key (fold in a request id), so a row's result never depends on
-what else is in the batch. Coins lie in [tiny, 1 - 2^-24]: never exactly 0 or 1 (spec fact 3).
+what else is in the batch. Coins lie in [tiny, 1 - 2^-24]: never exactly 0 or 1 (a coin of 0 would accept a token of probability 0).
 """
 
 from __future__ import annotations

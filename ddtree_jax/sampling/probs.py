@@ -1,6 +1,6 @@
 """`processed_probs`: the one function that turns logits into the distribution a row samples from.
 
-The plain sampler and every verifier use it (spec fact 4), so speculative and non-speculative
+The plain sampler and every verifier use it, so speculative and non-speculative
 decoding sample from the same law. Definitions, in threshold form (a sort-based reference and a
 threshold-search kernel select the same sets):
 

@@ -1,5 +1,4 @@
-"""Training the DFlash drafter against the frozen target (arXiv 2602.06036, Sec. "training"; facts in
-shared/spec/models.md):
+"""Training the DFlash drafter against the frozen target (arXiv 2602.06036, Sec. "training"):
 
 - per sequence, `num_anchors` distinct random anchor positions a in [1, T - block_size];
 - block = [token a, MASK x (block_size - 1)] at positions a .. a + block_size - 1, bidirectional inside

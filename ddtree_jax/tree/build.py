@@ -17,7 +17,7 @@ keys over all prefixes, in key order. We find it level by level:
 Within a level the ranks-tuple order of a child is (parent's lexicographic rank, own rank), so each
 level's selection is one two-key sort; the global preorder comes from subtree sizes.
 The only divergence from the heap is where float32 rounding makes two different real sums equal
-(|delta logw| ~ 1 ulp), the near-ties the spec allows to swap.
+(|delta logw| ~ 1 ulp): near-ties, which may swap (`tree.compare`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Comparing a built tree with the reference heap, up to the float32 near-ties the spec allows.
+"""Comparing a built tree with the reference heap, up to swaps of float32 near-ties (|delta logw| < 1e-5).
 
 Used by the tests and by the benchmark (which reports exactness on the device it runs on).
 """

@@ -2,7 +2,7 @@
 
 Every per-row array has N = budget + 1 slots; slot 0 is the root (the bonus token of the
 previous step), slots 1..num_nodes-1 are the draft nodes in pop order of the best-first heap
-(non-increasing log-weight), the rest are padding. See `shared/spec/ddtree_tree.md`.
+(non-increasing log-weight), the rest are padding (docs/design.md, "Tree construction").
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-#: Values every padding slot carries (the spec's fixed-shape form).
+#: Values every padding slot carries (the fixed-shape form: padding after the real slots).
 PAD_PARENT = -1
 PAD_DEPTH = 0
 PAD_RANK = -1

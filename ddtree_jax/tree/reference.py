@@ -1,4 +1,4 @@
-"""The faithful best-first heap of `shared/spec/ddtree_tree.md`: numpy + heapq, the test oracle.
+"""The DDTree best-first heap, literally (docs/design.md, "Tree construction"): numpy + heapq, the test oracle.
 
 It is deliberately literal (one node per heap pop) and slow; `build_tree` is the jit form.
 """

@@ -1,7 +1,7 @@
 """Per-depth top-K of the drafter's log-probabilities: the selection step of the tree builder.
 
 Semantics (both implementations): float32 log-softmax over the vocabulary, the K largest values per
-row in descending order, equal values -> lower token id first (the spec's rank order).
+row in descending order, equal values -> lower token id first (the heap's rank order).
 
 - "xla":       `lax.top_k` over the full row (simple; ~0.5-0.9 ms for 15 rows of a 150k vocab on an H200).
 - "prefilter": exact two-stage selection. The row is cut into chunks; the top-K elements can only lie

@@ -39,7 +39,7 @@ def exact_law(probs: np.ndarray, root: int, length: int) -> np.ndarray:
 
 def expected_accepted(tree: DraftTree, b: int, probs: np.ndarray) -> float:
     """Analytic E[num_accepted] of exact verification: sum over non-root nodes v of the product over
-    the path of q(token_u | parent's token) (spec fact 1). Requires max_accept >= the tree depth."""
+    the path of q(token_u | parent's token) (the probability of a node's token under its parent's target distribution). Requires max_accept >= the tree depth."""
     tokens, parents = np.asarray(tree.tokens[b]), np.asarray(tree.parents[b])
     reach = np.zeros(len(tokens))
     reach[0] = 1.0

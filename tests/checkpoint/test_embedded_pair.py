@@ -1,6 +1,6 @@
 """The committed embedded pair (checkpoints/embedded): it loads, matches its provenance, and the engine's
 greedy DDTree and DFlash-chain text equals autoregressive greedy text with it (exactness on real weights;
-a divergence is allowed only where the AR top-2 logit gap is below 1e-4, as issue 8's tests state)."""
+a divergence is allowed only where the AR top-2 logit gap is below 1e-4, as the engine's greedy tests allow)."""
 
 import hashlib
 import json
@@ -22,7 +22,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def pair():
     if not os.path.isdir(os.path.join(PAIR, "target")):
-        pytest.fail("checkpoints/embedded is missing: it is committed (issue 9)")
+        pytest.fail("checkpoints/embedded is missing: it is committed (docs/training.md)")
     return load_pair(os.path.join(PAIR, "target"), os.path.join(PAIR, "drafter"))
 
 

@@ -397,7 +397,7 @@ def test_params_rows_repeat_per_slot():
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_output_law_through_the_fused_kernel():
-    """The verification issue's law test (Markov-chain target, V = 6, three DDTree steps, exact law by
+    """The output-law test of tests/verify/test_law.py (Markov-chain target, V = 6, three DDTree steps, exact law by
     enumeration), run through verify_step(impl="pallas"): chi-square at ALPHA = 1e-3 (a false-positive
     rate of 1e-3 for an exact sampler), and the same chains through the XLA path, whose law
     tests/verify/test_law.py checks with many more chains: the two emit the same tokens on >= 99.9% of

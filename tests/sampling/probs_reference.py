@@ -1,4 +1,4 @@
-"""A float64 numpy twin of processed_probs, written straight from the spec's definitions (one row at a time)."""
+"""A float64 numpy twin of processed_probs, written straight from the definitions of docs/sampling.md (one row at a time)."""
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""processed_probs against the float64 twin of the spec's definitions; ties, boundaries, greedy, invalid rows."""
+"""processed_probs against the float64 twin of the definitions; ties, boundaries, greedy, invalid rows."""
 
 import jax
 import jax.numpy as jnp

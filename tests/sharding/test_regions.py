@@ -1,7 +1,7 @@
 """Manual regions (`sharding.regions`): the Pallas kernels and the expert-parallel MoE inside shard_map, on
 8 fake CPU devices (kernels in interpret mode). Sharded = unsharded for the tiny K2 target: tree attention
 split by batch and heads, "ep" experts split 4 ways, the grouped kernel on the TP split; tree sampling
-split by rows; and the spec fitting (axes that do not divide fall back to replication, a reduction
+split by rows; and the partition-spec fitting (axes that do not divide fall back to replication, a reduction
 axis that cannot stay split is an error)."""
 
 import functools

@@ -1,4 +1,4 @@
-"""verify_sampling: the spec's worked example and boundary cases, coin-for-coin agreement with the
+"""verify_sampling: a worked example and boundary cases, coin-for-coin agreement with the
 line-by-line twin on random trees, duplicate siblings, large vocabularies, greedy equivalence."""
 
 import jax
@@ -11,7 +11,7 @@ from ddtree_jax.tree import build_tree, verification_order
 from ddtree_jax.verify import verify_greedy, verify_sample_then_walk, verify_sampling
 from tests.verify.walk_reference import walk_reference
 
-# the worked example of shared/spec/tree_sampling.md: 0 -> {1, 3}, 1 -> 2, 3 -> 4 -> 5
+# a worked example, the expected walks derived by hand: 0 -> {1, 3}, 1 -> 2, 3 -> 4 -> 5
 EX_CAND = np.arange(6, dtype=np.int32)[None]
 EX_NEXT = np.array([[1, 2, -1, 4, 5, -1]], np.int32)
 EX_SIB = np.array([[-1, 3, -1, -1, -1, -1]], np.int32)
