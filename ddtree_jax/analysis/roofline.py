@@ -67,9 +67,9 @@ from ddtree_jax.analysis.memory import (
     weight_inventory,
 )
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
+from ddtree_jax.options import check_method
 from ddtree_jax.presets import preset_pair
 
-METHODS = ("ar", "chain", "ddtree")
 EP_COLLECTIVES = ("allreduce", "all_to_all")
 ACT_BYTES = 2  # bf16 activations on the wire
 
@@ -358,8 +358,7 @@ def step_cost(
     overhead_s: float = 0.0,
 ) -> StepCost:
     """The roofline of one decode step of `method` ("ar", "chain", "ddtree" with `budget`)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_method(method)
     if not isinstance(config, (DeepSeekV3Config, Qwen3Config)):
         raise ValueError(f"config must be a DeepSeekV3Config or Qwen3Config, got {type(config).__name__}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
