@@ -45,21 +45,27 @@ class Timing:
         }
 
 
-def time_calls(fn, arg_sets: Sequence[tuple], *, runs: int = 7, warmup: int = 1) -> Timing:
-    """The one benchmark timer: `warmup` untimed calls, then `runs` timed ones, each fn(*arg_sets[i % n])
-    + jax.block_until_ready on its result (i counts from 0 in each phase; several argument sets rotate the
-    inputs, so no call reuses the previous call's data). fn may close over state it updates (a donated
-    cache fed back), with arg_sets = [()]."""
-    if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
+def time_calls(fn, arg_sets: Sequence[tuple], *, runs: int = 7, warmup: int = 1, pipeline: int = 1) -> Timing:
+    """The one benchmark timer: `warmup` untimed calls, then `runs` timed samples, each of `pipeline`
+    back-to-back calls fn(*arg_sets[i % n]) (i counts the calls from 0 in each phase; several argument
+    sets rotate the inputs, so no call reuses the previous call's data) and one jax.block_until_ready on
+    the last result; a sample is its seconds per call. pipeline 1: one call's latency, dispatch included;
+    pipeline > 1: the calls queue on the device (async dispatch), so small kernels are timed without
+    their host dispatch gaps. fn may close over state it updates (a donated cache fed back), with
+    arg_sets = [()]."""
+    if runs < 1 or pipeline < 1:
+        raise ValueError(f"runs and pipeline must be >= 1, got {runs} and {pipeline}")
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
     samples = []
-    for i in range(runs):
-        args = arg_sets[i % len(arg_sets)]
+    call = 0
+    for _ in range(runs):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
+        for _ in range(pipeline):
+            out = fn(*arg_sets[call % len(arg_sets)])
+            call += 1
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / pipeline)
     return Timing(tuple(sorted(samples)))
 
 
