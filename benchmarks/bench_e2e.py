@@ -1,0 +1,244 @@
+"""End-to-end decode benchmark on the embedded pair: AR, the DFlash chain and DDTree at several budgets on
+the 16 held-out prompts, tokens per second with the prefill timed apart.
+
+For each temperature setting (T = 0; T = 1 with top-p 0.95) and each column (AR, chain, DDTree at every
+budget), one program is compiled per column (`engine.generate`, the prompts padded to one width) and run
+on each prompt alone (B = 1, request key = prompt index), `--repeats` times:
+
+  decode s      median wall time of the whole generation minus the median time of the same program with
+                max_new = 1 (prefill and first token only: the rows are done before the first step; same
+                compiled program, so the same shapes)
+  tokens_per_s  (generated tokens - 1) over the summed decode seconds of all prompts: decode speed, the
+                prefill excluded (reported apart as prefill_ms, per prompt)
+  mean_tau      mean over prompts of the tokens per decode step
+
+The prompts are `benchmarks/held_out_prompts_16x128.json`: 16 prompts of 128 tokens from the pair's
+held-out files, written by `python -m experiments.held_out_prompts --n 16 --length 128
+--min-continuation 256 --json ...` (pass another file with --prompts). The JSON follows the `ddtree-jax
+bench --json` layout (`device`, `settings`, `results` rows with `method`, `budget`, `tokens_per_s`,
+`mean_tau`), one file per temperature: `e2e_embedded_T0_<commit>.json`, `e2e_embedded_T1_<commit>.json`.
+
+Targets (H200): T = 0, the best DDTree budget >= 2.0x AR and >= 1.25x the chain; T = 1, >= 1.2x AR and
+>= 1.25x the chain.
+
+Usage: python -m benchmarks.bench_e2e --commit $(git rev-parse --short HEAD) [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from ddtree_jax.engine.generate import generate
+from ddtree_jax.engine.run import bench_columns, check_request, load_pair, request_args, resolve_block_size
+from ddtree_jax.options import DecodeOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIR_DIR = os.path.join(ROOT, "checkpoints", "embedded")
+PROMPTS = os.path.join(ROOT, "benchmarks", "held_out_prompts_16x128.json")
+SETTINGS = {"T0": dict(temperature=0.0, top_p=1.0), "T1": dict(temperature=1.0, top_p=0.95)}
+
+
+def load_prompt_ids(path: str) -> list[list[int]]:
+    """Token ids of a prompts JSON: a list of {"ids": [...]} (held_out_prompts --json) or of id lists."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path}: expected a non-empty JSON list of prompts")
+    ids = [p["ids"] if isinstance(p, dict) else p for p in data]
+    if not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in ids):
+        raise ValueError(f"{path}: every prompt must be a non-empty list of token ids (or a dict with 'ids')")
+    return ids
+
+
+def run_column(
+    pair,
+    prompt_ids,
+    *,
+    method: str,
+    budget: int | None,
+    max_new: int,
+    setting: dict,
+    repeats: int,
+    options: DecodeOptions,
+) -> dict:
+    """One column: compile once, then per prompt the full generation and the max_new = 1 run, each timed
+    `repeats` times (medians)."""
+    block = resolve_block_size(pair, method, None)
+    check_request(pair, prompt_ids, method=method, budget=budget or 1, block_size=None, max_new_tokens=max_new)
+    width = max(len(p) for p in prompt_ids)
+    common = dict(seed=0, max_new_tokens=max_new, width=width, **setting)
+    static = dict(max_new_tokens=max_new, method=method, budget=budget or 1, block_size=block, options=options)
+    start = time.perf_counter()
+    compiled = generate.lower(*request_args(pair, prompt_ids[:1], request_ids=[0], **common), **static).compile()
+    compile_s = time.perf_counter() - start
+    per_prompt = []
+    for i, prompt in enumerate(prompt_ids):
+        args = request_args(pair, [prompt], request_ids=[i], **common)[1:]  # the static config is baked in
+        prefill_only = args[:-1] + (jnp.ones((1,), jnp.int32),)
+        full = time_calls(compiled, [args], runs=repeats, warmup=1)
+        prefill = time_calls(compiled, [prefill_only], runs=repeats, warmup=1)
+        result = compiled(*args)
+        n = int(np.asarray(result.num_generated)[0])
+        per_prompt.append(
+            {
+                "prompt": i,
+                "num_tokens": n,
+                "run_s": full.median,
+                "prefill_s": prefill.median,
+                "decode_s": max(full.median - prefill.median, 1e-9),
+                "tau": float(np.asarray(result.tau)[0]),
+                "steps": int(np.asarray(result.steps)[0]),
+                "tokens": np.asarray(result.tokens)[0, :n].tolist(),
+            }
+        )
+    decode_s = sum(p["decode_s"] for p in per_prompt)
+    decoded = sum(p["num_tokens"] - 1 for p in per_prompt)  # the first token comes from the prefill
+    return {
+        "method": method,
+        "budget": budget,
+        "block_size": None if method == "ar" else block,
+        "tokens_per_s": decoded / decode_s,
+        "mean_tau": statistics.mean(p["tau"] for p in per_prompt),
+        "prefill_ms": 1e3 * statistics.median(p["prefill_s"] for p in per_prompt),
+        "decode_s": decode_s,
+        "num_tokens": decoded,
+        "compile_s": compile_s,
+        "speedup": None,
+        "per_prompt": per_prompt,
+    }
+
+
+def run_setting(
+    pair,
+    prompt_ids,
+    *,
+    budgets,
+    max_new: int,
+    setting: dict,
+    repeats: int,
+    options: DecodeOptions,
+    methods=("ar", "chain", "ddtree"),
+) -> list[dict]:
+    rows = []
+    for method, budget in bench_columns(budgets, methods):
+        row = run_column(
+            pair,
+            prompt_ids,
+            method=method,
+            budget=budget,
+            max_new=max_new,
+            setting=setting,
+            repeats=repeats,
+            options=options,
+        )
+        rows.append(row)
+        print(
+            f"  {method:<7}{'' if budget is None else budget:>5}  {row['tokens_per_s']:9.1f} tok/s  "
+            f"tau {row['mean_tau']:5.2f}  prefill {row['prefill_ms']:7.2f} ms  (compile {row['compile_s']:.0f} s)",
+            flush=True,
+        )
+    ar = next((r for r in rows if r["method"] == "ar"), None)
+    chain = next((r for r in rows if r["method"] == "chain"), None)
+    for row in rows:
+        if ar is not None:
+            row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
+        if chain is not None:
+            row["over_chain"] = row["tokens_per_s"] / chain["tokens_per_s"]
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", default="unknown", help="the commit measured (recorded in the JSON)")
+    parser.add_argument("--pair", default=PAIR_DIR, help="directory holding target/ and drafter/ (default: embedded)")
+    parser.add_argument("--prompts", default=PROMPTS, help="prompts JSON (default: the 16 held-out prompts)")
+    parser.add_argument("--budgets", default="16,32,64,128,256", help="DDTree budgets (default 16,32,64,128,256)")
+    parser.add_argument("--max-new", type=int, default=256, help="new tokens per prompt (default 256)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt (default 3; medians)")
+    parser.add_argument("--settings", default="T0,T1", help="T0 (greedy) and / or T1 (T = 1, top-p 0.95)")
+    parser.add_argument("--quick", action="store_true", help="4 prompts, budgets 16 and 64, 64 new tokens, 1 repeat")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
+    args = parser.parse_args(argv)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    names = args.settings.split(",")
+    bad = [n for n in names if n not in SETTINGS]
+    if bad or any(b < 1 for b in budgets) or args.max_new < 2 or args.repeats < 1:
+        raise SystemExit(
+            f"error: --settings from {sorted(SETTINGS)}, budgets >= 1, --max-new >= 2, --repeats >= 1 "
+            f"(got {args.settings}, {args.budgets}, {args.max_new}, {args.repeats})"
+        )
+    prompt_ids = load_prompt_ids(args.prompts)
+    if args.quick:
+        prompt_ids, budgets, args.max_new, args.repeats = prompt_ids[:4], [16, 64], 64, 1
+    pair = load_pair(os.path.join(args.pair, "target"), os.path.join(args.pair, "drafter"))
+    print(
+        f"device: {device_description()}; commit {args.commit}; {len(prompt_ids)} prompts of "
+        f"{len(prompt_ids[0])} tokens, {args.max_new} new",
+        flush=True,
+    )
+    options = DecodeOptions()
+    written = []
+    for name in names:
+        setting = SETTINGS[name]
+        print(f"{name}: temperature {setting['temperature']}, top-p {setting['top_p']}", flush=True)
+        rows = run_setting(
+            pair,
+            prompt_ids,
+            budgets=budgets,
+            max_new=args.max_new,
+            setting=setting,
+            repeats=args.repeats,
+            options=options,
+        )
+        payload = {
+            "device": {
+                "platform": jax.devices()[0].platform,
+                "kind": jax.devices()[0].device_kind,
+                "count": jax.device_count(),
+                "description": device_description(),
+            },
+            "settings": {
+                "budgets": budgets,
+                "max_new_tokens": args.max_new,
+                "repeats": args.repeats,
+                "prompts": os.path.relpath(args.prompts, ROOT) if args.prompts.startswith(ROOT) else args.prompts,
+                "num_prompts": len(prompt_ids),
+                "prefill": "excluded, reported apart",
+                **setting,
+            },
+            "results": rows,
+        }
+        written.append(write_result(f"e2e_embedded_{name}_{args.commit}", payload, args.commit, args.out))
+        print(
+            markdown_table(
+                ["method", "budget", "tokens/s", "x AR", "x chain", "mean tau", "prefill ms"],
+                [
+                    [
+                        r["method"],
+                        r["budget"] or "",
+                        r["tokens_per_s"],
+                        "" if r["speedup"] is None else f"{r['speedup']:.2f}",
+                        "" if "over_chain" not in r else f"{r['over_chain']:.2f}",
+                        f"{r['mean_tau']:.2f}",
+                        r["prefill_ms"],
+                    ]
+                    for r in rows
+                ],
+            ),
+            flush=True,
+        )
+    print("written: " + ", ".join(written))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
