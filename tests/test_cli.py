@@ -398,7 +398,7 @@ def test_a_checkpoint_holding_nan_is_an_error(tmp_path, capsys):
 
 
 def test_bad_requests_fail_before_any_output(capsys):
-    assert "temperature must be finite and >= 0" in _error_before_output(
+    assert "temperature[0] = -1.0 must be finite and >= 0" in _error_before_output(
         ["generate", *TINY, "--temperature", "-1"], capsys
     )
     assert "top_p" in _error_before_output(["bench", *TINY, "--top-p", "2"], capsys)
