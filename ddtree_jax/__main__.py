@@ -382,7 +382,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     the help text itself or not at all."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
