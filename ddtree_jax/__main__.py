@@ -75,8 +75,25 @@ def _parse_ids(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDED_TARGET = os.path.join(REPO_ROOT, "checkpoints", "embedded", "target")  # generate / bench without --target
+EMBEDDED_DRAFTER = os.path.join(REPO_ROOT, "checkpoints", "embedded", "drafter")
+
+
+class UsageError(Exception):
+    """A request the CLI cannot serve (printed as one `error: ...` line, exit code 2)."""
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling values (`SamplingParams.create`'s validation), before anything loads or prints."""
+    from ddtree_jax.sampling import SamplingParams
+
+    SamplingParams.create(1, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+
+
 def _load(args: argparse.Namespace):
-    """The pair of --target/--drafter (or --random-tiny), with the compilation cache set up."""
+    """The pair of --target/--drafter (or --random-tiny; without either, the embedded pair of
+    checkpoints/embedded/), with the compilation cache set up."""
     from ddtree_jax.engine.run import DEFAULT_CACHE_DIR, enable_compilation_cache, load_pair, random_tiny_pair
 
     if args.compilation_cache is None:  # DDTREE_COMPILATION_CACHE overrides the default ('' disables it)
@@ -85,23 +102,27 @@ def _load(args: argparse.Namespace):
     if args.random_tiny:
         return random_tiny_pair(args.seed)
     if args.target:
-        return load_pair(args.target, args.drafter)
+        return load_pair(args.target, args.drafter, check_finite=args.check_finite)
     if args.drafter:
         raise ValueError("--drafter needs --target (the drafter runs on the target's embedding and head)")
-    raise ValueError("give --target DIR [--drafter DIR], or --random-tiny")
+    if not (os.path.isdir(EMBEDDED_TARGET) and os.path.isdir(EMBEDDED_DRAFTER)):
+        raise ValueError(
+            f"no --target given and the embedded pair ({EMBEDDED_TARGET}, {EMBEDDED_DRAFTER}) is not there: "
+            "give --target DIR [--drafter DIR], or --random-tiny"
+        )
+    args.target, args.drafter = EMBEDDED_TARGET, EMBEDDED_DRAFTER
+    return load_pair(args.target, args.drafter, check_finite=args.check_finite)
 
 
 def _encode(pair, texts: list[str], chat: bool, where: str) -> list[list[int]]:
     """Prompt texts -> ids with the pair's tokenizer (wrapped in its chat template with --chat)."""
     if pair.tokenizer is None:
-        raise SystemExit(
-            "error: --prompt needs a tokenizer (tokenizer.json or tiktoken.model) in the target "
-            "directory; use --prompt-ids"
+        raise UsageError(
+            "--prompt needs a tokenizer (tokenizer.json or tiktoken.model) in the target directory; use --prompt-ids"
         )
     if chat and not pair.tokenizer.has_chat_template:
-        raise SystemExit(
-            f"error: --chat needs a chat template in {where} (chat_template.jinja or "
-            "tokenizer_config.json's chat_template)"
+        raise UsageError(
+            f"--chat needs a chat template in {where} (chat_template.jinja or tokenizer_config.json's chat_template)"
         )
     prompts = []
     for text in texts:
@@ -159,7 +180,8 @@ def _generate_command(args: argparse.Namespace) -> int:
     from ddtree_jax.engine import run as run_module
 
     if args.chat and (args.prompt is None or args.prompt_ids is not None):
-        raise SystemExit("error: --chat wraps --prompt text as a user message; give --prompt (not --prompt-ids)")
+        raise UsageError("--chat wraps --prompt text as a user message; give --prompt (not --prompt-ids)")
+    _check_sampling(args)
     pair = _load(args)
     methods = ["ar", "chain", "ddtree"] if args.method == "all" else [args.method]
     for method in methods:  # before anything compiles
@@ -176,6 +198,10 @@ def _generate_command(args: argparse.Namespace) -> int:
         prompt = _encode(pair, [args.prompt], args.chat, args.target)[0]
     else:
         prompt = [1, 2, 3, 4]
+    for method in methods:  # the whole request (prompt, lengths, pair) before anything prints
+        run_module.check_request(
+            pair, [prompt], method=method, budget=args.budget, block_size=args.block_size, max_new_tokens=args.max_new
+        )
     stop_tokens = _stop_tokens(pair, args.chat)
     decode = (lambda ids: pair.tokenizer.decode(ids, skip_special_tokens=True)) if pair.tokenizer else str
     print(
@@ -219,7 +245,7 @@ def _generate_command(args: argparse.Namespace) -> int:
 
 def _bench_prompts(args: argparse.Namespace, pair) -> list[list[int]]:
     if args.chat and args.prompt_ids:
-        raise SystemExit("error: --chat wraps prompt texts as user messages; give --prompt / --prompt-file")
+        raise UsageError("--chat wraps prompt texts as user messages; give --prompt / --prompt-file")
     if args.prompt_ids:
         return [_parse_ids(text, "--prompt-ids") for text in args.prompt_ids]
     texts = list(args.prompt or [])
@@ -236,7 +262,7 @@ def _bench_prompts(args: argparse.Namespace, pair) -> list[list[int]]:
     if pair.tokenizer is not None:
         return _encode(pair, list(DEFAULT_PROMPTS), args.chat, args.target)
     if args.chat:
-        raise SystemExit("error: --chat needs a tokenizer with a chat template")
+        raise UsageError("--chat needs a tokenizer with a chat template")
     return [list(p) for p in DEFAULT_PROMPT_IDS]
 
 
@@ -259,6 +285,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--methods must be a comma-separated subset of {','.join(run_module.METHODS)}, got {args.methods!r}"
         )
+    _check_sampling(args)
     pair = _load(args)
     columns = run_module.bench_columns(budgets, methods)
     for method, budget in columns:  # before anything compiles
@@ -266,6 +293,10 @@ def _bench_command(args: argparse.Namespace) -> int:
             method, budget=budget, block_size=args.block_size, max_new_tokens=args.max_new, drafter=pair.drafter
         )
     prompts = _bench_prompts(args, pair)
+    for method, budget in columns:  # the whole request (prompts, lengths, pair) before anything prints
+        run_module.check_request(
+            pair, prompts, method=method, budget=budget, block_size=args.block_size, max_new_tokens=args.max_new
+        )
     stop_tokens = _stop_tokens(pair, args.chat)
     device = jax.devices()[0]
     print(
@@ -346,36 +377,68 @@ def _bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default; None / False defaults (no value, a flag off) are said in
+    the help text itself or not at all."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_pair_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--target", help="HF directory of the target (config.json, safetensors, tokenizer.json or tiktoken.model)"
+        "--target",
+        help="HF directory of the target (config.json, safetensors, tokenizer.json or tiktoken.model) "
+        "(default: the embedded pair, checkpoints/embedded/target with checkpoints/embedded/drafter)",
     )
-    parser.add_argument("--drafter", help="HF directory of the DFlash drafter")
-    parser.add_argument("--random-tiny", action="store_true", help="a random tiny pair instead (smoke run)")
+    parser.add_argument("--drafter", help="HF directory of the DFlash drafter (default: none with --target: AR only)")
+    parser.add_argument(
+        "--random-tiny", action="store_true", help="a random tiny pair instead (smoke run; default: off)"
+    )
+    parser.add_argument(
+        "--no-check-finite",
+        dest="check_finite",
+        action="store_false",
+        help="skip the check that every floating-point checkpoint tensor is finite (no NaN / inf) "
+        "(default: checked, which reads every value once more on the host)",
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    parser.add_argument("--max-new", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument(
-        "--order",
-        default="draft",
-        choices=["draft", "reverse", "random"],
-        help="sibling verification order (default: draft)",
+        "--block-size", type=int, default=None, help="drafter block size: slots per step (default: the drafter's)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-new",
+        "--max-new-tokens",
+        dest="max_new",
+        type=int,
+        default=64,
+        help="tokens to generate per prompt (--max-new-tokens: the HF name)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = all")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    parser.add_argument(
+        "--order", default="draft", choices=["draft", "reverse", "random"], help="sibling verification order"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
     parser.add_argument(
         "--profile",
         action="store_true",
         help="also time each stage of one decode step alone (draft, tree, verify forward, "
-        "verification, commit) next to the fused step",
+        "verification, commit) next to the fused step (default: off)",
     )
-    parser.add_argument("--compilation-cache", default=None, help="persistent XLA cache dir ('' to disable)")
+    parser.add_argument(
+        "--compilation-cache",
+        default=None,
+        help="persistent XLA cache dir, '' to disable "
+        "(default: $DDTREE_COMPILATION_CACHE, else ~/.cache/ddtree_jax/xla)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -396,32 +459,59 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--plot", metavar="FILE", help="also draw the tree to FILE (png/pdf/svg)")
     tree.set_defaults(func=_tree_command)
 
-    gen = sub.add_parser("generate", help="speculative generation from HF checkpoints, timed")
+    gen = sub.add_parser(
+        "generate",
+        help="speculative generation from HF checkpoints, timed",
+        description="Speculative generation (DDTree / DFlash chain / AR) from HF checkpoints, timed; "
+        "without --target, the embedded pair of checkpoints/embedded/.",
+        formatter_class=_HelpFormatter,
+    )
     _add_pair_args(gen)
-    gen.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
+    gen.add_argument(
+        "--prompt", help="prompt text, needs the target's tokenizer (default: --prompt-ids, else ids 1,2,3,4)"
+    )
     gen.add_argument(
         "--chat",
         action="store_true",
         help="wrap --prompt as one user message in the target's chat template (generation prompt added); "
-        "generation stops at the tokenizer's eos / end-of-turn token",
+        "generation stops at the tokenizer's eos / end-of-turn token (default: off)",
     )
-    gen.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    gen.add_argument("--method", default="ddtree", choices=["ddtree", "chain", "ar", "all"])
-    gen.add_argument("--budget", type=int, default=32)
+    gen.add_argument("--prompt-ids", help="comma-separated prompt token ids (default: --prompt, else 1,2,3,4)")
+    gen.add_argument(
+        "--method", default="ddtree", choices=["ddtree", "chain", "ar", "all"], help="decoding method; all: each"
+    )
+    gen.add_argument("--budget", type=int, default=32, help="DDTree budget: draft nodes per step, root not counted")
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate_command)
 
-    bench = sub.add_parser("bench", help="AR vs DFlash chain vs DDTree on the same prompts: tokens/s, tau, speedup")
+    bench = sub.add_parser(
+        "bench",
+        help="AR vs DFlash chain vs DDTree on the same prompts: tokens/s, tau, speedup",
+        description="AR vs the DFlash chain vs DDTree (one column per budget) on the same prompts: tokens/s, "
+        "tau, speed-up; without --target, the embedded pair of checkpoints/embedded/.",
+        formatter_class=_HelpFormatter,
+    )
     _add_pair_args(bench)
-    bench.add_argument("--prompt", action="append", help="prompt text (repeatable; needs the target's tokenizer)")
-    bench.add_argument("--prompt-file", help="a text file of prompts, one per line")
-    bench.add_argument("--prompt-ids", action="append", help="comma-separated prompt token ids (repeatable)")
-    bench.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template; stop at end of turn")
+    bench.add_argument(
+        "--prompt",
+        action="append",
+        help="prompt text, repeatable; needs the target's tokenizer (default: built-in prompts, or ids without a "
+        "tokenizer)",
+    )
+    bench.add_argument("--prompt-file", help="a text file of prompts, one per line (default: none)")
+    bench.add_argument(
+        "--prompt-ids", action="append", help="comma-separated prompt token ids, repeatable (default: none)"
+    )
+    bench.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the chat template; stop at end of turn (default: off)"
+    )
     bench.add_argument("--budget", default="32", help="DDTree budget(s), comma-separated: one column each (16,64,256)")
-    bench.add_argument("--methods", default="ar,chain,ddtree", help="columns to run (default ar,chain,ddtree)")
+    bench.add_argument("--methods", default="ar,chain,ddtree", help="columns to run, comma-separated")
     _add_sampling_args(bench)
-    bench.add_argument("--json", metavar="FILE", help="also write every number (per prompt too) to FILE")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--json", metavar="FILE", help="also write every number (per prompt too) to FILE (default: none)"
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     bench.set_defaults(func=_bench_command)
 
     plan = sub.add_parser(
@@ -490,10 +580,13 @@ def _dispatch_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ddtree_jax.checkpoint.errors import CheckpointError  # after parsing: --help imports no JAX
+
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
-        print(f"error: {err}", file=sys.stderr)
+    except (UsageError, CheckpointError, ValueError, OSError) as err:  # bad input: one clear line, no traceback
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

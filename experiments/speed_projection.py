@@ -6,8 +6,8 @@ tokens / all decode steps, per method (--tau mean: the mean of per-generation ta
 budget and temperature) with the decode-step time of a Qwen3-8B target + Qwen3-8B-DFlash-b16 drafter
 (block 16, like the embedded drafter) at the same method and budget, from, in order:
 
-1. `--bench FILE`, or else the newest `benchmarks/results/engine_qwen3-8b*.json` /
-   `benchmarks/results_archive/engine_qwen3-8b*.json` (`benchmarks/bench_engine.py`: rows with B, method,
+1. `--bench FILE`, or else the newest (by the date recorded inside, ties by file name)
+   `benchmarks/results/engine_qwen3-8b*.json` / `benchmarks/results_archive/engine_qwen3-8b*.json` (`benchmarks/bench_engine.py`: rows with B, method,
    budget, step_ms, measured on the H200 at its --temperature; the fastest row per (B, method, budget) over
    implementations; the same step time serves every temperature of the sweep);
 2. else the roofline model `ddtree_jax.analysis.roofline` (`step_cost` of the `qwen3-8b` preset pair on one
@@ -20,7 +20,9 @@ out. Per temperature and column: tau, step ms, tokens/s per row = tau / step, ag
 (x B), speedup over AR (AR: tau = 1, its own step) and over the DFlash chain (its tau and step), and the
 best budget (highest tokens/s).
 
-  python -m experiments.speed_projection --sweep outputs/budget_sweep.json [--bench F.json | --roofline] [--batch 1]
+  python -m experiments.speed_projection [--sweep outputs/budget_sweep.json] [--bench F.json | --roofline] [--batch 1]
+
+Without --sweep: the newest committed experiments/results/budget_sweep*.json (by the date recorded inside).
 """
 
 from __future__ import annotations
@@ -41,10 +43,53 @@ class NoStepTimes(RuntimeError):
     """Neither a bench_engine JSON nor the roofline model is available."""
 
 
-def find_bench_json(root: str = REPO) -> str | None:
-    """The newest Qwen3-8B engine benchmark result (by modification time), or None."""
-    paths = [p for g in BENCH_GLOBS for p in glob.glob(os.path.join(root, g))]
-    return max(paths, key=os.path.getmtime) if paths else None
+SWEEP_GLOB = "experiments/results/budget_sweep*.json"  # the committed budget sweeps
+
+
+def _recorded(path: str) -> tuple[str, str]:
+    """(the recorded date, the commit) of a result JSON (benchmarks/common.py write_result,
+    experiments.studies write_json: top-level "date" (ISO 8601, UTC) and "commit"); ("", "") when unreadable or
+    absent, so such files sort oldest. The file's modification time is never used: a fresh clone makes it arbitrary."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return "", ""
+    if not isinstance(data, dict):
+        return "", ""
+    date = data.get("date")
+    if isinstance(date, str):
+        try:
+            date = datetime.datetime.fromisoformat(date)
+            if date.tzinfo is None:
+                date = date.replace(tzinfo=datetime.UTC)
+            date = date.astimezone(datetime.UTC).isoformat()
+        except ValueError:
+            date = ""
+    else:
+        date = ""
+    return date, str(data.get("commit") or "")
+
+
+def newest_recorded(paths) -> str | None:
+    """The path whose recorded date is the newest; ties (the same date, or none recorded) go to the file name
+    that sorts last, so the choice does not depend on the file system."""
+    paths = list(paths)
+    if not paths:
+        return None
+    return max(paths, key=lambda p: (_recorded(p)[0], os.path.basename(p), p))
+
+
+def find_bench_json(root: str | None = None) -> str | None:
+    """The newest Qwen3-8B engine benchmark result by the date recorded in it (`newest_recorded`), or None."""
+    root = REPO if root is None else root
+    return newest_recorded(p for g in BENCH_GLOBS for p in glob.glob(os.path.join(root, g)))
+
+
+def find_sweep_json(root: str | None = None) -> str | None:
+    """The newest committed budget sweep (experiments/results/budget_sweep*.json) by its recorded date, or None."""
+    root = REPO if root is None else root
+    return newest_recorded(glob.glob(os.path.join(root, SWEEP_GLOB)))
 
 
 def step_times_from_bench(path: str, batch: int = 1) -> dict:
@@ -318,8 +363,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--sweep",
-        default=os.path.join(os.environ.get("OUT", "outputs"), "budget_sweep.json"),
-        help="a budget_sweep.py result",
+        default=None,
+        help=f"a budget_sweep.py result (default: the newest committed {SWEEP_GLOB} by its recorded date)",
     )
     parser.add_argument("--bench", default=None, help="a benchmarks/bench_engine.py JSON (default: the newest found)")
     parser.add_argument("--roofline", action="store_true", help="use the roofline model even if a benchmark exists")
@@ -334,6 +379,16 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "speed_projection.json"))
     args = parser.parse_args(argv)
+    if args.sweep is None:
+        args.sweep = find_sweep_json()
+        if args.sweep is None:
+            print(
+                f"error: no --sweep given and no committed sweep ({SWEEP_GLOB}) under {REPO}: "
+                "run experiments/budget_sweep.py and pass --sweep FILE",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"sweep: {os.path.relpath(args.sweep, REPO)} (the newest committed)")
     if not os.path.exists(args.sweep):
         print(f"error: no sweep result at {args.sweep}: run experiments/budget_sweep.py first", file=sys.stderr)
         return 2

@@ -5,6 +5,24 @@
 # directory it falls back to a random-weight tiny pair, whose acceptance is ~1 token per step by
 # construction (the run exercises the machinery, not the speed-up).
 # Extra arguments go to `ddtree-jax generate` (see `scripts/main.sh --help`).
+for arg in "$@"; do
+  if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
+    cat <<'USAGE'
+usage: scripts/main.sh [ddtree-jax generate options ...]
+
+Runs `python -m ddtree_jax generate` with these options (extra arguments come after them, so they override):
+  with checkpoints/embedded/{target,drafter}:
+    --target checkpoints/embedded/target --drafter checkpoints/embedded/drafter
+    --prompt <the start of a Python function, list_python_files(root)>
+    --method all --budget 64 --max-new 128 --repeats 1
+  without them (a random-weight tiny pair):
+    --random-tiny --method all --budget 16 --max-new 64 --repeats 3
+
+The options of `ddtree-jax generate`:
+USAGE
+    break
+  fi
+done
 source "$(dirname "$0")/_venv.sh"
 cd "$repo_root"
 if [ -d checkpoints/embedded/target ] && [ -d checkpoints/embedded/drafter ]; then

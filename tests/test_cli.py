@@ -285,8 +285,9 @@ def test_generate_chat_stops_at_eos_and_end_of_turn(tmp_path, monkeypatch, capsy
         seen.update(kwargs, prompt=prompts[0])
         return {"tau": 1.5, "tokens_per_s": 10.0, "compile_s": 0.0, "run_s": 0.2, "tokens": [[7, 2]]}
 
-    monkeypatch.setattr(run_module, "load_pair", lambda target, drafter: types.SimpleNamespace(tokenizer=tok))
+    monkeypatch.setattr(run_module, "load_pair", lambda target, drafter, **kw: types.SimpleNamespace(tokenizer=tok))
     monkeypatch.setattr(run_module, "run", fake_run)
+    monkeypatch.setattr(run_module, "check_request", lambda *args, **kwargs: None)  # run is faked too
     common = ["generate", "--target", str(directory), "--method", "ar", "--compilation-cache", "", "--prompt", "hi"]
     assert main(common + ["--chat"]) == 0
     out = capsys.readouterr().out
@@ -304,3 +305,148 @@ def test_dispatch_prints_every_choice(capsys):
     assert any(line.strip().startswith("rejection walk") and "pallas" in line for line in out.splitlines())
     assert main(["dispatch", "--attn-impl", "flash"]) == 2
     assert "DecodeOptions.attn_impl must be one of" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ defaults, exit codes
+
+
+def _error_before_output(argv, capsys) -> str:
+    """An `error: ...` line (exit 2) with nothing printed to stdout before it."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    err = captured.err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_generate_and_bench_default_to_the_embedded_pair(monkeypatch, capsys):
+    from ddtree_jax import __main__ as cli
+    from ddtree_jax.engine import run as run_module
+
+    assert cli.EMBEDDED_TARGET.endswith(os.path.join("checkpoints", "embedded", "target"))
+    assert os.path.isdir(cli.EMBEDDED_TARGET) and os.path.isdir(cli.EMBEDDED_DRAFTER)
+    seen = []
+    tiny = random_tiny_pair()
+
+    def fake_load_pair(target, drafter, **kwargs):
+        seen.append((target, drafter, kwargs))
+        return tiny
+
+    monkeypatch.setattr(run_module, "load_pair", fake_load_pair)
+    common = ["--method", "ar", "--max-new-tokens", "6", "--repeats", "1", "--compilation-cache", ""]
+    assert main(["generate", *common, "--prompt-ids", "1,2,3,4"]) == 0  # --max-new-tokens: --max-new's HF name
+    assert "max_new_tokens = 6" in capsys.readouterr().out
+    assert main(["bench", "--methods", "ar", *common[2:], "--prompt-ids", "1,2,3,4", "--no-progress"]) == 0
+    assert "max_new_tokens = 6" in capsys.readouterr().out
+    assert seen == [(cli.EMBEDDED_TARGET, cli.EMBEDDED_DRAFTER, {"check_finite": True})] * 2
+    assert main(["generate", "--target", FIXTURE, "--no-check-finite", *common, "--prompt-ids", "1,2,3,4"]) == 0
+    assert seen[-1] == (FIXTURE, None, {"check_finite": False})
+
+
+def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    with open(os.path.join(FIXTURE, "config.json")) as f:
+        (damaged / "config.json").write_text(f.read())
+    (damaged / "model.safetensors").mkdir()  # a directory where the weights file should be
+    assert "model.safetensors" in _error(["generate", "--target", str(damaged), "--method", "ar"], capsys)
+    assert "--prompt needs a tokenizer" in _error(
+        ["generate", "--target", FIXTURE, "--method", "ar", "--prompt", "hi", "--compilation-cache", ""], capsys
+    )
+    assert "--chat wraps --prompt text" in _error(["generate", *TINY, "--chat", "--prompt-ids", "1,2"], capsys)
+    assert "--chat wraps prompt texts" in _error(["bench", *TINY, "--chat", "--prompt-ids", "1,2"], capsys)
+    assert "--chat needs a tokenizer with a chat template" in _error(["bench", *TINY, "--chat"], capsys)
+    assert "--chat needs a chat template" in _error(
+        ["generate", "--target", str(_notemplate_dir(tmp_path)), "--method", "ar", "--prompt", "hi", "--chat"], capsys
+    )
+
+
+def _notemplate_dir(tmp_path):
+    """The fixture target with a word-level tokenizer.json and no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = tmp_path / "notemplate"
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (directory / name).write_bytes(open(os.path.join(FIXTURE, name), "rb").read())
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def test_a_checkpoint_holding_nan_is_an_error(tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    from ddtree_jax.checkpoint.errors import CheckpointError
+    from ddtree_jax.engine.run import load_pair
+
+    directory = tmp_path / "nan"
+    directory.mkdir()
+    (directory / "config.json").write_text(open(os.path.join(FIXTURE, "config.json")).read())
+    tensors = load_file(os.path.join(FIXTURE, "model.safetensors"))
+    name = "model.norm.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][3] = np.nan
+    save_file(tensors, str(directory / "model.safetensors"))
+    err = _error(["generate", "--target", str(directory), "--method", "ar", "--compilation-cache", ""], capsys)
+    assert f"tensor {name!r}" in err and "non-finite" in err
+    with pytest.raises(CheckpointError, match="non-finite"):
+        load_pair(str(directory), None, check_finite=True)
+    assert load_pair(str(directory), None).tokenizer is None  # the check is off by default in Python
+
+
+def test_bad_requests_fail_before_any_output(capsys):
+    assert "temperature[0] = -1.0 must be finite and >= 0" in _error_before_output(
+        ["generate", *TINY, "--temperature", "-1"], capsys
+    )
+    assert "top_p" in _error_before_output(["bench", *TINY, "--top-p", "2"], capsys)
+    assert "top_k" in _error_before_output(["generate", *TINY, "--top-k", "-3"], capsys)
+    assert "outside the target vocabulary" in _error_before_output(["generate", *TINY, "--prompt-ids", "1,512"], capsys)
+    assert "outside the target vocabulary" in _error_before_output(
+        ["bench", *TINY, "--prompt-ids", "1,2", "--prompt-ids", "1,512"], capsys
+    )
+
+
+def test_every_generate_and_bench_option_has_help_with_its_default():
+    import argparse
+
+    from ddtree_jax.__main__ import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("generate", "bench"):
+        sub = commands[name]
+        assert sub.description
+        formatter = sub.formatter_class(prog=name)
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (name, action.option_strings)
+            assert "default" in formatter._get_help_string(action), (name, action.option_strings)
+        text = " ".join(sub.format_help().split())
+        assert "(default: 64)" in text and "--max-new-tokens" in text and "--no-check-finite" in text
+
+
+def test_main_sh_help_says_what_it_passes(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copy(os.path.join(root, "scripts", "main.sh"), scripts / "main.sh")
+    (scripts / "_venv.sh").write_text(  # this test's Python instead of creating / updating a venv
+        f'repo_root="{root}"\nexport PATH="{os.path.dirname(sys.executable)}:$PATH"\n'
+        f'export PYTHONPATH="{root}:{root}/kernels"\n'
+    )
+    out = subprocess.run(
+        ["bash", str(scripts / "main.sh"), "--help"], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    usage, _, generate_help = out.partition("usage: ddtree-jax generate")
+    assert "--method all --budget 64 --max-new 128 --repeats 1" in usage
+    assert "--target checkpoints/embedded/target --drafter checkpoints/embedded/drafter" in usage
+    assert "--random-tiny --method all --budget 16" in usage
+    assert "--max-new-tokens" in generate_help

@@ -12,10 +12,13 @@ alone, jit-compiled on its own, on the inputs that real step hands it:
                   `emit_stage`) and the drafter's context append of the accepted features
                   (`append_stage`, which decode_step runs at the top of the next step)
 
-plus `step`, the whole fused decode step, `stages_sum`, and `non_forward_share` = (tree + walk +
-commit) / step: the share of a step spent outside the two models' forwards. Times
-are medians over `repeats` runs in seconds, each run ended by `jax.block_until_ready`. The stages
-compiled alone lose the fusion across stage boundaries, so `stages_sum` may exceed `step`.
+plus `step`, the whole fused decode step (timed whole, apart from the stages), `stages_sum`, the
+stages' sum, `<stage>_share` = stage / stages_sum for each stage (they add up to 1), and
+`non_forward_share` = (tree + walk + commit) / stages_sum: the share of the stages' sum spent outside
+the two models' forwards. Times are medians over `repeats` runs in seconds, each run ended by
+`jax.block_until_ready`. The stages compiled alone lose the fusion across stage boundaries, so
+`stages_sum` may exceed `step`: the shares are of the stages' sum, never of `step` (a share of `step`
+could pass 100%).
 """
 
 from __future__ import annotations
@@ -73,11 +76,11 @@ def stage_times(
     warmup_steps: int = 1,
     repeats: int = 5,
 ) -> dict[str, float]:
-    """Median seconds of each stage of one decode step, of the fused step, and the non-forward share.
+    """Median seconds of each stage of one decode step, of the fused step, and the stages' shares of their sum.
 
     prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). max_new_tokens
     sizes the caches as generation would (attention spans the whole cache). Keys: STAGES, "step",
-    "stages_sum", "non_forward_share" (module docstring). The request is checked (`check_request`).
+    "stages_sum", "<stage>_share", "non_forward_share" (module docstring, `add_shares`). The request is checked (`check_request`).
     """
     if len(prompt_ids) and isinstance(prompt_ids[0], (int, np.integer)):
         prompt_ids = [prompt_ids]
@@ -154,9 +157,20 @@ def stage_times(
         commit_fn, (drafter, draft_state, cache, tapped, result, state, stop, max_new), repeats
     )
     times["step"] = step_s
-    times["stages_sum"] = sum(times[s] for s in STAGES)
-    times["non_forward_share"] = sum(times[s] for s in NON_FORWARD) / step_s
-    return times
+    return add_shares(times)
+
+
+def add_shares(times: dict[str, float]) -> dict[str, float]:
+    """`times` (seconds of each of STAGES and "step") with "stages_sum", "<stage>_share" = stage / stages_sum
+    per stage (they add up to 1, each in [0, 1]) and "non_forward_share" = (tree + walk + commit) /
+    stages_sum; shares are 0 when every stage took 0 s."""
+    out = dict(times)
+    total = sum(times[s] for s in STAGES)
+    out["stages_sum"] = total
+    for s in STAGES:
+        out[f"{s}_share"] = times[s] / total if total > 0 else 0.0
+    out["non_forward_share"] = sum(times[s] for s in NON_FORWARD) / total if total > 0 else 0.0
+    return out
 
 
 def format_stage_table(rows: list[tuple[str, dict[str, float]]]) -> str:
@@ -173,4 +187,10 @@ def format_stage_table(rows: list[tuple[str, dict[str, float]]]) -> str:
             f"{ms['walk']:>14.3f}{ms['commit']:>9.3f}{ms['stages_sum']:>9.3f}{ms['step']:>9.3f}"
             f"{t['non_forward_share']:>8.1%}"
         )
-    return "\n".join(lines) + "\n(milliseconds per decode step, median; non-fwd = (tree + walk + commit) / step)"
+    footer = (
+        "(milliseconds per decode step, median. draft, tree, target fwd, walk, commit: each stage compiled and "
+        "timed alone;\n sum: the stages' sum; step: the fused decode step, timed whole (fusion across the stages "
+        "can make it shorter than sum);\n non-fwd: (tree + walk + commit) as a share of the stages' sum, "
+        "not of step)"
+    )
+    return "\n".join(lines) + "\n" + footer

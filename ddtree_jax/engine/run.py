@@ -153,10 +153,12 @@ def check_request(
     check_pair(pair)
 
 
-def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pair:
+def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32, *, check_finite: bool = False) -> Pair:
     """Target + DFlash drafter from HF directories; the target's tapped layers come from the drafter. The
     tokenizer is the target directory's (tokenizer.json or tiktoken.model; None without either).
-    Both configs are read and checked against each other (`check_configs`) before any weight loads."""
+    Both configs are read and checked against each other (`check_configs`) before any weight loads.
+    check_finite: `load_weights`' check that every floating-point tensor of both checkpoints is finite
+    (CheckpointError naming the tensor and file otherwise; the CLI turns it on)."""
     _check_directory(target_dir, "target")
     if drafter_dir:
         _check_directory(drafter_dir, "drafter")
@@ -172,11 +174,11 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32) -> Pa
             raise ValueError(f"{drafter_dir} is not a DFlash drafter (no dflash_config)")
         check_configs(target_config, drafter_config, raw.get("vocab_size"))
         target_config = dataclasses.replace(target_config, tapped_layers=drafter_config.target_layers)
-    target_params = load_weights(target_dir, target_config, dtype)
+    target_params = load_weights(target_dir, target_config, dtype, check_finite=check_finite)
     target = target_module(target_config)
     drafter = None
     if drafter_config is not None:
-        drafter_params = load_weights(drafter_dir, drafter_config, dtype)
+        drafter_params = load_weights(drafter_dir, drafter_config, dtype, check_finite=check_finite)
         drafter = DFlashDrafter(
             drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params)
         )

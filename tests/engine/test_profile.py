@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddtree_jax.engine.profile import NON_FORWARD, STAGES, format_stage_table, stage_times
+from ddtree_jax.engine.profile import NON_FORWARD, STAGES, add_shares, format_stage_table, stage_times
 from ddtree_jax.engine.run import random_tiny_pair
 
 
@@ -23,12 +23,38 @@ def test_ddtree_stage_times_are_positive_and_add_up(pair):
         top_k=20,
         repeats=2,
     )
-    assert set(times) == set(STAGES) | {"step", "stages_sum", "non_forward_share"}
+    shares = {f"{s}_share" for s in STAGES}
+    assert set(times) == set(STAGES) | shares | {"step", "stages_sum", "non_forward_share"}
     assert all(times[s] > 0 for s in STAGES) and times["step"] > 0
     assert times["stages_sum"] == pytest.approx(sum(times[s] for s in STAGES))
-    assert times["non_forward_share"] == pytest.approx(sum(times[s] for s in NON_FORWARD) / times["step"])
+    _check_shares(times)
     table = format_stage_table([("ddtree 6", times)])
     assert table.splitlines()[2].startswith("ddtree 6") and table.splitlines()[2].endswith("%")
+
+
+def _check_shares(times):
+    """The stages' shares add up to 1, each in [0, 1]; the non-forward and forward shares split that 1."""
+    shares = [times[f"{s}_share"] for s in STAGES]
+    assert all(0.0 <= v <= 1.0 for v in shares) and sum(shares) == pytest.approx(1.0)
+    assert 0.0 <= times["non_forward_share"] <= 1.0
+    forward = times["draft_share"] + times["tree_forward_share"]
+    assert times["non_forward_share"] + forward == pytest.approx(1.0)
+    assert times["non_forward_share"] == pytest.approx(sum(times[f"{s}_share"] for s in NON_FORWARD))
+
+
+def test_shares_stay_within_100_percent_when_the_stages_outlast_the_fused_step():
+    """Stages timed alone lose the fusion across their boundaries: their sum can exceed the step (here 13 ms of
+    stages, an 8 ms step, tree + walk + commit 9 ms, which as a share of the step would read 113%)."""
+    times = add_shares({"draft": 1e-3, "tree": 3e-3, "tree_forward": 3e-3, "walk": 4e-3, "commit": 2e-3, "step": 8e-3})
+    assert times["stages_sum"] == pytest.approx(13e-3) and times["step"] == 8e-3
+    _check_shares(times)
+    assert times["non_forward_share"] == pytest.approx(9 / 13)
+    table = format_stage_table([("ddtree 6", times)])
+    assert table.splitlines()[2].endswith("69.2%")
+    footer = " ".join(table.splitlines()[3:])
+    assert "share of the stages' sum" in footer and "step: the fused decode step" in footer
+    zero = add_shares({s: 0.0 for s in STAGES} | {"step": 1e-3})
+    assert zero["non_forward_share"] == 0.0 and all(zero[f"{s}_share"] == 0.0 for s in STAGES)
 
 
 def test_ar_has_no_draft_stage_and_requests_are_checked(pair):

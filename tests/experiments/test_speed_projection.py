@@ -2,6 +2,7 @@
 best budget; interpolation between measured budgets; a clear error without any step-time source."""
 
 import json
+import os
 
 import pytest
 
@@ -116,3 +117,42 @@ def test_cli_writes_json(bench, tmp_path, capsys):
     assert sp.main(["--sweep", str(path), "--bench", bench, "--out", str(out)]) == 0
     assert json.loads(out.read_text())["best_budget"]
     assert "speedup vs AR" in capsys.readouterr().out
+
+
+def _write(path, payload, mtime):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload))
+    os.utime(path, (mtime, mtime))
+
+
+def test_the_newest_bench_is_picked_by_its_recorded_date_not_its_mtime(tmp_path):
+    """A fresh clone gives every file the same (or an arbitrary) modification time: the recorded date decides,
+    ties by file name."""
+    archive = tmp_path / "benchmarks" / "results_archive"
+    rows = {"rows": []}
+    _write(archive / "engine_qwen3-8b_b_old.json", {"date": "2026-11-30T19:45:31+00:00", "commit": "a", **rows}, 300)
+    _write(archive / "engine_qwen3-8b_a_new.json", {"date": "2026-11-30T23:44:22+00:00", "commit": "b", **rows}, 100)
+    _write(tmp_path / "benchmarks" / "results" / "engine_qwen3-8b_x.json", {"commit": "c", **rows}, 400)  # no date
+    assert os.path.basename(sp.find_bench_json(str(tmp_path))) == "engine_qwen3-8b_a_new.json"
+    _write(archive / "engine_qwen3-8b_c_tie.json", {"date": "2026-11-30T23:44:22+00:00", "commit": "d", **rows}, 50)
+    assert os.path.basename(sp.find_bench_json(str(tmp_path))) == "engine_qwen3-8b_c_tie.json"  # tie: file name
+    assert sp.find_bench_json(str(tmp_path / "empty")) is None
+
+
+def test_without_sweep_the_newest_committed_sweep_is_used(bench, tmp_path, monkeypatch, capsys):
+    results = tmp_path / "repo" / "experiments" / "results"
+    _write(results / "budget_sweep_2026-11-30_cpu_new.json", {**SWEEP, "date": "2026-11-30T20:00:00+00:00"}, 100)
+    _write(results / "budget_sweep_2026-11-29_cpu_old.json", {"rows": [], "date": "2026-11-29T20:00:00+00:00"}, 900)
+    monkeypatch.setattr(sp, "REPO", str(tmp_path / "repo"))
+    monkeypatch.chdir(tmp_path)  # no outputs/budget_sweep.json here
+    assert sp.find_sweep_json().endswith("budget_sweep_2026-11-30_cpu_new.json")
+    assert sp.main(["--bench", bench, "--out", str(tmp_path / "speed.json")]) == 0
+    assert "budget_sweep_2026-11-30_cpu_new.json" in capsys.readouterr().out
+    assert json.loads((tmp_path / "speed.json").read_text())["best_budget"]
+    monkeypatch.setattr(sp, "REPO", str(tmp_path / "nothing"))
+    assert sp.main(["--bench", bench, "--out", str(tmp_path / "speed2.json")]) == 2
+    assert "no committed sweep" in capsys.readouterr().err
+
+
+def test_the_repository_has_a_committed_sweep():
+    assert sp.find_sweep_json() is not None and os.path.isfile(sp.find_sweep_json())
