@@ -60,6 +60,17 @@ def _check_finite(draft_logits) -> None:
         )
 
 
+def _check_root_tokens(root_tokens, vocab: int) -> None:
+    """Eager check (skipped when traced): root tokens lie in [0, vocab)."""
+    if isinstance(root_tokens, jax.core.Tracer):
+        return
+    roots = np.asarray(root_tokens)
+    bad = (roots < 0) | (roots >= vocab)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(f"root_tokens[{row}] = {int(roots[row])} is outside the vocabulary [0, V={vocab})")
+
+
 def _invalid_entries(draft_logits: jax.Array) -> jax.Array:
     """bool, the shape of draft_logits: NaN or +inf (-inf is a valid logit)."""
     return jnp.isnan(draft_logits) | (draft_logits == jnp.inf)
@@ -239,6 +250,7 @@ def build_tree(
     root_tokens = jnp.asarray(root_tokens, jnp.int32)
     if root_tokens.shape != (batch,):
         raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
+    _check_root_tokens(root_tokens, draft_logits.shape[2])
     if topk_impl not in BUILD_TOPK_IMPLS:
         raise ValueError(f"topk_impl must be one of {BUILD_TOPK_IMPLS}, got {topk_impl!r}")
     return build_tree_unchecked(draft_logits, root_tokens, budget=int(budget), topk_impl=topk_impl)
@@ -291,4 +303,5 @@ def build_chain(
     root_tokens = jnp.zeros((batch,), jnp.int32) if root_tokens is None else jnp.asarray(root_tokens, jnp.int32)
     if root_tokens.shape != (batch,):
         raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
+    _check_root_tokens(root_tokens, draft_logits.shape[2])
     return _build_chain_jit(draft_logits, root_tokens)

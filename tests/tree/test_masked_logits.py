@@ -92,3 +92,13 @@ def test_nan_and_plus_inf_still_invalidate_the_row(bad):
     assert int(tree.num_nodes[1]) == 1 and int(tree.num_nodes[0]) == 11
     chain = jax.jit(build_chain)(logits)
     assert list(np.asarray(chain.num_nodes)) == [5, 1, 5]
+
+
+@pytest.mark.parametrize("root", [50, -1])
+def test_root_tokens_outside_the_vocabulary_raise(root):
+    logits = _masked_logits(seed=4, batch=2, vocab=50)
+    roots = np.array([3, root], np.int32)
+    with pytest.raises(ValueError, match=rf"root_tokens\[1\] = {root} is outside the vocabulary \[0, V=50\)"):
+        build_tree(logits, 5, roots)
+    with pytest.raises(ValueError, match=r"root_tokens\[1\]"):
+        build_chain(logits, roots)
