@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax.engine.step import DecodeState, StepTrace, steps_per_token, traced_decode_step
 from ddtree_jax.models import target_module
@@ -210,6 +212,85 @@ def _decode_loop(
 _STATIC = ("target_config", "max_new_tokens", "method", "budget", "block_size", "cache_dtype", "options")
 
 
+def _concrete(x) -> np.ndarray | None:
+    """x as numpy when it is a concrete array (not traced, not an abstract shape), else None."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, (jax.Array, np.ndarray, list, tuple)):
+        return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    return np.asarray(x)
+
+
+def check_generate_inputs(target_config, prompts, prompt_lengths, max_new, *, max_new_tokens: int) -> None:
+    """Eager checks of `generate`'s inputs (ValueError naming the row and value); inputs that are traced or
+    abstract (jax.ShapeDtypeStruct, e.g. under an outer jit or in `.lower`) are not checked.
+
+    - max_new[b] <= max_new_tokens (the static size the KV cache and the output are allocated for);
+    - 1 <= prompt_lengths[b] <= T (the prompt's width);
+    - the real prompt ids (the first prompt_lengths[b] of row b) lie in [0, target_config.vocab_size).
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    limits = _concrete(max_new)
+    if limits is not None and limits.size and (limits > max_new_tokens).any():
+        row = int(np.argmax(limits.reshape(-1) > max_new_tokens))
+        raise ValueError(
+            f"max_new[{row}] = {int(limits.reshape(-1)[row])} exceeds max_new_tokens = {max_new_tokens} "
+            "(the static size of the KV cache and the output)"
+        )
+    ids, lengths = _concrete(prompts), _concrete(prompt_lengths)
+    if lengths is None or ids is None or ids.ndim != 2:
+        return
+    width = ids.shape[1]
+    if lengths.shape != (ids.shape[0],):
+        raise ValueError(f"prompt_lengths must have shape [B] = ({ids.shape[0]},), got {lengths.shape}")
+    bad = (lengths < 1) | (lengths > width)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(f"prompt_lengths[{row}] = {int(lengths[row])} is outside [1, T = {width}] (the prompt width)")
+    vocab = int(target_config.vocab_size)
+    real = np.arange(width)[None, :] < lengths[:, None]
+    out = real & ((ids < 0) | (ids >= vocab))
+    if out.any():
+        row, pos = (int(i) for i in np.argwhere(out)[0])
+        raise ValueError(f"prompts[{row}, {pos}] = {int(ids[row, pos])} is outside the vocabulary [0, {vocab})")
+
+
+class _CheckedJit:
+    """A jitted generation function behind eager input checks (`check_generate_inputs`, on concrete inputs
+    only): calling it and `.lower(...)` take the jit's signature and run the same compiled program; every
+    other attribute is the jit's."""
+
+    def __init__(self, jitted, signature: inspect.Signature):
+        self._jitted = jitted
+        self._signature = signature
+        functools.update_wrapper(self, jitted)
+
+    def _check(self, args, kwargs) -> None:
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        check_generate_inputs(
+            a["target_config"], a["prompts"], a["prompt_lengths"], a["max_new"], max_new_tokens=a["max_new_tokens"]
+        )
+
+    def __call__(self, *args, **kwargs):
+        self._check(args, kwargs)
+        return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        self._check(args, kwargs)
+        return self._jitted.lower(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
+def _checked(jitted):
+    return _CheckedJit(jitted, inspect.signature(jitted))
+
+
+@_checked
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate(
     target_config,
@@ -241,6 +322,11 @@ def generate(
         the choices).
     Returns:
       GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
+
+    Raises:
+      ValueError (`check_generate_inputs`, concrete inputs only; skipped under an outer jit / tracing):
+      max_new[b] > max_new_tokens, prompt_lengths[b] outside [1, T], a real prompt id outside the
+      vocabulary.
     """
     state = start_state(
         target_config,
@@ -278,6 +364,7 @@ def generate(
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)
 
 
+@_checked
 @functools.partial(jax.jit, static_argnames=_STATIC + ("recorder",))
 def generate_recorded(
     target_config,

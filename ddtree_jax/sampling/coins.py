@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 COIN_MIN = float(jnp.finfo(jnp.float32).tiny)
 COIN_MAX = 1.0 - 2.0**-24
 
 
 def row_keys(key: jax.Array, request_ids: jax.Array) -> jax.Array:
-    """keys [B]: fold_in(key, request_id) per row."""
+    """keys [B]: fold_in(key, request_id) per row.
+
+    request_ids must lie in [0, 2^32) (they are folded in as uint32; larger or negative ids would wrap
+    and collide): concrete ids outside it raise ValueError; traced ids are not checked."""
+    if not isinstance(request_ids, jax.core.Tracer):
+        ids = np.asarray(request_ids)
+        if ids.dtype.kind not in "iub":
+            raise ValueError(f"request_ids must be integers in [0, 2^32), got dtype {ids.dtype}")
+        bad = (ids.astype(object) < 0) | (ids.astype(object) >= 2**32) if ids.size else np.zeros(ids.shape, bool)
+        if np.any(bad):
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"request_ids{list(index)} = {ids[index].item()} is outside [0, 2^32): it would wrap modulo 2^32"
+            )
     return jax.vmap(lambda rid: jax.random.fold_in(key, rid))(jnp.asarray(request_ids, jnp.uint32))
 
 

@@ -18,6 +18,10 @@ class SamplingParams:
       top_k: int32 [B], >= 0; 0 (or >= V) means off.
       top_p: float32 [B], in (0, 1]; 1 means off.
       min_p: float32 [B], in [0, 1); 0 means off.
+
+    Construction validates (ValueError naming the row and value) whenever all four fields are concrete
+    arrays (numpy or jax, not traced) of one shape [B]; jax rebuilds this pytree with tracers and with arbitrary leaves
+    (shape structs, shardings, ...), which are not checked. There is no unvalidated path.
     """
 
     temperature: jax.Array
@@ -25,9 +29,14 @@ class SamplingParams:
     top_p: jax.Array
     min_p: jax.Array
 
+    def __post_init__(self):
+        leaves = (self.temperature, self.top_k, self.top_p, self.min_p)
+        if all(_is_concrete_array(x) for x in leaves) and len({x.shape for x in leaves}) == 1 and leaves[0].ndim == 1:
+            self.validate()
+
     @classmethod
-    def create(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *, validate: bool = True):
-        """Broadcasts scalars or [B] sequences to [B] arrays, then validates (eagerly)."""
+    def create(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+        """Broadcasts scalars or [B] sequences to [B] arrays, then validates (eagerly, at construction)."""
 
         def as_row(name, value, dtype):
             arr = np.asarray(value, dtype=np.float64)
@@ -39,15 +48,12 @@ class SamplingParams:
                 raise ValueError(f"top_k must be integers, got {arr.tolist()}")
             return arr.astype(dtype)
 
-        params = cls(
+        return cls(
             temperature=jnp.asarray(as_row("temperature", temperature, np.float32)),
             top_k=jnp.asarray(as_row("top_k", top_k, np.int32)),
             top_p=jnp.asarray(as_row("top_p", top_p, np.float32)),
             min_p=jnp.asarray(as_row("min_p", min_p, np.float32)),
         )
-        if validate:
-            params.validate()
-        return params
 
     def as_rows(self) -> jax.Array:
         """f32 [B, 4]: (temperature, top_k, top_p, min_p) per row, the layout the fused kernels take."""
@@ -79,6 +85,18 @@ class SamplingParams:
                 row = int(np.argmax(bad))
                 raise ValueError(f"{name}[{row}] = {values[row].item()!r} {rule}")
         return self
+
+
+def _is_concrete_array(x) -> bool:
+    """A numpy array, or a jax array that is not traced and can be read on this host, of a numeric dtype."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    if isinstance(x, jax.Array):
+        if not x.is_fully_addressable:
+            return False
+    elif not isinstance(x, np.ndarray):
+        return False
+    return np.issubdtype(x.dtype, np.number) or x.dtype == jnp.bfloat16
 
 
 jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p", "min_p"], meta_fields=[])

@@ -47,16 +47,40 @@ def _check_inputs(draft_logits, budget: int) -> None:
 
 
 def _check_finite(draft_logits) -> None:
-    """Eager NaN/inf check (one device->host sync); skipped when traced."""
+    """Eager NaN/+inf check (one device->host sync); skipped when traced. -inf is a valid logit
+    (probability 0: a masked token, which never enters the tree)."""
     if isinstance(draft_logits, jax.core.Tracer):
         return
-    finite = np.asarray(jnp.isfinite(draft_logits))
-    if not finite.all():
-        row, depth, token = np.argwhere(~finite)[0]
+    bad = np.asarray(_invalid_entries(draft_logits))
+    if bad.any():
+        row, depth, token = np.argwhere(bad)[0]
         raise ValueError(
-            f"draft_logits contain NaN/inf (first at row {row}, depth index {depth}, token {token}); "
+            f"draft_logits contain NaN/+inf (first at row {row}, depth index {depth}, token {token}); "
             "under jit such a row yields a root-only tree instead"
         )
+
+
+def _check_root_tokens(root_tokens, vocab: int) -> None:
+    """Eager check (skipped when traced): root tokens lie in [0, vocab)."""
+    if isinstance(root_tokens, jax.core.Tracer):
+        return
+    roots = np.asarray(root_tokens)
+    bad = (roots < 0) | (roots >= vocab)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(f"root_tokens[{row}] = {int(roots[row])} is outside the vocabulary [0, V={vocab})")
+
+
+def _invalid_entries(draft_logits: jax.Array) -> jax.Array:
+    """bool, the shape of draft_logits: NaN or +inf (-inf is a valid logit)."""
+    return jnp.isnan(draft_logits) | (draft_logits == jnp.inf)
+
+
+def _mask_dead_depths(draft_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(logits with every all -inf depth replaced by zeros, dead bool [B, L]): a depth whose entries are
+    all -inf has no candidates; its log-softmax would be NaN, so the caller sets its log-probs to -inf."""
+    dead = (draft_logits == -jnp.inf).all(axis=-1)
+    return jnp.where(dead[..., None], jnp.zeros((), draft_logits.dtype), draft_logits), dead
 
 
 @functools.cache
@@ -156,17 +180,21 @@ def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
 def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: str) -> DraftTree:
     """`build_tree` without its eager input checks: the jitted builder itself (draft_logits [B, L, V],
     root_tokens int32 [B], static budget and topk_impl in BUILD_TOPK_IMPLS) -> DraftTree [B, budget + 1].
-    A row with non-finite logits gets a root-only tree."""
+    A row with NaN/+inf logits gets a root-only tree; -inf entries never enter the tree, and a depth whose
+    entries are all -inf has no candidates (the row's tree stops above it)."""
     batch, depth_limit, vocab = draft_logits.shape
     k = min(budget, vocab)
+    row_finite = ~_invalid_entries(draft_logits).any(axis=(1, 2))
+    draft_logits, dead = _mask_dead_depths(draft_logits)
     if topk_impl == "vocab_parallel":  # the vocabulary split over the mesh's "model" axis (LM head under TP)
         lp, ids = sharded_top_k_log_probs(draft_logits, k)
     else:
         lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
+    # -inf log-probs (masked tokens, dead depths) only ever give -inf log-weights: padding, never real
+    lp = jnp.where(dead[..., None], -jnp.inf, lp)
     level, rank, parent, logw = jax.vmap(functools.partial(_build_row, budget=budget))(lp)
 
-    # A row with NaN/inf logits gets a root-only tree (documented; the eager path raises instead).
-    row_finite = jnp.isfinite(draft_logits).all(axis=(1, 2))
+    # A row with NaN/+inf logits gets a root-only tree (documented; the eager path raises instead).
     real = jnp.isfinite(logw) & row_finite[:, None]  # [B, budget]
     token = jnp.take_along_axis(ids.reshape(batch, depth_limit * k), level * k + rank, axis=1)
 
@@ -204,8 +232,10 @@ def build_tree(
         "vocab_parallel" for logits whose vocabulary is split over the "model" axis of the mesh set with
         `jax.set_mesh` (`tree.vocab_parallel`: local top-K and a K-candidate gather instead of
         gathering the logits; 1.15-1.9x faster on 2 H200s, BENCHMARKS.md; without a mesh it is "xla").
-      check_finite: when called eagerly, raise ValueError on NaN/inf logits (costs one host sync).
-        Under an outer jit the check cannot raise; a non-finite row yields a root-only tree.
+      check_finite: when called eagerly, raise ValueError on NaN/+inf logits (costs one host sync).
+        Under an outer jit the check cannot raise; such a row yields a root-only tree. -inf logits are
+        valid (probability 0): those tokens never enter the tree, and a depth whose logits are all -inf
+        has no candidates, so the tree stops above it.
 
     Returns:
       DraftTree with tokens/parents/depths/ranks int32 [B, N], logw float32 [B, N], num_nodes int32 [B].
@@ -220,6 +250,7 @@ def build_tree(
     root_tokens = jnp.asarray(root_tokens, jnp.int32)
     if root_tokens.shape != (batch,):
         raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
+    _check_root_tokens(root_tokens, draft_logits.shape[2])
     if topk_impl not in BUILD_TOPK_IMPLS:
         raise ValueError(f"topk_impl must be one of {BUILD_TOPK_IMPLS}, got {topk_impl!r}")
     return build_tree_unchecked(draft_logits, root_tokens, budget=int(budget), topk_impl=topk_impl)
@@ -228,6 +259,8 @@ def build_tree(
 @jax.jit
 def _build_chain_jit(draft_logits, root_tokens) -> DraftTree:
     batch, depth_limit, _ = draft_logits.shape
+    row_finite = ~_invalid_entries(draft_logits).any(axis=(1, 2))
+    draft_logits, dead = _mask_dead_depths(draft_logits)
     lp_full = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
     top_token = jnp.argmax(lp_full, axis=-1).astype(jnp.int32)  # ties -> lowest id
     top_lp = jnp.max(lp_full, axis=-1)  # [B, L]
@@ -235,8 +268,9 @@ def _build_chain_jit(draft_logits, root_tokens) -> DraftTree:
     for level in range(1, depth_limit):  # left-to-right float32 sum, like the heap
         logw.append(logw[-1] + top_lp[:, level])
     slots = depth_limit + 1
-    real = jnp.broadcast_to(jnp.isfinite(draft_logits).all(axis=(1, 2))[:, None], (batch, slots))
-    real = real.at[:, 0].set(True)
+    # the chain stops above the first depth with no candidates (all -inf); NaN/+inf rows are root-only
+    alive = jnp.cumprod(~dead, axis=1).astype(bool) & row_finite[:, None]  # [B, L]
+    real = jnp.concatenate([jnp.ones((batch, 1), bool), alive], axis=1)
 
     def per_slot(values, pad_value):
         return jnp.where(real, jnp.broadcast_to(values, (batch, slots)), pad_value)
@@ -257,7 +291,9 @@ def build_chain(
 ) -> DraftTree:
     """The linear DFlash chain: the root plus the top-1 token at each depth (L + 1 slots).
 
-    Not `build_tree(budget=L)`, which branches. Same `DraftTree` form; all slots are real.
+    Not `build_tree(budget=L)`, which branches. Same `DraftTree` form; all slots are real, except that a
+    row stops above its first depth whose logits are all -inf (no candidates: padding after it), and a
+    row with NaN/+inf logits is root-only under jit (eagerly, with check_finite, ValueError).
     """
     _check_inputs(draft_logits, 1)
     draft_logits = jnp.asarray(draft_logits)
@@ -267,4 +303,5 @@ def build_chain(
     root_tokens = jnp.zeros((batch,), jnp.int32) if root_tokens is None else jnp.asarray(root_tokens, jnp.int32)
     if root_tokens.shape != (batch,):
         raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
+    _check_root_tokens(root_tokens, draft_logits.shape[2])
     return _build_chain_jit(draft_logits, root_tokens)

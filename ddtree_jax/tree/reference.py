@@ -48,9 +48,11 @@ class ReferenceTree:
 def log_softmax_f32(draft_logits: np.ndarray) -> np.ndarray:
     """Log-softmax over the last axis, computed in float64 and rounded once to float32."""
     x = np.asarray(draft_logits).astype(np.float64)
+    dead = (x == -np.inf).all(axis=-1, keepdims=True)  # no finite entry: every log-prob is -inf
+    x = np.where(dead, 0.0, x)
     m = x.max(axis=-1, keepdims=True)
     lse = m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-    return (x - lse).astype(np.float32)
+    return np.where(dead, -np.inf, x - lse).astype(np.float32)
 
 
 def top_k_ranked(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,16 +78,18 @@ def build_tree_reference(draft_logits, budget: int, root_token: int | None = Non
         raise ValueError(f"draft_logits must have shape [L, V], got shape {x.shape}")
     if not isinstance(budget, (int, np.integer)) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-    if not np.isfinite(x.astype(np.float32)).all():
-        bad = np.argwhere(~np.isfinite(x.astype(np.float32)))[0]
-        raise ValueError(f"draft_logits contain NaN/inf (first at depth index {bad[0]}, token {bad[1]})")
+    x32 = x.astype(np.float32)
+    if (np.isnan(x32) | (x32 == np.inf)).any():  # -inf is a valid logit: that token is never pushed
+        bad = np.argwhere(np.isnan(x32) | (x32 == np.inf))[0]
+        raise ValueError(f"draft_logits contain NaN/+inf (first at depth index {bad[0]}, token {bad[1]})")
     depth_limit, vocab = x.shape
     k = min(budget, vocab)
     lp, ids = top_k_ranked(log_softmax_f32(x), k)
 
     # Heap entries: (-logw, ranks tuple, parent node index, depth, rank). Python compares tuples
     # lexicographically, and a ranks tuple that is a prefix of another compares smaller.
-    heap = [(-lp[0, 0], (0,), 0, 1, 0)]
+    # Tokens of log-prob -inf (logit -inf) are never pushed; lp is descending, so none follow them.
+    heap = [(-lp[0, 0], (0,), 0, 1, 0)] if np.isfinite(lp[0, 0]) else []
     logw_of = [np.float32(0.0)]
     tokens, parents, depths, ranks, paths = [root_token or 0], [-1], [0], [-1], [()]
     while heap and len(tokens) - 1 < budget:
@@ -98,10 +102,12 @@ def build_tree_reference(draft_logits, budget: int, root_token: int | None = Non
         paths.append(path)
         logw_of.append(np.float32(-neg_logw))
         parent_logw = logw_of[parent]
-        if rank + 1 < k:  # next sibling: the same parent's logw plus the next rank (a direct sum)
+        if rank + 1 < k and np.isfinite(
+            lp[depth - 1, rank + 1]
+        ):  # next sibling: the same parent's logw plus the next rank (a direct sum)
             sib = np.float32(parent_logw + lp[depth - 1, rank + 1])
             heapq.heappush(heap, (-sib, path[:-1] + (rank + 1,), parent, depth, rank + 1))
-        if depth < depth_limit:  # first child
+        if depth < depth_limit and np.isfinite(lp[depth, 0]):  # first child
             child = np.float32(logw_of[node] + lp[depth, 0])
             heapq.heappush(heap, (-child, path + (0,), node, depth + 1, 0))
     frontier = np.float32(-heap[0][0]) if heap else np.float32(-np.inf)

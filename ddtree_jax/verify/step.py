@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax import dispatch
 from ddtree_jax.options import VERIFIERS
@@ -50,8 +51,14 @@ def verify_step(
         "auto" (`dispatch.verify_impl`). Same coins, same law; see the kernel's module docstring on
         rounding.
 
-    Rows whose logits are invalid at a real slot (NaN, +inf, all -inf) return num_accepted 0 and
-    tokens INVALID_TOKEN (-1).
+    Rows whose logits are invalid at a real slot (NaN, +inf, all -inf), or whose draft tokens at real
+    slots lie outside [0, V), return num_accepted 0 and tokens INVALID_TOKEN (-1) under tracing; when
+    `tree.tokens` is concrete an out-of-vocabulary draft token raises ValueError instead. The root's
+    token (slot 0) is never judged nor emitted and is not checked; padding slots are not checked.
+
+    Raises:
+      ValueError: on shape mismatches, target_logits not float32/bfloat16/float16, or (eagerly) a real
+        draft slot's token outside [0, V).
     """
     if verifier not in VERIFIERS:
         raise ValueError(f"verifier must be one of {VERIFIERS}, got {verifier!r}")
@@ -60,6 +67,12 @@ def verify_step(
         raise ValueError(
             f"target_logits must be [B, N, V] with [B, N] = ({batch}, {slots}), got {tuple(target_logits.shape)}"
         )
+    if target_logits.ndim != 3:
+        raise ValueError(f"target_logits must be [B, N, V], got shape {tuple(target_logits.shape)}")
+    if jnp.dtype(target_logits.dtype) not in LOGIT_DTYPES:
+        raise ValueError(f"target_logits must be float32, bfloat16 or float16, got dtype {target_logits.dtype}")
+    vocab = target_logits.shape[2]
+    check_tree_tokens(tree, vocab)
     if keys.shape != (batch,):
         raise ValueError(f"keys must be one typed PRNG key per row, shape ({batch},), got {keys.shape}")
     if verifier == "sample_then_walk" and (threshold_single, threshold_acc) != (1.0, 1.0):
@@ -93,6 +106,7 @@ def verify_step(
         accept_index, num_accepted, tokens, slot_valid = shard_call(
             kernel, args, (rows(2), rows(2), rows(2), rows(3), rows(2), rows(2), rows(1)), rows(1)
         )
+        slot_valid = slot_valid & tokens_in_vocab(tree, vocab)
         return mask_invalid_rows(VerifyResult(accept_index, num_accepted, tokens), slot_valid, tree)
     probs = processed_probs(target_logits, params)
     if verifier == "sampling":
@@ -113,7 +127,31 @@ def verify_step(
         result = verify_sample_then_walk(
             tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False
         )
-    return mask_invalid_rows(result, valid_rows(target_logits), tree)
+    return mask_invalid_rows(result, valid_rows(target_logits) & tokens_in_vocab(tree, vocab), tree)
+
+
+LOGIT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def tokens_in_vocab(tree: DraftTree, vocab: int) -> jax.Array:
+    """bool [B, N]: the slot's token lies in [0, vocab), or the slot is the root (slot 0, never judged)."""
+    root = jnp.arange(tree.num_slots)[None, :] == 0
+    return root | ((tree.tokens >= 0) & (tree.tokens < vocab))
+
+
+def check_tree_tokens(tree: DraftTree, vocab: int) -> None:
+    """Eager check (skipped for traced trees): every real draft slot's token lies in [0, vocab).
+
+    Out-of-range tokens would otherwise be judged by a clamped gather (p of another token)."""
+    if any(isinstance(a, jax.core.Tracer) for a in (tree.tokens, tree.num_nodes)):
+        return
+    bad = np.asarray(~tokens_in_vocab(tree, vocab) & tree.is_real)
+    if bad.any():
+        row, slot = (int(i) for i in np.argwhere(bad)[0])
+        token = int(np.asarray(tree.tokens)[row, slot])
+        raise ValueError(
+            f"tree row {row}, slot {slot}: token {token} is outside the target's vocabulary [0, V={vocab})"
+        )
 
 
 def mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:

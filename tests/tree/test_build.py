@@ -154,12 +154,14 @@ def test_validation_errors_name_the_bad_value():
         build_tree(good.astype(np.int32), 4)
     with pytest.raises(ValueError, match="root_tokens"):
         build_tree(good, 4, jnp.zeros((3,), jnp.int32))
-    for bad in (np.nan, np.inf, -np.inf):
+    for bad in (np.nan, np.inf):  # -inf is a valid logit (tests/tree/test_masked_logits.py)
         logits = good.copy()
         logits[0, 1, 5] = bad
-        with pytest.raises(ValueError, match="NaN/inf.*depth index 1, token 5"):
+        with pytest.raises(ValueError, match=r"NaN/\+inf.*depth index 1, token 5"):
             build_tree(logits, 4)
-        with pytest.raises(ValueError, match="NaN/inf"):
+        with pytest.raises(ValueError, match=r"NaN/\+inf.*depth index 1, token 5"):
+            build_chain(logits)
+        with pytest.raises(ValueError, match=r"NaN/\+inf"):
             build_tree_reference(logits[0], 4)
     with pytest.raises(ValueError, match="budget"):
         build_tree_reference(good[0], 0)

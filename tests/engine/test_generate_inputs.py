@@ -1,0 +1,67 @@
+"""`generate`'s eager input checks: raised before anything is compiled, skipped for abstract inputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.engine.generate import check_generate_inputs, generate, generate_recorded
+from ddtree_jax.sampling import SamplingParams, row_keys
+from tests.engine.test_generate import DFLASH, T_PARAMS, TARGET, V
+
+
+def _args(prompts, lengths, max_new):
+    batch = prompts.shape[0]
+    return (
+        TARGET,
+        T_PARAMS,
+        DFLASH,
+        jnp.asarray(prompts, jnp.int32),
+        jnp.asarray(lengths, jnp.int32),
+        SamplingParams.create(batch, temperature=0.0),
+        row_keys(jax.random.key(0), jnp.arange(batch)),
+        jnp.full((batch, 1), -1, jnp.int32),
+        jnp.asarray(max_new, jnp.int32),
+    )
+
+
+GOOD = np.array([[1, 2, 3, 0], [4, 5, 6, 7]])
+STATIC = dict(max_new_tokens=6, method="ddtree", budget=4, block_size=5)
+
+
+@pytest.mark.parametrize(
+    "prompts, lengths, max_new, message",
+    [
+        (GOOD, [3, 4], [6, 9], r"max_new\[1\] = 9 exceeds max_new_tokens = 6"),
+        (GOOD, [0, 4], [6, 6], r"prompt_lengths\[0\] = 0 is outside \[1, T = 4\]"),
+        (GOOD, [3, -2], [6, 6], r"prompt_lengths\[1\] = -2"),
+        (GOOD, [3, 5], [6, 6], r"prompt_lengths\[1\] = 5"),
+        (np.array([[1, 2, V, 0], [4, 5, 6, 7]]), [3, 4], [6, 6], rf"prompts\[0, 2\] = {V} is outside the vocabulary"),
+        (np.array([[1, 2, 3, 0], [4, -1, 6, 7]]), [3, 4], [6, 6], r"prompts\[1, 1\] = -1"),
+    ],
+)
+def test_bad_inputs_raise_eagerly(prompts, lengths, max_new, message):
+    args = _args(prompts, lengths, max_new)
+    with pytest.raises(ValueError, match=message):
+        generate(*args, **STATIC)
+    with pytest.raises(ValueError, match=message):
+        generate.lower(*args, **STATIC)
+    with pytest.raises(ValueError, match=message):
+        generate_recorded(*args, recorder=_recorder, **STATIC)
+
+
+def _recorder(trace, sampling):
+    return {}
+
+
+def test_padding_ids_are_not_checked_and_abstract_inputs_skip_the_checks():
+    prompts = np.array([[1, 2, 3, 10**6], [4, 5, 6, 7]])  # the padding position of row 0 is not read
+    check_generate_inputs(TARGET, prompts, np.array([3, 4]), np.array([6, 6]), max_new_tokens=6)
+    abstract = jax.ShapeDtypeStruct((2,), jnp.int32)
+    check_generate_inputs(TARGET, abstract, abstract, abstract, max_new_tokens=6)
+    # a traced call (an outer jit) is not checked: it only traces
+    args = _args(GOOD, [3, 4], [6, 6])
+    jax.eval_shape(lambda p: generate(*args[:3], p, *args[4:], **STATIC), args[3])
+    assert callable(generate.lower) and generate.__name__ == "generate"

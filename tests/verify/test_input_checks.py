@@ -1,0 +1,72 @@
+"""verify_step's input checks: out-of-vocabulary draft tokens and non-float target logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams, row_keys
+from ddtree_jax.tree import build_tree
+from ddtree_jax.verify import verify_step
+
+VOCAB = 10
+
+
+def _case(batch=3, budget=4):
+    draft = jax.random.normal(jax.random.key(0), (batch, 3, VOCAB)) * 2.0
+    tree = build_tree(draft, budget, jnp.arange(batch, dtype=jnp.int32))
+    logits = jax.random.normal(jax.random.key(1), (batch, tree.num_slots, VOCAB)) * 2.0
+    params = SamplingParams.create(batch, temperature=[0.0, 1.0, 1.0][:batch])
+    keys = row_keys(jax.random.key(2), jnp.arange(batch))
+    return tree, logits, params, keys
+
+
+def _with_token(tree, row, slot, token):
+    return dataclasses.replace(tree, tokens=tree.tokens.at[row, slot].set(token))
+
+
+@pytest.mark.parametrize("token", [VOCAB, 15, -3])
+def test_out_of_vocabulary_draft_token_raises_eagerly(token):
+    tree, logits, params, keys = _case()
+    bad = _with_token(tree, 1, 2, token)
+    with pytest.raises(ValueError, match=rf"row 1, slot 2: token {token} .*V={VOCAB}"):
+        verify_step(bad, logits, params, keys)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_out_of_vocabulary_draft_token_makes_the_row_invalid_under_jit(impl):
+    tree, logits, params, keys = _case()
+    bad = _with_token(tree, 1, 2, 15)
+    run = jax.jit(lambda t: verify_step(t, logits, params, keys, impl=impl))
+    got, want = run(bad), run(tree)
+    assert int(got.num_accepted[1]) == 0
+    assert (np.asarray(got.tokens[1]) == INVALID_TOKEN).all()
+    assert np.asarray(got.accept_index[1]).tolist() == [0] + [-1] * tree.max_depth
+    for row in (0, 2):  # other rows unchanged
+        np.testing.assert_array_equal(np.asarray(got.tokens[row]), np.asarray(want.tokens[row]))
+
+
+def test_padding_and_root_tokens_are_not_checked():
+    tree, logits, params, keys = _case(budget=40)
+    tree = dataclasses.replace(tree, num_nodes=jnp.minimum(tree.num_nodes, 3))
+    want = verify_step(tree, logits, params, keys)
+    padded = _with_token(_with_token(tree, 0, 5, 99), 0, 0, 99)  # slot 5 is padding; slot 0 the root
+    got = verify_step(padded, logits, params, keys)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.float64])
+def test_non_float_target_logits_are_rejected(dtype):
+    tree, logits, params, keys = _case()
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        verify_step(tree, np.asarray(logits).astype(dtype), params, keys)
+
+
+def test_float16_and_bfloat16_target_logits_are_accepted():
+    tree, logits, params, keys = _case()
+    for dtype in (jnp.float16, jnp.bfloat16):
+        verify_step(tree, logits.astype(dtype), params, keys)
