@@ -219,6 +219,14 @@ def resolve_block_size(pair: Pair, method: str, block_size: int | None) -> int:
     return block_size or pair.drafter.max_block_size
 
 
+def check_seed(seed) -> int:
+    """A seed must be an integer in [0, 2^32): JAX's key takes it modulo 2^32, so 2^32 + 1 would silently
+    give seed 1's keys. Raises ValueError naming the value."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
+    return int(seed)
+
+
 def request_args(
     pair: Pair,
     prompt_ids: list[list[int]],
@@ -234,7 +242,9 @@ def request_args(
     request_ids=None,
 ) -> tuple:
     """`generate`'s positional arguments for a batch of prompts (right-padded to `width`, default the
-    longest), with one key per request (`request_ids`, default 0 .. B - 1) folded from `seed`."""
+    longest), with one key per request (`request_ids`, default 0 .. B - 1) folded from `seed` (an integer in
+    [0, 2^32): a larger one would wrap onto another seed's keys without a word, so it is refused)."""
+    check_seed(seed)
     batch = len(prompt_ids)
     width = width or max(len(p) for p in prompt_ids)
     prompts = np.zeros((batch, width), np.int32)

@@ -65,3 +65,24 @@ def test_padding_ids_are_not_checked_and_abstract_inputs_skip_the_checks():
     args = _args(GOOD, [3, 4], [6, 6])
     jax.eval_shape(lambda p: generate(*args[:3], p, *args[4:], **STATIC), args[3])
     assert callable(generate.lower) and generate.__name__ == "generate"
+
+
+def test_seeds_outside_32_bits_are_refused():
+    from ddtree_jax.engine.run import check_seed, random_tiny_pair, request_args
+
+    assert check_seed(2**32 - 1) == 2**32 - 1
+    for bad in (-1, 2**32, 2**32 + 1, 1.5, True):
+        with pytest.raises(ValueError, match="seed must be an integer in"):
+            check_seed(bad)
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        request_args(random_tiny_pair(0), [[1, 2]], temperature=0.0, seed=2**32 + 1, max_new_tokens=4)
+
+
+def test_the_host_loop_checks_its_inputs_as_generate_does():
+    from ddtree_jax.engine.host_loop import generate_host_loop
+    from ddtree_jax.engine.run import random_tiny_pair, request_args
+
+    args = request_args(random_tiny_pair(0), [[1, 2, 3]], temperature=0.0, max_new_tokens=4)
+    too_many = args[:-1] + (jnp.full((1,), 9, jnp.int32),)
+    with pytest.raises(ValueError, match="max_new"):
+        generate_host_loop(*too_many, max_new_tokens=4, method="ar", budget=1, block_size=2)
