@@ -17,12 +17,9 @@ and k experts per token there are N = M * k (token, expert) assignments:
   N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 16, else "pallas" (the grouped
   kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep").
 
-Measured on one H200, one K2.6-shaped layer (E 384, k 8, D 7168, I 2048), bf16 activations, ms:
-INT4 gather 0.32 / 3.4 / 9.4 / 27 at N = 8 / 136 / 384 / 1088, reference 19 / 19 / 19 / 20 (39 at N 4096),
-ragged 0.74 / 9.9 / 31 / 67 (217 at N 4096); bf16 and FP8 experts: gather 0.23 / 2.7 / 7.5 / 22,
-reference 8 (bf16) and 28 (FP8) up to N = 384 (an earlier session's wall-clock medians). Hence, off GPU,
-gather up to N ~ E and the reference beyond; on GPU the grouped kernel ("pallas") from N = 17 on
-(`dispatch.GPU_GATHER_MAX_ASSIGNMENTS`; BENCHMARKS.md, "MoE"). All impls are equal up to float reassociation
+The costs that set the "auto" rule (gather against the dense reference and ragged_dot, per layer at
+N assignments) are measured in BENCHMARKS.md ("Matmul and MoE"); the rule and its thresholds live in
+`dispatch.moe_impl`. All impls are equal up to float reassociation
 (tests/models/test_moe.py; in bf16 "gather" also skips the reference's rounding of dequantised weights
 to bf16, accumulating in float32); static shapes, no host sync.
 
