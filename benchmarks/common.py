@@ -53,8 +53,10 @@ def time_calls(fn, arg_sets: Sequence[tuple], *, runs: int = 7, warmup: int = 1,
     pipeline > 1: the calls queue on the device (async dispatch), so small kernels are timed without
     their host dispatch gaps. fn may close over state it updates (a donated cache fed back), with
     arg_sets = [()]."""
-    if runs < 1 or pipeline < 1:
-        raise ValueError(f"runs and pipeline must be >= 1, got {runs} and {pipeline}")
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    if pipeline < 1:
+        raise ValueError(f"pipeline must be >= 1, got {pipeline}")
     for i in range(warmup):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
     samples = []

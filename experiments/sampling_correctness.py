@@ -103,7 +103,7 @@ def run_config(problem: Problem, config: Config, samples: int, chunk: int, seed:
             budget=problem.budget,
             num_steps=3,
             order=config.order,
-            method=config.method,
+            verifier=config.method,
             threshold_acc=config.threshold_acc,
             impl=impl if config.method == "sampling" else "xla",
         )

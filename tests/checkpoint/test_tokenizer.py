@@ -438,7 +438,7 @@ def test_cli_chat_wraps_the_prompt(tmp_path, ranks, monkeypatch, capsys):
     directory = _write_tiktoken(tmp_path / "kimi", ranks)
     seen = {}
 
-    def fake_load_pair(target, drafter):
+    def fake_load_pair(target, drafter, **kwargs):
         return types.SimpleNamespace(tokenizer=load_tokenizer(target))
 
     def fake_run(pair, prompts, **kwargs):
@@ -448,6 +448,7 @@ def test_cli_chat_wraps_the_prompt(tmp_path, ranks, monkeypatch, capsys):
 
     monkeypatch.setattr(run_module, "load_pair", fake_load_pair)
     monkeypatch.setattr(run_module, "run", fake_run)
+    monkeypatch.setattr(run_module, "check_request", lambda *args, **kwargs: None)  # run is faked too
     common = ["generate", "--target", str(directory), "--method", "ar", "--compilation-cache", ""]
     assert main(common + ["--prompt", "2+2?", "--chat"]) == 0
     tok = load_tokenizer(str(directory))
@@ -459,7 +460,8 @@ def test_cli_chat_wraps_the_prompt(tmp_path, ranks, monkeypatch, capsys):
     assert seen["prompt"] == tok.encode("2+2?")
 
     (directory / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(SystemExit, match="--chat needs a chat template in"):
-        main(common + ["--prompt", "2+2?", "--chat"])
-    with pytest.raises(SystemExit, match="give --prompt"):
-        main(common + ["--prompt-ids", "1,2", "--chat"])
+    capsys.readouterr()
+    assert main(common + ["--prompt", "2+2?", "--chat"]) == 2  # a usage error: one line, exit 2
+    assert "--chat needs a chat template in" in capsys.readouterr().err
+    assert main(common + ["--prompt-ids", "1,2", "--chat"]) == 2
+    assert "give --prompt" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import pytest
 
 from ddtree_jax.engine import DFlashDrafter, generate
 from ddtree_jax.models import deepseek_v3, dflash
+from ddtree_jax.options import DecodeOptions
 from ddtree_jax.sampling import SamplingParams, row_keys
 from ddtree_jax.sharding.mesh import make_mesh
 from ddtree_jax.sharding.rules import param_specs, partition_spec, shard_params
@@ -66,7 +67,7 @@ def test_sharded_generation_equals_unsharded(params, mesh, layout):
                 prompts,
                 lengths,
                 **common,
-                moe_impl={"tp": "auto", "ep": "ep"}[layout],
+                options=DecodeOptions(moe_impl={"tp": "auto", "ep": "ep"}[layout]),
             )
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
         np.testing.assert_array_equal(np.asarray(got.accepted), np.asarray(want.accepted))
