@@ -286,6 +286,27 @@ class _CheckedJit:
         return getattr(self._jitted, name)
 
 
+def _generate(target_config, target_params, drafter, request: tuple, shape: dict, *, recorder):
+    """The body of `generate` and `generate_recorded`: `start_state`, then the decode loop. request:
+    (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new); shape: the static keywords. Returns
+    (GenerationResult, records)."""
+    _, _, sampling, keys, stop_tokens, max_new = request
+    state = start_state(target_config, target_params, drafter, *request, **shape)
+    state, records = _decode_loop(
+        target_config,
+        target_params,
+        drafter,
+        state,
+        sampling,
+        keys,
+        stop_tokens,
+        max_new,
+        recorder=recorder,
+        **{k: v for k, v in shape.items() if k != "cache_dtype"},
+    )
+    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted), records
+
+
 def _checked(jitted):
     return _CheckedJit(jitted, inspect.signature(jitted))
 
@@ -328,40 +349,21 @@ def generate(
       max_new[b] > max_new_tokens, prompt_lengths[b] outside [1, T], a real prompt id outside the
       vocabulary.
     """
-    state = start_state(
+    return _generate(
         target_config,
         target_params,
         drafter,
-        prompts,
-        prompt_lengths,
-        sampling,
-        keys,
-        stop_tokens,
-        max_new,
-        max_new_tokens=max_new_tokens,
-        method=method,
-        budget=budget,
-        block_size=block_size,
-        cache_dtype=cache_dtype,
-        options=options,
-    )
-    state, _ = _decode_loop(
-        target_config,
-        target_params,
-        drafter,
-        state,
-        sampling,
-        keys,
-        stop_tokens,
-        max_new,
-        max_new_tokens=max_new_tokens,
-        method=method,
-        budget=budget,
-        block_size=block_size,
-        options=options,
+        (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new),
+        dict(
+            max_new_tokens=max_new_tokens,
+            method=method,
+            budget=budget,
+            block_size=block_size,
+            cache_dtype=cache_dtype,
+            options=options,
+        ),
         recorder=None,
-    )
-    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)
+    )[0]
 
 
 @_checked
@@ -389,37 +391,18 @@ def generate_recorded(
     `recorder(trace, sampling)` returns (a dict of arrays, e.g. [B] per row) from the step's `StepTrace`.
     recorder: a static, hashable function (a module-level def). Returns (GenerationResult, records: dict
     name -> [max_new_tokens, ...], zeros after the last step)."""
-    state = start_state(
+    return _generate(
         target_config,
         target_params,
         drafter,
-        prompts,
-        prompt_lengths,
-        sampling,
-        keys,
-        stop_tokens,
-        max_new,
-        max_new_tokens=max_new_tokens,
-        method=method,
-        budget=budget,
-        block_size=block_size,
-        cache_dtype=cache_dtype,
-        options=options,
-    )
-    state, records = _decode_loop(
-        target_config,
-        target_params,
-        drafter,
-        state,
-        sampling,
-        keys,
-        stop_tokens,
-        max_new,
-        max_new_tokens=max_new_tokens,
-        method=method,
-        budget=budget,
-        block_size=block_size,
-        options=options,
+        (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new),
+        dict(
+            max_new_tokens=max_new_tokens,
+            method=method,
+            budget=budget,
+            block_size=block_size,
+            cache_dtype=cache_dtype,
+            options=options,
+        ),
         recorder=recorder,
     )
-    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted), records
