@@ -59,7 +59,7 @@ def _measure(fn, args: tuple, repeats: int):
     return out, float(np.median(times))
 
 
-def stage_times(
+def warm_step(
     pair: Pair,
     prompt_ids,
     *,
@@ -74,14 +74,11 @@ def stage_times(
     seed: int = 0,
     options: DecodeOptions = DecodeOptions(),
     warmup_steps: int = 1,
-    repeats: int = 5,
-) -> dict[str, float]:
-    """Median seconds of each stage of one decode step, of the fused step, and the stages' shares of their sum.
-
-    prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). max_new_tokens
-    sizes the caches as generation would (attention spans the whole cache). Keys: STAGES, "step",
-    "stages_sum", "<stage>_share", "non_forward_share" (module docstring, `add_shares`). The request is checked (`check_request`).
-    """
+):
+    """The fused decode step, compiled, and its arguments after `warmup_steps` real steps past the prefill:
+    (step, (params, drafter, state, sampling, keys, stop, max_new), block size). `step(*args)` is one decode
+    step as `generate` runs it (what `stage_times` times as "step" and `benchmarks.step_ops` profiles op by
+    op). Arguments as `stage_times`."""
     if len(prompt_ids) and isinstance(prompt_ids[0], (int, np.integer)):
         prompt_ids = [prompt_ids]
     check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
@@ -122,6 +119,49 @@ def stage_times(
     step = jax.jit(step_fn).lower(*step_args).compile()
     for _ in range(warmup_steps):
         state = step(params, drafter, state, sampling, keys, stop, max_new)
+    return step, (params, drafter, state, sampling, keys, stop, max_new), block
+
+
+def stage_times(
+    pair: Pair,
+    prompt_ids,
+    *,
+    method: str = "ddtree",
+    budget: int = 32,
+    block_size: int | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    options: DecodeOptions = DecodeOptions(),
+    warmup_steps: int = 1,
+    repeats: int = 5,
+) -> dict[str, float]:
+    """Median seconds of each stage of one decode step, of the fused step, and the stages' shares of their sum.
+
+    prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). max_new_tokens
+    sizes the caches as generation would (attention spans the whole cache). Keys: STAGES, "step",
+    "stages_sum", "<stage>_share", "non_forward_share" (module docstring, `add_shares`). The request is checked (`check_request`).
+    """
+    step, step_args, block = warm_step(
+        pair,
+        prompt_ids,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        options=options,
+        warmup_steps=warmup_steps,
+    )
+    params, drafter, state, sampling, keys, stop, max_new = step_args
+    config = pair.target_config
     _, step_s = _measure(step, (params, drafter, state, sampling, keys, stop, max_new), repeats)
 
     # the stages, in decode_step's order, each fed the previous stage's real output
