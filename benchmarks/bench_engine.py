@@ -133,9 +133,11 @@ def bench_case(
         )
         row["draft_ms"] = median_seconds(fn, *(drafter, draft_state, state.bonus), runs=repeats) * 1e3
         draft_logits = fn(drafter, draft_state, state.bonus)
-    tree = jax.jit(lambda l, b: tree_stage(l, b, method=method, budget=budget, topk_impl=options.topk_impl))(
-        draft_logits, state.bonus
-    )
+    tree = jax.jit(
+        lambda l, b: tree_stage(
+            l, b, method=method, budget=budget, topk_impl=options.topk_impl, tree_impl=options.tree_impl
+        )
+    )(draft_logits, state.bonus)
     slots = tree.tokens.shape[1]
     row["slots"] = slots
 

@@ -4,6 +4,7 @@ Shapes from the issue: L = 15 draft depths, V = 151936 (Qwen3 vocabulary), bf16 
 budget 64 and 256 at B = 1, budget 64 at B = 32 (targets: 50 us, 100 us, 500 us on an H200).
 
 Variants (same inputs, one run):
+  jit/pallas      build_tree(impl="pallas"): the tree_build kernels (top-K, then the on-chip selection)
   jit/prefilter   build_tree, top-K by the exact chunk-max prefilter (the default on large vocabularies)
   jit/xla-topk    build_tree with lax.top_k over the full row per depth (the "plain XLA builder")
   reference       jax.device_get(logits) + the numpy/heapq heap per row (what a host builder costs)
@@ -28,7 +29,7 @@ import numpy as np
 
 from benchmarks.common import device_description, markdown_table, time_calls, write_result
 from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs
-from ddtree_jax.tree.build import build_tree_unchecked
+from ddtree_jax.tree.build import _kernel_top_k, build_tree_unchecked
 from ddtree_jax.tree.compare import compare_to_reference
 from ddtree_jax.tree.synthetic import synthetic_draft_logits
 
@@ -46,9 +47,21 @@ def _per_tree_us(fn, stacked, runs: int) -> dict:
     return {k: (v / 8 if k.endswith("_us") else v) for k, v in summary.items()}
 
 
+def _builder_args(impl: str) -> dict:
+    """build_tree_unchecked's (topk_impl, impl) for a variant name: "pallas" = the kernels, else the XLA
+    builder with that top-K."""
+    return {"topk_impl": "auto", "impl": "pallas"} if impl == "pallas" else {"topk_impl": impl, "impl": "xla"}
+
+
+def _topk_stage(x, k, impl):
+    if impl == "pallas":
+        return _kernel_top_k(x, k)[1]
+    return top_k_log_probs(x, k, impl=impl)[1]
+
+
 def _check_against_reference(logits, budget, impl, rows=2):
     """Exactness on this device: per row 'exact', 'near-tie' (allowed swap) or 'mismatch'."""
-    tree = build_tree(logits, budget, topk_impl=impl)
+    tree = build_tree(logits, budget, **_builder_args(impl))
     host = np.asarray(jax.device_get(logits).astype(np.float32))
     return [
         compare_to_reference(tree, b, build_tree_reference(host[b], budget)) for b in range(min(rows, logits.shape[0]))
@@ -61,11 +74,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, few reps (CPU smoke run)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--cases", help="comma-separated BxBUDGET list, e.g. 1x64,32x64 (default: the full set)")
-    parser.add_argument("--impls", default="prefilter,xla", help="top-K impls to time")
+    parser.add_argument("--impls", default="pallas,prefilter,xla", help="variants to time (module docstring)")
+    parser.add_argument("--vocab", type=int, default=None, help="V (default 151936; 8192 = the embedded pair)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the prefilter chunk sweep")
     args = parser.parse_args()
 
-    depth, vocab = (15, 151936) if not args.quick else (4, 4096)
+    depth, vocab = (15, args.vocab or 151936) if not args.quick else (4, args.vocab or 4096)
     cases = [(1, 64), (1, 256), (32, 64), (1, 16), (1, 1024)] if not args.quick else [(1, 16), (2, 32)]
     reps = args.reps if not args.quick else 3
     if args.cases:
@@ -79,7 +93,7 @@ def main() -> None:
         rec = {"batch": batch, "budget": budget, "depth": depth, "vocab": vocab, "roofline_us": floor_us}
         for impl in impls:
             call = functools.partial(
-                build_tree_unchecked, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl
+                build_tree_unchecked, root_tokens=jnp.zeros((batch,), jnp.int32), budget=budget, **_builder_args(impl)
             )
             t0 = time.perf_counter()
             jax.block_until_ready(call(inputs[0]))
@@ -92,14 +106,14 @@ def main() -> None:
             step = jax.jit(
                 lambda xs, impl=impl: jax.lax.map(
                     lambda x: build_tree_unchecked(
-                        x, jnp.zeros((batch,), jnp.int32), budget=budget, topk_impl=impl
+                        x, jnp.zeros((batch,), jnp.int32), budget=budget, **_builder_args(impl)
                     ).tokens,
                     xs,
                 )
             )
             rec[f"{impl}_step"] = _per_tree_us(step, stacked, max(5, reps // 5))
             k = min(budget, vocab)
-            topk = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: top_k_log_probs(x, k, impl=impl)[1], xs))
+            topk = jax.jit(lambda xs, impl=impl: jax.lax.map(lambda x: _topk_stage(x, k, impl), xs))
             rec[f"{impl}_topk_step"] = _per_tree_us(topk, stacked, max(5, reps // 5))
             rec[f"{impl}_exact_rows"] = _check_against_reference(inputs[1], budget, impl)
         if batch * budget <= 32 * 64:
@@ -113,12 +127,15 @@ def main() -> None:
                 host(x)
             rec["reference_us"] = (time.perf_counter() - t) / len(inputs) * 1e6
         records.append(rec)
-        write_result("bench_tree", {"cases": records}, args.commit)  # partial results survive a timeout
+        write_result(f"bench_tree_V{vocab}", {"cases": records}, args.commit)  # partial results survive a timeout
         nan = {"median_us": float("nan")}
         rows.append(
             [
                 batch,
                 budget,
+                rec.get("pallas_step", nan)["median_us"],
+                rec.get("pallas_call", nan)["median_us"],
+                rec.get("pallas_topk_step", nan)["median_us"],
                 rec.get("prefilter_step", nan)["median_us"],
                 rec.get("prefilter_call", nan)["median_us"],
                 rec.get("prefilter_topk_step", nan)["median_us"],
@@ -127,16 +144,40 @@ def main() -> None:
                 rec.get("xla_topk_step", nan)["median_us"],
                 rec.get("reference_us", float("nan")),
                 floor_us,
+                ",".join(rec.get("pallas_exact_rows", [])),
                 ",".join(rec.get("prefilter_exact_rows", [])),
             ]
         )
         print(f"  done B={batch} budget={budget}", flush=True)
-    # top-K stage: prefilter chunk-length sweep (B = 1, budget 64 and 256)
     sweep = []
-    if args.no_sweep:
-        for rec in records:
-            print({k: (v["median_us"] if isinstance(v, dict) else v) for k, v in rec.items()})
-        return
+    if not args.no_sweep:
+        sweep = _chunk_sweep(depth, vocab, reps)
+    header = [
+        "B",
+        "budget",
+        "pallas step us",
+        "pallas call us",
+        "pallas top-K us",
+        "prefilter step us",
+        "prefilter call us",
+        "prefilter top-K us",
+        "xla step us",
+        "xla call us",
+        "xla top-K us",
+        "reference heap us",
+        "read-once floor us",
+        "pallas vs reference",
+        "prefilter vs reference",
+    ]
+    table = markdown_table(header, rows)
+    path = write_result(f"bench_tree_V{vocab}", {"cases": records, "chunk_sweep": sweep, "table": table}, args.commit)
+    print(table)
+    print(f"written {path}")
+
+
+def _chunk_sweep(depth, vocab, reps):
+    """The top-K stage: prefilter chunk-length sweep (B = 1, K = 64 and 256)."""
+    sweep = []
     inputs = _inputs(1, depth, vocab, jnp.bfloat16, 4)
     stacked = jnp.stack(inputs + inputs)
     for k in (64, 256):
@@ -149,24 +190,7 @@ def main() -> None:
             us = _per_tree_us(fn, stacked, max(5, reps // 5))["median_us"]
             sweep.append({"k": k, "chunk": chunk, "topk_step_us": us})
             print(f"  top-K prefilter k={k} chunk={chunk}: {us:.1f} us", flush=True)
-    write_result("bench_tree", {"cases": records, "chunk_sweep": sweep}, args.commit)
-    header = [
-        "B",
-        "budget",
-        "prefilter step us",
-        "prefilter call us",
-        "prefilter top-K us",
-        "xla step us",
-        "xla call us",
-        "xla top-K us",
-        "reference heap us",
-        "read-once floor us",
-        "vs reference",
-    ]
-    table = markdown_table(header, rows)
-    path = write_result("bench_tree", {"cases": records, "chunk_sweep": sweep, "table": table}, args.commit)
-    print(table)
-    print(f"written {path}")
+    return sweep
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
               "gather" while assignments <= experts, else the dense "reference".
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
-  top-k       the tree builder's per-depth selection: "prefilter" (exact two-stage) where it shrinks the
+  tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
+              (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
+  top-k       the XLA tree builder's per-depth selection: "prefilter" (exact two-stage) where it shrinks the
               problem (`prefilter_pays`), else `lax.top_k` over the row.
   layer loop  the model's default ("auto").
 
@@ -29,16 +31,20 @@ import math
 
 import jax
 
+from ddtree_kernels.tree_build import MAX_ROW
+
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
 MATMUL_IMPLS = ("xla", "pallas", "auto")
 MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
 VERIFY_IMPLS = ("xla", "pallas", "auto")
 TOPK_IMPLS = ("auto", "xla", "prefilter")
+TREE_IMPLS = ("xla", "pallas", "auto")
 BUILD_TOPK_IMPLS = TOPK_IMPLS + ("vocab_parallel",)  # the tree builder's: the vocabulary split over "model"
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 AUTO_PALLAS_MAX_QUERIES = 32  # attention: the tree-attention kernel up to this many queries per row (GQA)
 AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
+TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are prefiltered first
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
 
 
@@ -101,6 +107,14 @@ def verify_impl(impl: str, backend_name: str | None = None) -> str:
     return "pallas" if _on_gpu(backend_name) else "xla"
 
 
+def tree_impl(impl: str, backend_name: str | None = None) -> str:
+    """ "xla" or "pallas" for the DDTree builder (top-K and the best-first selection)."""
+    _check("tree", impl, TREE_IMPLS)
+    if impl != "auto":
+        return impl
+    return "pallas" if _on_gpu(backend_name) else "xla"
+
+
 def prefilter_chunk(vocab: int, k: int) -> int:
     """The prefilter's chunk: a power of two near sqrt(V / K), balancing its two top_k sizes V / chunk and
     K * chunk."""
@@ -148,11 +162,14 @@ def decode_plan(
     if method != "ar":
         vocab, k = target_config.vocab_size, min(budget, target_config.vocab_size) if method == "ddtree" else 1
         if method == "ddtree":
-            topk = (
-                options.topk_impl
-                if options.topk_impl == "vocab_parallel"
-                else topk_impl(options.topk_impl, vocab=vocab, k=k)
-            )
+            builder = tree_impl(options.tree_impl, backend_name)
+            plan.append(StageChoice("tree builder", builder, f"budget {budget}, K = {k}"))
+            if options.topk_impl == "vocab_parallel":
+                topk = "vocab_parallel"
+            elif builder == "pallas" and options.topk_impl == "auto":
+                topk = "pallas" + (" after the prefilter" if vocab > TREE_TOPK_MAX_ROW else "")
+            else:
+                topk = topk_impl(options.topk_impl, vocab=vocab, k=k)
             plan.append(StageChoice("tree top-k", topk, f"V = {vocab}, K = {k}"))
     plan.append(
         StageChoice(

@@ -33,7 +33,10 @@ class DecodeOptions:
       verify_impl: the tree rejection walk's implementation, one of `dispatch.VERIFY_IMPLS` (the fused
         Pallas kernel or the XLA walk); the sample-then-walk verifier always runs in XLA.
       layer_loop: the target's layer loop, one of `dispatch.LAYER_LOOPS` ("auto": the model's default).
-      topk_impl: the tree builder's per-depth top-K, one of `dispatch.BUILD_TOPK_IMPLS`.
+      tree_impl: the DDTree builder, one of `dispatch.TREE_IMPLS`: the Pallas top-K and best-first
+        selection kernels, or the XLA builder.
+      topk_impl: the per-depth top-K, one of `dispatch.BUILD_TOPK_IMPLS` ("auto": the kernel's own under
+        tree_impl "pallas"; "vocab_parallel" under either builder).
       order: sibling verification order, one of ORDER_POLICIES.
       verifier: one of VERIFIERS.
       threshold_acc, threshold_single: the walk's acceptance thresholds in [0, 1]; 1.0 / 1.0 is exact, lower
@@ -46,6 +49,7 @@ class DecodeOptions:
     moe_impl: str = "auto"
     verify_impl: str = "auto"
     layer_loop: str = "auto"
+    tree_impl: str = "auto"
     topk_impl: str = "auto"
     order: str = "draft"
     verifier: str = "sampling"
@@ -59,6 +63,7 @@ class DecodeOptions:
             ("moe_impl", dispatch.MOE_IMPLS),
             ("verify_impl", dispatch.VERIFY_IMPLS),
             ("layer_loop", dispatch.LAYER_LOOPS),
+            ("tree_impl", dispatch.TREE_IMPLS),
             ("topk_impl", dispatch.BUILD_TOPK_IMPLS),
             ("order", ORDER_POLICIES),
             ("verifier", VERIFIERS),

@@ -176,7 +176,9 @@ def stage_times(
             repeats,
         )
     tree, times["tree"] = _measure(
-        lambda l, b: tree_stage(l, b, method=method, budget=budget, topk_impl=options.topk_impl),
+        lambda l, b: tree_stage(
+            l, b, method=method, budget=budget, topk_impl=options.topk_impl, tree_impl=options.tree_impl
+        ),
         (draft_logits, state.bonus),
         repeats,
     )

@@ -124,13 +124,20 @@ def draft_stage(drafter, draft_state, bonus: jax.Array, *, method: str, block_si
 
 
 def tree_stage(
-    draft_logits: jax.Array | None, bonus: jax.Array, *, method: str, budget: int, topk_impl: str = "auto"
+    draft_logits: jax.Array | None,
+    bonus: jax.Array,
+    *,
+    method: str,
+    budget: int,
+    topk_impl: str = "auto",
+    tree_impl: str = "auto",
 ) -> DraftTree:
-    """The draft tree: build_tree (DDTree), build_chain (DFlash) or the root alone (AR)."""
+    """The draft tree: build_tree (DDTree; `tree_impl` picks the kernels or XLA), build_chain (DFlash) or
+    the root alone (AR)."""
     if method == "ar":
         return root_only_tree(bonus)
     if method == "ddtree":
-        return build_tree(draft_logits, budget, bonus, topk_impl=topk_impl, check_finite=False)
+        return build_tree(draft_logits, budget, bonus, topk_impl=topk_impl, impl=tree_impl, check_finite=False)
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
@@ -244,7 +251,14 @@ def traced_decode_step(
     active = ~state.done
     draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
     draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
-    tree = tree_stage(draft_logits, state.bonus, method=method, budget=budget, topk_impl=options.topk_impl)
+    tree = tree_stage(
+        draft_logits,
+        state.bonus,
+        method=method,
+        budget=budget,
+        topk_impl=options.topk_impl,
+        tree_impl=options.tree_impl,
+    )
     logits, tapped, cache = tree_forward_stage(target_config, target_params, state.target_cache, tree, options)
     result = walk_stage(tree, logits, sampling, keys, state.step, options)
     cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)

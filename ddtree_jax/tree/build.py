@@ -1,23 +1,17 @@
-"""The jit-compiled DDTree builder: the best-first heap's tree without a sequential loop.
+"""The jit-compiled DDTree builder: the best-first heap's tree without a host round trip.
 
-Parallel formulation (exact). The heap pops prefixes in the total order
-    key(p) = (-logw(p), ranks tuple of p)          (lexicographic; a prefix sorts before its extensions)
-because every prefix's heap predecessor (its parent, or its previous sibling) has a strictly smaller
-key, and float32 rounding of `logw + lp` is monotone. The tree S is therefore the `budget` smallest
-keys over all prefixes, in key order. We find it level by level:
+Two stages, each with a Pallas kernel and an XLA form (`ddtree_kernels.tree_build`, `impl` below):
 
-1. top-K per depth (K = min(budget, V)) of the float32 log-softmax, equal values -> lower token id.
-2. C_1 = the K depth-1 prefixes. C_{l+1} = the `budget` best keys among C_l x {ranks}, where only the
-   pairs (i, r) with (i + 1) * (r + 1) <= budget can qualify (every (i', r') <= (i, r) precedes (i, r),
-   and all of them would have to be in S). Every node of S at length l + 1 has its parent in S, hence
-   in C_l, so S is contained in the union of the C_l.
-3. The union, laid out in lexicographic (DFS preorder) order of the ranks tuples, goes through one
-   `lax.top_k`, whose lower-index-first tie-break is then exactly the heap's tie-break.
+1. top-K per depth (K = min(budget, V)) of the float32 log-softmax, equal values -> lower token id:
+   the kernel `tree_topk` (rows longer than `tree_build.MAX_ROW` go through the exact chunk-max prefilter
+   of `tree.select` first), or `lax.top_k` / the prefilter (`tree.select.top_k_log_probs`).
+2. the best-first selection of `budget` prefixes by key (-logw, ranks tuple): the kernel `tree_select`
+   runs the heap itself on chip; its twin `tree_select_reference` is the parallel level-by-level
+   formulation in XLA (its docstring says why it is exact). Both give the same slots, bit for bit, from
+   the same log-probabilities.
 
-Within a level the ranks-tuple order of a child is (parent's lexicographic rank, own rank), so each
-level's selection is one two-key sort; the global preorder comes from subtree sizes.
-The only divergence from the heap is where float32 rounding makes two different real sums equal
-(|delta logw| ~ 1 ulp): near-ties, which may swap (`tree.compare`).
+The only divergence from the numpy heap (`tree.reference`) is where float32 rounding makes two different
+real sums equal (|delta logw| ~ 1 ulp): near-ties, which may swap (`tree.compare`).
 """
 
 from __future__ import annotations
@@ -29,10 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ddtree_jax.dispatch import BUILD_TOPK_IMPLS
+from ddtree_jax import dispatch
+from ddtree_jax.dispatch import BUILD_TOPK_IMPLS, TREE_IMPLS
 from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
-from ddtree_jax.tree.select import top_k_log_probs
+from ddtree_jax.tree.select import prefilter_candidates, top_k_log_probs
 from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
+from ddtree_kernels import tree_build
+from ddtree_kernels.tree_build import tree_select, tree_select_reference, tree_topk
 
 
 def _check_inputs(draft_logits, budget: int) -> None:
@@ -83,103 +80,28 @@ def _mask_dead_depths(draft_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(dead[..., None], jnp.zeros((), draft_logits.dtype), draft_logits), dead
 
 
-@functools.cache
-def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Static (parent position, rank) pairs with (i + 1) * (r + 1) <= budget, r < k, i < budget."""
-    parent_pos, rank = [], []
-    for i in range(budget):
-        for r in range(min(k, budget // (i + 1))):
-            parent_pos.append(i)
-            rank.append(r)
-    return np.array(parent_pos, dtype=np.int32), np.array(rank, dtype=np.int32)
+def _kernel_top_k(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Per-depth top-K by the `tree_topk` kernel: the whole row when it fits the kernel, else the
+    prefilter's candidates (or `lax.top_k` when even those do not fit). [B, L, V] -> f32, int32 [B, L, K]."""
+    batch, depth_limit, vocab = draft_logits.shape
+    log_probs = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1).reshape(batch * depth_limit, vocab)
+    if vocab <= tree_build.MAX_ROW:
+        values, ids = tree_topk(log_probs, k)
+    else:
+        candidates, candidate_ids = prefilter_candidates(log_probs, k, dispatch.prefilter_chunk(vocab, k))
+        if candidates.shape[-1] <= tree_build.MAX_ROW:
+            values, pos = tree_topk(candidates, k)
+        else:
+            values, pos = lax.top_k(candidates, k)
+        ids = jnp.take_along_axis(candidate_ids, pos, axis=-1)
+    return values.reshape(batch, depth_limit, k), ids.reshape(batch, depth_limit, k)
 
 
-def _sort_key(logw: jax.Array) -> jax.Array:
-    # Ascending sort key for descending logw; `+ 0.0` maps -0.0 to +0.0 so both compare equal in
-    # lax.sort's total order. -inf (padding) becomes +inf and sorts last.
-    return -logw + 0.0
-
-
-def _exclusive_cumsum(x: jax.Array) -> jax.Array:
-    return jnp.cumsum(x) - x
-
-
-def _build_row(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
-    """One row. lp: float32 [L, K] per-depth top-K log-probs (rank order).
-
-    Returns, for the `budget` draft slots in pop order: level (depth - 1) int32, rank int32,
-    parent slot int32 (0 = root), logw float32 (-inf = padding).
-    """
-    depth_limit, k = lp.shape
-    pair_parent, pair_rank = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
-    positions = jnp.arange(budget, dtype=jnp.int32)
-
-    # Each level l holds `budget` entries in key order: logw, rank, parent (position in level l - 1),
-    # lexrank (position in the level's lexicographic order) and lex_order (its inverse permutation).
-    pad = budget - k
-    logw = jnp.concatenate([lp[0], jnp.full((pad,), -jnp.inf, jnp.float32)]) + 0.0
-    rank = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
-    parent = jnp.zeros((budget,), jnp.int32)
-    levels = [(logw, rank, parent, positions, positions)]  # level 1: lex order = rank order
-
-    for level in range(1, depth_limit):
-        prev_logw, _, _, prev_lexrank, _ = levels[-1]
-        parent_logw = prev_logw[pair_parent]
-        cand_logw = jnp.where(jnp.isfinite(parent_logw), parent_logw + lp[level, pair_rank], -jnp.inf)
-        cand_lex = prev_lexrank[pair_parent] * k + pair_rank  # (parent lexrank, rank): distinct
-        key_sorted, lex_sorted, parent_sorted, rank_sorted = lax.sort(
-            (_sort_key(cand_logw), cand_lex, pair_parent, pair_rank), num_keys=2
-        )
-        logw = -key_sorted[:budget] + 0.0  # the exact candidate sums, no recomputation
-        lex_key = lex_sorted[:budget]
-        lex_order = jnp.argsort(lex_key).astype(jnp.int32)
-        lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(positions)
-        # materialise each level: keeps XLA from re-deriving (and duplicating) earlier levels
-        levels.append(
-            lax.optimization_barrier((logw, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order))
-        )
-
-    # Global lexicographic (DFS preorder) index of every entry, from subtree sizes: an entry's
-    # preorder = its parent's + 1 + the sizes of the siblings before it (siblings are contiguous in
-    # the level's lex order, by rank).
-    num_levels = len(levels)
-    sizes = [None] * num_levels
-    sizes[-1] = jnp.ones((budget,), jnp.int32)
-    for level in range(num_levels - 2, -1, -1):
-        child_parent = levels[level + 1][2]
-        sizes[level] = 1 + jax.ops.segment_sum(sizes[level + 1], child_parent, num_segments=budget)
-    preorder = [_exclusive_cumsum(sizes[0])]  # level 1 in lex (= rank) order, root excluded
-    for level in range(1, num_levels):
-        _, _, parent, _, lex_order = levels[level]
-        size_lex = sizes[level][lex_order]
-        parent_lex = parent[lex_order]
-        before = _exclusive_cumsum(size_lex)
-        first = jnp.concatenate([jnp.ones((1,), bool), parent_lex[1:] != parent_lex[:-1]])
-        group_base = lax.cummax(jnp.where(first, before, 0))
-        pre_lex = preorder[level - 1][parent_lex] + 1 + before - group_base
-        preorder.append(jnp.zeros((budget,), jnp.int32).at[lex_order].set(pre_lex))
-
-    # Lay the pool out in preorder: lax.top_k's lower-index-first tie-break is then the ranks-tuple
-    # tie-break of the heap, and top_k returns the `budget` best keys in pop order.
-    pool_logw = jnp.concatenate([lv[0] for lv in levels])
-    pool_pre = jnp.concatenate(preorder)
-    pool_size = pool_logw.shape[0]
-    by_pre_logw = jnp.full((pool_size,), -jnp.inf, jnp.float32).at[pool_pre].set(pool_logw)
-    by_pre_pool = jnp.zeros((pool_size,), jnp.int32).at[pool_pre].set(jnp.arange(pool_size, dtype=jnp.int32))
-    slot_logw, chosen_pre = lax.top_k(by_pre_logw, budget)  # -inf entries (padding) come last
-    chosen = by_pre_pool[chosen_pre]  # pool index (= level * budget + position) of slots 1..budget
-    slot_level = chosen // budget
-    slot_rank = jnp.concatenate([lv[1] for lv in levels])[chosen]
-    parent_pool = jnp.concatenate([lv[2] + (lvl - 1) * budget for lvl, lv in enumerate(levels)])[chosen]
-    slot_of_pool = jnp.zeros((pool_size,), jnp.int32).at[chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
-    slot_parent = jnp.where(slot_level > 0, slot_of_pool[jnp.maximum(parent_pool, 0)], 0)
-    return slot_level, slot_rank, slot_parent, slot_logw
-
-
-@functools.partial(jax.jit, static_argnames=("budget", "topk_impl"))
-def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: str) -> DraftTree:
+@functools.partial(jax.jit, static_argnames=("budget", "topk_impl", "impl"))
+def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: str, impl: str = "xla") -> DraftTree:
     """`build_tree` without its eager input checks: the jitted builder itself (draft_logits [B, L, V],
-    root_tokens int32 [B], static budget and topk_impl in BUILD_TOPK_IMPLS) -> DraftTree [B, budget + 1].
+    root_tokens int32 [B], static budget, topk_impl in BUILD_TOPK_IMPLS and impl "xla" / "pallas")
+    -> DraftTree [B, budget + 1].
     A row with NaN/+inf logits gets a root-only tree; -inf entries never enter the tree, and a depth whose
     entries are all -inf has no candidates (the row's tree stops above it)."""
     batch, depth_limit, vocab = draft_logits.shape
@@ -188,11 +110,14 @@ def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: s
     draft_logits, dead = _mask_dead_depths(draft_logits)
     if topk_impl == "vocab_parallel":  # the vocabulary split over the mesh's "model" axis (LM head under TP)
         lp, ids = sharded_top_k_log_probs(draft_logits, k)
+    elif impl == "pallas" and topk_impl == "auto":
+        lp, ids = _kernel_top_k(draft_logits, k)
     else:
         lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
     # -inf log-probs (masked tokens, dead depths) only ever give -inf log-weights: padding, never real
     lp = jnp.where(dead[..., None], -jnp.inf, lp)
-    level, rank, parent, logw = jax.vmap(functools.partial(_build_row, budget=budget))(lp)
+    select = tree_select if impl == "pallas" else tree_select_reference
+    level, rank, parent, logw = select(lp, budget)
 
     # A row with NaN/+inf logits gets a root-only tree (documented; the eager path raises instead).
     real = jnp.isfinite(logw) & row_finite[:, None]  # [B, budget]
@@ -219,6 +144,7 @@ def build_tree(
     root_tokens: jax.Array | None = None,
     *,
     topk_impl: str = "auto",
+    impl: str = "auto",
     check_finite: bool = True,
 ) -> DraftTree:
     """Builds the DDTree draft tree of N = budget + 1 slots for each row.
@@ -232,6 +158,9 @@ def build_tree(
         "vocab_parallel" for logits whose vocabulary is split over the "model" axis of the mesh set with
         `jax.set_mesh` (`tree.vocab_parallel`: local top-K and a K-candidate gather instead of
         gathering the logits; 1.15-1.9x faster on 2 H200s, BENCHMARKS.md; without a mesh it is "xla").
+        "auto" under impl "pallas" is the top-K kernel.
+      impl: one of `dispatch.TREE_IMPLS`: the Pallas kernels ("pallas"; interpreted off GPU), the XLA
+        builder ("xla"), or "auto" (`dispatch.tree_impl`: the kernels on GPU). Same trees.
       check_finite: when called eagerly, raise ValueError on NaN/+inf logits (costs one host sync).
         Under an outer jit the check cannot raise; such a row yields a root-only tree. -inf logits are
         valid (probability 0): those tokens never enter the tree, and a depth whose logits are all -inf
@@ -253,7 +182,11 @@ def build_tree(
     _check_root_tokens(root_tokens, draft_logits.shape[2])
     if topk_impl not in BUILD_TOPK_IMPLS:
         raise ValueError(f"topk_impl must be one of {BUILD_TOPK_IMPLS}, got {topk_impl!r}")
-    return build_tree_unchecked(draft_logits, root_tokens, budget=int(budget), topk_impl=topk_impl)
+    if impl not in TREE_IMPLS:
+        raise ValueError(f"impl must be one of {TREE_IMPLS}, got {impl!r}")
+    return build_tree_unchecked(
+        draft_logits, root_tokens, budget=int(budget), topk_impl=topk_impl, impl=dispatch.tree_impl(impl)
+    )
 
 
 @jax.jit

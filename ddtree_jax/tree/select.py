@@ -52,7 +52,10 @@ def top_k_log_probs(
     return _top_k_prefilter(log_probs, k, chunk or dispatch.prefilter_chunk(vocab, k))
 
 
-def _top_k_prefilter(log_probs: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+def prefilter_candidates(log_probs: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """The prefilter's candidates: (values [..., kc * chunk], token ids int32 [..., kc * chunk]) of the
+    kc = min(k, chunks) chunks with the largest maxima, in token-id order; the top-k of the row lies
+    among them (module docstring). Padding past V is -inf."""
     *lead, vocab = log_probs.shape
     num_chunks = -(-vocab // chunk)
     padded = jnp.pad(
@@ -64,6 +67,11 @@ def _top_k_prefilter(log_probs: jax.Array, k: int, chunk: int) -> tuple[jax.Arra
     best_chunks = jnp.sort(best_chunks, axis=-1)  # keep candidates in token-id order
     candidates = jnp.take_along_axis(padded, best_chunks[..., None], axis=-2)  # [..., kc, chunk]
     candidates = candidates.reshape(*lead, kc * chunk)
+    ids = (best_chunks[..., None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).reshape(*lead, kc * chunk)
+    return candidates, ids.astype(jnp.int32)
+
+
+def _top_k_prefilter(log_probs: jax.Array, k: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+    candidates, candidate_ids = prefilter_candidates(log_probs, k, chunk)
     values, pos = lax.top_k(candidates, k)
-    ids = jnp.take_along_axis(best_chunks, pos // chunk, axis=-1) * chunk + pos % chunk
-    return values, ids.astype(jnp.int32)
+    return values, jnp.take_along_axis(candidate_ids, pos, axis=-1)

@@ -18,8 +18,8 @@ from tests.tree.tree_checks import (
 )
 
 
-def _check_batch(draft_logits, budget, *, allow_near_ties=True, topk_impl="auto", roots=None):
-    tree = build_tree(draft_logits, budget, roots, topk_impl=topk_impl)
+def _check_batch(draft_logits, budget, *, allow_near_ties=True, topk_impl="auto", roots=None, impl="auto"):
+    tree = build_tree(draft_logits, budget, roots, topk_impl=topk_impl, impl=impl)
     host_logits = np.asarray(jnp.asarray(draft_logits, jnp.float32))
     exact = 0
     for b in range(draft_logits.shape[0]):
@@ -175,6 +175,46 @@ def test_non_finite_row_under_jit_gives_root_only_tree():
     assert list(np.asarray(tree.num_nodes)) == [11, 1, 11]
     row = row_arrays(tree, 1)
     assert (row["parents"][1:] == -1).all() and np.isneginf(row["logw"][1:]).all()
+
+
+@pytest.mark.parametrize(
+    "shape,budget,kind",
+    [
+        ((3, 15, 1000, 64), 64, "normal"),
+        ((4, 6, 300, 256), 256, "normal"),
+        ((6, 2, 64, 40), 40, "bf16_ties"),
+        ((4, 5, 40, 33), 33, "dead"),
+        ((2, 2, 20000, 8), 8, "normal"),  # V > MAX_ROW: the prefilter's candidates go through the kernel
+    ],
+)
+def test_pallas_builder_matches_the_heap_and_the_xla_builder(shape, budget, kind):
+    """impl="pallas" (the tree_build kernels; interpreted on CPU): the heap's tree, and the XLA builder's
+    slots bit for bit (both select from the same float32 log-probabilities)."""
+    batch, depth, vocab, _ = shape
+    rng = np.random.default_rng(vocab + budget)
+    if kind == "bf16_ties":
+        logits = jnp.asarray(rng.choice(SIDON, size=(batch, depth, vocab)) * 0.5, jnp.bfloat16)
+    else:
+        logits = (rng.standard_normal((batch, depth, vocab)) * 3).astype(np.float32)
+        if kind == "dead":
+            logits[0, 2] = -np.inf
+            logits[1, 0, : vocab // 2] = -np.inf
+    tree, _ = _check_batch(logits, budget, impl="pallas", allow_near_ties=kind != "bf16_ties")
+    xla = build_tree(logits, budget, impl="xla")
+    if vocab > 16384:  # different top-K code paths: the same trees up to near-ties (checked above)
+        return
+    for name in ("tokens", "parents", "depths", "ranks", "logw", "num_nodes"):
+        np.testing.assert_array_equal(np.asarray(getattr(tree, name)), np.asarray(getattr(xla, name)), err_msg=name)
+
+
+def test_pallas_builder_under_jit_gives_a_non_finite_row_a_root_only_tree():
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((3, 4, 50)).astype(np.float32)
+    logits[1, 2, 7] = np.inf
+    tree = jax.jit(lambda x: build_tree(x, 10, impl="pallas", check_finite=False))(logits)
+    assert list(np.asarray(tree.num_nodes)) == [11, 1, 11]
+    with pytest.raises(ValueError, match="impl must be one of"):
+        build_tree(np.zeros((1, 2, 8), np.float32), 4, impl="triton")
 
 
 def test_chain_is_top1_per_depth():

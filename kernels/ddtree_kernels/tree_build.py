@@ -1,0 +1,419 @@
+"""Pallas kernels for DDTree construction: per-depth top-K and the best-first selection, held on chip.
+
+The tree of a row is the `budget` best prefixes of the best-first heap over the per-depth top-K of the
+drafter's float32 log-probabilities: key(p) = (-logw(p), ranks tuple of p), lexicographic, where
+logw(child) = logw(parent) + lp[depth, rank] in float32 and a prefix sorts before its extensions.
+
+Two kernels, each beside its pure-jnp twin:
+
+  tree_topk(values [R, C], k)      -> (values [R, k], positions [R, k]): the k largest of each row, descending,
+                                      equal values -> lower position first (`lax.top_k`'s order; the
+                                      candidates come in token-id order, so this is the heap's rank order).
+                                      One program per row holds the row in registers and extracts the k
+                                      best one at a time (two reductions each); no sort of the row.
+  tree_select(top_lp [B, L, K], budget)
+                                   -> (level, rank, parent int32 [B, budget], logw float32 [B, budget]):
+                                      the slots in pop order. One program per row runs the heap literally:
+                                      the frontier (<= budget + 1 entries: parent's logw, packed
+                                      (parent, rank, depth)) lives in registers; each pop is a max
+                                      reduction over the frontier's monotone integer keys, and pushes the
+                                      popped node's next sibling and first child. Equal log-weights are
+                                      broken by the ranks tuple exactly, by walking both paths up the
+                                      popped tree to where they part (only when a tie occurs).
+
+Twins: `tree_topk_reference` (`lax.top_k`) and `tree_select_reference`, the parallel level-by-level
+formulation (the library's XLA builder): the same keys, so the same trees, bit for bit, on the same
+log-probabilities. Padding slots (fewer reachable prefixes than `budget`) have logw -inf; their other
+fields are unspecified.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ddtree_kernels.tiling import default_interpret
+
+MAX_ROW = 16384  # candidates one top-K program holds in registers (longer rows: prefilter them first)
+_EMPTY = np.int32(np.iinfo(np.int32).min)  # below the key of every float, -inf included
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def float_key(x: jax.Array) -> jax.Array:
+    """int32 key, monotone in the float32 value x (-0.0 and +0.0 equal; -inf the smallest float)."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32) + 0.0, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def key_float(key: jax.Array) -> jax.Array:
+    """The inverse of `float_key` (-0.0 comes back as +0.0)."""
+    bits = jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _iota(n: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+# --- kernel 1: top-K of a row -------------------------------------------------------------------------
+
+
+def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int):
+    # values_ref:     f32 [C_pad]  one row of candidates (positions >= count are padding)
+    # out_values_ref: f32 [K_pad]  the k largest, descending (entries >= k unspecified)
+    # out_pos_ref:    i32 [K_pad]  their positions in the row
+    c_pad, k_pad = values_ref.shape[0], out_values_ref.shape[0]
+    pos = _iota(c_pad)
+    out = _iota(k_pad)
+    keys = jnp.where(pos < count, float_key(values_ref[...]), _EMPTY)
+
+    def extract(i, carry):
+        keys, best_keys, best_pos = carry
+        best = jnp.max(keys)
+        at = jnp.min(jnp.where(keys == best, pos, c_pad))  # equal values: the lowest position
+        best_keys = jnp.where(out == i, best, best_keys)
+        best_pos = jnp.where(out == i, at, best_pos)
+        return jnp.where(pos == at, _EMPTY, keys), best_keys, best_pos
+
+    init = (keys, jnp.full((k_pad,), _EMPTY, jnp.int32), jnp.zeros((k_pad,), jnp.int32))
+    _, best_keys, best_pos = lax.fori_loop(0, k, extract, init)
+    out_values_ref[...] = key_float(best_keys)
+    out_pos_ref[...] = best_pos
+
+
+def _topk_warps(c_pad: int) -> int:
+    return int(min(16, max(4, c_pad // 512)))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def _tree_topk_jit(values, *, k: int, interpret: bool):
+    rows, count = values.shape
+    c_pad, k_pad = _next_pow2(count), _next_pow2(k)
+    padded = jnp.pad(values.astype(jnp.float32), ((0, 0), (0, c_pad - count)))
+    out_values, out_pos = pl.pallas_call(
+        functools.partial(_topk_kernel, k=k, count=count),
+        grid=(rows,),
+        in_specs=[pl.BlockSpec((None, c_pad), lambda r: (r, 0))],
+        out_specs=[pl.BlockSpec((None, k_pad), lambda r: (r, 0))] * 2,
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, k_pad), jnp.float32),
+            jax.ShapeDtypeStruct((rows, k_pad), jnp.int32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=_topk_warps(c_pad), num_stages=1),
+        interpret=interpret,
+        name="tree_topk",
+    )(padded)
+    return out_values[:, :k], out_pos[:, :k]
+
+
+def _check_topk(values, k) -> None:
+    if values.ndim != 2 or 0 in values.shape:
+        raise ValueError(f"values must have shape [R, C] with R, C >= 1, got {tuple(values.shape)}")
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        raise ValueError(f"values must be float, got {values.dtype}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= values.shape[1]:
+        raise ValueError(f"k must be an integer in [1, C={values.shape[1]}], got {k!r}")
+    if _next_pow2(values.shape[1]) > MAX_ROW:
+        raise ValueError(f"rows of C={values.shape[1]} candidates exceed MAX_ROW={MAX_ROW}: prefilter them first")
+
+
+def tree_topk(values: jax.Array, k: int, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """The k largest of each row (module docstring). values: float [R, C], C padded to a power of two
+    <= MAX_ROW; NaN is not allowed (the caller marks such rows invalid). Returns (float32 [R, k] descending,
+    int32 [R, k] positions)."""
+    _check_topk(values, k)
+    return _tree_topk_jit(values, k=int(k), interpret=default_interpret(interpret))
+
+
+def tree_topk_reference(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`tree_topk`'s twin: `lax.top_k` over the float32 row (equal values: lower position first)."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= values.shape[-1]:
+        raise ValueError(f"k must be an integer in [1, C={values.shape[-1]}], got {k!r}")
+    top, pos = lax.top_k(values.astype(jnp.float32), int(k))
+    return top, pos.astype(jnp.int32)
+
+
+# --- kernel 2: the best-first selection ---------------------------------------------------------------
+
+
+def _meta_bits(budget: int, k: int, depth_limit: int) -> tuple[int, int, int]:
+    """Bits of (parent slot, rank, depth) in one int32 frontier / table entry."""
+    bits = (int(budget).bit_length(), max(1, int(k - 1).bit_length()), int(depth_limit).bit_length())
+    if sum(bits) > 31:
+        raise ValueError(f"budget={budget}, K={k}, L={depth_limit} do not pack into 31 bits (tree_select)")
+    return bits
+
+
+def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget: int, k: int, depth_limit: int):
+    # lp_ref:     f32 [L, K]       per-depth top-K log-probabilities, descending (-inf: no such token)
+    # level_ref:  i32 [budget]     out: depth - 1 of each slot 1..budget, in pop order
+    # rank_ref:   i32 [budget]     out: its rank at its depth
+    # parent_ref: i32 [budget]     out: its parent's slot (0 = the root)
+    # logw_ref:   f32 [budget]     out: its log-weight (-inf: padding)
+    parent_bits, rank_bits, _ = _meta_bits(budget, k, depth_limit)
+    rank_shift, depth_shift = parent_bits, parent_bits + rank_bits
+    f_pad = _next_pow2(budget + 1)
+    fpos = _iota(f_pad)  # frontier positions, also table slots (slot 0 = the root)
+
+    def pack(parent, rank, depth):
+        return parent | (rank << rank_shift) | (depth << depth_shift)
+
+    def unpack(meta):
+        return (
+            meta & ((1 << parent_bits) - 1),
+            (meta >> rank_shift) & ((1 << rank_bits) - 1),
+            meta >> depth_shift,
+        )
+
+    def pick(vector, at):  # vector[at] for a scalar position (one reduction)
+        return jnp.sum(jnp.where(fpos == at, vector, 0))
+
+    def lex_less(a_meta, b_meta, t_meta):
+        """ranks tuple of frontier entry a < that of b (distinct nodes), walking up the popped tree."""
+        pa, ra, da = unpack(a_meta)
+        pb, rb, db = unpack(b_meta)
+
+        def up(parent):  # the node that is popped slot `parent`: its (parent, rank)
+            p, r, _ = unpack(pick(t_meta, parent))
+            return p, r
+
+        def raise_deeper(c):
+            pa, ra, da, pb, rb, db = c
+            a_deeper = da > db
+            new_pa, new_ra = up(jnp.where(a_deeper, pa, pb))
+            return (
+                jnp.where(a_deeper, new_pa, pa),
+                jnp.where(a_deeper, new_ra, ra),
+                jnp.where(a_deeper, da - 1, da),
+                jnp.where(a_deeper, pb, new_pa),
+                jnp.where(a_deeper, rb, new_ra),
+                jnp.where(a_deeper, db, db - 1),
+            )
+
+        a_was_deeper = da > db
+        pa, ra, _, pb, rb, _ = lax.while_loop(lambda c: c[2] != c[5], raise_deeper, (pa, ra, da, pb, rb, db))
+        same = (pa == pb) & (ra == rb)  # one path is a prefix of the other: the shorter comes first
+
+        def raise_both(c):
+            pa, ra, pb, rb = c
+            pa2, ra2 = up(pa)
+            pb2, rb2 = up(pb)
+            return pa2, ra2, pb2, rb2
+
+        pa, ra, pb, rb = lax.while_loop(lambda c: ~same & (c[0] != c[2]), raise_both, (pa, ra, pb, rb))
+        return jnp.where(same, ~a_was_deeper, ra < rb)
+
+    def tie_break(tied, at, f_meta, t_meta):
+        """The lexicographically first of the tied frontier entries (tied: int32 0/1 mask)."""
+
+        def body(c):
+            remaining, best = c
+            j = jnp.min(jnp.where(remaining > 0, fpos, f_pad))
+            better = lex_less(pick(f_meta, j), pick(f_meta, best), t_meta)
+            return jnp.where(fpos == j, 0, remaining), jnp.where(better, j, best)
+
+        remaining = jnp.where(fpos == at, 0, tied)
+        _, best = lax.while_loop(lambda c: jnp.max(c[0]) > 0, body, (remaining, at))
+        return best
+
+    def pop(slot, carry):
+        f_key, f_plogw, f_meta, t_meta, n_used = carry
+        best = jnp.max(f_key)
+        valid = best != _EMPTY
+        tied = (f_key == best).astype(jnp.int32)
+        at = jnp.min(jnp.where(tied > 0, fpos, f_pad))
+        at = lax.cond(jnp.sum(tied) > 1, lambda: tie_break(tied, at, f_meta, t_meta), lambda: at)
+        logw = key_float(best)
+        meta = pick(f_meta, at)
+        parent_logw = jnp.sum(jnp.where(fpos == at, f_plogw, 0.0))
+        parent, rank, depth = unpack(meta)
+        level_ref[slot - 1] = depth - 1
+        rank_ref[slot - 1] = rank
+        parent_ref[slot - 1] = parent
+        logw_ref[slot - 1] = jnp.where(valid, logw, -jnp.inf)
+        t_meta = jnp.where(fpos == slot, meta, t_meta)
+
+        # next sibling: the same parent's logw plus the next rank's log-prob; it takes the popped entry's place
+        sib_rank = rank + 1
+        lp_sib = lp_ref[jnp.maximum(depth - 1, 0), jnp.minimum(sib_rank, k - 1)]
+        push_sib = valid & (sib_rank < k) & (lp_sib > -jnp.inf)
+        here = fpos == at
+        f_key = jnp.where(here, jnp.where(push_sib, float_key(parent_logw + lp_sib), _EMPTY), f_key)
+        f_plogw = jnp.where(here, parent_logw, f_plogw)
+        f_meta = jnp.where(here, pack(parent, sib_rank, depth), f_meta)
+        # first child: this node's logw plus the next depth's best log-prob, at the next unused position
+        lp_child = lp_ref[jnp.minimum(depth, depth_limit - 1), 0]
+        push_child = valid & (depth < depth_limit) & (lp_child > -jnp.inf)
+        there = (fpos == n_used) & push_child
+        f_key = jnp.where(there, float_key(logw + lp_child), f_key)
+        f_plogw = jnp.where(there, logw, f_plogw)
+        f_meta = jnp.where(there, pack(slot, 0, depth + 1), f_meta)
+        return f_key, f_plogw, f_meta, t_meta, n_used + push_child.astype(jnp.int32)
+
+    lp_first = lp_ref[0, 0]
+    root_push = (fpos == 0) & (lp_first > -jnp.inf)
+    f_key = jnp.where(root_push, float_key(lp_first), _EMPTY)
+    f_plogw = jnp.zeros((f_pad,), jnp.float32)
+    f_meta = jnp.where(fpos == 0, pack(0, 0, 1), 0)
+    t_meta = jnp.zeros((f_pad,), jnp.int32)  # slot 0: the root (never read: walks stop at depth 1)
+    lax.fori_loop(1, budget + 1, pop, (f_key, f_plogw, f_meta, t_meta, jnp.int32(1)))
+
+
+def _select_warps(budget: int) -> int:
+    return 1 if budget < 128 else (2 if budget < 512 else 4)
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "interpret"))
+def _tree_select_jit(top_lp, *, budget: int, interpret: bool):
+    batch, depth_limit, k = top_lp.shape
+    out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
+    return pl.pallas_call(
+        functools.partial(_select_kernel, budget=budget, k=k, depth_limit=depth_limit),
+        grid=(batch,),
+        in_specs=[pl.BlockSpec((None, depth_limit, k), lambda b: (b, 0, 0))],
+        out_specs=[out_spec] * 4,
+        out_shape=[jax.ShapeDtypeStruct((batch, budget), jnp.int32)] * 3
+        + [jax.ShapeDtypeStruct((batch, budget), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=_select_warps(budget), num_stages=1),
+        interpret=interpret,
+        name="tree_select",
+    )(top_lp.astype(jnp.float32))
+
+
+def _check_select(top_lp, budget) -> None:
+    if top_lp.ndim != 3 or 0 in top_lp.shape:
+        raise ValueError(f"top_lp must have shape [B, L, K] with B, L, K >= 1, got {tuple(top_lp.shape)}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if top_lp.shape[2] > budget:
+        raise ValueError(f"top_lp's K={top_lp.shape[2]} must be <= budget={budget} (K = min(budget, V))")
+    _meta_bits(budget, top_lp.shape[2], top_lp.shape[1])
+
+
+def tree_select(top_lp: jax.Array, budget: int, *, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """The best-first selection of `budget` slots per row (module docstring).
+
+    top_lp: float32 [B, L, K], each depth's top-K log-probabilities descending (-inf: no such token),
+    K = min(budget, V). Returns (level, rank, parent) int32 [B, budget] and logw float32 [B, budget], the
+    slots 1..budget in pop order; padding slots have logw -inf."""
+    _check_select(top_lp, budget)
+    return _tree_select_jit(top_lp, budget=int(budget), interpret=default_interpret(interpret))
+
+
+# --- the twin: the parallel level-by-level selection ----------------------------------------------------
+
+
+@functools.cache
+def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static (parent position, rank) pairs with (i + 1) * (r + 1) <= budget, r < k, i < budget."""
+    parent_pos, rank = [], []
+    for i in range(budget):
+        for r in range(min(k, budget // (i + 1))):
+            parent_pos.append(i)
+            rank.append(r)
+    return np.array(parent_pos, dtype=np.int32), np.array(rank, dtype=np.int32)
+
+
+def _sort_key(logw: jax.Array) -> jax.Array:
+    # Ascending sort key for descending logw; `+ 0.0` maps -0.0 to +0.0 so both compare equal in
+    # lax.sort's total order. -inf (padding) becomes +inf and sorts last.
+    return -logw + 0.0
+
+
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x) - x
+
+
+def _select_row_reference(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
+    """One row of `tree_select_reference`. lp: float32 [L, K] per-depth top-K log-probs (rank order).
+
+    Parallel formulation (exact). The heap pops prefixes in key order, because every prefix's heap
+    predecessor (its parent, or its previous sibling) has a strictly smaller key, and float32 rounding of
+    `logw + lp` is monotone. The tree S is therefore the `budget` smallest keys over all prefixes, found
+    level by level: C_1 = the K depth-1 prefixes; C_{l+1} = the `budget` best keys among C_l x {ranks},
+    where only pairs (i, r) with (i + 1) * (r + 1) <= budget can qualify (every (i', r') <= (i, r)
+    precedes (i, r)). The union of the C_l, laid out in lexicographic (DFS preorder) order of the ranks
+    tuples, goes through one `lax.top_k`, whose lower-index-first tie-break is then exactly the heap's.
+    Within a level the ranks-tuple order of a child is (parent's lexicographic rank, own rank), so each
+    level's selection is one two-key sort; the global preorder comes from subtree sizes.
+    """
+    depth_limit, k = lp.shape
+    pair_parent, pair_rank = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
+    positions = jnp.arange(budget, dtype=jnp.int32)
+
+    # Each level holds `budget` entries in key order: logw, rank, parent (position in the level above),
+    # lexrank (position in the level's lexicographic order) and lex_order (its inverse permutation).
+    pad = budget - k
+    logw = jnp.concatenate([lp[0], jnp.full((pad,), -jnp.inf, jnp.float32)]) + 0.0
+    rank = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
+    parent = jnp.zeros((budget,), jnp.int32)
+    levels = [(logw, rank, parent, positions, positions)]  # level 1: lex order = rank order
+
+    for level in range(1, depth_limit):
+        prev_logw, _, _, prev_lexrank, _ = levels[-1]
+        parent_logw = prev_logw[pair_parent]
+        cand_logw = jnp.where(jnp.isfinite(parent_logw), parent_logw + lp[level, pair_rank], -jnp.inf)
+        cand_lex = prev_lexrank[pair_parent] * k + pair_rank  # (parent lexrank, rank): distinct
+        key_sorted, lex_sorted, parent_sorted, rank_sorted = lax.sort(
+            (_sort_key(cand_logw), cand_lex, pair_parent, pair_rank), num_keys=2
+        )
+        logw = -key_sorted[:budget] + 0.0  # the exact candidate sums, no recomputation
+        lex_key = lex_sorted[:budget]
+        lex_order = jnp.argsort(lex_key).astype(jnp.int32)
+        lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(positions)
+        # materialise each level: keeps XLA from re-deriving (and duplicating) earlier levels
+        levels.append(
+            lax.optimization_barrier((logw, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order))
+        )
+
+    # Global lexicographic (DFS preorder) index of every entry, from subtree sizes: an entry's
+    # preorder = its parent's + 1 + the sizes of the siblings before it (siblings are contiguous in
+    # the level's lex order, by rank).
+    num_levels = len(levels)
+    sizes = [None] * num_levels
+    sizes[-1] = jnp.ones((budget,), jnp.int32)
+    for level in range(num_levels - 2, -1, -1):
+        child_parent = levels[level + 1][2]
+        sizes[level] = 1 + jax.ops.segment_sum(sizes[level + 1], child_parent, num_segments=budget)
+    preorder = [_exclusive_cumsum(sizes[0])]  # level 1 in lex (= rank) order, root excluded
+    for level in range(1, num_levels):
+        _, _, parent, _, lex_order = levels[level]
+        size_lex = sizes[level][lex_order]
+        parent_lex = parent[lex_order]
+        before = _exclusive_cumsum(size_lex)
+        first = jnp.concatenate([jnp.ones((1,), bool), parent_lex[1:] != parent_lex[:-1]])
+        group_base = lax.cummax(jnp.where(first, before, 0))
+        pre_lex = preorder[level - 1][parent_lex] + 1 + before - group_base
+        preorder.append(jnp.zeros((budget,), jnp.int32).at[lex_order].set(pre_lex))
+
+    # Lay the pool out in preorder: lax.top_k's lower-index-first tie-break is then the ranks-tuple
+    # tie-break of the heap, and top_k returns the `budget` best keys in pop order.
+    pool_logw = jnp.concatenate([lv[0] for lv in levels])
+    pool_pre = jnp.concatenate(preorder)
+    pool_size = pool_logw.shape[0]
+    by_pre_logw = jnp.full((pool_size,), -jnp.inf, jnp.float32).at[pool_pre].set(pool_logw)
+    by_pre_pool = jnp.zeros((pool_size,), jnp.int32).at[pool_pre].set(jnp.arange(pool_size, dtype=jnp.int32))
+    slot_logw, chosen_pre = lax.top_k(by_pre_logw, budget)  # -inf entries (padding) come last
+    chosen = by_pre_pool[chosen_pre]  # pool index (= level * budget + position) of slots 1..budget
+    slot_level = chosen // budget
+    slot_rank = jnp.concatenate([lv[1] for lv in levels])[chosen]
+    parent_pool = jnp.concatenate([lv[2] + (lvl - 1) * budget for lvl, lv in enumerate(levels)])[chosen]
+    slot_of_pool = jnp.zeros((pool_size,), jnp.int32).at[chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    slot_parent = jnp.where(slot_level > 0, slot_of_pool[jnp.maximum(parent_pool, 0)], 0)
+    return slot_level, slot_rank, slot_parent, slot_logw
+
+
+@functools.partial(jax.jit, static_argnames=("budget",))
+def tree_select_reference(top_lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
+    """`tree_select`'s twin (same arguments and results): the parallel level-by-level formulation in XLA
+    (`_select_row_reference`), vmapped over rows."""
+    return jax.vmap(functools.partial(_select_row_reference, budget=budget))(top_lp.astype(jnp.float32))

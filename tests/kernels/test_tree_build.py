@@ -1,0 +1,110 @@
+"""ddtree_kernels.tree_build: the top-K and best-first selection kernels against their twins
+(`lax.top_k`, the level-by-level XLA selection), on fresh random inputs with many exact ties, dead depths
+and more budget than reachable prefixes; and the errors on bad input. Interpreted on CPU, compiled on GPU
+(`scripts/test_gpu.sh`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_kernels import tree_build
+from ddtree_kernels.tree_build import (
+    float_key,
+    key_float,
+    tree_select,
+    tree_select_reference,
+    tree_topk,
+    tree_topk_reference,
+)
+
+
+def _log_probs(logits):
+    lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    return jnp.where(jnp.isnan(lp), -jnp.inf, lp)  # an all -inf depth: no candidates
+
+
+def _assert_same_slots(got, want):
+    """Equal slots wherever the twin's slot is real (logw finite); the same padding."""
+    real = np.isfinite(np.asarray(want[3]))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got[3])), real)
+    for name, a, b in zip(("level", "rank", "parent", "logw"), got, want):
+        np.testing.assert_array_equal(np.where(real, np.asarray(a), 0), np.where(real, np.asarray(b), 0), err_msg=name)
+
+
+def test_float_key_is_monotone_and_inverted():
+    x = jnp.asarray([-jnp.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, jnp.inf], jnp.float32)
+    keys = np.asarray(float_key(x))
+    assert (np.diff(keys) >= 0).all() and keys[3] == keys[4]  # -0.0 == +0.0
+    assert (np.diff(keys)[[0, 1, 2, 4, 5, 6]] > 0).all()
+    np.testing.assert_array_equal(np.asarray(key_float(float_key(x))), np.asarray(x + 0.0))
+
+
+@pytest.mark.parametrize(
+    "rows,count,k,quantized",
+    [(3, 300, 17, False), (4, 64, 64, True), (2, 1000, 5, True), (5, 33, 1, False), (2, 2048, 128, True)],
+)
+def test_topk_matches_lax_top_k(rows, count, k, quantized):
+    rng = np.random.default_rng(count + k)
+    values = rng.standard_normal((rows, count)) * 3
+    if quantized:  # many exact ties: the lower position must come first
+        values = np.round(values)
+    values[0, rng.integers(0, count, count // 3)] = -np.inf
+    values = jnp.asarray(values, jnp.float32)
+    got, want = tree_topk(values, k), tree_topk_reference(values, k)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_topk_with_more_k_than_finite_entries_takes_the_lowest_positions():
+    values = jnp.asarray([[-jnp.inf, 0.5, -jnp.inf, -jnp.inf, 1.0, -jnp.inf]], jnp.float32)
+    got_values, got_pos = tree_topk(values, 4)
+    np.testing.assert_array_equal(np.asarray(got_pos), [[4, 1, 0, 2]])
+    np.testing.assert_array_equal(np.asarray(got_values), [[1.0, 0.5, -np.inf, -np.inf]])
+
+
+@pytest.mark.parametrize(
+    "batch,depth,vocab,budget,kind",
+    [
+        (2, 15, 512, 64, "normal"),
+        (3, 5, 40, 33, "ties"),
+        (2, 4, 8, 64, "ties"),  # more budget than prefixes: padding
+        (2, 6, 16, 16, "dead"),
+        (1, 3, 4, 84, "ties"),
+        (2, 1, 50, 20, "normal"),  # L = 1: a fan
+        (1, 15, 300, 256, "ties"),
+    ],
+)
+def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kind):
+    rng = np.random.default_rng(depth * 1000 + vocab + budget)
+    if kind == "normal":
+        logits = rng.standard_normal((batch, depth, vocab)) * 3
+    else:  # integer logits: exact ties within and across depths (equal sums along different paths)
+        logits = rng.integers(-3, 2, size=(batch, depth, vocab)).astype(np.float64)
+    if kind == "dead":
+        logits[0, 2] = -np.inf  # a dead depth: the tree stops above it
+        logits[1, 0, vocab // 2 :] = -np.inf  # masked tokens never enter the tree
+    k = min(budget, vocab)
+    top, _ = tree_topk_reference(_log_probs(logits).reshape(batch * depth, vocab), k)
+    top = top.reshape(batch, depth, k)
+    got = tree_select(top, budget)
+    want = tree_select_reference(top, budget)
+    _assert_same_slots(got, want)
+    if kind == "ties":  # the tie walk ran: some popped log-weights repeat
+        logw = np.asarray(want[3])[0]
+        assert len(np.unique(logw[np.isfinite(logw)])) < np.isfinite(logw).sum()
+
+
+def test_select_and_topk_reject_bad_input_by_name():
+    with pytest.raises(ValueError, match="k must be an integer in"):
+        tree_topk(jnp.zeros((2, 8)), 9)
+    with pytest.raises(ValueError, match="MAX_ROW"):
+        tree_topk(jnp.zeros((1, tree_build.MAX_ROW + 1)), 4)
+    with pytest.raises(ValueError, match=r"shape \[R, C\]"):
+        tree_topk(jnp.zeros((8,)), 2)
+    with pytest.raises(ValueError, match="K=8 must be <= budget=4"):
+        tree_select(jnp.zeros((1, 3, 8)), 4)
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
+        tree_select(jnp.zeros((1, 3, 1)), 0)
+    with pytest.raises(ValueError, match="do not pack into 31 bits"):
+        tree_select(jnp.zeros((1, 2**13, 2)), 2**16)
