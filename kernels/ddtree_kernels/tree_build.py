@@ -9,8 +9,9 @@ Two kernels, each beside its pure-jnp twin:
   tree_topk(values [R, C], k)      -> (values [R, k], positions [R, k]): the k largest of each row, descending,
                                       equal values -> lower position first (`lax.top_k`'s order; the
                                       candidates come in token-id order, so this is the heap's rank order).
-                                      One program per row holds the row in registers and extracts the k
-                                      best one at a time (two reductions each); no sort of the row.
+                                      One program per row: a radix search for the k-th largest value (8
+                                      passes over the row, 16 thresholds each), a compaction of the k
+                                      chosen entries, and their ranks by counting; no sort of the row.
   tree_select(top_lp [B, L, K], budget)
                                    -> (level, rank, parent int32 [B, budget], logw float32 [B, budget]):
                                       the slots in pop order. One program per row runs the heap literally:
@@ -21,7 +22,7 @@ Two kernels, each beside its pure-jnp twin:
                                       broken by the ranks tuple exactly, by walking both paths up the
                                       popped tree to where they part (only when a tie occurs).
 
-Twins: `tree_topk_reference` (`lax.top_k`) and `tree_select_reference`, the parallel level-by-level
+Twins: `tree_topk_reference` (a two-key sort) and `tree_select_reference`, the parallel level-by-level
 formulation (the library's XLA builder): the same keys, so the same trees, bit for bit, on the same
 log-probabilities. Padding slots (fewer reachable prefixes than `budget`) have logw -inf; their other
 fields are unspecified.
@@ -40,7 +41,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from ddtree_kernels.tiling import default_interpret
 
-MAX_ROW = 16384  # candidates one top-K program holds in registers (longer rows: prefilter them first)
+MAX_ROW = 16384  # candidates one top-K program searches (longer rows: prefilter them first)
+_DIGIT_BITS = 4  # bits of the k-th largest key found per pass over the row
+_FANOUT = 1 << _DIGIT_BITS
+_BLOCK = 512  # row elements per load in a pass ([block, 16] comparisons)
 _EMPTY = np.int32(np.iinfo(np.int32).min)  # below the key of every float, -inf included
 
 
@@ -67,46 +71,101 @@ def _iota(n: int) -> jax.Array:
 # --- kernel 1: top-K of a row -------------------------------------------------------------------------
 
 
-def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int):
+def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int, block: int, interpret: bool):
     # values_ref:     f32 [C_pad]  one row of candidates (positions >= count are padding)
-    # out_values_ref: f32 [K_pad]  the k largest, descending (entries >= k unspecified)
-    # out_pos_ref:    i32 [K_pad]  their positions in the row
-    c_pad, k_pad = values_ref.shape[0], out_values_ref.shape[0]
-    pos = _iota(c_pad)
-    out = _iota(k_pad)
-    keys = jnp.where(pos < count, float_key(values_ref[...]), _EMPTY)
+    # out_values_ref: f32 [K_pad + block]  the k largest, descending (entries >= k: scratch)
+    # out_pos_ref:    i32 [K_pad + block]  their positions in the row
+    c_pad, k_pad = values_ref.shape[0], out_values_ref.shape[0] - block
+    num_chunks = c_pad // block
+    lanes = _iota(block)
 
-    def extract(i, carry):
-        keys, best_keys, best_pos = carry
-        best = jnp.max(keys)
-        at = jnp.min(jnp.where(keys == best, pos, c_pad))  # equal values: the lowest position
-        best_keys = jnp.where(out == i, best, best_keys)
-        best_pos = jnp.where(out == i, at, best_pos)
-        return jnp.where(pos == at, _EMPTY, keys), best_keys, best_pos
+    def chunk(c):  # (positions i32 [block], keys i32 [block]) of chunk c
+        pos = c * block + lanes
+        x = values_ref[pl.ds(pl.multiple_of(c * block, block), block)]
+        return pos, jnp.where(pos < count, float_key(x), _EMPTY)
 
-    init = (keys, jnp.full((k_pad,), _EMPTY, jnp.int32), jnp.zeros((k_pad,), jnp.int32))
-    _, best_keys, best_pos = lax.fori_loop(0, k, extract, init)
-    out_values_ref[...] = key_float(best_keys)
-    out_pos_ref[...] = best_pos
+    # 1. the k-th largest key t, one 4-bit digit per pass (8 passes over the row, 16 thresholds each), in
+    #    the sign-flipped domain where int32 bit patterns order as unsigned; keys compare as signed ints.
+    digits = _iota(_FANOUT)
+    prefix = jnp.int32(0)
+    for shift in range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        thresholds = (prefix | (digits << shift)) ^ _EMPTY  # back to the key domain
+
+        def count_pass(c, acc, thresholds=thresholds):
+            _, keys = chunk(c)
+            return acc + (keys[:, None] >= thresholds[None, :]).astype(jnp.int32)
+
+        counts = jnp.sum(lax.fori_loop(0, num_chunks, count_pass, jnp.zeros((block, _FANOUT), jnp.int32)), axis=0)
+        digit = jnp.sum((counts >= k).astype(jnp.int32)) - 1  # counts fall with the digit; counts[0] >= k
+        prefix = prefix | (digit << shift)
+    cut = prefix ^ _EMPTY  # k-th largest key: every key > cut is in, and the first (k - #{> cut}) equal to it
+
+    def above_pass(c, n):
+        _, keys = chunk(c)
+        return n + jnp.sum((keys > cut).astype(jnp.int32))
+
+    ties_wanted = k - lax.fori_loop(0, num_chunks, above_pass, jnp.int32(0))
+
+    # 2. compaction: the k chosen entries, in position order, scattered to the outputs
+    def compact(c, carry):
+        taken, ties_seen = carry
+        pos, keys = chunk(c)
+        tie = keys == cut
+        tie_rank = ties_seen + jnp.cumsum(tie.astype(jnp.int32)) - 1
+        chosen = (keys > cut) | (tie & (tie_rank < ties_wanted))
+        # every lane stores to a slot of its own: the chosen ones to [0, k), the others to the scratch tail
+        slot = jnp.where(chosen, taken + jnp.cumsum(chosen.astype(jnp.int32)) - 1, k_pad + lanes)
+        plgpu.store(out_values_ref.at[slot], key_float(keys))
+        plgpu.store(out_pos_ref.at[slot], pos)
+        return taken + jnp.sum(chosen.astype(jnp.int32)), ties_seen + jnp.sum(tie.astype(jnp.int32))
+
+    lax.fori_loop(0, num_chunks, compact, (jnp.int32(0), jnp.int32(0)))
+    if not interpret:
+        plgpu.debug_barrier()  # the scattered entries are read back by other threads
+
+    # 3. rank by counting: entry i's place = #{j: key_j > key_i, or equal with a lower position}
+    out_lanes = _iota(k_pad)
+    in_k = out_lanes < k
+    keys = jnp.where(in_k, float_key(out_values_ref[pl.ds(0, k_pad)]), _EMPTY)
+    pos = out_pos_ref[pl.ds(0, k_pad)]
+    rank_block = min(k_pad, 32)
+
+    def rank_pass(j, rank):
+        at = pl.multiple_of(j * rank_block, rank_block)
+        other_lanes = j * rank_block + _iota(rank_block)
+        other_keys = jnp.where(other_lanes < k, float_key(out_values_ref[pl.ds(at, rank_block)]), _EMPTY)
+        other_pos = out_pos_ref[pl.ds(at, rank_block)]
+        before = (other_keys[None, :] > keys[:, None]) | (
+            (other_keys[None, :] == keys[:, None]) & (other_pos[None, :] < pos[:, None])
+        )
+        return rank + jnp.sum((before & (other_lanes[None, :] < k)).astype(jnp.int32), axis=1)
+
+    rank = lax.fori_loop(0, k_pad // rank_block, rank_pass, jnp.zeros((k_pad,), jnp.int32))
+    if not interpret:
+        plgpu.debug_barrier()  # every thread has read the compacted entries before they are overwritten
+    slot = jnp.where(in_k, rank, k_pad + out_lanes % block)  # lanes past k: to the scratch tail
+    plgpu.store(out_values_ref.at[slot], key_float(keys))
+    plgpu.store(out_pos_ref.at[slot], pos)
 
 
 def _topk_warps(c_pad: int) -> int:
-    return int(min(16, max(4, c_pad // 512)))
+    return 4 if c_pad <= 1024 else 8
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
 def _tree_topk_jit(values, *, k: int, interpret: bool):
     rows, count = values.shape
     c_pad, k_pad = _next_pow2(count), _next_pow2(k)
+    block = min(c_pad, _BLOCK)
     padded = jnp.pad(values.astype(jnp.float32), ((0, 0), (0, c_pad - count)))
     out_values, out_pos = pl.pallas_call(
-        functools.partial(_topk_kernel, k=k, count=count),
+        functools.partial(_topk_kernel, k=k, count=count, block=block, interpret=interpret),
         grid=(rows,),
         in_specs=[pl.BlockSpec((None, c_pad), lambda r: (r, 0))],
-        out_specs=[pl.BlockSpec((None, k_pad), lambda r: (r, 0))] * 2,
+        out_specs=[pl.BlockSpec((None, k_pad + block), lambda r: (r, 0))] * 2,
         out_shape=[
-            jax.ShapeDtypeStruct((rows, k_pad), jnp.float32),
-            jax.ShapeDtypeStruct((rows, k_pad), jnp.int32),
+            jax.ShapeDtypeStruct((rows, k_pad + block), jnp.float32),
+            jax.ShapeDtypeStruct((rows, k_pad + block), jnp.int32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=_topk_warps(c_pad), num_stages=1),
         interpret=interpret,
@@ -135,11 +194,14 @@ def tree_topk(values: jax.Array, k: int, *, interpret: bool | None = None) -> tu
 
 
 def tree_topk_reference(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`tree_topk`'s twin: `lax.top_k` over the float32 row (equal values: lower position first)."""
+    """`tree_topk`'s twin: a two-key sort of the float32 row by (value descending, position ascending), cut
+    at k (the order `lax.top_k` documents, by definition rather than by an implementation's tie-break)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= values.shape[-1]:
         raise ValueError(f"k must be an integer in [1, C={values.shape[-1]}], got {k!r}")
-    top, pos = lax.top_k(values.astype(jnp.float32), int(k))
-    return top, pos.astype(jnp.int32)
+    x = values.astype(jnp.float32)
+    positions = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    neg, pos = lax.sort((-x + 0.0, positions), dimension=x.ndim - 1, num_keys=2)
+    return -neg[..., : int(k)] + 0.0, pos[..., : int(k)]
 
 
 # --- kernel 2: the best-first selection ---------------------------------------------------------------
