@@ -54,7 +54,9 @@ def _next_pow2(n: int) -> int:
 
 def float_key(x: jax.Array) -> jax.Array:
     """int32 key, monotone in the float32 value x (-0.0 and +0.0 equal; -inf the smallest float)."""
-    bits = lax.bitcast_convert_type(x.astype(jnp.float32) + 0.0, jnp.int32)
+    x = x.astype(jnp.float32)
+    # -0.0 -> +0.0 by a select: `x + 0.0` would do it in IEEE arithmetic, but compilers may fold it away
+    bits = lax.bitcast_convert_type(jnp.where(x == 0.0, jnp.float32(0.0), x), jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
@@ -200,8 +202,9 @@ def tree_topk_reference(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array
         raise ValueError(f"k must be an integer in [1, C={values.shape[-1]}], got {k!r}")
     x = values.astype(jnp.float32)
     positions = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    neg, pos = lax.sort((-x + 0.0, positions), dimension=x.ndim - 1, num_keys=2)
-    return -neg[..., : int(k)] + 0.0, pos[..., : int(k)]
+    x = jnp.where(x == 0.0, jnp.float32(0.0), x)  # -0.0 equals +0.0 (a select; `+ 0.0` may be folded)
+    neg, pos = lax.sort((-x, positions), dimension=x.ndim - 1, num_keys=2)
+    return jnp.where(neg == 0.0, jnp.float32(0.0), -neg)[..., : int(k)], pos[..., : int(k)]
 
 
 # --- kernel 2: the best-first selection ---------------------------------------------------------------

@@ -74,7 +74,8 @@ _INT32_MAX = np.iinfo(np.int32).max
 def logit_key(x: jax.Array, shift: int) -> jax.Array:
     """int32 key, monotone in the float32 value x (ties equal; -0.0 == +0.0), arithmetic-shifted right
     by `shift` (16 for bf16 inputs, whose low 16 bits are zero; 0 for float32)."""
-    x = x.astype(jnp.float32) + 0.0  # -0.0 -> +0.0
+    x = x.astype(jnp.float32)
+    x = jnp.where(x == 0.0, jnp.float32(0.0), x)  # -0.0 -> +0.0 (a select: `x + 0.0` may be folded away)
     bits = lax.bitcast_convert_type(x, jnp.int32)
     key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
     return key >> shift if shift else key
