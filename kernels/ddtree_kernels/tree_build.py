@@ -9,9 +9,11 @@ Two kernels, each beside its pure-jnp twin:
   tree_topk(values [R, C], k)      -> (values [R, k], positions [R, k]): the k largest of each row, descending,
                                       equal values -> lower position first (`lax.top_k`'s order; the
                                       candidates come in token-id order, so this is the heap's rank order).
-                                      One program per row: a radix search for the k-th largest value (8
-                                      passes over the row, 16 thresholds each), a compaction of the k
-                                      chosen entries, and their ranks by counting; no sort of the row.
+                                      One program per row, no sort of the row. k <= EXTRACT_MAX_K: the
+                                      row in registers, the k best extracted one at a time; larger k: a
+                                      radix search for the k-th largest value (8 passes over the row, 16
+                                      thresholds each), a compaction of the k chosen entries, and their
+                                      ranks by counting.
   tree_select(top_lp [B, L, K], budget)
                                    -> (level, rank, parent int32 [B, budget], logw float32 [B, budget]):
                                       the slots in pop order. One program per row runs the heap literally:
@@ -45,6 +47,10 @@ MAX_ROW = 16384  # candidates one top-K program searches (longer rows: prefilter
 _DIGIT_BITS = 4  # bits of the k-th largest key found per pass over the row
 _FANOUT = 1 << _DIGIT_BITS
 _BLOCK = 512  # row elements per load in a pass ([block, 16] comparisons)
+# k up to this: extract the k best one at a time (faster on an H200 at k = 16 and 64: 46 / 66 us against
+# 106 / 117 us for the search at V = 8192); beyond: the radix search (110 against 202 us at k = 256).
+# BENCHMARKS.md, "Tree construction"; 128 lies between the points measured.
+EXTRACT_MAX_K = 128
 _EMPTY = np.int32(np.iinfo(np.int32).min)  # below the key of every float, -inf included
 
 
@@ -71,6 +77,31 @@ def _iota(n: int) -> jax.Array:
 
 
 # --- kernel 1: top-K of a row -------------------------------------------------------------------------
+
+
+def _extract_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int, block: int, interpret: bool):
+    # values_ref:     f32 [C_pad]          one row of candidates (positions >= count are padding)
+    # out_values_ref: f32 [K_pad + block]  the k largest, descending (entries >= k unspecified)
+    # out_pos_ref:    i32 [K_pad + block]  their positions in the row
+    # Small k: the row in registers, the k best extracted one at a time (two reductions each).
+    del block, interpret
+    c_pad, k_pad = values_ref.shape[0], out_values_ref.shape[0]
+    pos = _iota(c_pad)
+    out = _iota(k_pad)
+    keys = jnp.where(pos < count, float_key(values_ref[...]), _EMPTY)
+
+    def extract(i, carry):
+        keys, best_keys, best_pos = carry
+        best = jnp.max(keys)
+        at = jnp.min(jnp.where(keys == best, pos, c_pad))  # equal values: the lowest position
+        best_keys = jnp.where(out == i, best, best_keys)
+        best_pos = jnp.where(out == i, at, best_pos)
+        return jnp.where(pos == at, _EMPTY, keys), best_keys, best_pos
+
+    init = (keys, jnp.full((k_pad,), _EMPTY, jnp.int32), jnp.zeros((k_pad,), jnp.int32))
+    _, best_keys, best_pos = lax.fori_loop(0, k, extract, init)
+    out_values_ref[...] = key_float(best_keys)
+    out_pos_ref[...] = best_pos
 
 
 def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int, block: int, interpret: bool):
@@ -150,7 +181,9 @@ def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int,
     plgpu.store(out_pos_ref.at[slot], pos)
 
 
-def _topk_warps(c_pad: int) -> int:
+def _topk_warps(c_pad: int, extract: bool) -> int:
+    if extract:  # the row in registers
+        return int(min(16, max(4, c_pad // 512)))
     return 4 if c_pad <= 1024 else 8
 
 
@@ -158,18 +191,22 @@ def _topk_warps(c_pad: int) -> int:
 def _tree_topk_jit(values, *, k: int, interpret: bool):
     rows, count = values.shape
     c_pad, k_pad = _next_pow2(count), _next_pow2(k)
+    extract = k <= EXTRACT_MAX_K
     block = min(c_pad, _BLOCK)
+    width = k_pad if extract else k_pad + block  # the search's compaction needs a scratch tail
     padded = jnp.pad(values.astype(jnp.float32), ((0, 0), (0, c_pad - count)))
     out_values, out_pos = pl.pallas_call(
-        functools.partial(_topk_kernel, k=k, count=count, block=block, interpret=interpret),
+        functools.partial(
+            _extract_kernel if extract else _topk_kernel, k=k, count=count, block=block, interpret=interpret
+        ),
         grid=(rows,),
         in_specs=[pl.BlockSpec((None, c_pad), lambda r: (r, 0))],
-        out_specs=[pl.BlockSpec((None, k_pad + block), lambda r: (r, 0))] * 2,
+        out_specs=[pl.BlockSpec((None, width), lambda r: (r, 0))] * 2,
         out_shape=[
-            jax.ShapeDtypeStruct((rows, k_pad + block), jnp.float32),
-            jax.ShapeDtypeStruct((rows, k_pad + block), jnp.int32),
+            jax.ShapeDtypeStruct((rows, width), jnp.float32),
+            jax.ShapeDtypeStruct((rows, width), jnp.int32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=_topk_warps(c_pad), num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=_topk_warps(c_pad, extract), num_stages=1),
         interpret=interpret,
         name="tree_topk",
     )(padded)

@@ -42,9 +42,21 @@ def test_float_key_is_monotone_and_inverted():
 
 @pytest.mark.parametrize(
     "rows,count,k,quantized",
-    [(3, 300, 17, False), (4, 64, 64, True), (2, 1000, 5, True), (5, 33, 1, False), (2, 2048, 128, True)],
+    [
+        (3, 300, 17, False),
+        (4, 64, 64, True),
+        (2, 1000, 5, True),
+        (5, 33, 1, False),
+        (2, 2048, 128, True),
+        # k > EXTRACT_MAX_K: the radix search, compaction and ranking
+        (2, 2048, 200, True),
+        (3, 700, 256, False),
+        (2, 300, 300, True),
+    ],
 )
-def test_topk_matches_lax_top_k(rows, count, k, quantized):
+def test_topk_matches_its_twin(rows, count, k, quantized):
+    """Both kernel paths (k <= EXTRACT_MAX_K: extraction; beyond: the radix search) against the two-key sort."""
+    assert tree_build.EXTRACT_MAX_K < 200  # the last three cases take the search path
     rng = np.random.default_rng(count + k)
     values = rng.standard_normal((rows, count)) * 3
     if quantized:  # many exact ties: the lower position must come first
