@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.common import device_description, markdown_table, time_calls, write_result
 from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs
-from ddtree_jax.tree.build import _kernel_top_k, build_tree_unchecked
+from ddtree_jax.tree.build import build_tree_unchecked, kernel_top_k
 from ddtree_jax.tree.compare import compare_to_reference
 from ddtree_jax.tree.synthetic import synthetic_draft_logits
 
@@ -55,7 +55,7 @@ def _builder_args(impl: str) -> dict:
 
 def _topk_stage(x, k, impl):
     if impl == "pallas":
-        return _kernel_top_k(x, k)[1]
+        return kernel_top_k(x, k)[1]
     return top_k_log_probs(x, k, impl=impl)[1]
 
 

@@ -84,7 +84,8 @@ def test_decode_plan_answers_what_runs_where():
             DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="gpu"
         )
     }
-    assert plan["tree top-k"] == "prefilter"
+    assert plan["tree builder"] == "pallas"  # the tree_build kernels on GPU
+    assert plan["tree top-k"] == "pallas after the prefilter"  # V = 163840 > the kernel's 16384-long rows
     assert plan["tree-forward attention"] == "xla"  # absorbed MLA
     assert plan["tree-forward MoE"] == "pallas"  # 33 rows x 8 experts > 16 assignments
     assert plan["rejection walk"] == "pallas"
@@ -95,4 +96,9 @@ def test_decode_plan_answers_what_runs_where():
     assert ar["tree-forward MoE"] == "gather" and "tree top-k" not in ar
     cpu = dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="cpu")
     assert {row.choice for row in cpu if row.stage in ("tree-forward attention", "rejection walk")} == {"xla"}
+    cpu_plan = {row.stage: row.choice for row in cpu}
+    assert cpu_plan["tree builder"] == "xla" and cpu_plan["tree top-k"] == "prefilter"
+    assert dispatch.tree_impl("auto", "gpu") == "pallas" and dispatch.tree_impl("xla", "gpu") == "xla"
+    with pytest.raises(ValueError, match="tree impl must be one of"):
+        dispatch.tree_impl("triton")
     assert set(METHODS) == {"ddtree", "chain", "ar"}

@@ -80,7 +80,7 @@ def _mask_dead_depths(draft_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(dead[..., None], jnp.zeros((), draft_logits.dtype), draft_logits), dead
 
 
-def _kernel_top_k(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def kernel_top_k(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Per-depth top-K by the `tree_topk` kernel: the whole row when it fits the kernel, else the
     prefilter's candidates (or `lax.top_k` when even those do not fit). [B, L, V] -> f32, int32 [B, L, K]."""
     batch, depth_limit, vocab = draft_logits.shape
@@ -111,7 +111,7 @@ def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: s
     if topk_impl == "vocab_parallel":  # the vocabulary split over the mesh's "model" axis (LM head under TP)
         lp, ids = sharded_top_k_log_probs(draft_logits, k)
     elif impl == "pallas" and topk_impl == "auto":
-        lp, ids = _kernel_top_k(draft_logits, k)
+        lp, ids = kernel_top_k(draft_logits, k)
     else:
         lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
     # -inf log-probs (masked tokens, dead depths) only ever give -inf log-weights: padding, never real
