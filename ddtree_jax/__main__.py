@@ -28,6 +28,10 @@ def _tree_command(args: argparse.Namespace) -> int:
 
     if args.logits:
         logits = np.load(args.logits)
+        if logits.ndim not in (2, 3):
+            raise UsageError(f"{args.logits} holds an array of shape {logits.shape}: need [L, V] or [B, L, V]")
+        if not np.issubdtype(logits.dtype, np.floating):
+            raise UsageError(f"{args.logits} holds {logits.dtype} values: draft logits must be float")
         if logits.ndim == 2:
             logits = logits[None]
         source = f"logits from {args.logits}"
@@ -39,7 +43,7 @@ def _tree_command(args: argparse.Namespace) -> int:
     logits = jnp.asarray(logits)
     batch, depth, vocab = logits.shape
     if not 0 <= args.row < batch:
-        raise SystemExit(f"error: --row {args.row} is out of range for {batch} rows")
+        raise UsageError(f"--row {args.row} is out of range for {batch} rows")
     start = time.perf_counter()
     tree = build_tree(logits, args.budget)
     jax.block_until_ready(tree)

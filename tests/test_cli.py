@@ -40,6 +40,14 @@ def test_tree_tool_reads_logits_and_reports_bad_input(tmp_path, capsys):
     assert "vocab V = 50" in capsys.readouterr().out
     assert main(["tree", "--logits", str(tmp_path / "l.npy"), "--budget", "0"]) == 2
     assert "error: budget must be an integer >= 1, got 0" in capsys.readouterr().err
+    np.save(tmp_path / "flat.npy", logits[0])  # 1-D: no depth axis
+    assert main(["tree", "--logits", str(tmp_path / "flat.npy"), "--budget", "5"]) == 2
+    assert "flat.npy holds an array of shape (50,): need [L, V] or [B, L, V]" in capsys.readouterr().err
+    np.save(tmp_path / "ints.npy", np.zeros((3, 50), np.int64))  # named as int64, not as the int32 of jnp
+    assert main(["tree", "--logits", str(tmp_path / "ints.npy"), "--budget", "5"]) == 2
+    assert "ints.npy holds int64 values: draft logits must be float" in capsys.readouterr().err
+    assert main(["tree", "--sharpness", "nan", "--budget", "5"]) == 2
+    assert "error: sharpness must be a finite number > 0, got nan" in capsys.readouterr().err
 
 
 def test_generate_random_tiny_methods_agree_greedily(capsys):

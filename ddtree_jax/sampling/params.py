@@ -46,6 +46,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a scalar or have shape [B] = ({batch},), got shape {arr.shape}")
             if dtype == np.int32 and not np.array_equal(arr, np.round(arr)):
                 raise ValueError(f"top_k must be integers, got {arr.tolist()}")
+            if dtype == np.int32 and (np.abs(arr) > np.iinfo(np.int32).max).any():
+                row = int(np.argmax(np.abs(arr) > np.iinfo(np.int32).max))
+                raise ValueError(f"top_k[{row}] = {int(arr[row])} does not fit int32 (0 or any k >= V turns top-k off)")
             return arr.astype(dtype)
 
         return cls(

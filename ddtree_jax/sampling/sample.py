@@ -20,6 +20,10 @@ def sample(logits: jax.Array, params: SamplingParams, keys: jax.Array) -> jax.Ar
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
+    if tuple(keys.shape) != (logits.shape[0],):
+        raise ValueError(
+            f"keys must be one typed PRNG key per row, shape [B] = ({logits.shape[0]},), got {tuple(keys.shape)}"
+        )
     probs = processed_probs(logits, params)
     coins = draw_coins(keys, ())
     token, has_mass = inverse_cdf(probs, coins)

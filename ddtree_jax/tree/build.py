@@ -32,6 +32,14 @@ from ddtree_kernels import tree_build
 from ddtree_kernels.tree_build import tree_select, tree_select_reference, tree_topk
 
 
+def _as_array(draft_logits):
+    """A list or other array-like as a numpy array (its own dtype kept for the checks: jnp.asarray would
+    turn int64 into int32 before the dtype error could name it)."""
+    return (
+        draft_logits if hasattr(draft_logits, "ndim") and hasattr(draft_logits, "dtype") else np.asarray(draft_logits)
+    )
+
+
 def _check_inputs(draft_logits, budget: int) -> None:
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
@@ -169,6 +177,7 @@ def build_tree(
     Returns:
       DraftTree with tokens/parents/depths/ranks int32 [B, N], logw float32 [B, N], num_nodes int32 [B].
     """
+    draft_logits = _as_array(draft_logits)
     _check_inputs(draft_logits, budget)
     draft_logits = jnp.asarray(draft_logits)
     if check_finite:
@@ -228,6 +237,7 @@ def build_chain(
     row stops above its first depth whose logits are all -inf (no candidates: padding after it), and a
     row with NaN/+inf logits is root-only under jit (eagerly, with check_finite, ValueError).
     """
+    draft_logits = _as_array(draft_logits)
     _check_inputs(draft_logits, 1)
     draft_logits = jnp.asarray(draft_logits)
     if check_finite:

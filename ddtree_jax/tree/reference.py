@@ -76,8 +76,12 @@ def build_tree_reference(draft_logits, budget: int, root_token: int | None = Non
     x = np.asarray(draft_logits)
     if x.ndim != 2:
         raise ValueError(f"draft_logits must have shape [L, V], got shape {x.shape}")
-    if not isinstance(budget, (int, np.integer)) or budget < 1:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if 0 in x.shape:
+        raise ValueError(f"draft_logits must be non-empty (L >= 1 depths, V >= 1 tokens), got shape {x.shape}")
+    if not (np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16"):
+        raise ValueError(f"draft_logits must be a float array, got {x.dtype}")
     x32 = x.astype(np.float32)
     if (np.isnan(x32) | (x32 == np.inf)).any():  # -inf is a valid logit: that token is never pushed
         bad = np.argwhere(np.isnan(x32) | (x32 == np.inf))[0]

@@ -8,6 +8,8 @@ per-position acceptance falls with position). Not a model of any particular draf
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -26,8 +28,10 @@ def synthetic_draft_logits(
     for name, value in (("batch", batch), ("depth", depth), ("vocab", vocab)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if sharpness <= 0 or not 0 < decay <= 1:
-        raise ValueError(f"need sharpness > 0 and 0 < decay <= 1, got sharpness={sharpness}, decay={decay}")
+    if not (math.isfinite(sharpness) and sharpness > 0):
+        raise ValueError(f"sharpness must be a finite number > 0, got {sharpness}")
+    if not (math.isfinite(decay) and 0 < decay <= 1):
+        raise ValueError(f"decay must be in (0, 1], got {decay}")
     alpha = sharpness * decay ** jnp.arange(depth, dtype=jnp.float32)  # [depth]
     ranked = -alpha[:, None] * jnp.log1p(jnp.arange(vocab, dtype=jnp.float32))[None, :]  # [depth, vocab]
     keys = jax.random.split(key, batch * depth)

@@ -21,6 +21,7 @@ def test_broadcast_and_fields():
         (dict(top_p=[1.0, 1.5]), r"top_p\[1\] = 1.5"),
         (dict(top_k=[-1, 0]), r"top_k\[0\] = -1"),
         (dict(top_k=[1.5, 0]), "top_k must be integers"),
+        (dict(top_k=[0, 2**31]), r"top_k\[1\] = 2147483648 does not fit int32"),  # not wrapped to -2^31
         (dict(min_p=[0.0, 1.0]), r"min_p\[1\] = 1.0"),
         (dict(min_p=[np.nan, 0.0]), r"min_p\[0\] = nan"),
         (dict(temperature=[1.0, 1.0, 1.0]), r"shape \[B\] = \(2,\)"),

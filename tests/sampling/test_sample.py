@@ -78,3 +78,9 @@ def test_sampler_rows_keys_greedy_and_invalid():
     assert len(set(sampled.tolist())) > 1 and set(sampled.tolist()) <= {0, 1, 2, 3}
     greedy = np.asarray(sample(rows(0), SamplingParams.create(64, temperature=0.0), many))
     assert (greedy == 1).all()  # argmax, lower id of the tie 1 / 2
+
+
+def test_sampler_wants_one_key_per_row():
+    keys = jax.random.split(jax.random.key(0), 2)
+    with pytest.raises(ValueError, match=r"one typed PRNG key per row, shape \[B\] = \(3,\), got \(2,\)"):
+        sample(jnp.zeros((3, 8)), SamplingParams.create(3), keys)

@@ -165,6 +165,17 @@ def test_validation_errors_name_the_bad_value():
             build_tree_reference(logits[0], 4)
     with pytest.raises(ValueError, match="budget"):
         build_tree_reference(good[0], 0)
+    with pytest.raises(ValueError, match="budget must be an integer >= 1, got True"):
+        build_tree_reference(good[0], True)
+    for empty in (np.zeros((0, 5), np.float32), np.zeros((3, 0), np.float32)):  # L = 0, V = 0
+        with pytest.raises(ValueError, match=r"non-empty .* got shape \((0, 5|3, 0)\)"):
+            build_tree_reference(empty, 4)
+    with pytest.raises(ValueError, match="float array .* got int64"):  # the caller's dtype, not jnp's int32
+        build_tree(np.zeros((1, 2, 8), np.int64), 4)
+    with pytest.raises(ValueError, match="float array, got int64"):
+        build_tree_reference(np.zeros((2, 8), np.int64), 4)
+    as_list = build_tree(good.tolist(), 4)  # a nested list is an array-like like any other
+    np.testing.assert_array_equal(np.asarray(as_list.tokens), np.asarray(build_tree(good, 4).tokens))
 
 
 def test_non_finite_row_under_jit_gives_root_only_tree():
