@@ -32,6 +32,7 @@ from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs
 from ddtree_jax.tree.build import build_tree_unchecked, kernel_top_k
 from ddtree_jax.tree.compare import compare_to_reference
 from ddtree_jax.tree.synthetic import synthetic_draft_logits
+from ddtree_kernels.tree_build import tree_select
 
 COPY_BW = 3.1e12  # bytes/s, measured XLA device-to-device copy on the H200 (performance_notes.md)
 
@@ -75,6 +76,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--cases", help="comma-separated BxBUDGET list, e.g. 1x64,32x64 (default: the full set)")
     parser.add_argument("--impls", default="pallas,prefilter,xla", help="variants to time (module docstring)")
+    parser.add_argument(
+        "--select-warps", default=None, help="also time the selection kernel alone at these warps, e.g. 1,2,4"
+    )
     parser.add_argument("--vocab", type=int, default=None, help="V (default 151936; 8192 = the embedded pair)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the prefilter chunk sweep")
     args = parser.parse_args()
@@ -150,6 +154,11 @@ def main() -> None:
         )
         print(f"  done B={batch} budget={budget}", flush=True)
     sweep = []
+    if args.select_warps:
+        for rec in records:
+            rec["select_warps_us"] = _select_warps_sweep(
+                rec["batch"], rec["budget"], depth, vocab, [int(w) for w in args.select_warps.split(",")], reps
+            )
     if not args.no_sweep:
         sweep = _chunk_sweep(depth, vocab, reps)
     header = [
@@ -173,6 +182,20 @@ def main() -> None:
     path = write_result(f"bench_tree_V{vocab}", {"cases": records, "chunk_sweep": sweep, "table": table}, args.commit)
     print(table)
     print(f"written {path}")
+
+
+def _select_warps_sweep(batch, budget, depth, vocab, warps, reps):
+    """The selection kernel alone (`tree_select` on the per-depth top-K of 8 different trees), per tree, at
+    each number of warps: {warps: median us}."""
+    k = min(budget, vocab)
+    stacked = jnp.stack(_inputs(batch, depth, vocab, jnp.bfloat16, 4) * 2)
+    top_lp = jax.jit(jax.vmap(lambda x: kernel_top_k(x, k)[0]))(stacked)  # [8, B, L, K]
+    out = {}
+    for w in warps:
+        fn = jax.jit(lambda lps, w=w: jax.lax.map(lambda lp: tree_select(lp, budget, num_warps=w)[3], lps))
+        out[w] = _per_tree_us(fn, top_lp, max(5, reps // 5))["median_us"]
+        print(f"  B={batch} budget={budget} tree_select at {w} warps: {out[w]:.1f} us", flush=True)
+    return out
 
 
 def _chunk_sweep(depth, vocab, reps):

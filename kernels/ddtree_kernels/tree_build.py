@@ -333,7 +333,8 @@ def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget:
         valid = best != _EMPTY
         tied = (f_key == best).astype(jnp.int32)
         at = jnp.min(jnp.where(tied > 0, fpos, f_pad))
-        at = lax.cond(jnp.sum(tied) > 1, lambda: tie_break(tied, at, f_meta, t_meta), lambda: at)
+        last = jnp.max(jnp.where(tied > 0, fpos, -1))  # independent of `at`: one reduction stage for both
+        at = lax.cond(last != at, lambda: tie_break(tied, at, f_meta, t_meta), lambda: at)
         logw = key_float(best)
         meta = pick(f_meta, at)
         parent_logw = jnp.sum(jnp.where(fpos == at, f_plogw, 0.0))
@@ -374,8 +375,8 @@ def _select_warps(budget: int) -> int:
     return 1 if budget < 128 else (2 if budget < 512 else 4)
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "interpret"))
-def _tree_select_jit(top_lp, *, budget: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps"))
+def _tree_select_jit(top_lp, *, budget: int, interpret: bool, num_warps: int | None = None):
     batch, depth_limit, k = top_lp.shape
     out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
     return pl.pallas_call(
@@ -385,7 +386,7 @@ def _tree_select_jit(top_lp, *, budget: int, interpret: bool):
         out_specs=[out_spec] * 4,
         out_shape=[jax.ShapeDtypeStruct((batch, budget), jnp.int32)] * 3
         + [jax.ShapeDtypeStruct((batch, budget), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=_select_warps(budget), num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or _select_warps(budget), num_stages=1),
         interpret=interpret,
         name="tree_select",
     )(top_lp.astype(jnp.float32))
@@ -401,14 +402,17 @@ def _check_select(top_lp, budget) -> None:
     _meta_bits(budget, top_lp.shape[2], top_lp.shape[1])
 
 
-def tree_select(top_lp: jax.Array, budget: int, *, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+def tree_select(
+    top_lp: jax.Array, budget: int, *, interpret: bool | None = None, num_warps: int | None = None
+) -> tuple[jax.Array, ...]:
     """The best-first selection of `budget` slots per row (module docstring).
 
     top_lp: float32 [B, L, K], each depth's top-K log-probabilities descending (-inf: no such token),
     K = min(budget, V). Returns (level, rank, parent) int32 [B, budget] and logw float32 [B, budget], the
-    slots 1..budget in pop order; padding slots have logw -inf."""
+    slots 1..budget in pop order; padding slots have logw -inf. num_warps: the program's warps (None: the
+    default for the budget; `benchmarks.bench_tree --select-warps` sweeps it)."""
     _check_select(top_lp, budget)
-    return _tree_select_jit(top_lp, budget=int(budget), interpret=default_interpret(interpret))
+    return _tree_select_jit(top_lp, budget=int(budget), interpret=default_interpret(interpret), num_warps=num_warps)
 
 
 # --- the twin: the parallel level-by-level selection ----------------------------------------------------

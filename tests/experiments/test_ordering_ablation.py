@@ -19,10 +19,6 @@ def _draw(rng, probs, n, prompt=0):
     return collections.Counter((prompt, int(i // probs.shape[1]), int(i % probs.shape[1])) for i in flat)
 
 
-def test_alpha_is_the_suites_false_positive_rate():
-    assert ab.ALPHA == ALPHA == 1e-3
-
-
 def test_homogeneity_accepts_equal_laws_and_rejects_different_ones():
     rng = np.random.default_rng(0)
     law = rng.dirichlet(np.full(36, 0.3)).reshape(6, 6)
