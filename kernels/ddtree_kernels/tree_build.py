@@ -372,7 +372,9 @@ def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget:
 
 
 def _select_warps(budget: int) -> int:
-    return 1 if budget < 128 else (2 if budget < 512 else 4)
+    # H200, V = 8192 (bench_tree --select-warps, BENCHMARKS.md): budget 64: 1 warp 50, 2: 53, 4: 56 us;
+    # budget 256: 1 warp 211, 2: 214, 4: 180 us
+    return 1 if budget < 128 else 4
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps"))
