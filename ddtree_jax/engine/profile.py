@@ -128,38 +128,18 @@ def stage_times(
     *,
     method: str = "ddtree",
     budget: int = 32,
-    block_size: int | None = None,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    seed: int = 0,
     options: DecodeOptions = DecodeOptions(),
-    warmup_steps: int = 1,
     repeats: int = 5,
+    **request,
 ) -> dict[str, float]:
     """Median seconds of each stage of one decode step, of the fused step, and the stages' shares of their sum.
 
-    prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). max_new_tokens
-    sizes the caches as generation would (attention spans the whole cache). Keys: STAGES, "step",
-    "stages_sum", "<stage>_share", "non_forward_share" (module docstring, `add_shares`). The request is checked (`check_request`).
+    prompt_ids: one prompt (a list of ids) or a batch of prompts (rows of one step). request: the rest of
+    `warm_step`'s keywords (block_size, max_new_tokens, which sizes the caches as generation would, the
+    sampling settings, seed, warmup_steps). Keys: STAGES, "step", "stages_sum", "<stage>_share",
+    "non_forward_share" (module docstring, `add_shares`). The request is checked (`check_request`).
     """
-    step, step_args, block = warm_step(
-        pair,
-        prompt_ids,
-        method=method,
-        budget=budget,
-        block_size=block_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seed=seed,
-        options=options,
-        warmup_steps=warmup_steps,
-    )
+    step, step_args, block = warm_step(pair, prompt_ids, method=method, budget=budget, options=options, **request)
     params, drafter, state, sampling, keys, stop, max_new = step_args
     config = pair.target_config
     _, step_s = _measure(step, (params, drafter, state, sampling, keys, stop, max_new), repeats)
