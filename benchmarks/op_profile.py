@@ -8,6 +8,12 @@ time, each {"op", "module", "us_per_run", "events_per_run"}: where a program's d
 kernel, which a wall-clock median cannot say. Pallas kernels appear under their custom call's op name.
 
 `format_op_table(rows, top)` prints the largest rows with each one's share of the total.
+
+`device_timeline(fn, *args, runs=1)` reads the same trace as a timeline: every device event (start, duration,
+op) in order, and `timeline_gaps(events)` sums where the device sat idle between them: busy and idle time over
+the span and the largest idle gaps grouped by the (op before, op after) pair. Inside a compiled
+`while_loop` the idle time is what the host adds (each iteration's predicate read back, launches outside any
+CUDA graph), which the summed device time of `op_times` cannot show.
 """
 
 from __future__ import annotations
@@ -32,13 +38,15 @@ def _device_planes(profile) -> list:
     return planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]
 
 
-def op_times(fn, *args, runs: int = 5) -> list[dict]:
-    """Per-op device time of fn(*args) (module docstring); fn is called runs + 1 times."""
+def _traced_events(fn, args: tuple, runs: int) -> list[dict]:
+    """Every device event carrying an `hlo_op` stat while fn(*args) ran `runs` times (after one untraced call
+    that compiles): {"op", "module", "start_ns", "duration_ns"}."""
     from jax.profiler import ProfileData
 
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     jax.block_until_ready(fn(*args))  # compile outside the trace
+    events = []
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(runs):
@@ -47,9 +55,6 @@ def op_times(fn, *args, runs: int = 5) -> list[dict]:
         if not paths:
             raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
         profile = ProfileData.from_file(paths[0])
-        total_ns = collections.Counter()
-        count = collections.Counter()
-        module = {}
         for plane in _device_planes(profile):
             for line in plane.lines:
                 for event in line.events:
@@ -57,9 +62,27 @@ def op_times(fn, *args, runs: int = 5) -> list[dict]:
                     op = stats.get("hlo_op")
                     if op is None:
                         continue
-                    total_ns[op] += event.duration_ns
-                    count[op] += 1
-                    module.setdefault(op, stats.get("hlo_module", "?"))
+                    events.append(
+                        {
+                            "op": op,
+                            "module": stats.get("hlo_module", "?"),
+                            "start_ns": event.start_ns,
+                            "duration_ns": event.duration_ns,
+                        }
+                    )
+    return events
+
+
+def op_times(fn, *args, runs: int = 5) -> list[dict]:
+    """Per-op device time of fn(*args) (module docstring); fn is called runs + 1 times."""
+    total_ns = collections.Counter()
+    count = collections.Counter()
+    module = {}
+    for event in _traced_events(fn, args, runs):
+        op = event["op"]
+        total_ns[op] += event["duration_ns"]
+        count[op] += 1
+        module.setdefault(op, event["module"])
     rows = [
         {"op": op, "module": module[op], "us_per_run": total_ns[op] / 1e3 / runs, "events_per_run": count[op] / runs}
         for op in total_ns
@@ -77,3 +100,47 @@ def format_op_table(rows: list[dict], top: int = 12) -> str:
             f"{r['op'][:70]}"
         )
     return "\n".join(lines)
+
+
+def device_timeline(fn, *args, runs: int = 1) -> list[dict]:
+    """The device events of fn(*args) called `runs` times (after one compiling call), sorted by start:
+    {"op", "module", "start_ns", "duration_ns"} (module docstring)."""
+    return sorted(_traced_events(fn, args, runs), key=lambda e: e["start_ns"])
+
+
+def timeline_gaps(events: list[dict], *, min_gap_ns: int = 0, max_gap_ns: int | None = None) -> dict:
+    """Busy and idle time of a sorted device timeline (overlapping events merged), and the idle gaps
+    grouped by the ops on either side: {"span_ns", "busy_ns", "idle_ns", "events", "gaps": [{"before",
+    "after", "count", "total_ns"}] largest first}. Gaps shorter than min_gap_ns count as idle but are not
+    grouped; gaps longer than max_gap_ns (e.g. between two calls) are left out of idle and of the groups."""
+    if not events:
+        return {"span_ns": 0, "busy_ns": 0, "idle_ns": 0, "events": 0, "gaps": []}
+    busy = idle = 0
+    groups = collections.defaultdict(lambda: [0, 0])
+    end = events[0]["start_ns"]
+    last_op = None
+    first = events[0]["start_ns"]
+    skipped = 0
+    for event in events:
+        start, stop = event["start_ns"], event["start_ns"] + event["duration_ns"]
+        if start > end and last_op is not None:
+            gap = start - end
+            if max_gap_ns is not None and gap > max_gap_ns:
+                skipped += gap
+            else:
+                idle += gap
+                if gap >= min_gap_ns:
+                    group = groups[(last_op, event["op"])]
+                    group[0] += 1
+                    group[1] += gap
+        busy += max(0, stop - max(start, end))
+        if stop >= end:
+            end, last_op = stop, event["op"]
+    gaps = [{"before": b, "after": a, "count": c, "total_ns": t} for (b, a), (c, t) in groups.items()]
+    return {
+        "span_ns": end - first - skipped,
+        "busy_ns": busy,
+        "idle_ns": idle,
+        "events": len(events),
+        "gaps": sorted(gaps, key=lambda g: -g["total_ns"]),
+    }

@@ -13,8 +13,16 @@ append), profiles `runs` steps with `benchmarks.op_profile.op_times`, and report
 The state advances every repetition (each run feeds the previous step's output), so no loop-invariant
 work is hoisted and every step is a real one.
 
+`--loop` profiles the whole generation instead (`engine.generate`, its on-device while_loop, as the
+end-to-end benchmark runs it) and reads the trace as a timeline (`op_profile.timeline_gaps`): per decode
+step the span, the device's busy and idle time and the launches, and the idle gaps grouped by the ops on
+either side. A step called from the host pays ~1.4 ms of dispatch, so the single-step mode reports device
+time only; inside the loop the idle time is real and belongs to the step (the predicate read back each
+iteration, work outside any CUDA graph).
+
     PYTHONPATH=.:kernels python -m benchmarks.step_ops --methods ar chain ddtree --budgets 16 64 \\
         --temperature 0 --out $OUT --commit $(git rev-parse --short HEAD)
+    PYTHONPATH=.:kernels python -m benchmarks.step_ops --loop --max-new 128 ...
 """
 
 from __future__ import annotations
@@ -23,13 +31,15 @@ import argparse
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_e2e import PROMPTS, load_prompt_ids
 from benchmarks.common import write_result
-from benchmarks.op_profile import format_op_table, op_times
+from benchmarks.op_profile import device_timeline, format_op_table, op_times, timeline_gaps
+from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.profile import warm_step
-from ddtree_jax.engine.run import load_pair
+from ddtree_jax.engine.run import load_pair, request_args, resolve_block_size
 from ddtree_jax.options import DecodeOptions
 
 
@@ -60,6 +70,60 @@ def profile_step(pair, prompt_ids, *, method: str, budget: int, runs: int, optio
     }
 
 
+def profile_loop(pair, prompt_ids, *, method: str, budget: int, runs: int, options: DecodeOptions, **request):
+    """The whole generation's timeline per decode step: {"steps", "span_us", "busy_us", "idle_us",
+    "launches", "gaps", "ops"} (per-step means over `runs` generations; span, busy, idle and launches net of
+    the same program at max_new = 1, the prefill; gaps and ops include it; module docstring)."""
+    block = resolve_block_size(pair, method, None)
+    args = request_args(pair, [prompt_ids], **request)
+    static = dict(
+        max_new_tokens=request["max_new_tokens"], method=method, budget=budget, block_size=block, options=options
+    )
+    compiled = generate.lower(*args, **static).compile()
+    run_args = args[1:]
+    result = compiled(*run_args)
+    steps = int(np.asarray(result.steps)[0])
+    events = device_timeline(compiled, *run_args, runs=runs)
+    # one generation's events are contiguous; the gaps between the runs (host calls) are left out
+    summary = timeline_gaps(events, min_gap_ns=1000, max_gap_ns=5_000_000)
+    # the same program at max_new = 1 (prefill and first token, no decode step), subtracted
+    prefill_args = run_args[:-1] + (jnp.ones_like(run_args[-1]),)
+    prefill = timeline_gaps(device_timeline(compiled, *prefill_args, runs=runs), max_gap_ns=5_000_000)
+    for key in ("span_ns", "busy_ns", "idle_ns", "events"):
+        summary[key] -= prefill[key]
+    per = 1e-3 / (runs * max(steps, 1))
+    totals, counts = {}, {}
+    for e in events:
+        totals[e["op"]] = totals.get(e["op"], 0) + e["duration_ns"]
+        counts[e["op"]] = counts.get(e["op"], 0) + 1
+    ops = sorted(
+        (
+            {"op": op, "us_per_run": t * per, "events_per_run": counts[op] / (runs * max(steps, 1))}
+            for op, t in totals.items()
+        ),
+        key=lambda r: -r["us_per_run"],
+    )
+    return {
+        "steps": steps,
+        "span_us": summary["span_ns"] * per,
+        "busy_us": summary["busy_ns"] * per,
+        "idle_us": summary["idle_ns"] * per,
+        "launches": summary["events"] / (runs * max(steps, 1)),
+        "gaps": [
+            {**g, "us_per_step": g["total_ns"] * per, "per_step": g["count"] / (runs * max(steps, 1))}
+            for g in summary["gaps"][:30]
+        ],
+        "ops": ops,
+    }
+
+
+def format_gaps(gaps: list[dict], top: int) -> str:
+    lines = ["  idle gaps >= 1 us, by the ops on either side (us per step, count per step):"]
+    for g in gaps[:top]:
+        lines.append(f"  {g['us_per_step']:9.1f} us  x{g['per_step']:<5.1f} {g['before'][:45]} -> {g['after'][:45]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="checkpoints/embedded/target")
@@ -72,6 +136,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--loop", action="store_true", help="profile the whole generation (its while_loop)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args(argv)
@@ -82,10 +147,28 @@ def main(argv=None) -> None:
     results = []
     for method in args.methods:
         for budget in args.budgets if method == "ddtree" else [0]:
+            label = f"{method}" + (f" {budget}" if method == "ddtree" else "")
+            if args.loop:
+                res = profile_loop(
+                    pair,
+                    prompt,
+                    method=method,
+                    budget=max(budget, 1),
+                    runs=args.runs,
+                    options=DecodeOptions(),
+                    **request,
+                )
+                print(
+                    f"\n{label}: {res['steps']} steps; per step: span {res['span_us']:.1f} us, busy "
+                    f"{res['busy_us']:.1f} us, idle {res['idle_us']:.1f} us, {res['launches']:.1f} launches"
+                )
+                print(format_gaps(res["gaps"], args.top))
+                print(format_op_table(res["ops"], top=args.top))
+                results.append({"method": method, "budget": budget or None, **res, "ops": res["ops"][:40]})
+                continue
             res = profile_step(
                 pair, prompt, method=method, budget=max(budget, 1), runs=args.runs, options=DecodeOptions(), **request
             )
-            label = f"{method}" + (f" {budget}" if method == "ddtree" else "")
             print(
                 f"\n{label}: {res['launches']:.0f} launches/step, device {res['device_us']:.1f} us, "
                 f"wall {res['wall_us']:.1f} us, gaps {res['wall_us'] - res['device_us']:.1f} us"
@@ -94,7 +177,7 @@ def main(argv=None) -> None:
             results.append({"method": method, "budget": budget or None, **res, "ops": res["ops"][:40]})
     if args.out:
         path = write_result(
-            f"step_ops_T{args.temperature:g}_{args.commit}",
+            f"step_{'loop' if args.loop else 'ops'}_T{args.temperature:g}_{args.commit}",
             {"settings": vars(args), "results": results},
             args.commit,
             args.out,
