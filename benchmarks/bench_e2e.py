@@ -161,31 +161,38 @@ def main(argv=None) -> int:
     parser.add_argument("--commit", default="unknown", help="the commit measured (recorded in the JSON)")
     parser.add_argument("--pair", default=PAIR_DIR, help="directory holding target/ and drafter/ (default: embedded)")
     parser.add_argument("--prompts", default=PROMPTS, help="prompts JSON (default: the 16 held-out prompts)")
-    parser.add_argument("--budgets", default="16,32,64,128,256", help="DDTree budgets (default 16,32,64,128,256)")
+    parser.add_argument("--budgets", default=None, help="DDTree budgets (default 16,32,64,128,256; --quick: 16,64)")
+    parser.add_argument("--methods", default="ar,chain,ddtree", help="columns (default ar,chain,ddtree)")
+    parser.add_argument(
+        "--steps-per-iteration", type=int, default=1, help="DecodeOptions.steps_per_iteration (default 1)"
+    )
     parser.add_argument("--max-new", type=int, default=256, help="new tokens per prompt (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt (default 3; medians)")
     parser.add_argument("--settings", default="T0,T1", help="T0 (greedy) and / or T1 (T = 1, top-p 0.95)")
     parser.add_argument("--quick", action="store_true", help="4 prompts, budgets 16 and 64, 64 new tokens, 1 repeat")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = [int(b) for b in (args.budgets or ("16,64" if args.quick else "16,32,64,128,256")).split(",")]
+    methods = tuple(args.methods.split(","))
     names = args.settings.split(",")
     bad = [n for n in names if n not in SETTINGS]
-    if bad or any(b < 1 for b in budgets) or args.max_new < 2 or args.repeats < 1:
+    bad_methods = [m for m in methods if m not in ("ar", "chain", "ddtree")]
+    if bad or bad_methods or any(b < 1 for b in budgets) or args.max_new < 2 or args.repeats < 1:
         raise SystemExit(
-            f"error: --settings from {sorted(SETTINGS)}, budgets >= 1, --max-new >= 2, --repeats >= 1 "
-            f"(got {args.settings}, {args.budgets}, {args.max_new}, {args.repeats})"
+            f"error: --settings from {sorted(SETTINGS)}, --methods from ar,chain,ddtree, budgets >= 1, "
+            f"--max-new >= 2, --repeats >= 1 (got {args.settings}, {args.methods}, {budgets}, {args.max_new}, "
+            f"{args.repeats})"
         )
     prompt_ids = load_prompt_ids(args.prompts)
     if args.quick:
-        prompt_ids, budgets, args.max_new, args.repeats = prompt_ids[:4], [16, 64], 64, 1
+        prompt_ids, args.max_new, args.repeats = prompt_ids[:4], 64, 1
     pair = load_pair(os.path.join(args.pair, "target"), os.path.join(args.pair, "drafter"))
     print(
         f"device: {device_description()}; commit {args.commit}; {len(prompt_ids)} prompts of "
         f"{len(prompt_ids[0])} tokens, {args.max_new} new",
         flush=True,
     )
-    options = DecodeOptions()
+    options = DecodeOptions(steps_per_iteration=args.steps_per_iteration)
     written = []
     for name in names:
         setting = SETTINGS[name]
@@ -198,6 +205,7 @@ def main(argv=None) -> int:
             setting=setting,
             repeats=args.repeats,
             options=options,
+            methods=methods,
         )
         payload = {
             "device": {
@@ -213,6 +221,8 @@ def main(argv=None) -> int:
                 "prompts": os.path.relpath(args.prompts, ROOT) if args.prompts.startswith(ROOT) else args.prompts,
                 "num_prompts": len(prompt_ids),
                 "prefill": "excluded, reported apart",
+                "steps_per_iteration": args.steps_per_iteration,
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 **setting,
             },
             "results": rows,

@@ -28,6 +28,7 @@ iteration, work outside any CUDA graph).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -70,7 +71,9 @@ def profile_step(pair, prompt_ids, *, method: str, budget: int, runs: int, optio
     }
 
 
-def profile_loop(pair, prompt_ids, *, method: str, budget: int, runs: int, options: DecodeOptions, **request):
+def profile_loop(
+    pair, prompt_ids, *, method: str, budget: int, runs: int, options: DecodeOptions, hlo_path=None, **request
+):
     """The whole generation's timeline per decode step: {"steps", "span_us", "busy_us", "idle_us",
     "launches", "gaps", "ops"} (per-step means over `runs` generations; span, busy, idle and launches net of
     the same program at max_new = 1, the prefill; gaps and ops include it; module docstring)."""
@@ -80,6 +83,9 @@ def profile_loop(pair, prompt_ids, *, method: str, budget: int, runs: int, optio
         max_new_tokens=request["max_new_tokens"], method=method, budget=budget, block_size=block, options=options
     )
     compiled = generate.lower(*args, **static).compile()
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(compiled.as_text())
     run_args = args[1:]
     result = compiled(*run_args)
     steps = int(np.asarray(result.steps)[0])
@@ -137,6 +143,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--loop", action="store_true", help="profile the whole generation (its while_loop)")
+    parser.add_argument("--hlo-dir", default=None, help="with --loop: write each program's optimized HLO here")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args(argv)
@@ -149,6 +156,10 @@ def main(argv=None) -> None:
         for budget in args.budgets if method == "ddtree" else [0]:
             label = f"{method}" + (f" {budget}" if method == "ddtree" else "")
             if args.loop:
+                hlo_path = None
+                if args.hlo_dir:
+                    os.makedirs(args.hlo_dir, exist_ok=True)
+                    hlo_path = os.path.join(args.hlo_dir, f"generate_{label.replace(' ', '_')}.hlo.txt")
                 res = profile_loop(
                     pair,
                     prompt,
@@ -156,6 +167,7 @@ def main(argv=None) -> None:
                     budget=max(budget, 1),
                     runs=args.runs,
                     options=DecodeOptions(),
+                    hlo_path=hlo_path,
                     **request,
                 )
                 print(
@@ -164,7 +176,7 @@ def main(argv=None) -> None:
                 )
                 print(format_gaps(res["gaps"], args.top))
                 print(format_op_table(res["ops"], top=args.top))
-                results.append({"method": method, "budget": budget or None, **res, "ops": res["ops"][:40]})
+                results.append({"method": method, "budget": budget or None, **res})
                 continue
             res = profile_step(
                 pair, prompt, method=method, budget=max(budget, 1), runs=args.runs, options=DecodeOptions(), **request

@@ -41,6 +41,10 @@ class DecodeOptions:
       verifier: one of VERIFIERS.
       threshold_acc, threshold_single: the walk's acceptance thresholds in [0, 1]; 1.0 / 1.0 is exact, lower
         values are a LOSSY mode (biased, sibling-order dependent) kept for ablations.
+      steps_per_iteration: decode steps per iteration of `generate`'s while_loop (an int >= 1). On a GPU each
+        iteration costs a host round trip (the loop predicate read back, the next CUDA graph launched); k
+        steps per iteration pay it once per k steps, and the steps run after every row is done (at most
+        k - 1 at the end) change nothing but cost time. Outputs are identical for every k.
     Every "auto" is resolved by `ddtree_jax.dispatch` (see `dispatch.decode_plan`).
     """
 
@@ -55,6 +59,7 @@ class DecodeOptions:
     verifier: str = "sampling"
     threshold_acc: float = 1.0
     threshold_single: float = 1.0
+    steps_per_iteration: int = 1
 
     def __post_init__(self):
         for name, allowed in (
@@ -75,6 +80,9 @@ class DecodeOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"DecodeOptions.{name} must be a number in [0, 1], got {value!r}")
+        steps = self.steps_per_iteration
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"DecodeOptions.steps_per_iteration must be an int >= 1, got {steps!r}")
         if self.verifier == "sample_then_walk" and (self.threshold_acc, self.threshold_single) != (1.0, 1.0):
             raise ValueError(
                 "DecodeOptions: the sample-then-walk verifier has no lossy thresholds; "

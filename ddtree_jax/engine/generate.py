@@ -185,8 +185,7 @@ def _decode_loop(
         s, _ = carry
         return ~jnp.all(s.done) & (s.step < max_new_tokens)
 
-    def body(carry):
-        s, rec = carry
+    def one_step(s, rec):
         new, trace = traced_decode_step(
             target_config,
             target_params,
@@ -202,8 +201,21 @@ def _decode_loop(
             options=options,
         )
         if recorder is not None:
-            rec = {name: rec[name].at[s.step].set(value) for name, value in recorder(trace, sampling).items()}
+            # a step after every row is done (steps_per_iteration > 1) records nothing
+            live = jnp.any(trace.active)
+            rec = {
+                name: rec[name].at[s.step].set(jnp.where(live, value, rec[name][s.step]), mode="drop")
+                for name, value in recorder(trace, sampling).items()
+            }
         return new, rec
+
+    def body(carry):
+        # steps_per_iteration steps per host round trip; a finished row is frozen by the step itself
+        # (active = ~done), so the steps past the last row's end change no output
+        s, rec = carry
+        for _ in range(options.steps_per_iteration):
+            s, rec = one_step(s, rec)
+        return s, rec
 
     del batch
     return jax.lax.while_loop(cond, body, (state, records))

@@ -372,3 +372,37 @@ def test_moe_impl_needs_an_moe_target():
             method="ar",
             options=DecodeOptions(moe_impl="ep"),
         )
+
+
+def _num_accepted(trace, sampling):
+    return {"num_accepted": jnp.where(trace.active, trace.result.num_accepted, -1)}
+
+
+@pytest.mark.parametrize("method", ["ddtree", "ar"])
+def test_several_steps_per_loop_iteration_change_nothing(method):
+    """DecodeOptions(steps_per_iteration=k): the same tokens, steps, acceptance and per-step records as one
+    step per iteration, rows of different lengths finishing at different steps (T = 1, so the step keys
+    must line up too); k = 3 does not divide the number of steps, so steps run after every row is done."""
+    from ddtree_jax.engine.generate import generate_recorded
+
+    batch = PROMPTS.shape[0]
+    args = (
+        TARGET,
+        T_PARAMS,
+        DFLASH if method != "ar" else None,
+        jnp.asarray(PROMPTS),
+        jnp.asarray(LENGTHS),
+        SamplingParams.create(batch, temperature=1.0),
+        row_keys(jax.random.key(7), jnp.arange(batch)),
+        jnp.full((batch, 1), -1, jnp.int32),
+        jnp.array([9, 4, 7], jnp.int32),
+    )
+    static = dict(recorder=_num_accepted, max_new_tokens=9, method=method, budget=6, block_size=5)
+    runs = {k: generate_recorded(*args, **static, options=DecodeOptions(steps_per_iteration=k)) for k in (1, 3)}
+    (one, rec_one), (three, rec_three) = runs[1], runs[3]
+    for field in ("tokens", "num_generated", "steps", "accepted"):
+        np.testing.assert_array_equal(np.asarray(getattr(three, field)), np.asarray(getattr(one, field)), err_msg=field)
+    np.testing.assert_array_equal(np.asarray(rec_three["num_accepted"]), np.asarray(rec_one["num_accepted"]))
+    assert int(np.asarray(one.steps).max()) % 3 != 0  # the last iteration ran steps past the end
+    with pytest.raises(ValueError, match="steps_per_iteration must be an int >= 1, got 0"):
+        DecodeOptions(steps_per_iteration=0)
