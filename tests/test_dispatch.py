@@ -102,3 +102,20 @@ def test_decode_plan_answers_what_runs_where():
     with pytest.raises(ValueError, match="tree impl must be one of"):
         dispatch.tree_impl("triton")
     assert set(METHODS) == {"ddtree", "chain", "ar"}
+
+
+def test_the_generation_loop_is_one_cuda_graph_unless_xla_flags_say_otherwise():
+    options = dispatch.loop_compiler_options(xla_flags="")
+    captured = options["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUSTOM_CALL"} <= set(captured)
+    assert dispatch.loop_compiler_options(xla_flags="--xla_gpu_enable_command_buffer=") == {}
+    assert dispatch.loop_compiler_options(xla_flags="--xla_dump_to=/tmp/x") == options
+    k26 = parse_config(_json("configs/kimi_k2_6.json"))
+    gpu = {
+        row.stage: row
+        for row in dispatch.decode_plan(
+            DecodeOptions(steps_per_iteration=2), k26, method="ar", budget=1, block_size=16, backend_name="gpu"
+        )
+    }
+    assert gpu["generation loop"].choice in ("one CUDA graph", "XLA_FLAGS' command buffers")
+    assert gpu["generation loop"].why.startswith("2 step(s) per iteration")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import dispatch
 from ddtree_jax.engine.step import DecodeState, StepTrace, steps_per_token, traced_decode_step
 from ddtree_jax.models import target_module
 from ddtree_jax.options import DecodeOptions, check_method
@@ -324,7 +325,7 @@ def _checked(jitted):
 
 
 @_checked
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC, compiler_options=dispatch.loop_compiler_options())
 def generate(
     target_config,
     target_params,
@@ -379,7 +380,7 @@ def generate(
 
 
 @_checked
-@functools.partial(jax.jit, static_argnames=_STATIC + ("recorder",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("recorder",), compiler_options=dispatch.loop_compiler_options())
 def generate_recorded(
     target_config,
     target_params,
