@@ -18,7 +18,10 @@ end-to-end benchmark runs it) and reads the trace as a timeline (`op_profile.tim
 step the span, the device's busy and idle time and the launches, and the idle gaps grouped by the ops on
 either side. A step called from the host pays ~1.4 ms of dispatch, so the single-step mode reports device
 time only; inside the loop the idle time is real and belongs to the step (the predicate read back each
-iteration, work outside any CUDA graph).
+iteration, work outside any CUDA graph). Each op is also attributed to its decode-step stage (the
+`ddtree_<stage>` named scopes of `engine.step`, read from the optimized HLO's op_name metadata); with
+command buffers on, a CUDA graph is one op, so run with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` for the
+per-stage table (a per-kernel launch then adds its own gaps: read device time, not span).
 
     PYTHONPATH=.:kernels python -m benchmarks.step_ops --methods ar chain ddtree --budgets 16 64 \\
         --temperature 0 --out $OUT --commit $(git rev-parse --short HEAD)
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 
 import jax
@@ -71,6 +75,33 @@ def profile_step(pair, prompt_ids, *, method: str, budget: int, runs: int, optio
     }
 
 
+STAGE_SCOPES = ("append", "draft", "tree_forward", "tree", "walk", "commit", "emit")  # engine.step's scopes
+_STAGE_RE = re.compile(r"ddtree_(" + "|".join(STAGE_SCOPES) + r")\b")
+_INSTR_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name="([^"]*)"', re.MULTILINE)
+
+
+def op_stages(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the decode-step stage whose named scope (`engine.step`, "ddtree_<stage>")
+    its op_name metadata carries; instructions outside every stage are left out."""
+    stages = {}
+    for name, op_name in _INSTR_RE.findall(hlo_text):
+        match = _STAGE_RE.search(op_name)
+        if match:
+            stages[name] = match.group(1)
+    return stages
+
+
+def stage_table(ops: list[dict], stages: dict[str, str]) -> dict[str, dict]:
+    """Per stage: {"us", "launches"} summed over `ops` rows (per step), "other" for ops of no stage."""
+    table = {}
+    for row in ops:
+        stage = stages.get(row["op"], "other")
+        entry = table.setdefault(stage, {"us": 0.0, "launches": 0.0})
+        entry["us"] += row["us_per_run"]
+        entry["launches"] += row["events_per_run"]
+    return table
+
+
 def profile_loop(
     pair, prompt_ids, *, method: str, budget: int, runs: int, options: DecodeOptions, hlo_path=None, **request
 ):
@@ -83,9 +114,10 @@ def profile_loop(
         max_new_tokens=request["max_new_tokens"], method=method, budget=budget, block_size=block, options=options
     )
     compiled = generate.lower(*args, **static).compile()
+    hlo_text = compiled.as_text()
     if hlo_path:
         with open(hlo_path, "w") as f:
-            f.write(compiled.as_text())
+            f.write(hlo_text)
     run_args = args[1:]
     result = compiled(*run_args)
     steps = int(np.asarray(result.steps)[0])
@@ -120,7 +152,16 @@ def profile_loop(
             for g in summary["gaps"][:30]
         ],
         "ops": ops,
+        "stages": stage_table(ops, op_stages(hlo_text)),
     }
+
+
+def format_stages(stages: dict[str, dict]) -> str:
+    lines = ["  by stage (us per step, launches per step; prefill and loop control under 'other'):"]
+    for stage in (*STAGE_SCOPES, "other"):
+        if stage in stages:
+            lines.append(f"  {stage:>13} {stages[stage]['us']:9.1f} us  x{stages[stage]['launches']:.1f}")
+    return "\n".join(lines)
 
 
 def format_gaps(gaps: list[dict], top: int) -> str:
@@ -174,6 +215,7 @@ def main(argv=None) -> None:
                     f"\n{label}: {res['steps']} steps; per step: span {res['span_us']:.1f} us, busy "
                     f"{res['busy_us']:.1f} us, idle {res['idle_us']:.1f} us, {res['launches']:.1f} launches"
                 )
+                print(format_stages(res["stages"]))
                 print(format_gaps(res["gaps"], args.top))
                 print(format_op_table(res["ops"], top=args.top))
                 results.append({"method": method, "budget": budget or None, **res})

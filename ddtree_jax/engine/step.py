@@ -249,20 +249,29 @@ def traced_decode_step(
     """Advances every active row by one speculative step (see the module docstring): the stages above, in
     order. Returns (the next state, the step's trace)."""
     active = ~state.done
-    draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
-    draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
-    tree = tree_stage(
-        draft_logits,
-        state.bonus,
-        method=method,
-        budget=budget,
-        topk_impl=options.topk_impl,
-        tree_impl=options.tree_impl,
-    )
-    logits, tapped, cache = tree_forward_stage(target_config, target_params, state.target_cache, tree, options)
-    result = walk_stage(tree, logits, sampling, keys, state.step, options)
-    cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
-    output, num_generated, steps, accepted, done, bonus = emit_stage(state, result, stop_tokens, max_new)
+    # each stage under a named scope ("ddtree_<stage>"): a profile's ops map back to their stage through the
+    # optimized HLO's op_name metadata (benchmarks/step_ops.py)
+    with jax.named_scope("ddtree_append"):
+        draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
+    with jax.named_scope("ddtree_draft"):
+        draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
+    with jax.named_scope("ddtree_tree"):
+        tree = tree_stage(
+            draft_logits,
+            state.bonus,
+            method=method,
+            budget=budget,
+            topk_impl=options.topk_impl,
+            tree_impl=options.tree_impl,
+        )
+    with jax.named_scope("ddtree_tree_forward"):
+        logits, tapped, cache = tree_forward_stage(target_config, target_params, state.target_cache, tree, options)
+    with jax.named_scope("ddtree_walk"):
+        result = walk_stage(tree, logits, sampling, keys, state.step, options)
+    with jax.named_scope("ddtree_commit"):
+        cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
+    with jax.named_scope("ddtree_emit"):
+        output, num_generated, steps, accepted, done, bonus = emit_stage(state, result, stop_tokens, max_new)
     new_state = DecodeState(
         target_cache=cache,
         draft_state=draft_state,
