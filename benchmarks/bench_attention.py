@@ -4,7 +4,8 @@ Cases: contexts 1k..128k, N = 9, 17, 65 tree queries, B = 1 and 8, for
   mla64: absorbed MLA on one GPU: 64 query heads, one shared KV head, scores over latent 512 + rope 64,
          values the 512-dim latent (the two key parts passed separately, as deepseek_v3 does);
   mla8:  the same with 8 query heads (one shard of TP8);
-  gqa:   Qwen3-8B attention: 32 query heads over 8 KV heads, head_dim 128.
+  gqa:   Qwen3-8B attention: 32 query heads over 8 KV heads, head_dim 128;
+  tiny:  the embedded pair's target: 4 query heads over 2 KV heads, head_dim 64.
 The cache holds exactly context + N keys; every row sees its whole prefix plus its tree slots under a
 random ancestor mask.
 
@@ -53,6 +54,7 @@ VARIANTS = {
     "mla64": (64, 1, (512, 64), 512),
     "mla8": (8, 1, (512, 64), 512),
     "gqa": (32, 8, (128,), 128),
+    "tiny": (4, 2, (64,), 64),  # the embedded pair's target (checkpoints/embedded)
 }
 
 

@@ -13,8 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import dispatch
+from ddtree_jax.config import Qwen3Config
+from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.step import DecodeState, StepTrace, steps_per_token, traced_decode_step
 from ddtree_jax.models import target_module
+from ddtree_jax.models.layers import unstack_layers
 from ddtree_jax.options import DecodeOptions, check_method
 from ddtree_jax.sampling import SamplingParams, sample
 
@@ -272,12 +275,15 @@ def check_generate_inputs(target_config, prompts, prompt_lengths, max_new, *, ma
 class _CheckedJit:
     """A jitted generation function behind eager input checks (`check_generate_inputs`, on concrete inputs
     only): calling it and `.lower(...)` take the jit's signature and run the same compiled program; every
-    other attribute is the jit's."""
+    other attribute is the jit's. Top-level calls compile with `dispatch.loop_compiler_options()`; a call
+    traced inside another jit (or eval_shape) goes through the same function jitted without them (JAX takes
+    compiler options on top-level jits only)."""
 
-    def __init__(self, jitted, signature: inspect.Signature):
-        self._jitted = jitted
-        self._signature = signature
-        functools.update_wrapper(self, jitted)
+    def __init__(self, fun, static_argnames: tuple[str, ...]):
+        self._jitted = jax.jit(fun, static_argnames=static_argnames, compiler_options=dispatch.loop_compiler_options())
+        self._nested = jax.jit(fun, static_argnames=static_argnames)
+        self._signature = inspect.signature(fun)
+        functools.update_wrapper(self, fun)
 
     def _check(self, args, kwargs) -> None:
         bound = self._signature.bind(*args, **kwargs)
@@ -289,7 +295,8 @@ class _CheckedJit:
 
     def __call__(self, *args, **kwargs):
         self._check(args, kwargs)
-        return self._jitted(*args, **kwargs)
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
+        return (self._nested if traced else self._jitted)(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         self._check(args, kwargs)
@@ -299,11 +306,27 @@ class _CheckedJit:
         return getattr(self._jitted, name)
 
 
+def layers_sliced_once(target_config, target_params, drafter, options: DecodeOptions):
+    """(target_params, drafter) with their stacked layer weights split into per-layer arrays
+    (`models.layers.unstack_layers`), for the models that loop over their layers in Python: the Qwen3
+    target under the unrolled layer loop, the DFlash drafter. Called before the decode loop, so the
+    slices run once per generation instead of as copy kernels in every step; a scanned target (and
+    DeepSeek-V3 / K2, whose MoE layers read their stacked experts in place) keeps its stacks."""
+    if isinstance(target_config, Qwen3Config) and options.layer_loop in ("auto", "unrolled"):
+        layers = unstack_layers(target_params["layers"], target_config.num_layers)
+        target_params = {**target_params, "layers": layers}
+    if isinstance(drafter, DFlashDrafter):
+        layers = unstack_layers(drafter.params["layers"], drafter.config.num_layers)
+        drafter = dataclasses.replace(drafter, params={**drafter.params, "layers": layers})
+    return target_params, drafter
+
+
 def _generate(target_config, target_params, drafter, request: tuple, shape: dict, *, recorder):
     """The body of `generate` and `generate_recorded`: `start_state`, then the decode loop. request:
     (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new); shape: the static keywords. Returns
     (GenerationResult, records)."""
     _, _, sampling, keys, stop_tokens, max_new = request
+    target_params, drafter = layers_sliced_once(target_config, target_params, drafter, shape["options"])
     state = start_state(target_config, target_params, drafter, *request, **shape)
     state, records = _decode_loop(
         target_config,
@@ -320,12 +343,11 @@ def _generate(target_config, target_params, drafter, request: tuple, shape: dict
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted), records
 
 
-def _checked(jitted):
-    return _CheckedJit(jitted, inspect.signature(jitted))
+def _checked(static_argnames: tuple[str, ...]):
+    return lambda fun: _CheckedJit(fun, static_argnames)
 
 
-@_checked
-@functools.partial(jax.jit, static_argnames=_STATIC, compiler_options=dispatch.loop_compiler_options())
+@_checked(_STATIC)
 def generate(
     target_config,
     target_params,
@@ -379,8 +401,7 @@ def generate(
     )[0]
 
 
-@_checked
-@functools.partial(jax.jit, static_argnames=_STATIC + ("recorder",), compiler_options=dispatch.loop_compiler_options())
+@_checked(_STATIC + ("recorder",))
 def generate_recorded(
     target_config,
     target_params,

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.engine.generate import GenerationResult, check_generate_inputs, start_state
+from ddtree_jax.engine.generate import GenerationResult, check_generate_inputs, layers_sliced_once, start_state
 from ddtree_jax.engine.step import decode_step
 from ddtree_jax.options import DecodeOptions
 
@@ -58,6 +58,7 @@ def generate_host_loop(
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
     check_generate_inputs(target_config, prompts, prompt_lengths, max_new, max_new_tokens=max_new_tokens)
+    target_params, drafter = layers_sliced_once(target_config, target_params, drafter, options)  # once, eagerly
     state = _start(
         target_config,
         target_params,

@@ -28,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from ddtree_jax.engine.generate import prefill
+from ddtree_jax.engine.generate import layers_sliced_once, prefill
 from ddtree_jax.engine.run import Pair, check_request, request_args, resolve_block_size
 from ddtree_jax.engine.step import (
     append_stage,
@@ -94,6 +94,7 @@ def warm_step(
         max_new_tokens=max_new_tokens,
     )
     shape = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block)
+    params, drafter = layers_sliced_once(config, params, drafter, options)  # as generate does, before its loop
 
     state = jax.jit(lambda *a: prefill(config, *a, **shape, options=options))(
         params, drafter, prompts, lengths, sampling, keys

@@ -24,6 +24,7 @@ from ddtree_jax.models.layers import (
     contract,
     decoder_layer_shapes,
     init_from_shapes,
+    layer_params,
     linear,
     rms_norm,
     rope_cos_sin,
@@ -91,7 +92,7 @@ def append_context(
     ctx = fuse_features(config, params, features)
     ks, vs = [], []
     for layer in range(config.num_layers):
-        p = jax.tree.map(lambda w: w[layer], params["layers"])
+        p = layer_params(params["layers"], layer)
         k, v = _project_kv(config, p, ctx, positions)
         ks.append(write_rows(cache.k[layer], k, cache.lengths))
         vs.append(write_rows(cache.v[layer], v, cache.lengths))
@@ -127,7 +128,7 @@ def draft(
     )
     h = embed[tokens].astype(params["fc"].dtype)
     for layer in range(config.num_layers):
-        p = jax.tree.map(lambda w: w[layer], params["layers"])
+        p = layer_params(params["layers"], layer)
         x = rms_norm(h, p["input_norm"], config.rms_norm_eps)
         q = linear(x, p["q_proj"]).reshape(batch, size, config.num_heads, config.head_dim)
         q = apply_rope(rms_norm(q, p["q_norm"], config.rms_norm_eps), cos, sin)
@@ -175,7 +176,7 @@ def train_logits(
     cos, sin = _rope(config, positions)
     visible = jnp.arange(steps)[None, None, :] < anchors[:, :, None]  # [B, N, T]: context strictly before the anchor
     for layer in range(c.num_layers):
-        p = jax.tree.map(lambda w: w[layer], params["layers"])
+        p = layer_params(params["layers"], layer)
         x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
         q = linear(x, p["q_proj"]).reshape(batch, blocks * size, c.num_heads, c.head_dim)
         q = apply_rope(rms_norm(q, p["q_norm"], c.rms_norm_eps), cos, sin)

@@ -79,6 +79,35 @@ def decoder_layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: i
     }
 
 
+def layer_params(layers, layer: int):
+    """Layer `layer`'s parameters from a stack of layers: a pytree of [L, ...] arrays (sliced here) or a tuple
+    of per-layer pytrees (`unstack_layers`: indexed, no slice op)."""
+    if isinstance(layers, (tuple, list)):
+        return layers[layer]
+    return jax.tree.map(lambda w: w[layer], layers)
+
+
+def unstack_layers(layers, num_layers: int) -> tuple:
+    """A stacked layer pytree ([L, ...] leaves) as a tuple of per-layer pytrees (a tuple passes through).
+
+    Why: inside a decode while_loop, a stacked weight's per-layer slice that feeds a matmul of more than one
+    row is not fused into it; XLA copies the slice out every iteration (one copy kernel per weight per
+    step: 56 launches and ~85 us a step on the embedded pair). Sliced once before the loop, the loop reads
+    the per-layer arrays in place. The slices are copies: the stacked and sliced weights coexist while the
+    program runs."""
+    if isinstance(layers, (tuple, list)):
+        return tuple(layers)
+    return tuple(layer_params(layers, i) for i in range(num_layers))
+
+
+def restack_layers(layers):
+    """The inverse of `unstack_layers`: a tuple of per-layer pytrees as one pytree of [L, ...] leaves (a
+    stacked pytree passes through); what `lax.scan` over the layers needs."""
+    if isinstance(layers, (tuple, list)):
+        return jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+    return layers
+
+
 def stacked(layer_shapes: dict, num_layers: int) -> dict:
     """Adds the leading "layers" axis to every per-layer (shape, axes)."""
     return {k: ((num_layers,) + s, ("layers",) + a) for k, (s, a) in layer_shapes.items()}

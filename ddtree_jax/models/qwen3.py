@@ -18,7 +18,9 @@ from ddtree_jax.models.layers import (
     axes_of,
     decoder_layer_shapes,
     init_from_shapes,
+    layer_params,
     linear,
+    restack_layers,
     rms_norm,
     rope_tables,
     stacked,
@@ -126,10 +128,11 @@ def _run(
     carry = (h, jnp.zeros((len(taps) + 1,) + h.shape, h.dtype))
     carry += () if cache is None else (cache.k, cache.v)
     if layer_loop == "scan":
-        carry, _ = jax.lax.scan(step, carry, (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32)))
+        layers = restack_layers(params["layers"])
+        carry, _ = jax.lax.scan(step, carry, (layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
     else:
         for layer in range(config.num_layers):
-            carry, _ = step(carry, (jax.tree.map(lambda w: w[layer], params["layers"]), layer))
+            carry, _ = step(carry, (layer_params(params["layers"], layer), layer))
     h, tapped = carry[0], carry[1]
     if cache is not None:
         cache = KVCache(carry[2], carry[3], cache.lengths)

@@ -232,3 +232,27 @@ def test_an_unknown_layer_loop_is_an_error(loop_params):
         qwen3.forward_logits(CONFIG, loop_params, tokens, layer_loop="loop")
     with pytest.raises(ValueError, match="'loop'"):
         qwen3.prefill(CONFIG, loop_params, _cache(1, capacity=8), tokens, jnp.array([4], jnp.int32), layer_loop="loop")
+
+
+def test_unstacked_layers_give_the_same_tree_forward(loop_params):
+    """`unstack_layers` (what generate does before its loop) under both layer loops equals the stacked
+    parameters bit for bit; restack_layers inverts it."""
+    from ddtree_jax.models.layers import restack_layers, unstack_layers
+
+    layers = unstack_layers(loop_params["layers"], CONFIG.num_layers)
+    assert isinstance(layers, tuple) and len(layers) == CONFIG.num_layers
+    assert unstack_layers(layers, CONFIG.num_layers) == layers
+    for a, b in zip(jax.tree.leaves(restack_layers(layers)), jax.tree.leaves(loop_params["layers"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    unstacked = {**loop_params, "layers": layers}
+    tree, prefix, lengths = _tree_case(24, 2, budget=7)
+    _, _, cache = _prefill_ragged(loop_params, prefix, lengths, capacity=24)
+    for loop in qwen3.LAYER_LOOPS:
+        want = qwen3.tree_forward(
+            CONFIG, loop_params, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop
+        )
+        got = qwen3.tree_forward(
+            CONFIG, unstacked, cache, tree.tokens, tree.depths, ancestor_mask(tree), layer_loop=loop
+        )
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
