@@ -38,7 +38,15 @@ import numpy as np
 
 from benchmarks.common import device_description, markdown_table, time_calls, write_result
 from ddtree_jax.engine.generate import generate
-from ddtree_jax.engine.run import bench_columns, check_request, load_pair, request_args, resolve_block_size
+from ddtree_jax.engine.run import (
+    DTYPES,
+    bench_columns,
+    check_request,
+    load_pair,
+    pair_dtype,
+    request_args,
+    resolve_block_size,
+)
 from ddtree_jax.options import DecodeOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,7 +84,14 @@ def run_column(
     check_request(pair, prompt_ids, method=method, budget=budget or 1, block_size=None, max_new_tokens=max_new)
     width = max(len(p) for p in prompt_ids)
     common = dict(seed=0, max_new_tokens=max_new, width=width, **setting)
-    static = dict(max_new_tokens=max_new, method=method, budget=budget or 1, block_size=block, options=options)
+    static = dict(
+        max_new_tokens=max_new,
+        method=method,
+        budget=budget or 1,
+        block_size=block,
+        cache_dtype=pair_dtype(pair),
+        options=options,
+    )
     start = time.perf_counter()
     compiled = generate.lower(*request_args(pair, prompt_ids[:1], request_ids=[0], **common), **static).compile()
     compile_s = time.perf_counter() - start
@@ -169,6 +184,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new", type=int, default=256, help="new tokens per prompt (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt (default 3; medians)")
     parser.add_argument("--settings", default="T0,T1", help="T0 (greedy) and / or T1 (T = 1, top-p 0.95)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV caches (default float32)"
+    )
     parser.add_argument("--quick", action="store_true", help="4 prompts, budgets 16 and 64, 64 new tokens, 1 repeat")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
@@ -186,7 +204,7 @@ def main(argv=None) -> int:
     prompt_ids = load_prompt_ids(args.prompts)
     if args.quick:
         prompt_ids, args.max_new, args.repeats = prompt_ids[:4], 64, 1
-    pair = load_pair(os.path.join(args.pair, "target"), os.path.join(args.pair, "drafter"))
+    pair = load_pair(os.path.join(args.pair, "target"), os.path.join(args.pair, "drafter"), DTYPES[args.dtype])
     print(
         f"device: {device_description()}; commit {args.commit}; {len(prompt_ids)} prompts of "
         f"{len(prompt_ids[0])} tokens, {args.max_new} new",
@@ -222,6 +240,7 @@ def main(argv=None) -> int:
                 "num_prompts": len(prompt_ids),
                 "prefill": "excluded, reported apart",
                 "steps_per_iteration": args.steps_per_iteration,
+                "dtype": args.dtype,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 **setting,
             },

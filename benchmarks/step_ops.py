@@ -44,7 +44,7 @@ from benchmarks.common import write_result
 from benchmarks.op_profile import device_timeline, format_op_table, op_times, timeline_gaps
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.profile import warm_step
-from ddtree_jax.engine.run import load_pair, request_args, resolve_block_size
+from ddtree_jax.engine.run import DTYPES, load_pair, pair_dtype, request_args, resolve_block_size
 from ddtree_jax.options import DecodeOptions
 
 
@@ -111,7 +111,12 @@ def profile_loop(
     block = resolve_block_size(pair, method, None)
     args = request_args(pair, [prompt_ids], **request)
     static = dict(
-        max_new_tokens=request["max_new_tokens"], method=method, budget=budget, block_size=block, options=options
+        max_new_tokens=request["max_new_tokens"],
+        method=method,
+        budget=budget,
+        block_size=block,
+        cache_dtype=pair_dtype(pair),
+        options=options,
     )
     compiled = generate.lower(*args, **static).compile()
     hlo_text = compiled.as_text()
@@ -183,13 +188,14 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV caches")
     parser.add_argument("--loop", action="store_true", help="profile the whole generation (its while_loop)")
     parser.add_argument("--hlo-dir", default=None, help="with --loop: write each program's optimized HLO here")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args(argv)
 
-    pair = load_pair(args.target, args.drafter)
+    pair = load_pair(args.target, args.drafter, DTYPES[args.dtype])
     prompt = load_prompt_ids(args.prompts)[0]
     request = dict(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p)
     results = []

@@ -98,7 +98,7 @@ def _check_sampling(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace):
     """The pair of --target/--drafter (or --random-tiny; without either, the embedded pair of
     checkpoints/embedded/), with the compilation cache set up."""
-    from ddtree_jax.engine.run import DEFAULT_CACHE_DIR, enable_compilation_cache, load_pair, random_tiny_pair
+    from ddtree_jax.engine.run import DEFAULT_CACHE_DIR, DTYPES, enable_compilation_cache, load_pair, random_tiny_pair
 
     if args.compilation_cache is None:  # DDTREE_COMPILATION_CACHE overrides the default ('' disables it)
         args.compilation_cache = os.environ.get("DDTREE_COMPILATION_CACHE", DEFAULT_CACHE_DIR)
@@ -106,7 +106,7 @@ def _load(args: argparse.Namespace):
     if args.random_tiny:
         return random_tiny_pair(args.seed)
     if args.target:
-        return load_pair(args.target, args.drafter, check_finite=args.check_finite)
+        return load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], check_finite=args.check_finite)
     if args.drafter:
         raise ValueError("--drafter needs --target (the drafter runs on the target's embedding and head)")
     if not (os.path.isdir(EMBEDDED_TARGET) and os.path.isdir(EMBEDDED_DRAFTER)):
@@ -115,7 +115,7 @@ def _load(args: argparse.Namespace):
             "give --target DIR [--drafter DIR], or --random-tiny"
         )
     args.target, args.drafter = EMBEDDED_TARGET, EMBEDDED_DRAFTER
-    return load_pair(args.target, args.drafter, check_finite=args.check_finite)
+    return load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], check_finite=args.check_finite)
 
 
 def _encode(pair, texts: list[str], chat: bool, where: str) -> list[list[int]]:
@@ -400,6 +400,13 @@ def _add_pair_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", help="HF directory of the DFlash drafter (default: none with --target: AR only)")
     parser.add_argument(
         "--random-tiny", action="store_true", help="a random tiny pair instead (smoke run; default: off)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the dtype the weights load in and the KV caches hold (default: float32; the embedded "
+        "checkpoints are stored in bfloat16)",
     )
     parser.add_argument(
         "--no-check-finite",

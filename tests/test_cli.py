@@ -131,6 +131,20 @@ def test_bench_profile_prints_the_stage_table(capsys):
     assert all(float(v) > 0 for v in row.split()[1:-1])
 
 
+def test_dtype_loads_the_weights_and_sizes_the_caches(capsys):
+    """--dtype bfloat16: the weights load in bf16 and the run's KV caches follow them (`pair_dtype`)."""
+    from ddtree_jax.engine.run import DTYPES, load_pair, pair_dtype
+
+    assert pair_dtype(load_pair(FIXTURE, None, DTYPES["bfloat16"])) == jax.numpy.bfloat16
+    assert pair_dtype(load_pair(FIXTURE, None)) == jax.numpy.float32
+    argv = ["generate", "--target", FIXTURE, "--method", "ar", "--prompt-ids", "1,2,3", "--max-new", "4"]
+    assert main([*argv, "--dtype", "bfloat16", "--compilation-cache", ""]) == 0
+    assert "ar" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--dtype", "float16", "--compilation-cache", ""])
+    assert exit_info.value.code == 2 and "argument --dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------ errors
 
 
@@ -347,9 +361,10 @@ def test_generate_and_bench_default_to_the_embedded_pair(monkeypatch, capsys):
     assert "max_new_tokens = 6" in capsys.readouterr().out
     assert main(["bench", "--methods", "ar", *common[2:], "--prompt-ids", "1,2,3,4", "--no-progress"]) == 0
     assert "max_new_tokens = 6" in capsys.readouterr().out
-    assert seen == [(cli.EMBEDDED_TARGET, cli.EMBEDDED_DRAFTER, {"check_finite": True})] * 2
+    float32 = jax.numpy.float32  # --dtype's default
+    assert seen == [(cli.EMBEDDED_TARGET, cli.EMBEDDED_DRAFTER, {"dtype": float32, "check_finite": True})] * 2
     assert main(["generate", "--target", FIXTURE, "--no-check-finite", *common, "--prompt-ids", "1,2,3,4"]) == 0
-    assert seen[-1] == (FIXTURE, None, {"check_finite": False})
+    assert seen[-1] == (FIXTURE, None, {"dtype": float32, "check_finite": False})
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):

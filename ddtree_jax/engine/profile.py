@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from ddtree_jax.engine.generate import layers_sliced_once, prefill
-from ddtree_jax.engine.run import Pair, check_request, request_args, resolve_block_size
+from ddtree_jax.engine.run import Pair, check_request, pair_dtype, request_args, resolve_block_size
 from ddtree_jax.engine.step import (
     append_stage,
     commit_stage,
@@ -96,7 +96,8 @@ def warm_step(
     shape = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block)
     params, drafter = layers_sliced_once(config, params, drafter, options)  # as generate does, before its loop
 
-    state = jax.jit(lambda *a: prefill(config, *a, **shape, options=options))(
+    cache_dtype = pair_dtype(pair)  # the caches hold the weights' dtype, as `run_generate` compiles them
+    state = jax.jit(lambda *a: prefill(config, *a, **shape, cache_dtype=cache_dtype, options=options))(
         params, drafter, prompts, lengths, sampling, keys
     )
 

@@ -43,6 +43,13 @@ class Pair:
     tokenizer: Tokenizer | None = None
 
 
+def pair_dtype(pair: Pair):
+    """The float dtype the pair's weights were loaded in (its target's embedding): the KV caches' dtype."""
+    return target_module(pair.target_config).embedding(pair.target_params).dtype
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the --dtype choices of the CLI and benchmarks
+
 MAX_BUDGET = 1024  # the largest --budget accepted (a tree of N = budget + 1 slots per row and step)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>")
 
@@ -313,7 +320,14 @@ def run(
         stop_tokens=stop_tokens,
         max_new_tokens=max_new_tokens,
     )
-    static = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block, options=options)
+    static = dict(
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block,
+        cache_dtype=pair_dtype(pair),
+        options=options,
+    )
     compiled, compile_s = _compile(args, static)
     result, run_s = _timed(compiled, args, repeats)
     tokens = np.asarray(result.tokens)
@@ -390,7 +404,12 @@ def benchmark(
         for method, budget in columns:
             block = resolve_block_size(pair, method, block_size)
             static = dict(
-                max_new_tokens=max_new_tokens, method=method, budget=budget or 1, block_size=block, options=options
+                max_new_tokens=max_new_tokens,
+                method=method,
+                budget=budget or 1,
+                block_size=block,
+                cache_dtype=pair_dtype(pair),
+                options=options,
             )
             if bar is not None:
                 bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: compile")
