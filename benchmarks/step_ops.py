@@ -77,17 +77,39 @@ def profile_step(pair, prompt_ids, *, method: str, budget: int, runs: int, optio
 
 STAGE_SCOPES = ("append", "draft", "tree_forward", "tree", "walk", "commit", "emit")  # engine.step's scopes
 _STAGE_RE = re.compile(r"ddtree_(" + "|".join(STAGE_SCOPES) + r")\b")
-_INSTR_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name="([^"]*)"', re.MULTILINE)
 
 
 def op_stages(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> the decode-step stage whose named scope (`engine.step`, "ddtree_<stage>")
-    its op_name metadata carries; instructions outside every stage are left out."""
+    its op_name metadata carries. A fusion whose own metadata names no op (XLA drops it on many fusions)
+    takes the stage most of its fused computation's instructions carry; instructions outside every stage
+    are left out."""
+    computation_stages: dict[str, dict[str, int]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$", line)
+        if header:
+            current = computation_stages.setdefault(header.group(1), {})
+            continue
+        if current is not None:
+            found = re.search(r'op_name="([^"]*)"', line)
+            match = _STAGE_RE.search(found.group(1)) if found else None
+            if match:
+                current[match.group(1)] = current.get(match.group(1), 0) + 1
     stages = {}
-    for name, op_name in _INSTR_RE.findall(hlo_text):
-        match = _STAGE_RE.search(op_name)
+    for line in hlo_text.splitlines():
+        instr = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line)
+        if not instr:
+            continue
+        found = re.search(r'op_name="([^"]*)"', line)
+        match = _STAGE_RE.search(found.group(1)) if found else None
         if match:
-            stages[name] = match.group(1)
+            stages[instr.group(1)] = match.group(1)
+            continue
+        calls = re.search(r"calls=%?([\w.\-]+)", line)
+        counts = computation_stages.get(calls.group(1), {}) if calls else {}
+        if counts:
+            stages[instr.group(1)] = max(counts, key=counts.get)
     return stages
 
 
