@@ -19,6 +19,10 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
   top-k       the XLA tree builder's per-depth selection: "prefilter" (exact two-stage) where it shrinks the
               problem (`prefilter_pays`), else `lax.top_k` over the row.
   layer loop  the model's default ("auto").
+  prefill     prompts longer than PREFILL_CHUNK_ABOVE tokens prefill in PREFILL_CHUNK-token chunks (a scan
+              over chunks, each attending the cache written so far plus itself), and attention with at
+              least BLOCKWISE_MIN_SCORES scores per row and head runs "blockwise" (an online softmax over
+              key blocks in XLA, any backend): memory grows with the chunk, not with prompt x context.
   gen. loop   `generate`'s while_loop compiled with XLA's command buffers extended to WHILE and CONDITIONAL
               (`loop_compiler_options`): the whole loop is one CUDA graph with on-device control flow, so a
               decode step waits on no host round trip (the loop predicate read back, the next graph launched).
@@ -39,7 +43,7 @@ import jax
 
 from ddtree_kernels.tree_build import MAX_ROW
 
-ATTENTION_IMPLS = ("xla", "pallas", "auto")
+ATTENTION_IMPLS = ("xla", "blockwise", "pallas", "auto")
 MATMUL_IMPLS = ("xla", "pallas", "auto")
 MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
 VERIFY_IMPLS = ("xla", "pallas", "auto")
@@ -49,6 +53,9 @@ BUILD_TOPK_IMPLS = TOPK_IMPLS + ("vocab_parallel",)  # the tree builder's: the v
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 AUTO_PALLAS_MAX_QUERIES = 32  # attention: the tree-attention kernel up to this many queries per row (GQA)
+BLOCKWISE_MIN_SCORES = 1 << 24  # attention: blockwise (online softmax) from this many scores per row and head
+PREFILL_CHUNK = 2048  # prompt tokens per prefill chunk when a prompt is chunked
+PREFILL_CHUNK_ABOVE = 8192  # "auto" chunks prompts longer than this
 AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are prefiltered first
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
@@ -70,12 +77,22 @@ def _check(kind: str, impl: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{kind} impl must be one of {allowed}, got {impl!r}")
 
 
-def attention_impl(impl: str, *, queries: int | None = None, mla: bool = False, backend_name: str | None = None) -> str:
-    """ "xla" or "pallas" for a call with `queries` query positions per row (None: a decode / verify
-    step) of a GQA (mla=False) or absorbed-MLA layer."""
+def attention_impl(
+    impl: str,
+    *,
+    queries: int | None = None,
+    keys: int | None = None,
+    mla: bool = False,
+    backend_name: str | None = None,
+) -> str:
+    """ "xla", "blockwise" or "pallas" for a call with `queries` query positions per row (None: a decode /
+    verify step) against `keys` cache rows (None: unknown) of a GQA (mla=False) or absorbed-MLA layer."""
     _check("attention", impl, ATTENTION_IMPLS)
     if impl != "auto":
         return impl
+    long = queries is not None and queries > AUTO_PALLAS_MAX_QUERIES  # a prefill, not a decode step
+    if long and keys is not None and queries * keys >= BLOCKWISE_MIN_SCORES:
+        return "blockwise"  # any backend: the dense path's float32 scores would be >= 64 MB per row and head
     if not _on_gpu(backend_name) or mla:
         return "xla"
     return "pallas" if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES else "xla"
@@ -105,6 +122,17 @@ def local_expert_impl(assignments: int, local_experts: int, backend_name: str | 
     if _on_gpu(backend_name):
         return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
     return "gather" if assignments <= local_experts else "dense"
+
+
+def prefill_chunk(requested: int, prompt_len: int) -> int | None:
+    """Prompt tokens per prefill chunk, or None for one unchunked prefill: `requested` (DecodeOptions.
+    prefill_chunk) > 0 chunks prompts longer than it; 0 ("auto") chunks prompts longer than
+    PREFILL_CHUNK_ABOVE into PREFILL_CHUNK-token chunks."""
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise ValueError(f"prefill_chunk must be an int >= 0 (0: auto), got {requested!r}")
+    chunk = requested or PREFILL_CHUNK
+    threshold = requested or PREFILL_CHUNK_ABOVE
+    return chunk if prompt_len > threshold else None
 
 
 def loop_compiler_options(xla_flags: str | None = None) -> dict[str, str]:

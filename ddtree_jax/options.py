@@ -45,6 +45,8 @@ class DecodeOptions:
         iteration costs a host round trip (the loop predicate read back, the next CUDA graph launched); k
         steps per iteration pay it once per k steps, and the steps run after every row is done (at most
         k - 1 at the end) change nothing but cost time. Outputs are identical for every k.
+      prefill_chunk: prompt tokens per prefill chunk (an int >= 0): prompts longer than it are prefilled
+        chunk by chunk (memory of one chunk, not of the whole prompt); 0 ("auto"): `dispatch.prefill_chunk`.
     Every "auto" is resolved by `ddtree_jax.dispatch` (see `dispatch.decode_plan`).
     """
 
@@ -60,6 +62,7 @@ class DecodeOptions:
     threshold_acc: float = 1.0
     threshold_single: float = 1.0
     steps_per_iteration: int = 1
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         for name, allowed in (
@@ -83,6 +86,7 @@ class DecodeOptions:
         steps = self.steps_per_iteration
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"DecodeOptions.steps_per_iteration must be an int >= 1, got {steps!r}")
+        dispatch.prefill_chunk(self.prefill_chunk, 0)  # validates (a ValueError naming the value)
         if self.verifier == "sample_then_walk" and (self.threshold_acc, self.threshold_single) != (1.0, 1.0):
             raise ValueError(
                 "DecodeOptions: the sample-then-walk verifier has no lossy thresholds; "

@@ -68,28 +68,41 @@ def prefill(
     options: DecodeOptions = DecodeOptions(),
 ) -> DecodeState:
     """Target prefill; the first token from the plain sampler; the drafter's context from the prompt's
-    tapped hidden states."""
+    tapped hidden states.
+
+    A prompt longer than `dispatch.prefill_chunk(options.prefill_chunk, T)` tokens is prefilled in chunks
+    of that size (`_chunked_prefill`): the same caches and first token, memory of one chunk."""
     batch, prompt_len = prompts.shape
-    capacity = cache_capacity(prompt_len, max_new_tokens, method, budget, block_size)
+    chunk = dispatch.prefill_chunk(options.prefill_chunk, prompt_len)
+    padded_len = prompt_len if chunk is None else -(-prompt_len // chunk) * chunk
+    capacity = cache_capacity(padded_len, max_new_tokens, method, budget, block_size)
     target = target_module(target_config)
     cache = target.create_cache(target_config, batch, capacity, cache_dtype)
-    logits, features, cache = target.prefill(
-        target_config, target_params, cache, prompts, prompt_lengths, **options.target_impls(target_config)
-    )
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    draft_state = None if method == "ar" else drafter.init_state(batch, capacity, cache_dtype)
+    if chunk is None:
+        logits, features, cache = target.prefill(
+            target_config, target_params, cache, prompts, prompt_lengths, **options.target_impls(target_config)
+        )
+        last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+        if draft_state is not None:
+            draft_state = drafter.append(draft_state, features, prompt_lengths)
+        feature_width, feature_dtype = features.shape[-1], features.dtype
+    else:
+        last, cache, draft_state, features = _chunked_prefill(
+            target_config, target_params, drafter, cache, draft_state, prompts, prompt_lengths, chunk, options
+        )
+        feature_width, feature_dtype = features.shape[-1], features.dtype
     first_keys = jax.vmap(lambda k: jax.random.fold_in(k, PREFILL_SALT))(keys)  # steps fold in 0, 1, ...
     bonus = sample(last, sampling, first_keys)
     width = steps_per_token(method, block_size)
     if method == "ar":
         draft_state = jnp.zeros((), jnp.int32)
-    else:
-        draft_state = drafter.append(drafter.init_state(batch, capacity, cache_dtype), features, prompt_lengths)
     output = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(bonus)
     return DecodeState(
         target_cache=cache,
         draft_state=draft_state,
         bonus=bonus,
-        ctx_features=jnp.zeros((batch, width, features.shape[-1]), features.dtype),
+        ctx_features=jnp.zeros((batch, width, feature_width), feature_dtype),
         ctx_count=jnp.zeros((batch,), jnp.int32),
         output=output,
         num_generated=jnp.ones((batch,), jnp.int32),
@@ -98,6 +111,44 @@ def prefill(
         done=bonus < 0,
         step=jnp.zeros((), jnp.int32),
     )
+
+
+def _chunked_prefill(target_config, target_params, drafter, cache, draft_state, prompts, lengths, chunk, options):
+    """The prefill as a `lax.scan` over `chunk`-token slices of the prompts (padded to a multiple of chunk):
+    chunk c feeds row b its tokens c * chunk .. min(len_b, (c + 1) * chunk) - 1 (none once the row is
+    done), each attending the cache written so far plus itself; the drafter appends each chunk's tapped
+    features. Returns (the logits of each row's last prompt token f32 [B, V], the target cache, the
+    drafter state (None for AR), the tapped features' abstract shape [B, chunk, F*D] (only the current chunk's
+    features are ever alive))."""
+    batch, prompt_len = prompts.shape
+    chunks = -(-prompt_len // chunk)
+    padded = jnp.pad(prompts, ((0, 0), (0, chunks * chunk - prompt_len)))
+    target = target_module(target_config)
+    impls = options.target_impls(target_config)
+    last_index = lengths - 1
+
+    def one_chunk(carry, index):
+        cache, draft_state, last = carry
+        start = index * chunk
+        ids = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
+        num_new = jnp.clip(lengths - start, 0, chunk)
+        logits, features, cache = target.prefill(target_config, target_params, cache, ids, num_new, **impls)
+        offset = last_index - start  # the row's last token, if it is in this chunk
+        here = (offset >= 0) & (offset < chunk)
+        picked = jnp.take_along_axis(logits, jnp.clip(offset, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.where(here[:, None], picked, last)
+        if draft_state is not None:
+            draft_state = drafter.append(draft_state, features, num_new)
+        return (cache, draft_state, last), None
+
+    features = jax.eval_shape(
+        lambda c, ids: target.prefill(target_config, target_params, c, ids, lengths, **impls)[1],
+        cache,
+        padded[:, :chunk],
+    )
+    init = (cache, draft_state, jnp.zeros((batch, target_config.vocab_size), jnp.float32))
+    (cache, draft_state, last), _ = jax.lax.scan(one_chunk, init, jnp.arange(chunks, dtype=jnp.int32))
+    return last, cache, draft_state, features
 
 
 def start_state(

@@ -1,20 +1,90 @@
 """The one attention entry point of the models, with an `impl` switch: "xla"
-(`ddtree_kernels.tree_attention.attention_reference`), "pallas" (`ddtree_kernels.tree_attention`:
-flash-decoding over the cache, streaming only the keys a row can see; interpret mode off GPU) or "auto"
-(`dispatch.attention_impl`)."""
+(`ddtree_kernels.tree_attention.attention_reference`, the whole score matrix at once), "blockwise"
+(`blockwise_attention`: the same in XLA with an online softmax over key blocks, for long prefills),
+"pallas" (`ddtree_kernels.tree_attention`: flash-decoding over the cache, streaming only the keys a row
+can see; interpret mode off GPU) or "auto" (`dispatch.attention_impl`)."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 from ddtree_jax import dispatch
 from ddtree_jax.dispatch import ATTENTION_IMPLS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
+from ddtree_kernels.tiling import dot_precision
 from ddtree_kernels.tree_attention import attention_reference, tree_attention
 
-__all__ = ["ATTENTION_IMPLS", "attention", "sharded_tree_attention"]
+__all__ = ["ATTENTION_IMPLS", "BLOCKWISE_KEYS", "attention", "blockwise_attention", "sharded_tree_attention"]
+
+BLOCKWISE_KEYS = 1024  # keys per block of `blockwise_attention`
+
+
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    block: int = BLOCKWISE_KEYS,
+) -> jax.Array:
+    """`attention_reference` computed flash-style in XLA: a `lax.scan` over blocks of `block` keys with an
+    online softmax (running max and sum per query), so the float32 scores alive at once are
+    [B, Hkv, G, T, block] instead of [B, Hkv, G, T, S]: a long prefill's memory grows with T x block, not
+    T x S. Same arguments and result as `attention_reference` (a row with no visible key yields zeros);
+    equal to it up to float rounding (the softmax is normalised after the value product, not before).
+
+    q: [B, T, Hq, Dk]; k: [B, S, Hkv, Dk]; v: [B, S, Hkv, Dv]; mask: bool [B, T, S]. Returns [B, T, Hq, Dv]
+    in q's dtype.
+    """
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    batch, steps, q_heads, head_dim = q.shape
+    keys, kv_heads = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    block = min(block, keys)
+    blocks = -(-keys // block)
+    pad = blocks * block - keys
+    if pad:  # padded keys are masked out
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+    precision = dot_precision(q.dtype)
+    scale = head_dim**-0.5 if scale is None else scale
+    qg = q.reshape(batch, steps, kv_heads, group, head_dim)
+    k_blocks = k.reshape(batch, blocks, block, kv_heads, head_dim).swapaxes(0, 1)  # [n, B, block, Hkv, Dk]
+    v_blocks = v.reshape(batch, blocks, block, kv_heads, v.shape[-1]).swapaxes(0, 1)
+    mask_blocks = mask.reshape(batch, steps, blocks, block).transpose(2, 0, 1, 3)  # [n, B, T, block]
+
+    def one_block(carry, xs):
+        acc, row_max, row_sum = carry  # acc f32 [B, Hkv, G, T, Dv]; row_max, row_sum f32 [B, Hkv, G, T]
+        k_block, v_block, visible = xs
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_block, preferred_element_type=jnp.float32, precision=precision)
+        scores = jnp.where(visible[:, None, None, :, :], scores * scale, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+        safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.exp(scores - safe[..., None])  # 0 for hidden keys
+        correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max - safe, -jnp.inf))
+        acc = acc * correction[..., None] + jnp.einsum(
+            "bkgts,bskd->bkgtd",
+            weights.astype(v.dtype),
+            v_block,
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )
+        return (acc, new_max, row_sum * correction + jnp.sum(weights, axis=-1)), None
+
+    init = (
+        jnp.zeros((batch, kv_heads, group, steps, v.shape[-1]), jnp.float32),
+        jnp.full((batch, kv_heads, group, steps), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, kv_heads, group, steps), jnp.float32),
+    )
+    (acc, _, row_sum), _ = jax.lax.scan(one_block, init, (k_blocks, v_blocks, mask_blocks))
+    out = acc / jnp.maximum(row_sum, 1e-30)[..., None]  # rows that see no key: 0 / 1e-30 = 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, steps, q_heads, v.shape[-1]).astype(q.dtype)
 
 
 def attention(
@@ -31,10 +101,11 @@ def attention(
     Head dims that are not powers of two fall back to "xla" under "pallas" (split keys into parts and call
     `ddtree_kernels.tree_attention` directly, as the absorbed MLA does).
     """
-    if dispatch.attention_impl(impl, queries=q.shape[1]) == "pallas" and all(
-        d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])
-    ):
+    choice = dispatch.attention_impl(impl, queries=q.shape[1], keys=k.shape[1])
+    if choice == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
         return sharded_tree_attention((q,), (k,), v, mask, scale=scale)
+    if choice == "blockwise":
+        return blockwise_attention(q, k, v, mask, scale=scale)
     return attention_reference(q, k, v, mask, scale=scale)
 
 

@@ -233,7 +233,15 @@ def mla_absorbed(
     else:
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
         keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]
-        out_latent = attention(query, keys, latent_cache.astype(query.dtype), mask, scale=softmax_scale(c))
+        blockwise = dispatch.attention_impl(attn_impl, queries=steps, keys=keys.shape[1], mla=True) == "blockwise"
+        out_latent = attention(
+            query,
+            keys,
+            latent_cache.astype(query.dtype),
+            mask,
+            scale=softmax_scale(c),
+            impl="blockwise" if blockwise else "xla",
+        )
     out = contract("bthr,hvr->bthv", out_latent, w_uv)
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
 

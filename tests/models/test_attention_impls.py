@@ -84,3 +84,45 @@ def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatc
     assert resolve("xla", queries=17) == "xla" and resolve("pallas", queries=512, mla=True) == "pallas"
     with pytest.raises(ValueError, match="attention impl must be one of"):
         resolve("flash")
+
+
+@pytest.mark.parametrize("block", [1, 5, 16, 64])
+def test_blockwise_attention_equals_the_reference(block):
+    """models.attention.blockwise_attention (online softmax over key blocks) against attention_reference:
+    GQA (4 query heads over 2 KV heads), a key count no block size divides, random masks with rows that see
+    no key at all (zeros), float32 and bf16."""
+    from ddtree_jax.models.attention import blockwise_attention
+    from ddtree_kernels.tree_attention import attention_reference
+
+    rng = np.random.default_rng(block)
+    keys = jax.random.split(jax.random.key(block), 3)
+    q = jax.random.normal(keys[0], (2, 7, 4, 8)) * 2.0
+    k = jax.random.normal(keys[1], (2, 37, 2, 8)) * 2.0
+    v = jax.random.normal(keys[2], (2, 37, 2, 6))
+    mask = rng.random((2, 7, 37)) < 0.4
+    mask[1, 3] = False  # a row with no visible key
+    mask = jnp.asarray(mask)
+    want = attention_reference(q, k, v, mask)
+    got = blockwise_attention(q, k, v, mask, block=block)
+    assert got.shape == want.shape == (2, 7, 4, 6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    assert not np.asarray(got[1, 3]).any() and np.abs(np.asarray(want)).max() > 0.1
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got16 = blockwise_attention(*bf16, mask, block=block).astype(jnp.float32)
+    want16 = attention_reference(*bf16, mask).astype(jnp.float32)
+    assert relerr(got16, want16) < 2e-2
+    with pytest.raises(ValueError, match="block must be >= 1, got 0"):
+        blockwise_attention(q, k, v, mask, block=0)
+
+
+def test_auto_attention_goes_blockwise_for_long_prefills_only():
+    from ddtree_jax import dispatch
+
+    big = dispatch.BLOCKWISE_MIN_SCORES // 1024
+    for backend in ("cpu", "gpu"):
+        assert dispatch.attention_impl("auto", queries=1024, keys=big, backend_name=backend) == "blockwise"
+        assert dispatch.attention_impl("auto", queries=1024, keys=big - 1, backend_name=backend) == "xla"
+        assert dispatch.attention_impl("auto", queries=1024, keys=big, mla=True, backend_name=backend) == "blockwise"
+    # a decode step at a huge context keeps its rule (the tree-attention kernel for GQA on GPU)
+    assert dispatch.attention_impl("auto", queries=17, keys=10**7, backend_name="gpu") == "pallas"
+    assert dispatch.attention_impl("xla", queries=1024, keys=big) == "xla"
