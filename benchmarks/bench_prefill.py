@@ -1,0 +1,180 @@
+"""Prefill benchmark: how long the engine's prefill takes against the prompt length, chunked or whole.
+
+For each context (prompt length) and chunk setting it compiles `engine.generate.start_state` (the target's
+prefill, the first token, and for a pair with a drafter the drafter's context append) on one random prompt
+(B = 1, random-weight Qwen3-shaped target in bf16, `--shape qwen3-8b` or `tiny`) and times it (median of
+`--repeats` runs, each on a fresh random prompt, `block_until_ready`; compilation timed apart). Counted
+per prefill of T tokens (the target only; the drafter's append is a few matmuls per token, not counted):
+
+  matmul FLOPs     2 x T x (the parameters every token multiplies: attention and MLP projections, the LM
+                   head over all T positions, as the engine computes it)
+  attention FLOPs  layers x 2 x 2 x Hq x head_dim x T^2 / 2  (scores and values, causal: half the square)
+  TFLOP/s          (matmul + attention FLOPs) / seconds, and its share of the bf16 peak (790 TFLOP/s, the
+                   rate measured on an H200: BENCHMARKS.md)
+
+plus the compiled program's temporary memory (`memory_analysis().temp_size_in_bytes`): chunked, it grows
+with the chunk; whole, with T x context (the score matrix) unless attention goes blockwise.
+
+Targets (#24, one H200): the Qwen3-8B shape prefills 32k tokens in <= 3 s (>= 35% of the peak); 128k runs.
+
+Usage: python -m benchmarks.bench_prefill --commit $(git rev-parse --short HEAD) [--shape qwen3-8b]
+       [--contexts 2048,8192,32768] [--chunks 0,2048] [--layers N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_engine import SHAPES
+from benchmarks.common import device_description, markdown_table, write_result
+from ddtree_jax.engine.generate import start_state
+from ddtree_jax.models import qwen3
+from ddtree_jax.options import DecodeOptions
+from ddtree_jax.sampling import SamplingParams, row_keys
+
+PEAK_FLOPS = 790e12  # measured bf16 matmul rate of one H200 here (BENCHMARKS.md)
+
+
+def prefill_flops(config, tokens: int) -> dict[str, float]:
+    """{"matmul", "attention"} FLOPs of one T-token prefill of a Qwen3-shaped target (module docstring)."""
+    c = config
+    q = c.num_heads * c.head_dim
+    kv = c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    attention = c.num_layers * 2 * 2 * q * tokens * tokens / 2
+    return {"matmul": 2.0 * tokens * weights, "attention": float(attention)}
+
+
+def bench_prefill(config, params, *, context: int, chunk: int, repeats: int, seed: int = 0) -> dict:
+    """One row: compile and time `start_state` on a `context`-token prompt (module docstring)."""
+    options = DecodeOptions(prefill_chunk=chunk)
+
+    def run(prompts, lengths):
+        return start_state(
+            config,
+            params,
+            None,
+            prompts,
+            lengths,
+            SamplingParams.create(1, temperature=0.0),
+            row_keys(jax.random.key(seed), jnp.arange(1)),
+            jnp.full((1, 1), -1, jnp.int32),
+            jnp.full((1,), 2, jnp.int32),
+            max_new_tokens=2,
+            method="ar",
+            budget=1,
+            block_size=1,
+            cache_dtype=jnp.bfloat16,
+            options=options,
+        ).bonus
+
+    lengths = jnp.full((1,), context, jnp.int32)
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    compiled = jax.jit(run).lower(jax.ShapeDtypeStruct((1, context), jnp.int32), lengths).compile()
+    compile_s = time.perf_counter() - start
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    times = []
+    for i in range(repeats + 1):  # the first run warms up; every run reads a fresh prompt
+        prompt = jnp.asarray(rng.integers(0, config.vocab_size, (1, context)), jnp.int32)
+        jax.block_until_ready(prompt)
+        begin = time.perf_counter()
+        jax.block_until_ready(compiled(prompt, lengths))
+        if i:
+            times.append(time.perf_counter() - begin)
+    seconds = float(np.median(times))
+    flops = prefill_flops(config, context)
+    total = flops["matmul"] + flops["attention"]
+    return {
+        "context": context,
+        "chunk": chunk,
+        "seconds": seconds,
+        "tokens_per_s": context / seconds,
+        "matmul_flops": flops["matmul"],
+        "attention_flops": flops["attention"],
+        "tflops": total / seconds / 1e12,
+        "peak_share": total / seconds / PEAK_FLOPS,
+        "temp_bytes": temp,
+        "compile_s": compile_s,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", default="unknown", help="the commit measured (recorded in the JSON)")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="target layers (default: the shape's)")
+    parser.add_argument("--contexts", default="2048,8192,32768", help="prompt lengths (default 2048,8192,32768)")
+    parser.add_argument(
+        "--chunks", default="0,2048", help="DecodeOptions.prefill_chunk values (0: auto; default 0,2048)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (default 3; median)")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    chunks = [int(c) for c in args.chunks.split(",")]
+    if any(c < 1 for c in contexts) or any(c < 0 for c in chunks) or args.repeats < 1:
+        raise SystemExit(
+            f"error: contexts >= 1, chunks >= 0, --repeats >= 1 (got {contexts}, {chunks}, {args.repeats})"
+        )
+    config = SHAPES[args.shape][0]
+    if args.layers is not None:
+        config = dataclasses.replace(config, num_layers=args.layers, tapped_layers=())
+    config = dataclasses.replace(config, max_position_embeddings=max(config.max_position_embeddings, 2 * max(contexts)))
+    params = qwen3.init_params(config, jax.random.key(0), jnp.bfloat16)
+    print(f"device: {device_description()}; commit {args.commit}; {args.shape}, {config.num_layers} layers", flush=True)
+    rows = []
+    for context in contexts:
+        for chunk in chunks:
+            try:
+                row = bench_prefill(config, params, context=context, chunk=chunk, repeats=args.repeats)
+            except Exception as error:  # e.g. out of memory at a long context: recorded, the sweep goes on
+                row = {"context": context, "chunk": chunk, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+            rows.append(row)
+            print(
+                f"  context {context:>7} chunk {chunk:>5}: "
+                + (
+                    row["error"]
+                    if "error" in row
+                    else f"{row['seconds'] * 1e3:9.1f} ms  {row['tflops']:6.1f} TFLOP/s  "
+                    f"temp {row['temp_bytes'] / 2**30:6.2f} GiB  (compile {row['compile_s']:.0f} s)"
+                ),
+                flush=True,
+            )
+            write_result(
+                f"prefill_{args.shape}_{args.commit}",
+                {"settings": vars(args), "layers": config.num_layers, "rows": rows},
+                args.commit,
+                args.out,
+            )
+    print(
+        markdown_table(
+            ["context", "chunk", "ms", "tokens/s", "TFLOP/s", "peak share", "temp GiB"],
+            [
+                [r["context"], r["chunk"] or "auto", "error", "", "", "", ""]
+                if "error" in r
+                else [
+                    r["context"],
+                    r["chunk"] or "auto",
+                    r["seconds"] * 1e3,
+                    r["tokens_per_s"],
+                    r["tflops"],
+                    f"{r['peak_share']:.0%}",
+                    r["temp_bytes"] / 2**30,
+                ]
+                for r in rows
+            ],
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
