@@ -19,7 +19,7 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
   top-k       the XLA tree builder's per-depth selection: "prefilter" (exact two-stage) where it shrinks the
               problem (`prefilter_pays`), else `lax.top_k` over the row.
   layer loop  the model's default ("auto").
-  prefill     prompts longer than PREFILL_CHUNK_ABOVE tokens prefill in PREFILL_CHUNK-token chunks (a scan
+  prefill     prompts longer than PREFILL_CHUNK tokens prefill in PREFILL_CHUNK-token chunks (a scan
               over chunks, each attending the cache written so far plus itself), and attention with at
               least BLOCKWISE_MIN_SCORES scores per row and head runs "blockwise" (an online softmax over
               key blocks in XLA, any backend): memory grows with the chunk, not with prompt x context.
@@ -54,8 +54,8 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 AUTO_PALLAS_MAX_QUERIES = 32  # attention: the tree-attention kernel up to this many queries per row (GQA)
 BLOCKWISE_MIN_SCORES = 1 << 24  # attention: blockwise (online softmax) from this many scores per row and head
-PREFILL_CHUNK = 2048  # prompt tokens per prefill chunk when a prompt is chunked
-PREFILL_CHUNK_ABOVE = 8192  # "auto" chunks prompts longer than this
+BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
+PREFILL_CHUNK = 2048  # "auto" prefills prompts longer than this in chunks of this many tokens
 AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are prefiltered first
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
@@ -126,13 +126,13 @@ def local_expert_impl(assignments: int, local_experts: int, backend_name: str | 
 
 def prefill_chunk(requested: int, prompt_len: int) -> int | None:
     """Prompt tokens per prefill chunk, or None for one unchunked prefill: `requested` (DecodeOptions.
-    prefill_chunk) > 0 chunks prompts longer than it; 0 ("auto") chunks prompts longer than
-    PREFILL_CHUNK_ABOVE into PREFILL_CHUNK-token chunks."""
+    prefill_chunk) > 0 chunks prompts longer than it; 0 ("auto") chunks prompts longer than PREFILL_CHUNK
+    (2,048 tokens: enough rows to keep the matmuls compute-bound, and a prefill's workspace that grows
+    monotonically with the prompt, which the memory planner's max_context search needs)."""
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
         raise ValueError(f"prefill_chunk must be an int >= 0 (0: auto), got {requested!r}")
     chunk = requested or PREFILL_CHUNK
-    threshold = requested or PREFILL_CHUNK_ABOVE
-    return chunk if prompt_len > threshold else None
+    return chunk if prompt_len > chunk else None
 
 
 def loop_compiler_options(xla_flags: str | None = None) -> dict[str, str]:

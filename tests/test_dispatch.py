@@ -122,8 +122,8 @@ def test_the_generation_loop_is_one_cuda_graph_unless_xla_flags_say_otherwise():
 
 
 def test_prefill_chunking_rule():
-    assert dispatch.prefill_chunk(0, dispatch.PREFILL_CHUNK_ABOVE) is None
-    assert dispatch.prefill_chunk(0, dispatch.PREFILL_CHUNK_ABOVE + 1) == dispatch.PREFILL_CHUNK
+    assert dispatch.prefill_chunk(0, dispatch.PREFILL_CHUNK) is None
+    assert dispatch.prefill_chunk(0, dispatch.PREFILL_CHUNK + 1) == dispatch.PREFILL_CHUNK
     assert dispatch.prefill_chunk(100, 100) is None and dispatch.prefill_chunk(100, 101) == 100
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):

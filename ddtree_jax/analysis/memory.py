@@ -41,8 +41,17 @@ drafter's float32 marginals [rows, L, V], the dense bool attention mask [rows, T
 attention core: the Pallas flash-decoding kernel's split partials (~264 programs x 64 rows x Dv floats),
 or with `attention_impl="xla"` one layer's float32 scores and probabilities [rows, H / model, T, S + T];
 "auto" is resolved as `dispatch.attention_impl` does on a GPU (the T queries of a step).
-Caches are assumed updated in place (donated), so they are counted once. Prefill workspace is not
-modelled (prefill in chunks no larger than a verify step's token count to stay inside this plan).
+Caches are assumed updated in place (donated), so they are counted once.
+
+Workspace of the prefill of a `context`-token prompt (per device, `prefill` in the plan): the engine
+prefills in chunks of P = `dispatch.PREFILL_CHUNK` tokens when the prompt is longer than that (else P =
+the whole prompt): float32 logits [rows, V] (the head runs at each row's last prompt token only) plus
+the local shard, the bool mask [rows, P, S], the residual / FFN buffers of P
+rows, the tapped features of P rows, and the attention core at the rule's choice for P queries against S
+keys (`dispatch.attention_impl`): "blockwise" holds one key block's float32 scores and probabilities
+[rows, H / model, P, 1024] and the accumulator [rows, H / model, P, Dv]; dense XLA the whole
+[rows, H / model, P, S]. The prefill runs before the decode loop, so the plan counts the larger of the two
+workspaces (`workspace_total`), not their sum.
 
 Device memory: 141e9 B (the H200's 141 GB; nvidia-smi reports 143771 MiB = 150.8e9 B, so this is
 conservative) x `usable_fraction` 0.92 = 129.7 GB (CUDA context, cuBLAS / NCCL workspaces, allocator
@@ -388,6 +397,7 @@ class MemoryPlan:
     activations: dict
     headroom: int
     capacity: int
+    prefill: dict = dataclasses.field(default_factory=dict)
 
     @property
     def weights_total(self) -> int:
@@ -398,13 +408,22 @@ class MemoryPlan:
         return sum(self.activations.values())
 
     @property
+    def prefill_total(self) -> int:
+        return sum(self.prefill.values())
+
+    @property
+    def workspace_total(self) -> int:
+        """The larger of the decode step's and the prefill's workspace (they are never alive together)."""
+        return max(self.activations_total, self.prefill_total)
+
+    @property
     def total(self) -> int:
         return (
             self.weights_total
             + self.drafter_weights
             + self.kv_cache
             + self.drafter_cache
-            + self.activations_total
+            + self.workspace_total
             + self.headroom
         )
 
@@ -430,6 +449,8 @@ class MemoryPlan:
             ("drafter context cache", self.drafter_cache),
         ]
         rows += [(f"workspace: {k}", v) for k, v in self.activations.items() if v]
+        rows += [(f"prefill workspace: {k}", v) for k, v in self.prefill.items() if v]
+        rows += [("workspace (the larger of the two)", self.workspace_total)]
         rows += [
             ("headroom", self.headroom),
             ("total", self.total),
@@ -519,6 +540,7 @@ def plan_memory(
     }
     if isinstance(c, DeepSeekV3Config):  # absorbed queries [rows, T, H_local, kv_lora + rope] and outputs, f32
         act["attention"] += 2 * tokens * heads_local * key_dim * 4
+    prefill = _prefill_workspace(c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn)
     return MemoryPlan(
         layout=layout,
         batch=batch,
@@ -533,7 +555,37 @@ def plan_memory(
         activations=act,
         headroom=int(headroom_bytes),
         capacity=int(device_bytes * usable_fraction),
+        prefill=prefill,
     )
+
+
+def _prefill_workspace(c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn) -> dict:
+    """The prefill's workspace per device (module docstring): one chunk of P tokens against S keys."""
+    if context == 0:
+        return {}
+    chunk = dispatch.prefill_chunk(0, context) or context
+    tokens = rows * chunk
+    keys = context
+    attention = dispatch.attention_impl("auto", queries=chunk, keys=keys, backend_name=PLANNED_BACKEND)
+    key_block = min(dispatch.BLOCKWISE_KEYS, keys)
+    core = (
+        rows * heads_local * chunk * (2 * key_block + value_dim) * 4
+        if attention == "blockwise"
+        else 2 * rows * heads_local * chunk * keys * 4
+    )
+    if isinstance(c, DeepSeekV3Config):  # absorbed queries and outputs of the chunk, f32
+        core += 2 * tokens * heads_local * key_dim * 4
+    return {
+        "logits": rows * c.vocab_size * 4 + rows * vocab_local * 2,  # the last prompt token of each row
+        "attention_mask": tokens * keys,
+        "hidden_states": ACT_BUFFERS * tokens * c.hidden_size * 4,
+        "tapped_features": tokens
+        * len(c.tapped_layers or (drafter.target_layers if drafter else ()))
+        * c.hidden_size
+        * 2,
+        "ffn": 3 * tokens * ffn * 4,
+        "attention": core,
+    }
 
 
 def max_context(config, *, batch: int = 1, budget: int = 64, limit: int | None = None, **kwargs) -> int:

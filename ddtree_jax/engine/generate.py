@@ -81,9 +81,15 @@ def prefill(
     draft_state = None if method == "ar" else drafter.init_state(batch, capacity, cache_dtype)
     if chunk is None:
         logits, features, cache = target.prefill(
-            target_config, target_params, cache, prompts, prompt_lengths, **options.target_impls(target_config)
+            target_config,
+            target_params,
+            cache,
+            prompts,
+            prompt_lengths,
+            head_rows=prompt_lengths - 1,  # the logits of each row's last prompt token only
+            **options.target_impls(target_config),
         )
-        last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+        last = logits[:, 0]
         if draft_state is not None:
             draft_state = drafter.append(draft_state, features, prompt_lengths)
         feature_width, feature_dtype = features.shape[-1], features.dtype
@@ -132,11 +138,12 @@ def _chunked_prefill(target_config, target_params, drafter, cache, draft_state, 
         start = index * chunk
         ids = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
         num_new = jnp.clip(lengths - start, 0, chunk)
-        logits, features, cache = target.prefill(target_config, target_params, cache, ids, num_new, **impls)
         offset = last_index - start  # the row's last token, if it is in this chunk
         here = (offset >= 0) & (offset < chunk)
-        picked = jnp.take_along_axis(logits, jnp.clip(offset, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-        last = jnp.where(here[:, None], picked, last)
+        logits, features, cache = target.prefill(
+            target_config, target_params, cache, ids, num_new, head_rows=jnp.clip(offset, 0, chunk - 1), **impls
+        )
+        last = jnp.where(here[:, None], logits[:, 0], last)
         if draft_state is not None:
             draft_state = drafter.append(draft_state, features, num_new)
         return (cache, draft_state, last), None

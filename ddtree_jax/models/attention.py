@@ -12,14 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import dispatch
-from ddtree_jax.dispatch import ATTENTION_IMPLS
+from ddtree_jax.dispatch import ATTENTION_IMPLS, BLOCKWISE_KEYS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
 from ddtree_kernels.tiling import dot_precision
 from ddtree_kernels.tree_attention import attention_reference, tree_attention
 
 __all__ = ["ATTENTION_IMPLS", "BLOCKWISE_KEYS", "attention", "blockwise_attention", "sharded_tree_attention"]
-
-BLOCKWISE_KEYS = 1024  # keys per block of `blockwise_attention`
 
 
 def blockwise_attention(

@@ -260,8 +260,10 @@ def _run(
     moe_impl: str,
     attn_impl: str = "xla",
     layer_loop: str = "scan",
+    head_rows=None,
 ):
     """Embeds, runs the dense then the MoE layers, returns (logits f32, tapped [B, T, F*D], cache).
+    head_rows int32 [B] (or None): the LM head runs only at that position of each row (logits [B, 1, V]).
 
     layer_loop "scan": `lax.scan` over each stack of layers (the stacked parameters and that stack's cache
     slices as scanned inputs): the program holds one layer of each kind, so 61 layers compile in about
@@ -330,6 +332,8 @@ def _run(
     layer_outputs = jnp.concatenate(outputs) if outputs else None
     tapped = [layer_outputs[layer] for layer in c.tapped_layers]
     features = jnp.concatenate(tapped, axis=-1) if tapped else jnp.zeros(h.shape[:2] + (0,), h.dtype)
+    if head_rows is not None:
+        h = jnp.take_along_axis(h, head_rows[:, None, None], axis=1)
     logits = linear(rms_norm(h, params["final_norm"], c.rms_norm_eps), head(c, params)).astype(jnp.float32)
     return logits, features, KVCache(jnp.concatenate(latents), jnp.concatenate(ropes), cache.lengths)
 
@@ -345,8 +349,10 @@ def prefill(
     moe_impl: str = "auto",
     matmul_impl: str = "xla",
     layer_loop: str = "scan",
+    head_rows: jax.Array | None = None,
 ):
     """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new).
+    head_rows int32 [B] (or None): the logits [B, 1, V] of only that position of each row.
     moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference);
     attn_impl: models.attention's ("pallas": kernels/tree_attention with the latent and rope key parts);
     layer_loop: "scan" (default; 61 layers compile like 2) or "unrolled" (see `_run`)."""
@@ -357,7 +363,7 @@ def prefill(
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
     logits, features, cache = _run(
-        config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl, layer_loop
+        config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl, layer_loop, head_rows
     )
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 

@@ -88,8 +88,10 @@ def _run(
     attn_impl,
     matmul_impl="xla",
     layer_loop: str = "unrolled",
+    head_rows=None,
 ):
     """Shared body: embeds, runs every layer, returns (logits f32, tapped [B, T, F*D], cache).
+    head_rows int32 [B] (or None): the LM head runs only at that position of each row (logits [B, 1, V]).
 
     layer_loop "unrolled": a Python loop (one copy of the layer per layer in the program). "scan":
     `lax.scan` over the stacked layer parameters and the layer index (the program holds one layer).
@@ -141,6 +143,8 @@ def _run(
         if taps
         else jnp.zeros(h.shape[:2] + (0,), h.dtype)
     )
+    if head_rows is not None:
+        h = jnp.take_along_axis(h, head_rows[:, None, None], axis=1)
     return _head(config, params, h, matmul_impl), features, cache
 
 
@@ -195,6 +199,7 @@ def prefill(
     attn_impl: str = "xla",
     matmul_impl: str = "xla",
     layer_loop: str = "unrolled",
+    head_rows: jax.Array | None = None,
 ):
     """Causal pass over new tokens appended at each row's length.
 
@@ -204,8 +209,11 @@ def prefill(
       layer_loop: "unrolled" (default; one copy of the layer per layer in the program) or "scan"
         (`lax.scan` over the stacked layers: the program holds one layer); both write the new rows
         into the stacked cache in place (see `_run`).
+      head_rows: int32 [B] or None: the logits of only that position of each row (e.g. its last prompt
+        token), so a long prompt never holds [B, T, V] logits.
     Returns:
-      (logits float32 [B, T, V], tapped hidden [B, T, F*D], cache with lengths += num_new).
+      (logits float32 [B, T, V] ([B, 1, V] with head_rows), tapped hidden [B, T, F*D], cache with
+      lengths += num_new).
     """
     batch, steps = input_ids.shape
     check_room(cache, steps)
@@ -214,7 +222,7 @@ def prefill(
     rows = jnp.arange(cache.capacity, dtype=jnp.int32)
     mask = rows[None, None, :] <= positions[:, :, None]  # causal over the committed prefix + new tokens
     logits, features, cache = _run(
-        config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl, layer_loop
+        config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl, layer_loop, head_rows
     )
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 
