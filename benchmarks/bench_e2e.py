@@ -42,8 +42,8 @@ from ddtree_jax.engine.run import (
     DTYPES,
     bench_columns,
     check_request,
+    generate_static,
     load_pair,
-    pair_dtype,
     request_args,
     resolve_block_size,
 )
@@ -84,13 +84,8 @@ def run_column(
     check_request(pair, prompt_ids, method=method, budget=budget or 1, block_size=None, max_new_tokens=max_new)
     width = max(len(p) for p in prompt_ids)
     common = dict(seed=0, max_new_tokens=max_new, width=width, **setting)
-    static = dict(
-        max_new_tokens=max_new,
-        method=method,
-        budget=budget or 1,
-        block_size=block,
-        cache_dtype=pair_dtype(pair),
-        options=options,
+    static = generate_static(
+        pair, method=method, budget=budget or 1, block_size=block, max_new_tokens=max_new, options=options
     )
     start = time.perf_counter()
     compiled = generate.lower(*request_args(pair, prompt_ids[:1], request_ids=[0], **common), **static).compile()

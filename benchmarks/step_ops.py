@@ -44,7 +44,7 @@ from benchmarks.common import write_result
 from benchmarks.op_profile import device_timeline, format_op_table, op_times, timeline_gaps
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.profile import warm_step
-from ddtree_jax.engine.run import DTYPES, load_pair, pair_dtype, request_args, resolve_block_size
+from ddtree_jax.engine.run import DTYPES, generate_static, load_pair, request_args, resolve_block_size
 from ddtree_jax.options import DecodeOptions
 
 
@@ -132,13 +132,8 @@ def profile_loop(
     the same program at max_new = 1, the prefill; gaps and ops include it; module docstring)."""
     block = resolve_block_size(pair, method, None)
     args = request_args(pair, [prompt_ids], **request)
-    static = dict(
-        max_new_tokens=request["max_new_tokens"],
-        method=method,
-        budget=budget,
-        block_size=block,
-        cache_dtype=pair_dtype(pair),
-        options=options,
+    static = generate_static(
+        pair, method=method, budget=budget, block_size=block, max_new_tokens=request["max_new_tokens"], options=options
     )
     compiled = generate.lower(*args, **static).compile()
     hlo_text = compiled.as_text()

@@ -92,12 +92,10 @@ def prefill(
         last = logits[:, 0]
         if draft_state is not None:
             draft_state = drafter.append(draft_state, features, prompt_lengths)
-        feature_width, feature_dtype = features.shape[-1], features.dtype
     else:
         last, cache, draft_state, features = _chunked_prefill(
             target_config, target_params, drafter, cache, draft_state, prompts, prompt_lengths, chunk, options
         )
-        feature_width, feature_dtype = features.shape[-1], features.dtype
     first_keys = jax.vmap(lambda k: jax.random.fold_in(k, PREFILL_SALT))(keys)  # steps fold in 0, 1, ...
     bonus = sample(last, sampling, first_keys)
     width = steps_per_token(method, block_size)
@@ -108,7 +106,7 @@ def prefill(
         target_cache=cache,
         draft_state=draft_state,
         bonus=bonus,
-        ctx_features=jnp.zeros((batch, width, feature_width), feature_dtype),
+        ctx_features=jnp.zeros((batch, width, features.shape[-1]), features.dtype),
         ctx_count=jnp.zeros((batch,), jnp.int32),
         output=output,
         num_generated=jnp.ones((batch,), jnp.int32),

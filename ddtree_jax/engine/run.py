@@ -48,6 +48,21 @@ def pair_dtype(pair: Pair):
     return target_module(pair.target_config).embedding(pair.target_params).dtype
 
 
+def generate_static(
+    pair: Pair, *, method: str, budget: int, block_size: int, max_new_tokens: int, options: DecodeOptions
+) -> dict:
+    """`generate`'s static keywords for a request on `pair`: the shape, the options, and KV caches in the
+    weights' dtype (`pair_dtype`)."""
+    return dict(
+        max_new_tokens=max_new_tokens,
+        method=method,
+        budget=budget,
+        block_size=block_size,
+        cache_dtype=pair_dtype(pair),
+        options=options,
+    )
+
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the --dtype choices of the CLI and benchmarks
 
 MAX_BUDGET = 1024  # the largest --budget accepted (a tree of N = budget + 1 slots per row and step)
@@ -320,13 +335,8 @@ def run(
         stop_tokens=stop_tokens,
         max_new_tokens=max_new_tokens,
     )
-    static = dict(
-        max_new_tokens=max_new_tokens,
-        method=method,
-        budget=budget,
-        block_size=block,
-        cache_dtype=pair_dtype(pair),
-        options=options,
+    static = generate_static(
+        pair, method=method, budget=budget, block_size=block, max_new_tokens=max_new_tokens, options=options
     )
     compiled, compile_s = _compile(args, static)
     result, run_s = _timed(compiled, args, repeats)
@@ -403,12 +413,12 @@ def benchmark(
     try:
         for method, budget in columns:
             block = resolve_block_size(pair, method, block_size)
-            static = dict(
-                max_new_tokens=max_new_tokens,
+            static = generate_static(
+                pair,
                 method=method,
                 budget=budget or 1,
                 block_size=block,
-                cache_dtype=pair_dtype(pair),
+                max_new_tokens=max_new_tokens,
                 options=options,
             )
             if bar is not None:
