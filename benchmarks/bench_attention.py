@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
+from ddtree_jax.engine.run import DTYPES
 from ddtree_kernels.tree_attention import (
     BlockConfig,
     block_rows,
@@ -72,29 +73,27 @@ def random_tree_mask(rng: np.random.Generator, batch: int, steps: int, context: 
     return mask
 
 
-def case_inputs(variant: str, batch: int, steps: int, context: int, copies: int, key):
+def case_inputs(variant: str, batch: int, steps: int, context: int, copies: int, key, dtype=jnp.bfloat16):
     q_heads, kv_heads, dims, dv = VARIANTS[variant]
     capacity = context + steps
     keys = jax.random.split(key, 2 * len(dims) + 1)
-    q_parts = tuple(
-        jax.random.normal(keys[i], (REPS, batch, steps, q_heads, d), jnp.bfloat16) for i, d in enumerate(dims)
-    )
+    q_parts = tuple(jax.random.normal(keys[i], (REPS, batch, steps, q_heads, d), dtype) for i, d in enumerate(dims))
     k_parts = tuple(
-        jax.random.normal(keys[len(dims) + i], (copies, batch, capacity, kv_heads, d), jnp.bfloat16)
+        jax.random.normal(keys[len(dims) + i], (copies, batch, capacity, kv_heads, d), dtype)
         for i, d in enumerate(dims)
     )
     mla = len(dims) == 2  # values: the latent key part (v=None), as deepseek_v3 passes them
-    v = None if mla else jax.random.normal(keys[-1], (copies, batch, capacity, kv_heads, dv), jnp.bfloat16)
+    v = None if mla else jax.random.normal(keys[-1], (copies, batch, capacity, kv_heads, dv), dtype)
     mask = jnp.asarray(random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context))
     return q_parts, k_parts, v, mask
 
 
-def counts(variant: str, batch: int, steps: int, context: int) -> tuple[float, float]:
+def counts(variant: str, batch: int, steps: int, context: int, itemsize: int = 2) -> tuple[float, float]:
     q_heads, kv_heads, dims, dv = VARIANTS[variant]
     capacity = context + steps
     mla = len(dims) == 2
-    per_key = kv_heads * 2 * (sum(dims) if mla else sum(dims) + dv)
-    q_bytes = batch * steps * q_heads * 2 * (sum(dims) + dv)
+    per_key = kv_heads * itemsize * (sum(dims) if mla else sum(dims) + dv)
+    q_bytes = batch * steps * q_heads * itemsize * (sum(dims) + dv)
     flops = batch * steps * q_heads * capacity * 2 * (sum(dims) + dv)
     return float(flops), float(batch * capacity * per_key + q_bytes)
 
@@ -175,6 +174,7 @@ def main() -> None:
     parser.add_argument("--steps", default="9,17,65")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--no-xla", action="store_true", help="time the kernel only")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="queries and caches")
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1, contexts 8k and 32k")
     parser.add_argument(
         "--sweep",
@@ -204,15 +204,16 @@ def main() -> None:
         )
     results = []
     key = jax.random.key(0)
+    dtype = DTYPES[args.dtype]
     for variant in args.variants.split(","):
         q_heads, kv_heads, dims, _ = VARIANTS[variant]
         for batch in batches:
             for steps in steps_list:
                 for context in contexts:
-                    flops, nbytes = counts(variant, batch, steps, context)
+                    flops, nbytes = counts(variant, batch, steps, context, jnp.dtype(dtype).itemsize)
                     copies = int(min(16, max(1, math.ceil(2 * L2_BYTES / nbytes))))
                     inputs = case_inputs(
-                        variant, batch, steps, context, copies, jax.random.fold_in(key, context + steps)
+                        variant, batch, steps, context, copies, jax.random.fold_in(key, context + steps), dtype
                     )
                     roof_s = max(nbytes / copy_bw, flops / PEAK_FLOPS)
                     kernel_s = timed(lambda q, k, v, m: tree_attention(q, k, v, m), *inputs)
@@ -223,6 +224,7 @@ def main() -> None:
                         error = relative_error(*inputs)
                     row = {
                         "variant": variant,
+                        "dtype": args.dtype,
                         "B": batch,
                         "N": steps,
                         "context": context,
