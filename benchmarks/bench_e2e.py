@@ -39,11 +39,13 @@ import numpy as np
 from benchmarks.common import device_description, markdown_table, time_calls, write_result
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.run import (
-    DTYPES,
+    DTYPE_CHOICES,
     bench_columns,
     check_request,
     generate_static,
+    load_dtype,
     load_pair,
+    pair_dtype,
     request_args,
     resolve_block_size,
 )
@@ -180,7 +182,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt (default 3; medians)")
     parser.add_argument("--settings", default="T0,T1", help="T0 (greedy) and / or T1 (T = 1, top-p 0.95)")
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV caches (default float32)"
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="weights and KV caches (default auto: on GPU the checkpoints' bf16)",
     )
     parser.add_argument("--quick", action="store_true", help="4 prompts, budgets 16 and 64, 64 new tokens, 1 repeat")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
@@ -199,10 +204,10 @@ def main(argv=None) -> int:
     prompt_ids = load_prompt_ids(args.prompts)
     if args.quick:
         prompt_ids, args.max_new, args.repeats = prompt_ids[:4], 64, 1
-    pair = load_pair(os.path.join(args.pair, "target"), os.path.join(args.pair, "drafter"), DTYPES[args.dtype])
+    pair = load_pair(os.path.join(args.pair, "target"), os.path.join(args.pair, "drafter"), load_dtype(args.dtype))
     print(
         f"device: {device_description()}; commit {args.commit}; {len(prompt_ids)} prompts of "
-        f"{len(prompt_ids[0])} tokens, {args.max_new} new",
+        f"{len(prompt_ids[0])} tokens, {args.max_new} new; weights {jnp.dtype(pair_dtype(pair)).name}",
         flush=True,
     )
     options = DecodeOptions(steps_per_iteration=args.steps_per_iteration)
@@ -235,7 +240,7 @@ def main(argv=None) -> int:
                 "num_prompts": len(prompt_ids),
                 "prefill": "excluded, reported apart",
                 "steps_per_iteration": args.steps_per_iteration,
-                "dtype": args.dtype,
+                "dtype": jnp.dtype(pair_dtype(pair)).name,  # as loaded (--dtype auto resolved)
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 **setting,
             },

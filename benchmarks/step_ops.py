@@ -44,7 +44,15 @@ from benchmarks.common import write_result
 from benchmarks.op_profile import device_timeline, format_op_table, op_times, timeline_gaps
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.profile import warm_step
-from ddtree_jax.engine.run import DTYPES, generate_static, load_pair, request_args, resolve_block_size
+from ddtree_jax.engine.run import (
+    DTYPE_CHOICES,
+    generate_static,
+    load_dtype,
+    load_pair,
+    pair_dtype,
+    request_args,
+    resolve_block_size,
+)
 from ddtree_jax.options import DecodeOptions
 
 
@@ -205,14 +213,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV caches")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="weights and KV caches (default auto: on GPU bf16)"
+    )
     parser.add_argument("--loop", action="store_true", help="profile the whole generation (its while_loop)")
     parser.add_argument("--hlo-dir", default=None, help="with --loop: write each program's optimized HLO here")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args(argv)
 
-    pair = load_pair(args.target, args.drafter, DTYPES[args.dtype])
+    pair = load_pair(args.target, args.drafter, load_dtype(args.dtype))
     prompt = load_prompt_ids(args.prompts)[0]
     request = dict(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p)
     results = []
@@ -255,7 +265,7 @@ def main(argv=None) -> None:
     if args.out:
         path = write_result(
             f"step_{'loop' if args.loop else 'ops'}_T{args.temperature:g}_{args.commit}",
-            {"settings": vars(args), "results": results},
+            {"settings": {**vars(args), "weights_dtype": jnp.dtype(pair_dtype(pair)).name}, "results": results},
             args.commit,
             args.out,
         )

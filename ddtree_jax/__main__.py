@@ -98,7 +98,13 @@ def _check_sampling(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace):
     """The pair of --target/--drafter (or --random-tiny; without either, the embedded pair of
     checkpoints/embedded/), with the compilation cache set up."""
-    from ddtree_jax.engine.run import DEFAULT_CACHE_DIR, DTYPES, enable_compilation_cache, load_pair, random_tiny_pair
+    from ddtree_jax.engine.run import (
+        DEFAULT_CACHE_DIR,
+        enable_compilation_cache,
+        load_dtype,
+        load_pair,
+        random_tiny_pair,
+    )
 
     if args.compilation_cache is None:  # DDTREE_COMPILATION_CACHE overrides the default ('' disables it)
         args.compilation_cache = os.environ.get("DDTREE_COMPILATION_CACHE", DEFAULT_CACHE_DIR)
@@ -106,7 +112,7 @@ def _load(args: argparse.Namespace):
     if args.random_tiny:
         return random_tiny_pair(args.seed)
     if args.target:
-        return load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], check_finite=args.check_finite)
+        return load_pair(args.target, args.drafter, dtype=load_dtype(args.dtype), check_finite=args.check_finite)
     if args.drafter:
         raise ValueError("--drafter needs --target (the drafter runs on the target's embedding and head)")
     if not (os.path.isdir(EMBEDDED_TARGET) and os.path.isdir(EMBEDDED_DRAFTER)):
@@ -115,7 +121,7 @@ def _load(args: argparse.Namespace):
             "give --target DIR [--drafter DIR], or --random-tiny"
         )
     args.target, args.drafter = EMBEDDED_TARGET, EMBEDDED_DRAFTER
-    return load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], check_finite=args.check_finite)
+    return load_pair(args.target, args.drafter, dtype=load_dtype(args.dtype), check_finite=args.check_finite)
 
 
 def _encode(pair, texts: list[str], chat: bool, where: str) -> list[list[int]]:
@@ -403,10 +409,10 @@ def _add_pair_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="the dtype the weights load in and the KV caches hold (default: float32; the embedded "
-        "checkpoints are stored in bfloat16)",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the dtype the weights load in and the KV caches hold (default auto: on GPU the checkpoint's "
+        "stored dtype, bfloat16 for the embedded pair; float32 elsewhere)",
     )
     parser.add_argument(
         "--no-check-finite",
@@ -538,6 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", type=int, default=32)
     plan.add_argument("--block-size", type=int, default=16, help="drafter block size (chain slots; default 16)")
     plan.add_argument("--batch", type=int, default=1)
+    plan.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the weights' dtype, as generate's --dtype (default auto: on GPU the config's torch_dtype)",
+    )
     for name in ("attn-impl", "matmul-impl", "moe-impl", "verify-impl", "layer-loop", "topk-impl"):
         plan.add_argument(f"--{name}", default="auto", help=f"DecodeOptions.{name.replace('-', '_')} (default auto)")
     plan.set_defaults(func=_dispatch_command)
@@ -566,10 +578,14 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         import json as json_module
 
         with open(args.config) as f:
-            config = parse_config(json_module.load(f))
+            raw = json_module.load(f)
     else:
-        config = parse_config(read_config(path))
+        raw = read_config(path)
+    config = parse_config(raw)
     backend = args.backend or dispatch.backend()
+    weights = dispatch.weights_dtype(args.dtype, backend)
+    stored = raw.get("torch_dtype") or raw.get("dtype") or "float32"  # HF's names for the stored dtype
+    dtype = stored if weights == "checkpoint" else weights
     rows = dispatch.decode_plan(
         options,
         config,
@@ -577,11 +593,13 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         budget=args.budget,
         block_size=args.block_size,
         batch=args.batch,
+        float32=dtype == "float32",
         backend_name=backend,
     )
     print(
         f"{type(config).__name__} ({args.config}), {args.method}"
-        f"{f' budget {args.budget}' if args.method == 'ddtree' else ''}, batch {args.batch}, backend {backend}"
+        f"{f' budget {args.budget}' if args.method == 'ddtree' else ''}, batch {args.batch}, backend {backend}, "
+        f"weights {dtype}"
     )
     width = max(len(r.stage) for r in rows)
     for r in rows:

@@ -5,8 +5,10 @@ budget?" (`python -m ddtree_jax dispatch --backend gpu --budget 32`).
 The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
 
   attention   GQA tree verify with <= AUTO_PALLAS_MAX_QUERIES queries per row: the Pallas tree-attention
-              kernel (1.9-2.3x XLA at N = 17, contexts 8k-128k; a tie at N = 65); absorbed MLA and longer
-              blocks (prefill): XLA (the Triton kernel reaches 30-56 TFLOP/s on MLA, 0.2-0.7x XLA).
+              kernel (1.9-2.3x XLA at N = 17, contexts 8k-128k; a tie at N = 65); float32 inputs only up to
+              AUTO_PALLAS_MAX_F32_ROWS query rows per KV head (the embedded pair in float32: 1.2-1.8x XLA at
+              2 x 16 rows, 0.19-0.26x at 2 x 17); absorbed MLA and longer blocks (prefill): XLA (the Triton
+              kernel reaches 30-56 TFLOP/s on MLA, 0.2-0.7x XLA).
   matmul      quantised weights (INT4, block FP8) at <= AUTO_PALLAS_MAX_ROWS rows: the weight-streaming
               kernel (1.2-3.4x dequantise + XLA at M = 1-17; 0.25-0.64x at M = 65-257 on INT4); bf16
               weights: XLA (the kernel slowed the whole Qwen3-8B forward: 15.9 against 10.0 ms at T = 1).
@@ -18,6 +20,10 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
   top-k       the XLA tree builder's per-depth selection: "prefilter" (exact two-stage) where it shrinks the
               problem (`prefilter_pays`), else `lax.top_k` over the row.
+  dtype       the weights' (and KV caches') dtype: on GPU the checkpoint's own (bf16 for the embedded pair
+              and every HF release the library loads: tensor-core matmuls; the embedded pair's quick e2e set
+              at bf16 against float32: chain 2.25x AR against 1.6x, DDTree 64 2.61x against 1.9x), float32
+              elsewhere (XLA's CPU backend emulates bf16 dots, and the CPU tests' tolerances are float32's).
   layer loop  the model's default ("auto").
   prefill     prompts longer than PREFILL_CHUNK tokens prefill in PREFILL_CHUNK-token chunks (a scan
               over chunks, each attending the cache written so far plus itself), and attention with at
@@ -51,8 +57,10 @@ TOPK_IMPLS = ("auto", "xla", "prefilter")
 TREE_IMPLS = ("xla", "pallas", "auto")
 BUILD_TOPK_IMPLS = TOPK_IMPLS + ("vocab_parallel",)  # the tree builder's: the vocabulary split over "model"
 LAYER_LOOPS = ("auto", "scan", "unrolled")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")  # "auto": `weights_dtype`
 
 AUTO_PALLAS_MAX_QUERIES = 32  # attention: the tree-attention kernel up to this many queries per row (GQA)
+AUTO_PALLAS_MAX_F32_ROWS = 32  # ... and, for float32 inputs, up to this many query rows (group x N) per KV head
 BLOCKWISE_MIN_SCORES = 1 << 24  # attention: blockwise (online softmax) from this many scores per row and head
 BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
 PREFILL_CHUNK = 2048  # "auto" prefills prompts longer than this in chunks of this many tokens
@@ -83,10 +91,13 @@ def attention_impl(
     queries: int | None = None,
     keys: int | None = None,
     mla: bool = False,
+    group: int = 1,
+    float32: bool = False,
     backend_name: str | None = None,
 ) -> str:
     """ "xla", "blockwise" or "pallas" for a call with `queries` query positions per row (None: a decode /
-    verify step) against `keys` cache rows (None: unknown) of a GQA (mla=False) or absorbed-MLA layer."""
+    verify step) against `keys` cache rows (None: unknown) of a GQA (mla=False) or absorbed-MLA layer with
+    `group` query heads per KV head, its inputs float32 (float32=True) or bf16."""
     _check("attention", impl, ATTENTION_IMPLS)
     if impl != "auto":
         return impl
@@ -95,7 +106,20 @@ def attention_impl(
         return "blockwise"  # any backend: the dense path's float32 scores would be >= 64 MB per row and head
     if not _on_gpu(backend_name) or mla:
         return "xla"
+    if float32 and group * (queries or 1) > AUTO_PALLAS_MAX_F32_ROWS:
+        return "xla"
     return "pallas" if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES else "xla"
+
+
+def weights_dtype(requested: str, backend_name: str | None = None) -> str:
+    """ "float32", "bfloat16" or "checkpoint" (the dtype the checkpoint stores, as HF's torch_dtype="auto")
+    for the dtype a pair's weights load in and its KV caches hold: "auto" is "checkpoint" on GPU, else
+    "float32"."""
+    if requested not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    return "checkpoint" if _on_gpu(backend_name) else "float32"
 
 
 def matmul_impl(impl: str, *, rows: int, quantized: bool, backend_name: str | None = None) -> str:
@@ -196,14 +220,17 @@ def decode_plan(
     budget: int,
     block_size: int,
     batch: int = 1,
+    float32: bool = False,
     backend_name: str | None = None,
 ) -> list[StageChoice]:
     """What one decode step runs with these `options` (an `options.DecodeOptions`) on a target of
-    `target_config`: one StageChoice per decision, after the "auto" rules above."""
+    `target_config` with float32 (float32=True) or bf16 weights and caches: one StageChoice per decision,
+    after the "auto" rules above."""
     backend_name = backend_name or backend()
     slots = 1 if method == "ar" else (budget + 1 if method == "ddtree" else block_size)
     rows = batch * slots
     mla = hasattr(target_config, "kv_lora_rank")
+    group = 1 if mla else target_config.num_heads // target_config.num_kv_heads
     plan = []
     if method != "ar":
         vocab, k = target_config.vocab_size, min(budget, target_config.vocab_size) if method == "ddtree" else 1
@@ -220,8 +247,11 @@ def decode_plan(
     plan.append(
         StageChoice(
             "tree-forward attention",
-            attention_impl(options.attn_impl, queries=slots, mla=mla, backend_name=backend_name),
-            f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row",
+            attention_impl(
+                options.attn_impl, queries=slots, mla=mla, group=group, float32=float32, backend_name=backend_name
+            ),
+            f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row"
+            + (f" x {group} heads per KV head, float32" if float32 else ""),
         )
     )
     plan.append(

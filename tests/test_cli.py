@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from ddtree_jax import __main__ as cli
 from ddtree_jax.__main__ import main
 from ddtree_jax.checkpoint import to_hf_dict
 from ddtree_jax.config import DFlashConfig
@@ -132,11 +133,18 @@ def test_bench_profile_prints_the_stage_table(capsys):
 
 
 def test_dtype_loads_the_weights_and_sizes_the_caches(capsys):
-    """--dtype bfloat16: the weights load in bf16 and the run's KV caches follow them (`pair_dtype`)."""
-    from ddtree_jax.engine.run import DTYPES, load_pair, pair_dtype
+    """--dtype bfloat16: the weights load in bf16 and the run's KV caches follow them (`pair_dtype`);
+    --dtype auto (the default): float32 off GPU, the checkpoint's stored dtype on GPU (one dtype for the
+    pair: the drafter follows the target)."""
+    from ddtree_jax.engine.run import DTYPES, load_dtype, load_pair, pair_dtype
 
     assert pair_dtype(load_pair(FIXTURE, None, DTYPES["bfloat16"])) == jax.numpy.bfloat16
     assert pair_dtype(load_pair(FIXTURE, None)) == jax.numpy.float32
+    assert load_dtype("auto") == (jax.numpy.float32 if jax.default_backend() != "gpu" else "auto")
+    assert load_dtype("bfloat16") == jax.numpy.bfloat16
+    embedded = load_pair(cli.EMBEDDED_TARGET, cli.EMBEDDED_DRAFTER, "auto")  # stored in bf16
+    assert pair_dtype(embedded) == jax.numpy.bfloat16
+    assert {leaf.dtype for leaf in jax.tree.leaves(embedded.drafter.params)} == {jax.numpy.dtype("bfloat16")}
     argv = ["generate", "--target", FIXTURE, "--method", "ar", "--prompt-ids", "1,2,3", "--max-new", "4"]
     assert main([*argv, "--dtype", "bfloat16", "--compilation-cache", ""]) == 0
     assert "ar" in capsys.readouterr().out
@@ -343,7 +351,6 @@ def _error_before_output(argv, capsys) -> str:
 
 
 def test_generate_and_bench_default_to_the_embedded_pair(monkeypatch, capsys):
-    from ddtree_jax import __main__ as cli
     from ddtree_jax.engine import run as run_module
 
     assert cli.EMBEDDED_TARGET.endswith(os.path.join("checkpoints", "embedded", "target"))

@@ -22,6 +22,11 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.attention_impl("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES, **gpu) == "pallas"
     assert dispatch.attention_impl("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES + 1, **gpu) == "xla"
     assert dispatch.attention_impl("auto", queries=9, mla=True, **gpu) == "xla"
+    # float32 inputs: the kernel only up to AUTO_PALLAS_MAX_F32_ROWS query rows per KV head
+    rows = dispatch.AUTO_PALLAS_MAX_F32_ROWS
+    assert dispatch.attention_impl("auto", queries=rows // 2, group=2, float32=True, **gpu) == "pallas"
+    assert dispatch.attention_impl("auto", queries=rows // 2 + 1, group=2, float32=True, **gpu) == "xla"
+    assert dispatch.attention_impl("auto", queries=rows // 2 + 1, group=2, **gpu) == "pallas"  # bf16
     assert dispatch.matmul_impl("auto", rows=dispatch.AUTO_PALLAS_MAX_ROWS, quantized=True, **gpu) == "pallas"
     assert dispatch.matmul_impl("auto", rows=dispatch.AUTO_PALLAS_MAX_ROWS + 1, quantized=True, **gpu) == "xla"
     assert dispatch.matmul_impl("auto", rows=1, quantized=False, **gpu) == "xla"
@@ -30,6 +35,14 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.verify_impl("auto", **gpu) == "pallas"
     # explicit choices pass through on any backend
     assert dispatch.attention_impl("pallas", queries=512, mla=True, backend_name="cpu") == "pallas"
+
+
+def test_the_weights_dtype_is_the_checkpoints_on_gpu_only():
+    assert dispatch.weights_dtype("auto", backend_name="gpu") == "checkpoint"
+    assert dispatch.weights_dtype("auto", backend_name="cpu") == "float32"
+    assert dispatch.weights_dtype("bfloat16", backend_name="cpu") == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of .* got 'float16'"):
+        dispatch.weights_dtype("float16")
 
 
 def test_unknown_choices_are_named():
@@ -102,6 +115,21 @@ def test_decode_plan_answers_what_runs_where():
     with pytest.raises(ValueError, match="tree impl must be one of"):
         dispatch.tree_impl("triton")
     assert set(METHODS) == {"ddtree", "chain", "ar"}
+
+
+def test_decode_plan_follows_the_weights_dtype():
+    """The embedded pair's target (4 query heads over 2 KV heads) at DDTree 16 (17 queries): float32 caches
+    take XLA's attention (2 x 17 rows per KV head), bf16 the kernel."""
+    embedded = parse_config(_json("checkpoints/embedded/target/config.json"))
+
+    def attention(float32):
+        plan = dispatch.decode_plan(
+            DecodeOptions(), embedded, method="ddtree", budget=16, block_size=16, float32=float32, backend_name="gpu"
+        )
+        return {row.stage: row for row in plan}["tree-forward attention"]
+
+    assert attention(True).choice == "xla" and "float32" in attention(True).why
+    assert attention(False).choice == "pallas"
 
 
 def test_the_generation_loop_is_one_cuda_graph_unless_xla_flags_say_otherwise():

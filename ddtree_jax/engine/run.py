@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import dispatch
 from ddtree_jax.checkpoint import Tokenizer, load_tokenizer
 from ddtree_jax.checkpoint.hf_config import parse_config, read_config
 from ddtree_jax.checkpoint.hf_weights import load_weights
@@ -63,7 +64,16 @@ def generate_static(
     )
 
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the --dtype choices of the CLI and benchmarks
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPE_CHOICES = dispatch.WEIGHT_DTYPES  # the --dtype choices of the CLI and benchmarks: "auto" or a DTYPES name
+
+
+def load_dtype(name: str):
+    """The `load_pair` dtype for a --dtype choice (`dispatch.weights_dtype`): a DTYPES value, or "auto"
+    (each checkpoint's stored dtype, `checkpoint.hf_weights.resolve_dtype`)."""
+    choice = dispatch.weights_dtype(name)
+    return "auto" if choice == "checkpoint" else DTYPES[choice]
+
 
 MAX_BUDGET = 1024  # the largest --budget accepted (a tree of N = budget + 1 slots per row and step)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>")
@@ -180,7 +190,8 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32, *, ch
     tokenizer is the target directory's (tokenizer.json or tiktoken.model; None without either).
     Both configs are read and checked against each other (`check_configs`) before any weight loads.
     check_finite: `load_weights`' check that every floating-point tensor of both checkpoints is finite
-    (CheckpointError naming the tensor and file otherwise; the CLI turns it on)."""
+    (CheckpointError naming the tensor and file otherwise; the CLI turns it on). dtype "auto": the target
+    checkpoint's stored dtype, for both (`load_dtype`)."""
     _check_directory(target_dir, "target")
     if drafter_dir:
         _check_directory(drafter_dir, "drafter")
@@ -200,6 +211,7 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32, *, ch
     target = target_module(target_config)
     drafter = None
     if drafter_config is not None:
+        dtype = target.embedding(target_params).dtype  # "auto" resolved by the target: one dtype for the pair
         drafter_params = load_weights(drafter_dir, drafter_config, dtype, check_finite=check_finite)
         drafter = DFlashDrafter(
             drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params)

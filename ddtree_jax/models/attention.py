@@ -99,7 +99,13 @@ def attention(
     Head dims that are not powers of two fall back to "xla" under "pallas" (split keys into parts and call
     `ddtree_kernels.tree_attention` directly, as the absorbed MLA does).
     """
-    choice = dispatch.attention_impl(impl, queries=q.shape[1], keys=k.shape[1])
+    choice = dispatch.attention_impl(
+        impl,
+        queries=q.shape[1],
+        keys=k.shape[1],
+        group=q.shape[2] // k.shape[2],
+        float32=q.dtype == jnp.float32 or k.dtype == jnp.float32,
+    )
     if choice == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
         return sharded_tree_attention((q,), (k,), v, mask, scale=scale)
     if choice == "blockwise":

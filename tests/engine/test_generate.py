@@ -381,9 +381,8 @@ def _num_accepted(trace, sampling):
     return {"num_accepted": jnp.where(trace.active, trace.result.num_accepted, -1)}
 
 
-@pytest.mark.parametrize("method", ["ddtree", "ar"])
-def test_several_steps_per_loop_iteration_change_nothing(method):
-    """DecodeOptions(steps_per_iteration=k): the same tokens, steps, acceptance and per-step records as one
+def test_several_steps_per_loop_iteration_change_nothing():
+    """DecodeOptions(steps_per_iteration=k), DDTree: the same tokens, steps, acceptance and per-step records as one
     step per iteration, rows of different lengths finishing at different steps (T = 1, so the step keys
     must line up too); k = 3 does not divide the number of steps, so steps run after every row is done."""
     from ddtree_jax.engine.generate import generate_recorded
@@ -392,7 +391,7 @@ def test_several_steps_per_loop_iteration_change_nothing(method):
     args = (
         TARGET,
         T_PARAMS,
-        DFLASH if method != "ar" else None,
+        DFLASH,
         jnp.asarray(PROMPTS),
         jnp.asarray(LENGTHS),
         SamplingParams.create(batch, temperature=1.0),
@@ -400,7 +399,7 @@ def test_several_steps_per_loop_iteration_change_nothing(method):
         jnp.full((batch, 1), -1, jnp.int32),
         jnp.array([9, 4, 7], jnp.int32),
     )
-    static = dict(recorder=_num_accepted, max_new_tokens=9, method=method, budget=6, block_size=5)
+    static = dict(recorder=_num_accepted, max_new_tokens=9, method="ddtree", budget=6, block_size=5)
     runs = {k: generate_recorded(*args, **static, options=DecodeOptions(steps_per_iteration=k)) for k in (1, 3)}
     (one, rec_one), (three, rec_three) = runs[1], runs[3]
     for field in ("tokens", "num_generated", "steps", "accepted"):
@@ -433,33 +432,30 @@ def _start(prompts, lengths, *, method, chunk, max_new=6, temperature=0.0):
     )
 
 
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_a_chunked_prefill_equals_the_whole_prompt_prefill(chunk):
+@pytest.mark.parametrize("chunk, method", [(1, "ar"), (4, "ddtree")])
+def test_a_chunked_prefill_equals_the_whole_prompt_prefill(chunk, method):
     """DecodeOptions(prefill_chunk=c): the prompt prefilled c tokens at a time (rows of lengths 6, 3 and 5,
     so chunk boundaries fall inside rows and rows finish in different chunks) gives the same committed
-    target K/V, drafter context, cache lengths and first token as one prefill, and the same generation."""
-    whole = _start(PROMPTS, LENGTHS, method="ddtree", chunk=100)  # longer than the prompt: one prefill
-    chunked = _start(PROMPTS, LENGTHS, method="ddtree", chunk=chunk)
+    target K/V, drafter context (DDTree), cache lengths and first token as one prefill, and the same
+    generation at T = 1."""
+    whole = _start(PROMPTS, LENGTHS, method=method, chunk=100)  # longer than the prompt: one prefill
+    chunked = _start(PROMPTS, LENGTHS, method=method, chunk=chunk)
     np.testing.assert_array_equal(np.asarray(chunked.bonus), np.asarray(whole.bonus))
-    for got, want in ((chunked.target_cache, whole.target_cache), (chunked.draft_state, whole.draft_state)):
+    caches = [(chunked.target_cache, whole.target_cache)]
+    if method == "ddtree":
+        caches.append((chunked.draft_state, whole.draft_state))
+    for got, want in caches:
         np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
         for b, n in enumerate(LENGTHS):  # the committed rows; rows past a row's length are scratch
             for field in ("k", "v"):
                 np.testing.assert_allclose(
                     np.asarray(getattr(got, field))[:, b, :n], np.asarray(getattr(want, field))[:, b, :n], atol=2e-5
                 )
-    for method in ("ddtree", "ar"):
-        want = _run(DFLASH, PROMPTS, LENGTHS, method=method, temperature=1.0, max_new=8)
-        got = _run(
-            DFLASH,
-            PROMPTS,
-            LENGTHS,
-            method=method,
-            temperature=1.0,
-            max_new=8,
-            options=DecodeOptions(prefill_chunk=chunk),
-        )
-        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    want = _run(DFLASH, PROMPTS, LENGTHS, method=method, temperature=1.0, max_new=8)
+    got = _run(
+        DFLASH, PROMPTS, LENGTHS, method=method, temperature=1.0, max_new=8, options=DecodeOptions(prefill_chunk=chunk)
+    )
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
 def test_a_chunked_prefill_takes_memory_linear_in_the_prompt():
