@@ -44,7 +44,7 @@ def _tree(batch, slots, depth, vocab, seed):
     return build_tree(draft, slots - 1)
 
 
-def pallas_verify_step(tree, logits, params, keys, *, skip_with_cond: bool) -> VerifyResult:
+def pallas_verify_step(tree, logits, params, keys, *, skip_with_cond: bool, layout: str = "auto") -> VerifyResult:
     """`verify_step(impl="pallas")` without a mesh, with the kernel's `skip_with_cond` chosen: the same key
     split, sibling order ("draft") and coins, `ddtree_kernels.tree_sampling.tree_sampling_from_logits` on logits
     [B, N, V], and its invalid rows masked -> VerifyResult [B, L + 1]."""
@@ -61,14 +61,18 @@ def pallas_verify_step(tree, logits, params, keys, *, skip_with_cond: bool) -> V
         draw_coins(split[:, 2], ()),
         max_accept=tree.max_depth,
         skip_with_cond=skip_with_cond,
+        layout=layout,
     )
     return mask_invalid_rows(VerifyResult(*arrays), slot_valid, tree)
 
 
-def verify_once(tree, logits, params, keys, *, impl: str, skip_with_cond: bool = True) -> VerifyResult:
-    """One verification: impl "xla" is `verify_step(impl="xla")`, "pallas" `pallas_verify_step`."""
+def verify_once(
+    tree, logits, params, keys, *, impl: str, skip_with_cond: bool = True, layout: str = "auto"
+) -> VerifyResult:
+    """One verification: impl "xla" is `verify_step(impl="xla")`, "pallas" `pallas_verify_step` with the
+    kernel's `layout` ("single": one program per row; "spans"; "auto")."""
     if impl == "pallas":
-        return pallas_verify_step(tree, logits, params, keys, skip_with_cond=skip_with_cond)
+        return pallas_verify_step(tree, logits, params, keys, skip_with_cond=skip_with_cond, layout=layout)
     return verify_step(tree, logits, params, keys, impl=impl)
 
 
@@ -78,40 +82,51 @@ MAX_ROTATE_BYTES = 8 * 2**30
 MAX_SETS = 64  # B = 1, N = 9, V = 151936 (2.7 MB a set) needs 56
 
 
-def input_sets(batch, slots, vocab, seed, tree, params):
+def input_sets(batch, slots, vocab, seed, tree, params, dtype=jnp.bfloat16):
     """Distinct (tree, logits, params, keys) sets that together exceed ROTATE_BYTES (at least 2): every timed
     call reads logits no earlier call read, so neither XLA (no loop-invariant work to hoist: each call is
     its own program run) nor the L2 cache can skip the vocabulary passes."""
-    one = batch * slots * vocab * 2
+    one = batch * slots * vocab * jnp.dtype(dtype).itemsize
     count = int(min(max(2, -(-ROTATE_BYTES // one)), max(2, MAX_ROTATE_BYTES // one), MAX_SETS))
     sets = []
     for r in range(count):
-        logits = jax.random.normal(jax.random.key(seed + 101 + r), (batch, slots, vocab), jnp.bfloat16) * 3
+        logits = jax.random.normal(jax.random.key(seed + 101 + r), (batch, slots, vocab), dtype) * 3
         keys = jax.random.split(jax.random.key(seed + 7 + r), batch)
         sets.append((tree, logits, params, keys))
     return sets
 
 
-def run_case(batch, slots, vocab, top_p, copy_bw, seed=0, skip_with_cond=True, runs=7):
+def column(layout: str) -> str:
+    """The result key prefix of the pallas path at a kernel layout."""
+    return "pallas" if layout == "auto" else f"pallas_{layout}"
+
+
+def run_case(batch, slots, vocab, top_p, copy_bw, seed=0, skip_with_cond=True, runs=7, layouts=("auto",), dtype=None):
+    """xla and pallas (per kernel layout: `pallas_us` for "auto", `pallas_<layout>_us` otherwise) on the same
+    rotating input sets; speedup and x_roofline are the first layout's."""
+    dtype = dtype or jnp.bfloat16
     depth = 8
     tree = _tree(batch, slots, depth, vocab, seed)
     params = SamplingParams.create(batch, temperature=1.0, top_p=top_p)
-    sets = input_sets(batch, slots, vocab, seed, tree, params)
-    out = {"B": batch, "N": slots, "V": vocab, "top_p": top_p, "input_sets": len(sets)}
+    sets = input_sets(batch, slots, vocab, seed, tree, params, dtype)
+    out = {"B": batch, "N": slots, "V": vocab, "top_p": top_p, "logits": jnp.dtype(dtype).name, "input_sets": len(sets)}
     pipeline = max(REPS, len(sets))
-    for impl in ("xla", "pallas"):
-        run = jax.jit(functools.partial(verify_once, impl=impl, skip_with_cond=skip_with_cond))
+    columns = [("xla", "xla", "auto")] + [(column(layout), "pallas", layout) for layout in layouts]
+    for name, impl, layout in columns:
+        run = jax.jit(functools.partial(verify_once, impl=impl, skip_with_cond=skip_with_cond, layout=layout))
         start = time.perf_counter()
         jax.block_until_ready(run(*sets[0]))
-        out[f"{impl}_compile_s"] = time.perf_counter() - start
+        out[f"{name}_compile_s"] = time.perf_counter() - start
         timing = time_calls(run, sets, runs=runs, warmup=len(sets), pipeline=pipeline)
-        out[f"{impl}_us"] = timing.median * 1e6
-        out[f"{impl}_timing"] = timing.summary_us()
+        out[f"{name}_us"] = timing.median * 1e6
+        out[f"{name}_timing"] = timing.summary_us()
+    first = columns[1][0]
     a = verify_once(*sets[0], impl="xla")
-    b = verify_once(*sets[0], impl="pallas", skip_with_cond=skip_with_cond)
+    b = verify_once(*sets[0], impl="pallas", skip_with_cond=skip_with_cond, layout=layouts[0])
     out["agree"] = float((np.asarray(a.tokens) == np.asarray(b.tokens)).all(axis=1).mean())
-    nbytes = batch * slots * vocab * 2
+    nbytes = batch * slots * vocab * jnp.dtype(dtype).itemsize
     out["roofline_us"] = nbytes / copy_bw * 1e6
+    out["pallas_us"] = out[f"{first}_us"]
     out["speedup"] = out["xla_us"] / out["pallas_us"]
     out["x_roofline"] = out["pallas_us"] / out["roofline_us"]
     return out
@@ -128,8 +143,15 @@ def main() -> None:
         action="store_true",
         help="launch unneeded search passes (rows inactive) instead of skipping them with lax.cond",
     )
+    parser.add_argument(
+        "--layouts",
+        default="auto",
+        help="the kernel's layouts to time side by side: auto, single (one program per row), spans",
+    )
+    parser.add_argument("--logit-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
     vocabs = [int(v) for v in args.vocabs.split(",")]
+    layouts = tuple(args.layouts.split(","))
     if args.cases:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
     elif args.quick:
@@ -142,11 +164,21 @@ def main() -> None:
     for vocab in vocabs:
         for batch, slots in cases:
             for top_p in (1.0, 0.9):
-                r = run_case(batch, slots, vocab, top_p, copy_bw, skip_with_cond=not args.no_cond)
+                r = run_case(
+                    batch,
+                    slots,
+                    vocab,
+                    top_p,
+                    copy_bw,
+                    skip_with_cond=not args.no_cond,
+                    layouts=layouts,
+                    dtype=jnp.dtype(args.logit_dtype),
+                )
                 rows.append(r)
+                extra = "".join(f"  {layout} {r[f'{column(layout)}_us']:8.1f} us" for layout in layouts[1:])
                 print(
-                    f"B={batch:3d} N={slots:4d} V={vocab} top_p={top_p}: xla {r['xla_us']:9.1f} us  "
-                    f"pallas {r['pallas_us']:8.1f} us  roofline {r['roofline_us']:7.1f} us  "
+                    f"B={batch:3d} N={slots:4d} V={vocab} {r['logits']} top_p={top_p}: xla {r['xla_us']:9.1f} us  "
+                    f"pallas {r['pallas_us']:8.1f} us{extra}  roofline {r['roofline_us']:7.1f} us  "
                     f"speedup {r['speedup']:6.1f}x  x_roofline {r['x_roofline']:5.1f}  agree {r['agree']:.3f}",
                     flush=True,
                 )

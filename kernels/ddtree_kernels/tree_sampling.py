@@ -39,6 +39,15 @@ long for one program to stream fast (one SM pulls ~100 GB/s), so every vocabular
   5 _residual_sums_kernel   (B, spans): residual mass of the final row per span (excluded tokens zeroed)
   6 _final_scan_kernel      (B, 1): the first CDF crossing inside the span XLA picked from 5's sums
 
+Small vocabularies (V <= SINGLE_PROGRAM_MAX_VOCAB, e.g. the embedded pair's 8,192): a span grid buys
+nothing there and its XLA combines cost a launch each (~90 launches a step with top-p on float32
+logits), so layout "single" runs one program per row for everything:
+
+  1' _single_row_stats_kernel (rows,): kernels 1-3 in one program (statistics, every search pass with
+                            its bracket update, the kept mass); the row is re-read from L1 / L2
+  4  _walk_kernel           (B, 1): as above
+  5' _final_single_kernel   (B,): kernels 5 and 6 in one program (the residual's sum, then the crossing)
+
 Numerics. The reference (`processed_probs_reference` + `walk_reference`) sorts and cumsums; these kernels
 reduce in another order, so a coin or a filter cut that lies within float32 rounding of a CDF bucket
 boundary may fall on the other side. Tests require >= 99.9% row agreement and check that every
@@ -63,6 +72,9 @@ STATS_BLOCK = 2048  # vocab elements per load: statistics and kept-mass passes
 SEARCH_BLOCK = 256  # vocab elements per load in a search pass ([block, 16] comparisons and accumulators)
 SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
 FINAL_BLOCK = 2048  # vocab elements per load in the final sample (a multiple of STATS_BLOCK's role: spans)
+SINGLE_PROGRAM_MAX_VOCAB = 16384  # layout "auto": one program per row ("single") up to this vocabulary
+SINGLE_PROGRAM_WARPS = 4  # warps of the single-program kernels
+LAYOUTS = ("auto", "single", "spans")
 
 _INT32_MIN = np.iinfo(np.int32).min
 _INT32_MAX = np.iinfo(np.int32).max
@@ -122,6 +134,63 @@ def _span_chunks(values_ref, row, span: int, block: int, vocab: int, other, base
 # --- kernel 1: partial statistics of a span (max, Z, argmax, min key, validity) ---------------------------
 
 
+def _span_stats(load, num_chunks: int, inv_t, vocab: int, shift: int):
+    """(max, Z = sum of exp((x - max) / T), first argmax, min logit_key, NaN / +inf flag) over the chunks of
+    `load`, with scalar carries: one exp per element. (Per-lane online-softmax accumulators need two exps
+    per element and measured 1.4-1.8x slower on the H200 at 6a31c0f.)"""
+
+    def body(c, carry):
+        m, z, arg, kmin, bad = carry
+        idx, in_row, x = load(c)
+        bad = jnp.maximum(bad, jnp.max((jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32)))
+        xs = jnp.where(jnp.isnan(x), -jnp.inf, x)
+        cmax = jnp.max(xs)
+        carg = jnp.min(jnp.where(xs == cmax, idx, vocab))
+        new_m = jnp.maximum(m, cmax)
+        finite = new_m > -jnp.inf
+        scale = jnp.where(finite & (m > -jnp.inf), jnp.exp((m - new_m) / inv_t), 0.0)
+        z = z * scale + jnp.sum(jnp.where(finite, jnp.exp((xs - new_m) / inv_t), 0.0))
+        arg = jnp.where(cmax > m, carg, arg)
+        kmin = jnp.minimum(kmin, jnp.min(jnp.where(in_row, logit_key(xs, shift), _INT32_MAX)))
+        return new_m, z, arg, kmin, bad
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(vocab), jnp.int32(_INT32_MAX), jnp.int32(0))
+    return lax.fori_loop(0, num_chunks, body, init)
+
+
+def _search_accumulate(load, num_chunks: int, mode: str, t, cut, m, inv_t, shift: int):
+    """One threshold-search pass over the chunks of `load` against thresholds t i32 [16]: "count" ->
+    (#{key >= t_j} f32 [16], 0); "mass" -> (sum of e over key > t_j and key >= cut [16], sum of e over
+    key >= cut)."""
+
+    def body(c, carry):  # [block, 16] per-lane accumulators, reduced once at the end
+        acc, total = carry
+        _, in_row, x = load(c)
+        key = jnp.where(in_row, logit_key(x, shift), _INT32_MIN)
+        if mode == "count":
+            return acc + (key[:, None] >= t[None, :]).astype(jnp.float32), total
+        e = jnp.where(in_row & (key >= cut) & (x > -jnp.inf), jnp.exp((x - m) / inv_t), 0.0)
+        return acc + jnp.where(key[:, None] > t[None, :], e[:, None], 0.0), total + e
+
+    acc, total = lax.fori_loop(
+        0,
+        num_chunks,
+        body,
+        (jnp.zeros((SEARCH_BLOCK, SEARCH_FANOUT), jnp.float32), jnp.zeros((SEARCH_BLOCK,), jnp.float32)),
+    )
+    return jnp.sum(acc, axis=0), jnp.sum(total)
+
+
+def _narrow(mode: str, t, ok, sat, lo, hi):
+    """The bracket (lo, hi] after one pass: thresholds rise with j, so "sat" is a prefix (top-k: keys still
+    leaving >= k tokens) or a suffix (top-p: keys whose upper mass is small); the bracket keeps the
+    boundary. Works on one row (t [16], lo []) or a batch (t [R, 16], lo [R])."""
+    lo_, hi_ = (lo, hi) if jnp.ndim(lo) == 0 else (lo[:, None], hi[:, None])
+    if mode == "count":
+        return jnp.max(jnp.where(sat, t, lo_), axis=-1), jnp.min(jnp.where(ok & ~sat, t, hi_), axis=-1)
+    return jnp.max(jnp.where(ok & ~sat, t, lo_), axis=-1), jnp.min(jnp.where(sat, t, hi_), axis=-1)
+
+
 def _partial_stats_kernel(
     temp_ref,  # f32 []: this row's temperature (0 = greedy: Z is computed at T = 1, unused)
     logits_ref,  # [V] bf16 / f32: the row
@@ -139,26 +208,7 @@ def _partial_stats_kernel(
     base = pl.program_id(1) * span
     inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
     load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
-
-    # per-chunk reductions with scalar carries: one exp per element. (Per-lane online-softmax
-    # accumulators need two exps per element and measured 1.4-1.8x slower on the H200 at 6a31c0f.)
-    def body(c, carry):
-        m, z, arg, kmin, bad = carry
-        idx, in_row, x = load(c)
-        bad = jnp.maximum(bad, jnp.max((jnp.isnan(x) | (x == jnp.inf)).astype(jnp.int32)))
-        xs = jnp.where(jnp.isnan(x), -jnp.inf, x)
-        cmax = jnp.max(xs)
-        carg = jnp.min(jnp.where(xs == cmax, idx, vocab))
-        new_m = jnp.maximum(m, cmax)
-        finite = new_m > -jnp.inf
-        scale = jnp.where(finite & (m > -jnp.inf), jnp.exp((m - new_m) / inv_t), 0.0)
-        z = z * scale + jnp.sum(jnp.where(finite, jnp.exp((xs - new_m) / inv_t), 0.0))
-        arg = jnp.where(cmax > m, carg, arg)
-        kmin = jnp.minimum(kmin, jnp.min(jnp.where(in_row, logit_key(xs, shift), _INT32_MAX)))
-        return new_m, z, arg, kmin, bad
-
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(vocab), jnp.int32(_INT32_MAX), jnp.int32(0))
-    m, z, arg, kmin, bad = lax.fori_loop(0, num_chunks, body, init)
+    m, z, arg, kmin, bad = _span_stats(load, num_chunks, inv_t, vocab, shift)
     max_ref[...] = m
     z_ref[...] = z
     argmax_ref[...] = arg
@@ -196,20 +246,7 @@ def _search_pass_kernel(
         m = max_ref[...]
         inv_t = jnp.where(temp_ref[...] == 0.0, 1.0, temp_ref[...])
         load, num_chunks = _span_chunks(logits_ref, None, span, block, vocab, -jnp.inf, base)
-
-        def body(c, carry):  # [block, 16] per-lane accumulators, reduced once at the end
-            acc, total = carry
-            _, in_row, x = load(c)
-            key = jnp.where(in_row, logit_key(x, shift), _INT32_MIN)
-            if mode == "count":
-                return acc + (key[:, None] >= t[None, :]).astype(jnp.float32), total
-            e = jnp.where(in_row & (key >= cut) & (x > -jnp.inf), jnp.exp((x - m) / inv_t), 0.0)
-            return acc + jnp.where(key[:, None] > t[None, :], e[:, None], 0.0), total + e
-
-        acc, total = lax.fori_loop(
-            0, num_chunks, body, (jnp.zeros((block, SEARCH_FANOUT), jnp.float32), jnp.zeros((block,), jnp.float32))
-        )
-        acc, total = jnp.sum(acc, axis=0), jnp.sum(total)
+        acc, total = _search_accumulate(load, num_chunks, mode, t, cut, m, inv_t, shift)
         out_ref[...] = acc
         total_ref[...] = total
 
@@ -249,6 +286,118 @@ def _kept_mass_kernel(
         z_ref[...] = jnp.sum(lax.fori_loop(0, num_chunks, body, jnp.zeros((block,), jnp.float32)))
 
 
+# --- kernel 1': one program per row, kernels 1-3 fused (layout "single") -------------------------------------------
+
+
+def _single_row_stats_kernel(
+    temp_ref,  # f32 []: this row's temperature (0 = greedy)
+    top_k_ref,  # f32 []: top-k (0 = off)
+    top_p_ref,  # f32 []: top-p (1 = off)
+    min_p_ref,  # f32 []: min-p (0 = off)
+    logits_ref,  # [V] bf16 / f32: the row
+    max_ref,  # out f32 []
+    z_ref,  # out f32 []
+    min_e_ref,  # out f32 []
+    cut_ref,  # out i32 []
+    argmax_ref,  # out i32 []
+    valid_ref,  # out i32 []  (the fields of `row_stats`)
+    *,
+    vocab: int,
+    shift: int,
+    passes: int,
+):
+    temperature, top_p, min_p = temp_ref[...], top_p_ref[...], min_p_ref[...]
+    top_k = top_k_ref[...].astype(jnp.int32)
+    greedy = temperature == 0.0
+    inv_t = jnp.where(greedy, 1.0, temperature)
+    stats_span = pl.cdiv(vocab, STATS_BLOCK) * STATS_BLOCK
+    load, num_chunks = _span_chunks(logits_ref, None, stats_span, STATS_BLOCK, vocab, -jnp.inf, 0)
+    m_row, z, argmax, kmin, bad = _span_stats(load, num_chunks, inv_t, vocab, shift)
+    valid = (bad == 0) & (m_row > -jnp.inf)
+    m = jnp.where(valid, m_row, 0.0)
+    z = jnp.where(m_row > -jnp.inf, z * jnp.exp((m_row - m) / inv_t), 0.0)  # one span of `row_stats`' combine
+    kmax = logit_key(m, shift)
+    topk_on = valid & ~greedy & (top_k > 0) & (top_k < vocab)
+    topp_on = valid & ~greedy & (top_p < 1.0)
+    min_e = jnp.where(valid & ~greedy, min_p, 0.0)
+    any_filter = valid & ~greedy & (topk_on | topp_on | (min_p > 0))
+    search_span = pl.cdiv(vocab, SEARCH_BLOCK) * SEARCH_BLOCK
+    search_load, search_chunks = _span_chunks(logits_ref, None, search_span, SEARCH_BLOCK, vocab, -jnp.inf, 0)
+
+    def search(mode, active, lo, hi, cut, threshold_fn):
+        def one_pass(_, bracket):
+            lo, hi = bracket
+            t, ok = _thresholds(lo, hi)
+            values, total = _search_accumulate(search_load, search_chunks, mode, t, cut, m, inv_t, shift)
+            new_lo, new_hi = _narrow(mode, t, ok, ok & threshold_fn(values, total), lo, hi)
+            running = (hi - lo) != 1
+            return jnp.where(running, new_lo, lo), jnp.where(running, new_hi, hi)
+
+        return lax.fori_loop(0, jnp.where(active, passes, 0), one_pass, (lo, hi))
+
+    cut_k, _ = search(
+        "count",
+        topk_on,
+        jnp.where(topk_on, kmin, _INT32_MIN),
+        kmax + 1,
+        jnp.int32(_INT32_MIN),
+        lambda counts, _: counts >= top_k.astype(jnp.float32),
+    )
+    cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
+    _, cut_p = search(
+        "mass",
+        topp_on,
+        jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1,
+        kmax,
+        cut_k,
+        lambda masses, zk: masses < top_p * zk,
+    )
+    cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
+
+    def kept(c, acc):
+        _, in_row, x = load(c)
+        e = jnp.where(x > -jnp.inf, jnp.exp((x - m) / inv_t), 0.0)
+        return acc + jnp.where(in_row & (logit_key(x, shift) >= cut) & (e >= min_e), e, 0.0)
+
+    kept_z = jnp.sum(
+        lax.fori_loop(0, jnp.where(any_filter, num_chunks, 0), kept, jnp.zeros((STATS_BLOCK,), jnp.float32))
+    )
+    max_ref[...] = m
+    z_ref[...] = jnp.where(any_filter, kept_z, z)
+    min_e_ref[...] = min_e
+    cut_ref[...] = cut
+    argmax_ref[...] = argmax
+    valid_ref[...] = valid.astype(jnp.int32)
+
+
+def _single_row_stats(logits, params_rows, *, shift: int, passes: int, interpret: bool) -> dict:
+    rows, vocab = logits.shape
+    scalar = pl.BlockSpec((None,), lambda r: (r,))
+    names = ("max", "z", "min_e", "cut", "argmax", "valid")
+    dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 3
+    outs = pl.pallas_call(
+        functools.partial(_single_row_stats_kernel, vocab=vocab, shift=shift, passes=passes),
+        grid=(rows,),
+        in_specs=[scalar] * 4 + [pl.BlockSpec((None, vocab), lambda r: (r, 0))],
+        out_specs=[scalar] * 6,
+        out_shape=[jax.ShapeDtypeStruct((rows,), d) for d in dtypes],
+        compiler_params=plgpu.CompilerParams(num_warps=SINGLE_PROGRAM_WARPS, num_stages=2),
+        interpret=interpret,
+        name="tree_sampling_single_row_stats",
+    )(*(params_rows[:, i] for i in range(4)), logits)
+    return dict(zip(names, outs))
+
+
+def resolve_layout(layout: str, vocab: int) -> str:
+    """ "single" (one program per row) or "spans" (a (row, span) grid with XLA combines) for rows of
+    `vocab` logits: "auto" is "single" up to SINGLE_PROGRAM_MAX_VOCAB."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout != "auto":
+        return layout
+    return "single" if vocab <= SINGLE_PROGRAM_MAX_VOCAB else "spans"
+
+
 def _row_scalar_specs(count: int):
     return [pl.BlockSpec((None,), lambda r, s: (r,))] * count
 
@@ -267,7 +416,12 @@ def _grid_call(kernel, rows, splits, in_specs, out_specs, out_shape, name, inter
 
 
 def row_stats(
-    logits: jax.Array, params_rows: jax.Array, *, interpret: bool | None = None, skip_with_cond: bool = True
+    logits: jax.Array,
+    params_rows: jax.Array,
+    *,
+    interpret: bool | None = None,
+    skip_with_cond: bool = True,
+    layout: str = "auto",
 ) -> dict:
     """Per-row statistics of logits [R, V] (bf16 / f32) under per-row params f32 [R, 4]
     (temperature, top_k, top_p, min_p) -> dict of [R] arrays:
@@ -283,7 +437,8 @@ def row_stats(
     bf16 keys, 8 for float32) each one pallas_call over (row, span) with the bracket updated in between,
     then the kept mass. Rows that do not filter skip the passes inside the kernels; a batch in which no
     row filters skips them all (one lax.cond; skip_with_cond=False launches them regardless, with every row
-    inactive: `benchmarks/bench_tree_sampling.py --no-cond` measures that).
+    inactive: `benchmarks/bench_tree_sampling.py --no-cond` measures that). layout "single" (`resolve_layout`)
+    runs all of it in one program per row (kernel 1'), the same statistics.
     """
     rows, vocab = logits.shape
     if logits.dtype not in (jnp.bfloat16, jnp.float32):
@@ -291,6 +446,8 @@ def row_stats(
     shift = 16 if logits.dtype == jnp.bfloat16 else 0
     passes = 4 if shift else 8  # 16 or 32 key bits, 4 bits per pass
     interpret = default_interpret(interpret)
+    if resolve_layout(layout, vocab) == "single":
+        return _single_row_stats(logits, params_rows, shift=shift, passes=passes, interpret=interpret)
     splits, span = _split(vocab, rows, STATS_BLOCK)
     temperature, top_k, top_p, min_p = (params_rows[:, i] for i in range(4))
     top_k = top_k.astype(jnp.int32)
@@ -344,14 +501,7 @@ def row_stats(
                 t, ok = jax.vmap(_thresholds)(lo, hi)
                 values, totals = call(running.astype(jnp.int32), t, cut, m, temperature, logits)
                 sat = ok & threshold_fn(values.sum(axis=1), totals.sum(axis=1))
-                # thresholds rise with j: "sat" is a suffix (top-p: keys whose upper mass is small) or a
-                # prefix (top-k: keys still leaving >= k tokens); the bracket keeps the boundary
-                if mode == "count":
-                    new_lo = jnp.max(jnp.where(sat, t, lo[:, None]), axis=1)
-                    new_hi = jnp.min(jnp.where(ok & ~sat, t, hi[:, None]), axis=1)
-                else:
-                    new_hi = jnp.min(jnp.where(sat, t, hi[:, None]), axis=1)
-                    new_lo = jnp.max(jnp.where(ok & ~sat, t, lo[:, None]), axis=1)
+                new_lo, new_hi = _narrow(mode, t, ok, sat, lo, hi)
                 lo, hi = jnp.where(running, new_lo, lo), jnp.where(running, new_hi, hi)
             return lo, hi
 
@@ -598,8 +748,94 @@ def _final_scan_kernel(*refs, mode: str, vocab: int, span: int, block: int):
         token_ref[...] = jnp.where(found, first, vocab)
 
 
-def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, threshold_single, threshold_acc, interpret):
-    """Kernel 4 (grid (B, 1)), kernel 5 (grid (B, splits)), the crossing span in XLA, kernel 6 (grid (B, 1))."""
+def _final_single_kernel(*refs, mode: str, vocab: int, span: int, block: int):
+    # refs: as kernel 5, then coin f32 []; out: token i32 [] (vocab = no crossing found), last positive index
+    # i32 [] of the residual (-1 = none). Kernels 5 and 6 in one program over the whole row (layout "single").
+    walk_ref, excl_ref, values_ref, stats, (coin_ref, token_ref, last_ref) = _final_refs(refs, mode)
+    token_ref[...] = jnp.int32(vocab)
+    last_ref[...] = jnp.int32(-1)
+
+    def sample():
+        residual, num_chunks = _residual_loader(
+            mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block, vocab, 0
+        )
+
+        def sums(c, carry):
+            total, last = carry
+            idx, res = residual(c)
+            return total + res, jnp.maximum(last, jnp.where(res > 0, idx, -1))
+
+        total, last = lax.fori_loop(
+            0, num_chunks, sums, (jnp.zeros((block,), jnp.float32), jnp.full((block,), -1, jnp.int32))
+        )
+        u = coin_ref[...] * jnp.sum(total)
+
+        def cond(state):
+            c, _, found, _ = state
+            return (c < num_chunks) & ~found
+
+        def scan(state):
+            c, running, _, _ = state
+            idx, res = residual(c)
+            cdf = running + jnp.cumsum(res)
+            first = jnp.min(jnp.where((res > 0) & (cdf > u), idx, vocab))
+            return c + 1, running + jnp.sum(res), first < vocab, first
+
+        _, _, found, first = lax.while_loop(
+            cond, scan, (jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), jnp.int32(vocab))
+        )
+        token_ref[...] = jnp.where(found, first, vocab)
+        last_ref[...] = jnp.max(last)
+
+    if mode == "logits":
+        pl.when(stats[5] != 0.0)(sample)  # greedy rows: the final token is the argmax, no scan
+    else:
+        sample()
+
+
+def _final_spans(final_specs, final_inputs, final_coins, batch, vocab, params, interpret):
+    """Layout "spans": kernel 5 over (B, splits), the crossing span in XLA, kernel 6 over (B, 1) -> (token
+    i32 [B] (vocab = none found), last positive index i32 [B])."""
+    splits, span = _split(vocab, batch, FINAL_BLOCK)
+    compiler = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    part = pl.BlockSpec((None, None), lambda b, s: (b, s))
+    sums, last = pl.pallas_call(
+        functools.partial(_residual_sums_kernel, span=span, block=FINAL_BLOCK, **params),
+        grid=(batch, splits),
+        in_specs=final_specs,
+        out_specs=[part, part],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, splits), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits), jnp.int32),
+        ],
+        compiler_params=compiler,
+        interpret=interpret,
+        name=f"tree_sampling_residual_{params['mode']}",
+    )(*final_inputs)
+    u = final_coins * sums.sum(axis=1)
+    upper = jnp.cumsum(sums, axis=1)
+    crossing = (upper > u[:, None]) & (sums > 0)
+    split = jnp.where(crossing.any(axis=1), jnp.argmax(crossing, axis=1), -1).astype(jnp.int32)
+    before = jnp.take_along_axis(upper - sums, jnp.maximum(split, 0)[:, None], axis=1)[:, 0]
+    scalar = pl.BlockSpec((None,), lambda b, s: (b,))
+    token = pl.pallas_call(
+        functools.partial(_final_scan_kernel, span=span, block=FINAL_BLOCK, **params),
+        grid=(batch, 1),
+        in_specs=final_specs + [scalar] * 3,
+        out_specs=scalar,
+        out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        compiler_params=compiler,
+        interpret=interpret,
+        name=f"tree_sampling_final_{params['mode']}",
+    )(*final_inputs, split, before, u)
+    return token, last.max(axis=1)
+
+
+def _walk(
+    mode, lists, coins, final_coins, values, extra, *, max_accept, threshold_single, threshold_acc, interpret, layout
+):
+    """Kernel 4 (grid (B, 1)), then layout "spans": kernel 5 (grid (B, splits)), the crossing span in XLA,
+    kernel 6 (grid (B, 1)); layout "single": kernel 5' (grid (B, 1))."""
     candidates, next_token, next_sibling = lists
     batch, slots, vocab = values.shape
     steps = max_accept + 1
@@ -649,45 +885,28 @@ def _walk(mode, lists, coins, final_coins, values, extra, *, max_accept, thresho
         name=f"tree_sampling_walk_{mode}",
     )(*walk_inputs)
 
-    splits, span = _split(vocab, batch, FINAL_BLOCK)
     final_specs = [
         pl.BlockSpec((None, 4), lambda b, s: (b, 0)),
         pl.BlockSpec((None, n_pad), lambda b, s: (b, 0)),
     ] + value_specs
     final_inputs = [walk, excl] + value_inputs
-    part = pl.BlockSpec((None, None), lambda b, s: (b, s))
-    sums, last = pl.pallas_call(
-        functools.partial(_residual_sums_kernel, span=span, block=FINAL_BLOCK, **params),
-        grid=(batch, splits),
-        in_specs=final_specs,
-        out_specs=[part, part],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, splits), jnp.float32),
-            jax.ShapeDtypeStruct((batch, splits), jnp.int32),
-        ],
-        compiler_params=compiler,
-        interpret=interpret,
-        name=f"tree_sampling_residual_{mode}",
-    )(*final_inputs)
-    u = final_coins * sums.sum(axis=1)
-    upper = jnp.cumsum(sums, axis=1)
-    crossing = (upper > u[:, None]) & (sums > 0)
-    split = jnp.where(crossing.any(axis=1), jnp.argmax(crossing, axis=1), -1).astype(jnp.int32)
-    before = jnp.take_along_axis(upper - sums, jnp.maximum(split, 0)[:, None], axis=1)[:, 0]
-    scalar = pl.BlockSpec((None,), lambda b, s: (b,))
-    token = pl.pallas_call(
-        functools.partial(_final_scan_kernel, span=span, block=FINAL_BLOCK, **params),
-        grid=(batch, 1),
-        in_specs=final_specs + [scalar] * 3,
-        out_specs=scalar,
-        out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32),
-        compiler_params=compiler,
-        interpret=interpret,
-        name=f"tree_sampling_final_{mode}",
-    )(*final_inputs, split, before, u)
-
+    if resolve_layout(layout, vocab) == "single":
+        scalar = pl.BlockSpec((None,), lambda b, s: (b,))
+        token, last_positive = pl.pallas_call(
+            functools.partial(
+                _final_single_kernel, span=pl.cdiv(vocab, FINAL_BLOCK) * FINAL_BLOCK, block=FINAL_BLOCK, **params
+            ),
+            grid=(batch, 1),
+            in_specs=final_specs + [scalar],
+            out_specs=[scalar, scalar],
+            out_shape=[jax.ShapeDtypeStruct((batch,), jnp.int32)] * 2,
+            compiler_params=plgpu.CompilerParams(num_warps=SINGLE_PROGRAM_WARPS, num_stages=2),
+            interpret=interpret,
+            name=f"tree_sampling_final_single_{mode}",
+        )(*final_inputs, final_coins)
+    else:
+        token, last_positive = _final_spans(final_specs, final_inputs, final_coins, batch, vocab, params, interpret)
     num_accepted, final_row, last_rejected = walk[:, 0], walk[:, 1], walk[:, 3]
-    last_positive = last.max(axis=1)
     # no crossing (u at the very top of the CDF, rounding): the last token with mass, else the walk's fallbacks
     final = jnp.where(
         token < vocab,
@@ -765,7 +984,7 @@ def _check_common(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "layout"))
 def _from_probs_jit(
     candidates,
     next_token,
@@ -778,6 +997,7 @@ def _from_probs_jit(
     threshold_single,
     threshold_acc,
     interpret,
+    layout,
 ):
     return _walk(
         "probs",
@@ -790,6 +1010,7 @@ def _from_probs_jit(
         threshold_single=threshold_single,
         threshold_acc=threshold_acc,
         interpret=interpret,
+        layout=layout,
     )
 
 
@@ -805,12 +1026,14 @@ def tree_sampling_from_probs(
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     interpret: bool | None = None,
+    layout: str = "auto",
 ):
     """Mode (a): the walk over processed probabilities (`walk_reference`'s arguments: candidates /
     next_token / next_sibling int32 [B, N], target_probs f32 [B, N, V], coins f32 [B, N], final_coins
     f32 [B]; static max_accept and thresholds) -> (accept_index int32 [B, S], num_accepted int32 [B],
     tokens int32 [B, S]), S = max_accept + 1. Sibling tokens must be distinct (the library's
-    `verify_sampling` checks concrete inputs)."""
+    `verify_sampling` checks concrete inputs). layout: the final sample's "single" / "spans" / "auto"
+    (`resolve_layout`)."""
     _check_common(
         candidates,
         next_token,
@@ -833,6 +1056,7 @@ def tree_sampling_from_probs(
         threshold_single=float(threshold_single),
         threshold_acc=float(threshold_acc),
         interpret=default_interpret(interpret),
+        layout=layout,
     )
 
 
@@ -868,7 +1092,8 @@ def params_rows(sampling_params: jax.Array, slots: int) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "skip_with_cond")
+    jax.jit,
+    static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "skip_with_cond", "layout"),
 )
 def _from_logits_jit(
     candidates,
@@ -884,6 +1109,7 @@ def _from_logits_jit(
     threshold_acc,
     interpret,
     skip_with_cond,
+    layout,
 ):
     batch, slots, vocab = logits.shape
     stats = row_stats(
@@ -891,6 +1117,7 @@ def _from_logits_jit(
         params_rows(sampling_params, slots),
         interpret=interpret,
         skip_with_cond=skip_with_cond,
+        layout=layout,
     )
     accept, num_accepted, tokens = _walk(
         "logits",
@@ -903,6 +1130,7 @@ def _from_logits_jit(
         threshold_single=threshold_single,
         threshold_acc=threshold_acc,
         interpret=interpret,
+        layout=layout,
     )
     return accept, num_accepted, tokens, stats["valid"].reshape(batch, slots).astype(bool)
 
@@ -929,6 +1157,7 @@ def tree_sampling_from_logits(
     threshold_acc: float = 1.0,
     interpret: bool | None = None,
     skip_with_cond: bool = True,
+    layout: str = "auto",
 ):
     """Mode (b): fused from raw logits [B, N, V] (bf16 / f32) and per-row settings sampling_params f32 [B, 4]
     (temperature, top_k, top_p, min_p; the library's `SamplingParams.as_rows()`).
@@ -936,7 +1165,8 @@ def tree_sampling_from_logits(
     Returns (accept_index int32 [B, S], num_accepted int32 [B], tokens int32 [B, S], valid bool [B, N]).
     Where a slot's logits hold NaN / +inf or are all -inf, `valid` is False; the caller (`verify_step`)
     turns rows with an invalid reachable slot into invalid rows, exactly as for the reference path.
-    skip_with_cond: skip the filter passes with one lax.cond when no row filters (`row_stats`).
+    skip_with_cond: skip the filter passes with one lax.cond when no row filters (`row_stats`, layout
+    "spans"). layout: "single" (one program per row), "spans" or "auto" (`resolve_layout`).
     """
     _check_common(
         candidates,
@@ -965,6 +1195,7 @@ def tree_sampling_from_logits(
         threshold_acc=float(threshold_acc),
         interpret=default_interpret(interpret),
         skip_with_cond=bool(skip_with_cond),
+        layout=layout,
     )
 
 

@@ -94,8 +94,11 @@ def _assert_agreement(got, ref, explain, min_share=0.999):
 # --- row statistics ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", ["single", "spans"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_row_stats_match_the_sorting_reference(dtype):
+def test_row_stats_match_the_sorting_reference(dtype, layout):
+    """Both layouts (one program per row; a (row, span) grid with XLA combines) against the sorting
+    reference, on rows with masked tokens, ties at the cut, NaN / inf / all -inf rows and flat rows."""
     rng = np.random.default_rng(7)
     rows, vocab = 40, 700
     x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
@@ -116,7 +119,7 @@ def test_row_stats_match_the_sorting_reference(dtype):
     ).astype(np.float32)
     p[4] = [1.0, 0, 0.5, 0]  # ties at the top-p cut
     logits = jnp.asarray(x, dtype)
-    got = row_stats(logits, jnp.asarray(p))
+    got = row_stats(logits, jnp.asarray(p), layout=layout)
     ref = row_stats_reference(logits, jnp.asarray(p))
     for name in ("valid", "argmax", "max", "cut", "min_e"):
         valid = np.asarray(ref["valid"]).astype(bool)
@@ -145,13 +148,13 @@ def test_logit_key_orders_like_the_floats():
 # --- mode (a): from processed probabilities -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("order", ["draft", "random"])
-def test_from_probs_agrees_with_verify_sampling(order):
+@pytest.mark.parametrize("order, layout", [("draft", "single"), ("random", "spans")])
+def test_from_probs_agrees_with_verify_sampling(order, layout):
     batch, depth, vocab, budget = 192, 4, 1000, 20
     tree, nxt, sib, target, coins, final, rng = _inputs(1, batch, depth, vocab, budget, order=order)
     params = _random_params(rng, batch)
     probs = processed_probs(target, params)
-    got = tree_sampling_from_probs(tree.tokens, nxt, sib, probs, coins, final, max_accept=depth)
+    got = tree_sampling_from_probs(tree.tokens, nxt, sib, probs, coins, final, max_accept=depth, layout=layout)
     ref = verify_sampling(tree.tokens, nxt, sib, probs, coins, final, max_accept=depth)
     # the walk reads the same float32 values in the same order: acceptance is bit-identical
     np.testing.assert_array_equal(np.asarray(got.accept_index), np.asarray(ref.accept_index))
@@ -249,12 +252,14 @@ def test_spec_boundary_cases():
 # --- mode (b): fused from logits ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_from_logits_agrees_with_the_reference_pipeline(dtype):
+@pytest.mark.parametrize("dtype, layout", [(jnp.float32, "single"), (jnp.bfloat16, "single"), (jnp.float32, "spans")])
+def test_from_logits_agrees_with_the_reference_pipeline(dtype, layout):
     batch, depth, vocab, budget = 256, 4, 1000, 16
     tree, nxt, sib, target, coins, final, rng = _inputs(2, batch, depth, vocab, budget, dtype=dtype)
     params = _random_params(rng, batch)
-    got, valid = tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
+    got, valid = tree_sampling_from_logits(
+        tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth, layout=layout
+    )
     ref, ref_valid = tree_sampling_from_logits_reference(
         tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth
     )
@@ -384,6 +389,10 @@ def test_bad_inputs_are_named():
         tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins[:, :2], final, max_accept=2)
     with pytest.raises(ValueError, match=r"sampling_params must be f32 \[B, 4\] = \(2, 4\)"):
         tree_sampling_from_logits(tree.tokens, nxt, sib, target, SamplingParams.create(3), coins, final, max_accept=2)
+    with pytest.raises(ValueError, match="layout must be one of .* got 'grid'"):
+        tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins, final, max_accept=2, layout="grid")
+    assert tree_sampling.resolve_layout("auto", tree_sampling.SINGLE_PROGRAM_MAX_VOCAB) == "single"
+    assert tree_sampling.resolve_layout("auto", tree_sampling.SINGLE_PROGRAM_MAX_VOCAB + 1) == "spans"
 
 
 def test_params_rows_repeat_per_slot():
