@@ -325,15 +325,21 @@ def _single_row_stats_kernel(
     search_load, search_chunks = _span_chunks(logits_ref, None, search_span, SEARCH_BLOCK, vocab, -jnp.inf, 0)
 
     def search(mode, active, lo, hi, cut, threshold_fn):
-        def one_pass(_, bracket):
-            lo, hi = bracket
+        # a while loop, not a fori_loop with a traced trip count (Triton's scf.for rejects its bound types);
+        # it also stops once the bracket is one key wide
+        def more(state):
+            i, lo, hi = state
+            return active & (i < passes) & ((hi - lo) != 1)
+
+        def one_pass(state):
+            i, lo, hi = state
             t, ok = _thresholds(lo, hi)
             values, total = _search_accumulate(search_load, search_chunks, mode, t, cut, m, inv_t, shift)
             new_lo, new_hi = _narrow(mode, t, ok, ok & threshold_fn(values, total), lo, hi)
-            running = (hi - lo) != 1
-            return jnp.where(running, new_lo, lo), jnp.where(running, new_hi, hi)
+            return i + 1, new_lo, new_hi
 
-        return lax.fori_loop(0, jnp.where(active, passes, 0), one_pass, (lo, hi))
+        _, lo, hi = lax.while_loop(more, one_pass, (jnp.int32(0), lo, hi))
+        return lo, hi
 
     cut_k, _ = search(
         "count",
@@ -354,14 +360,16 @@ def _single_row_stats_kernel(
     )
     cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
 
-    def kept(c, acc):
+    def kept(state):
+        c, acc = state
         _, in_row, x = load(c)
         e = jnp.where(x > -jnp.inf, jnp.exp((x - m) / inv_t), 0.0)
-        return acc + jnp.where(in_row & (logit_key(x, shift) >= cut) & (e >= min_e), e, 0.0)
+        return c + 1, acc + jnp.where(in_row & (logit_key(x, shift) >= cut) & (e >= min_e), e, 0.0)
 
-    kept_z = jnp.sum(
-        lax.fori_loop(0, jnp.where(any_filter, num_chunks, 0), kept, jnp.zeros((STATS_BLOCK,), jnp.float32))
+    _, kept_e = lax.while_loop(
+        lambda state: any_filter & (state[0] < num_chunks), kept, (jnp.int32(0), jnp.zeros((STATS_BLOCK,), jnp.float32))
     )
+    kept_z = jnp.sum(kept_e)
     max_ref[...] = m
     z_ref[...] = jnp.where(any_filter, kept_z, z)
     min_e_ref[...] = min_e
