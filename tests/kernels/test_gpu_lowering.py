@@ -29,14 +29,25 @@ def hopper(monkeypatch):
     monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(get_gpu_info=lambda: info))
 
 
+KERNELS_BY_LAYOUT = {  # the pallas_call names of each layout of ddtree_kernels.tree_sampling
+    "spans": (
+        ("partial_stats", "search_count", "search_mass", "kept_mass", "walk_logits", "residual_logits", "final_logits"),
+        ("walk_probs", "residual_probs", "final_probs"),
+    ),
+    "single": (("single_row_stats", "walk_logits", "final_single_logits"), ("walk_probs", "final_single_probs")),
+}
+
+
+@pytest.mark.parametrize("layout, vocab", [("spans", 163840), ("single", 8192)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
+def test_tree_sampling_kernels_lower_for_triton(hopper, dtype, layout, vocab):
     from ddtree_kernels.tree_sampling import _from_logits_jit, _from_probs_jit
 
-    batch, slots, vocab = 2, 17, 163840
+    batch, slots = 2, 17
     lists = (spec((batch, slots), jnp.int32),) * 3
     coins = (spec((batch, slots)), spec((batch,)))
-    static = dict(max_accept=8, threshold_single=1.0, threshold_acc=1.0, interpret=False)
+    static = dict(max_accept=8, threshold_single=1.0, threshold_acc=1.0, interpret=False, layout=layout)
+    from_logits, from_probs = KERNELS_BY_LAYOUT[layout]
     text = (
         _from_logits_jit.trace(
             *lists, spec((batch, slots, vocab), dtype), spec((batch, 4)), *coins, **static, skip_with_cond=True
@@ -44,22 +55,15 @@ def test_tree_sampling_kernels_lower_for_triton(hopper, dtype):
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    for name in (
-        "partial_stats",
-        "search_count",
-        "search_mass",
-        "kept_mass",
-        "walk_logits",
-        "residual_logits",
-        "final_logits",
-    ):
+    for name in from_logits:
         assert f"tree_sampling_{name}" in text, name
+    assert ("tree_sampling_partial_stats" in text) == (layout == "spans")
     text = (
         _from_probs_jit.trace(*lists, spec((batch, slots, vocab), jnp.float32), *coins, **static)
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    for name in ("walk_probs", "residual_probs", "final_probs"):
+    for name in from_probs:
         assert f"tree_sampling_{name}" in text, name
 
 
