@@ -160,7 +160,7 @@ def _sampling(args: argparse.Namespace) -> dict:
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
-        options=DecodeOptions(order=args.order),
+        options=DecodeOptions(order=args.order, prefill_chunk=args.prefill_chunk),
     )
 
 
@@ -443,6 +443,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--order", default="draft", choices=["draft", "reverse", "random"], help="sibling verification order"
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        help="prompt tokens per prefill chunk (default 0: auto, chunks of 2,048 beyond 2,048 tokens)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
     parser.add_argument(
         "--profile",

@@ -9,6 +9,10 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               AUTO_PALLAS_MAX_F32_ROWS query rows per KV head (the embedded pair in float32: 1.2-1.8x XLA at
               2 x 16 rows, 0.19-0.26x at 2 x 17); absorbed MLA and longer blocks (prefill): XLA (the Triton
               kernel reaches 30-56 TFLOP/s on MLA, 0.2-0.7x XLA).
+  MLA form    absorbed MLA (attention over the latent cache, W_UK folded into the queries) for decode and
+              verify; the expanded form (per-head keys and values from the latent, one key block at a
+              time) for prefill chunks long enough that it needs fewer FLOPs (`mla_form`: more than ~171
+              queries at K2's shape, by FLOP count; not measured on the GPU yet).
   matmul      quantised weights (INT4, block FP8) at <= AUTO_PALLAS_MAX_ROWS rows: the weight-streaming
               kernel (1.2-3.4x dequantise + XLA at M = 1-17; 0.25-0.64x at M = 65-257 on INT4); bf16
               weights: XLA (the kernel slowed the whole Qwen3-8B forward: 15.9 against 10.0 ms at T = 1).
@@ -109,6 +113,36 @@ def attention_impl(
     if float32 and group * (queries or 1) > AUTO_PALLAS_MAX_F32_ROWS:
         return "xla"
     return "pallas" if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES else "xla"
+
+
+MLA_FORMS = ("auto", "absorbed", "expanded")
+
+
+def mla_form(
+    form: str,
+    *,
+    queries: int | None,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+) -> str:
+    """ "absorbed" or "expanded" MLA for `queries` query positions per row (None: a decode / verify step).
+
+    Per head, the absorbed form costs 2 (2 kv_lora + rope) FLOPs per (query, key) pair; the expanded form
+    2 (nope + rope + v) per pair plus 2 kv_lora (nope + v) per key to expand the latent (once per call),
+    so it needs fewer FLOPs once queries x (2 kv_lora - nope - v) > kv_lora (nope + v): more than 170.7
+    queries at K2's 512 / 128 / 64 / 128. Decode and verify steps (<= AUTO_PALLAS_MAX_QUERIES queries)
+    stay absorbed: their cost is reading the latent cache once."""
+    if form not in MLA_FORMS:
+        raise ValueError(f"MLA form must be one of {MLA_FORMS}, got {form!r}")
+    if form != "auto":
+        return form
+    if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES:
+        return "absorbed"
+    saved = 2 * kv_lora_rank - qk_nope_head_dim - v_head_dim  # per (query, key) pair and head, / 2
+    expansion = kv_lora_rank * (qk_nope_head_dim + v_head_dim)  # per key and head, / 2
+    return "expanded" if saved > 0 and queries * saved > expansion else "absorbed"
 
 
 def weights_dtype(requested: str, backend_name: str | None = None) -> str:

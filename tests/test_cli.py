@@ -387,6 +387,9 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
     assert "--chat wraps --prompt text" in _error(["generate", *TINY, "--chat", "--prompt-ids", "1,2"], capsys)
     assert "--chat wraps prompt texts" in _error(["bench", *TINY, "--chat", "--prompt-ids", "1,2"], capsys)
     assert "--chat needs a tokenizer with a chat template" in _error(["bench", *TINY, "--chat"], capsys)
+    assert "prefill_chunk must be an int >= 0 (0: auto), got -1" in _error(
+        ["generate", *TINY, "--prompt-ids", "1,2", "--prefill-chunk", "-1"], capsys
+    )
     assert "--chat needs a chat template" in _error(
         ["generate", "--target", str(_notemplate_dir(tmp_path)), "--method", "ar", "--prompt", "hi", "--chat"], capsys
     )

@@ -568,12 +568,27 @@ def _prefill_workspace(c, drafter, rows, context, vocab_local, heads_local, valu
     keys = context
     attention = dispatch.attention_impl("auto", queries=chunk, keys=keys, backend_name=PLANNED_BACKEND)
     key_block = min(dispatch.BLOCKWISE_KEYS, keys)
+    expanded = isinstance(c, DeepSeekV3Config) and (
+        dispatch.mla_form(
+            "auto",
+            queries=chunk,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_nope_head_dim=c.qk_nope_head_dim,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+        )
+        == "expanded"
+    )
+    if expanded:  # per-head keys and values from the latent (models.deepseek_v3.mla_absorbed, expanded form)
+        value_dim, key_dim = c.v_head_dim, c.qk_nope_head_dim + c.qk_rope_head_dim
     core = (
         rows * heads_local * chunk * (2 * key_block + value_dim) * 4
         if attention == "blockwise"
         else 2 * rows * heads_local * chunk * keys * 4
     )
-    if isinstance(c, DeepSeekV3Config):  # absorbed queries and outputs of the chunk, f32
+    if expanded:  # one key block's expanded keys and values (the whole cache's without blockwise), bf16
+        core += rows * (key_block if attention == "blockwise" else keys) * heads_local * (key_dim + value_dim) * 2
+    if isinstance(c, DeepSeekV3Config):  # the chunk's queries and outputs, f32
         core += 2 * tokens * heads_local * key_dim * 4
     return {
         "logits": rows * c.vocab_size * 4 + rows * vocab_local * 2,  # the last prompt token of each row

@@ -301,7 +301,32 @@ def request_args(
 def _compile(args: tuple, static: dict):
     start = time.perf_counter()
     compiled = generate.lower(*args, **static).compile()
-    return compiled, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    check_fits(compiled, prompt_tokens=int(args[3].shape[1]), batch=int(args[3].shape[0]), static=static)
+    return compiled, seconds
+
+
+def check_fits(compiled, *, prompt_tokens: int, batch: int, static: dict, free_bytes: int | None = None) -> None:
+    """ValueError, before anything runs, when a compiled generation needs more device memory than is free:
+    its temporary and output buffers (`memory_analysis`; the weights, already on the device, are counted as
+    in use) against the device's bytes_limit - bytes_in_use (`free_bytes` overrides; devices without
+    memory stats, e.g. the CPU, are not checked)."""
+    if free_bytes is None:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return
+        free_bytes = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return
+    need = analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    if need > free_bytes:
+        raise ValueError(
+            f"the generation ({batch} row(s) x {prompt_tokens} prompt tokens + max_new_tokens "
+            f"{static['max_new_tokens']}, {static['method']}) needs {need / 1e9:.2f} GB of device memory beyond "
+            f"the weights, and {free_bytes / 1e9:.2f} GB is free: use a shorter prompt, fewer new tokens or "
+            "rows, or a smaller --prefill-chunk"
+        )
 
 
 def _timed(compiled, args: tuple, repeats: int):

@@ -28,6 +28,7 @@ def blockwise_attention(
     *,
     scale: float | None = None,
     block: int = BLOCKWISE_KEYS,
+    expand=None,
 ) -> jax.Array:
     """`attention_reference` computed flash-style in XLA: a `lax.scan` over blocks of `block` keys with an
     online softmax (running max and sum per query), so the float32 scores alive at once are
@@ -36,30 +37,37 @@ def blockwise_attention(
     equal to it up to float rounding (the softmax is normalised after the value product, not before).
 
     q: [B, T, Hq, Dk]; k: [B, S, Hkv, Dk]; v: [B, S, Hkv, Dv]; mask: bool [B, T, S]. Returns [B, T, Hq, Dv]
-    in q's dtype.
+    in q's dtype. expand (optional): (k_block [B, block, ...], v_block) -> (keys [B, block, Hkv', Dk],
+    values [B, block, Hkv', Dv]) applied to each block inside the scan, so keys derived from a compact
+    cache (the expanded MLA form: per-head keys and values from the latent) exist one block at a time.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     batch, steps, q_heads, head_dim = q.shape
-    keys, kv_heads = k.shape[1], k.shape[2]
-    group = q_heads // kv_heads
+    keys = k.shape[1]
     block = min(block, keys)
+    if expand is None:
+        expand = lambda k_block, v_block: (k_block, v_block)  # noqa: E731
+    k_shape, v_shape = jax.eval_shape(expand, k[:, :block], v[:, :block])
+    kv_heads, value_dim = k_shape.shape[2], v_shape.shape[-1]
+    group = q_heads // kv_heads
     blocks = -(-keys // block)
     pad = blocks * block - keys
     if pad:  # padded keys are masked out
-        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        k = jnp.pad(k, ((0, 0), (0, pad)) + ((0, 0),) * (k.ndim - 2))
+        v = jnp.pad(v, ((0, 0), (0, pad)) + ((0, 0),) * (v.ndim - 2))
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
     precision = dot_precision(q.dtype)
     scale = head_dim**-0.5 if scale is None else scale
     qg = q.reshape(batch, steps, kv_heads, group, head_dim)
-    k_blocks = k.reshape(batch, blocks, block, kv_heads, head_dim).swapaxes(0, 1)  # [n, B, block, Hkv, Dk]
-    v_blocks = v.reshape(batch, blocks, block, kv_heads, v.shape[-1]).swapaxes(0, 1)
+    k_blocks = k.reshape(batch, blocks, block, *k.shape[2:]).swapaxes(0, 1)  # [n, B, block, ...]
+    v_blocks = v.reshape(batch, blocks, block, *v.shape[2:]).swapaxes(0, 1)
     mask_blocks = mask.reshape(batch, steps, blocks, block).transpose(2, 0, 1, 3)  # [n, B, T, block]
 
     def one_block(carry, xs):
         acc, row_max, row_sum = carry  # acc f32 [B, Hkv, G, T, Dv]; row_max, row_sum f32 [B, Hkv, G, T]
         k_block, v_block, visible = xs
+        k_block, v_block = expand(k_block, v_block)  # [B, block, Hkv, Dk], [B, block, Hkv, Dv]
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_block, preferred_element_type=jnp.float32, precision=precision)
         scores = jnp.where(visible[:, None, None, :, :], scores * scale, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
@@ -68,7 +76,7 @@ def blockwise_attention(
         correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max - safe, -jnp.inf))
         acc = acc * correction[..., None] + jnp.einsum(
             "bkgts,bskd->bkgtd",
-            weights.astype(v.dtype),
+            weights.astype(v_block.dtype),
             v_block,
             preferred_element_type=jnp.float32,
             precision=precision,
@@ -76,13 +84,13 @@ def blockwise_attention(
         return (acc, new_max, row_sum * correction + jnp.sum(weights, axis=-1)), None
 
     init = (
-        jnp.zeros((batch, kv_heads, group, steps, v.shape[-1]), jnp.float32),
+        jnp.zeros((batch, kv_heads, group, steps, value_dim), jnp.float32),
         jnp.full((batch, kv_heads, group, steps), -jnp.inf, jnp.float32),
         jnp.zeros((batch, kv_heads, group, steps), jnp.float32),
     )
     (acc, _, row_sum), _ = jax.lax.scan(one_block, init, (k_blocks, v_blocks, mask_blocks))
     out = acc / jnp.maximum(row_sum, 1e-30)[..., None]  # rows that see no key: 0 / 1e-30 = 0
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, steps, q_heads, v.shape[-1]).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, steps, q_heads, value_dim).astype(q.dtype)
 
 
 def attention(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
-from ddtree_jax.models.attention import attention, sharded_tree_attention
+from ddtree_jax.models.attention import attention, blockwise_attention, sharded_tree_attention
 from ddtree_jax.models.cache import KVCache, check_room, write_rows
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
@@ -202,10 +202,23 @@ def head(config: DeepSeekV3Config, params: dict) -> jax.Array:
 
 
 def mla_absorbed(
-    config: DeepSeekV3Config, p: dict, x, cos, sin, latent_cache, rope_cache, write_start, mask, attn_impl: str = "xla"
+    config: DeepSeekV3Config,
+    p: dict,
+    x,
+    cos,
+    sin,
+    latent_cache,
+    rope_cache,
+    write_start,
+    mask,
+    attn_impl: str = "xla",
+    form: str = "auto",
 ):
-    """Absorbed MLA: W_UK folded into the query, attention over [latent ; rope key] with one shared KV head
-    and the latent as value, W_UV after. Writes this step's latent / rope key into the caches.
+    """MLA over the latent cache. Absorbed form: W_UK folded into the query, attention over [latent ; rope
+    key] with one shared KV head and the latent as value, W_UV after. Expanded form (`dispatch.mla_form`:
+    long prefill chunks): per-head keys [W_UK latent ; rope key] and values W_UV latent, expanded from the
+    cache one key block at a time under "blockwise". Writes this step's latent / rope key into the caches
+    first; both forms read the same cache.
 
     x [B, T, hidden] (normed), one layer's p, cos / sin from `rope_tables_half`, latent_cache
     [B, S, 1, kv_lora_rank], rope_cache [B, S, 1, qk_rope_head_dim], write_start int32 [B] (the first row
@@ -218,6 +231,15 @@ def mla_absorbed(
     rope_cache = write_rows(rope_cache, k_rot, write_start)
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
+    shape = dict(
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+    )
+    if dispatch.mla_form(form, queries=steps, **shape) == "expanded":
+        out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl)
+        return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
     q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
     if (
         dispatch.attention_impl(attn_impl, queries=steps, mla=True) == "pallas"
@@ -244,6 +266,28 @@ def mla_absorbed(
         )
     out = contract("bthr,hvr->bthv", out_latent, w_uv)
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
+
+
+def _mla_expanded(config, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl):
+    """The expanded form over the cache: queries [q_nope ; q_rot] [B, T, H, nope + rope] against per-head keys
+    [W_UK latent ; rope key] and values W_UV latent -> [B, T, H, v]. Under "blockwise" the keys and values
+    are expanded one key block at a time (never [B, S, H, nope + rope + v] at once)."""
+    c = config
+    dtype = q_nope.dtype
+    query = jnp.concatenate([q_nope, q_rot.astype(dtype)], axis=-1)
+    cache = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(dtype)  # [B, S, 1, kv_lora + rope]
+
+    def expand(block, _):
+        latent, rope = block[:, :, 0, : c.kv_lora_rank], block[:, :, :, c.kv_lora_rank :]
+        k_nope = contract("bsr,hnr->bshn", latent, w_uk)
+        keys = jnp.concatenate([k_nope, jnp.broadcast_to(rope, k_nope.shape[:-1] + rope.shape[-1:])], axis=-1)
+        return keys, contract("bsr,hvr->bshv", latent, w_uv)
+
+    impl = dispatch.attention_impl(attn_impl, queries=q_nope.shape[1], keys=cache.shape[1], mla=True)
+    if impl == "blockwise":
+        return blockwise_attention(query, cache, cache, mask, scale=softmax_scale(c), expand=expand)
+    keys, values = expand(cache, None)
+    return attention(query, keys, values, mask, scale=softmax_scale(c), impl="xla")
 
 
 LAYER_LOOPS = ("scan", "unrolled")

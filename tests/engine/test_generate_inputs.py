@@ -86,3 +86,28 @@ def test_the_host_loop_checks_its_inputs_as_generate_does():
     too_many = args[:-1] + (jnp.full((1,), 9, jnp.int32),)
     with pytest.raises(ValueError, match="max_new"):
         generate_host_loop(*too_many, max_new_tokens=4, method="ar", budget=1, block_size=2)
+
+
+def test_a_generation_that_cannot_fit_the_device_is_refused_before_it_runs():
+    """engine.run.check_fits: the compiled program's temporary + output bytes (`memory_analysis`) against the
+    device's free memory; a real compiled generation of the test pair, checked against 1 kB and 1 TB."""
+    from ddtree_jax.engine.run import check_fits
+
+    batch, width = 2, 6
+    compiled = generate.lower(
+        TARGET,
+        T_PARAMS,
+        None,
+        jnp.zeros((batch, width), jnp.int32),
+        jnp.full((batch,), width, jnp.int32),
+        SamplingParams.create(batch, temperature=0.0),
+        row_keys(jax.random.key(0), jnp.arange(batch)),
+        jnp.full((batch, 1), -1, jnp.int32),
+        jnp.full((batch,), 4, jnp.int32),
+        max_new_tokens=4,
+        method="ar",
+    ).compile()
+    static = dict(max_new_tokens=4, method="ar")
+    check_fits(compiled, prompt_tokens=width, batch=batch, static=static, free_bytes=10**12)
+    with pytest.raises(ValueError, match=r"2 row\(s\) x 6 prompt tokens \+ max_new_tokens 4, ar\) needs .* GB .* free"):
+        check_fits(compiled, prompt_tokens=width, batch=batch, static=static, free_bytes=1000)

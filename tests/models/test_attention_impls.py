@@ -126,3 +126,55 @@ def test_auto_attention_goes_blockwise_for_long_prefills_only():
     # a decode step at a huge context keeps its rule (the tree-attention kernel for GQA on GPU)
     assert dispatch.attention_impl("auto", queries=17, keys=10**7, backend_name="gpu") == "pallas"
     assert dispatch.attention_impl("xla", queries=1024, keys=big) == "xla"
+
+
+@pytest.mark.parametrize("attn_impl", ["xla", "blockwise"])
+def test_expanded_mla_equals_the_absorbed_form(attn_impl):
+    """deepseek_v3.mla_absorbed(form="expanded") (per-head keys and values from the latent cache, expanded one
+    key block at a time under "blockwise") against the absorbed form on the same cache: random weights and
+    inputs, rows writing at different offsets (ragged caches), a random causal-plus-prefix mask with a
+    row that sees nothing; both return the same updated caches."""
+    c = DSV3
+    params = deepseek_v3.init_params(c, jax.random.key(5))
+    p = jax.tree.map(lambda w: w[0], params["dense_layers"])
+    batch, steps, capacity = 2, 9, 2500  # > BLOCKWISE_KEYS: "blockwise" scans 3 key blocks, the last partial
+    keys = jax.random.split(jax.random.key(6), 3)
+    x = jax.random.normal(keys[0], (batch, steps, c.hidden_size))
+    latent = jax.random.normal(keys[1], (batch, capacity, 1, c.kv_lora_rank))
+    rope = jax.random.normal(keys[2], (batch, capacity, 1, c.qk_rope_head_dim))
+    start = jnp.array([2400, 1030], jnp.int32)
+    positions = start[:, None] + jnp.arange(steps)
+    cos, sin = deepseek_v3.rope_tables_half(c, positions)
+    rng = np.random.default_rng(7)
+    mask = np.arange(capacity)[None, None, :] <= np.asarray(positions)[:, :, None]
+    mask &= rng.random((batch, steps, capacity)) < 0.8
+    mask[1, 4] = False
+    args = (c, p, x, cos, sin, latent, rope, start, jnp.asarray(mask), attn_impl)
+    want, want_latent, want_rope = deepseek_v3.mla_absorbed(*args, form="absorbed")
+    got, got_latent, got_rope = deepseek_v3.mla_absorbed(*args, form="expanded")
+    assert relerr(got, want) < 1e-5 and float(jnp.abs(want).max()) > 1e-5  # small init weights: a small output
+    np.testing.assert_array_equal(np.asarray(got_latent), np.asarray(want_latent))
+    np.testing.assert_array_equal(np.asarray(got_rope), np.asarray(want_rope))
+
+
+def test_mla_form_picks_expanded_where_it_needs_fewer_flops():
+    from ddtree_jax import dispatch
+
+    k2 = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    # absorbed per (query, key): 2 x 512 + 64; expanded: 128 + 64 + 128, plus 512 x 256 per key
+    assert dispatch.mla_form("auto", queries=170, **k2) == "absorbed"
+    assert dispatch.mla_form("auto", queries=171, **k2) == "expanded"
+    assert dispatch.mla_form("auto", queries=None, **k2) == "absorbed"  # decode / verify
+    assert dispatch.mla_form("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES, **DSV3_SHAPE) == "absorbed"
+    assert dispatch.mla_form("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES + 1, **DSV3_SHAPE) == "expanded"
+    assert dispatch.mla_form("expanded", queries=1, **k2) == "expanded"
+    with pytest.raises(ValueError, match="MLA form must be one of .* got 'naive'"):
+        dispatch.mla_form("naive", queries=1, **k2)
+
+
+DSV3_SHAPE = dict(
+    kv_lora_rank=DSV3.kv_lora_rank,
+    qk_nope_head_dim=DSV3.qk_nope_head_dim,
+    qk_rope_head_dim=DSV3.qk_rope_head_dim,
+    v_head_dim=DSV3.v_head_dim,
+)

@@ -142,6 +142,25 @@ def test_absorbed_tree_verify_and_commit_equal_the_naive_causal_path(tiny_params
         assert relerr(cont[b, 0], _naive(tiny_params, seq)) < 1e-5
 
 
+def test_a_long_prefill_runs_the_expanded_form_and_equals_the_naive_path(tiny_params):
+    """A 40-token prefill (more queries than `dispatch.mla_form`'s break-even at this shape: the expanded
+    form, per-head keys from the latent cache) on ragged rows (40 and 23 tokens): the last token's logits of
+    each row equal the expanded-K/V reference run on that row alone."""
+    from ddtree_jax import dispatch
+
+    shape = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    assert dispatch.mla_form("auto", queries=40, **shape) == "expanded"
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(0, 50, (2, 40)).astype(np.int32)
+    lengths = np.array([40, 23], np.int32)
+    cache = deepseek_v3.create_cache(TINY, 2, 48, jnp.float32)
+    logits, _, cache = deepseek_v3.prefill(TINY, tiny_params, cache, jnp.asarray(prefix), jnp.asarray(lengths))
+    for b in range(2):
+        row = jnp.asarray(prefix[b, : lengths[b]])
+        assert relerr(logits[b, lengths[b] - 1], _naive_at(tiny_params, row, lengths[b] - 1)) < 1e-5, b
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+
+
 def test_scanned_layers_equal_the_unrolled_loop(tiny_params):
     """layer_loop="scan" (the default: one layer of each kind in the program) = the Python loop."""
     from ddtree_jax.tree import ancestor_mask, build_tree
