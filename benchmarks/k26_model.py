@@ -29,13 +29,22 @@ def k26_config(layers: int, tiny: bool = False) -> DeepSeekV3Config:
 
 
 def random_int4_target(config: DeepSeekV3Config, key: jax.Array, dtype) -> dict:
-    """`deepseek_v3.init_params` with each routed expert stack [L, E, N, K] replaced by random INT4 codes
-    (int32 [L, E, N, K / 8]) and constant group scales ([L, E, N, K / INT4_GROUP] of 0.002 in `dtype`)."""
-    params = deepseek_v3.init_params(config, key, dtype)
+    """`deepseek_v3.init_params` with each routed expert stack [L, E, N, K] as random INT4 codes (int32
+    [L, E, N, K / 8]) and constant group scales ([L, E, N, K / INT4_GROUP] of 0.002 in `dtype`). The dense
+    experts are never built (`init_params(skip=EXPERTS)`) and the codes are drawn one layer at a time
+    (`lax.map`), so under jit the temporaries stay one layer's size: a 61-layer TP8 shard (~76 GB) can be
+    initialised on one H200."""
+    params = deepseek_v3.init_params(config, key, dtype, skip=EXPERTS)
+    shapes = deepseek_v3.param_shapes(config)["moe_layers"]
     moe = dict(params["moe_layers"])
     for i, name in enumerate(EXPERTS):
-        shape = moe[name].shape
-        k = jax.random.fold_in(key, 100 + i)
-        packed = jax.random.randint(k, shape[:-1] + (shape[-1] // 8,), -(2**31), 2**31 - 1, jnp.int32)
+        shape = shapes[name][0]
+        if shape[-1] % INT4_GROUP:
+            raise ValueError(
+                f"{name}'s input dimension {shape[-1]} is not a whole number of INT4 groups of {INT4_GROUP}"
+            )
+        layer = shape[1:-1] + (shape[-1] // 8,)
+        keys = jax.random.split(jax.random.fold_in(key, 100 + i), shape[0])
+        packed = jax.lax.map(lambda k: jax.random.randint(k, layer, -(2**31), 2**31 - 1, jnp.int32), keys)
         moe[name] = Int4Weight(packed, jnp.full(shape[:-1] + (shape[-1] // INT4_GROUP,), 0.002, dtype))
     return {**params, "moe_layers": moe}

@@ -1,0 +1,160 @@
+"""The Kimi K2.6 TP8 shard's decode step, whole, on one GPU: what one GPU of the 8-GPU run computes and reads.
+
+`analysis.tp_shard.tp_shard_config` turns the K2.6 target (all 61 layers, random INT4 routed experts) and
+the Kimi-K2.5-DFlash-shaped drafter into one device's share under the TP rule table: 8 query heads, the
+replicated q_a / kv_a projections and latent cache, 1/8 of the dense, shared and routed FFN columns, 1/8
+of the vocabulary, the whole router (checked parameter by parameter against what the rule table gives each
+device). The shard is initialised on the device (`benchmarks.k26_model.random_int4_target`: no dense
+expert copy, one layer's codes at a time) and its fused decode step timed (`benchmarks.bench_engine.
+bench_case`, step only) for AR, the chain and DDTree budgets, per (batch, context).
+
+Collectives are not run (one GPU): each row carries the modelled collective time of the real 8-GPU step
+(`analysis.roofline.step_cost(..., layout="tp8")`: two all-reduces per layer, the embedding's and the
+logits' gathers, the drafter's; latency + ring bytes at the assumed NVLink bandwidth), the shard's own
+roofline (the same model's memory and compute time of one device) and the predicted TP step
+(`predicted_tp_step_ms`) = measured shard step + modelled collectives. JSON: `$OUT/k26_tp<n>_shard.json`. The shard's numerics are one device's partial sums (no all-reduce),
+so its tokens are meaningless; its work is the real one's.
+
+Usage (one H200): python -m experiments.tp_shard_step --commit C [--layers 61] [--contexts 4096,32768]
+       [--batches 1,8] [--budgets 8,16,32,64]
+       (CPU check): python -m experiments.tp_shard_step --tiny --model-size 2 (the tiny K2's 128 expert
+       columns split 8 ways would be half an INT4 group)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_engine import bench_case
+from benchmarks.common import device_description, markdown_table, write_result
+from benchmarks.k26_model import k26_config, random_int4_target
+from ddtree_jax.analysis.roofline import step_cost
+from ddtree_jax.analysis.tp_shard import tp_shard_config
+from ddtree_jax.engine.drafters import DFlashDrafter
+from ddtree_jax.engine.run import Pair
+from ddtree_jax.models import deepseek_v3, dflash
+from ddtree_jax.options import DecodeOptions
+from experiments.sharded_run import drafter_config
+
+
+def shard_pair(layers: int, drafter_layers: int, model_size: int, *, tiny: bool, dtype, seed: int = 0):
+    """(full target config, full drafter config, the shard Pair) with the shard's weights made on the device."""
+    full = k26_config(layers, tiny)
+    full_drafter = drafter_config(full, drafter_layers, tiny)
+    target = tp_shard_config(full, model_size)
+    drafter = tp_shard_config(full_drafter, model_size, target_hidden=full.hidden_size)
+    key = jax.random.key(seed)
+    params = jax.jit(lambda k: random_int4_target(target, k, dtype))(key)
+    drafter_params = jax.jit(lambda k: dflash.init_params(drafter, target.hidden_size, k, dtype))(
+        jax.random.fold_in(key, 1)
+    )
+    pair = Pair(
+        target,
+        params,
+        DFlashDrafter(drafter, drafter_params, deepseek_v3.embedding(params), deepseek_v3.head(target, params)),
+    )
+    return full, full_drafter, pair
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--tiny", action="store_true", help="the 8-way-divisible tiny K2 (CPU check of the script)")
+    parser.add_argument("--model-size", type=int, default=8, help="the TP degree whose one shard is run")
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--drafter-layers", type=int, default=6)
+    parser.add_argument("--methods", default="ar,chain,ddtree")
+    parser.add_argument("--budgets", default="8,16,32,64")
+    parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    start = time.perf_counter()
+    full, full_drafter, pair = shard_pair(
+        args.layers, args.drafter_layers, args.model_size, tiny=args.tiny, dtype=dtype
+    )
+    jax.block_until_ready(pair.target_params)
+    init_s = time.perf_counter() - start
+    shard = pair.target_config
+    print(
+        f"device: {device_description()}; commit {args.commit}; shard of TP{args.model_size}: {shard.num_layers} "
+        f"layers, {shard.num_heads} heads, FFN {shard.intermediate_size} / experts {shard.moe_intermediate_size} "
+        f"columns, vocab {shard.vocab_size}; drafter {pair.drafter.config.num_layers} layers, block "
+        f"{pair.drafter.config.block_size}; initialised in {init_s:.0f} s",
+        flush=True,
+    )
+    columns = []
+    for method in args.methods.split(","):
+        columns += [(method, int(b)) for b in args.budgets.split(",")] if method == "ddtree" else [(method, 0)]
+    rows = []
+    layout = f"tp{args.model_size}"
+    for batch in (int(b) for b in args.batches.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            for method, budget in columns:
+                row = bench_case(
+                    pair,
+                    batch,
+                    method,
+                    budget,
+                    context=context,
+                    temperature=args.temperature,
+                    top_p=1.0,
+                    repeats=args.repeats,
+                    step_only=True,
+                    options=DecodeOptions(matmul_impl="xla"),
+                )
+                cost = step_cost(
+                    full,
+                    drafter=full_drafter if method != "ar" else None,
+                    method=method,
+                    budget=budget if method == "ddtree" else None,
+                    layout=layout,
+                    batch=batch,
+                    context=context,
+                )
+                row.update(
+                    layers=shard.num_layers,
+                    init_s=init_s,
+                    collectives_ms=cost.collectives_s * 1e3,
+                    shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,
+                    predicted_tp_step_ms=row["step_ms"] + cost.collectives_s * 1e3,
+                )
+                row["x_shard_roofline"] = row["step_ms"] / row["shard_roofline_ms"]
+                rows.append(row)
+                print(
+                    f"B={batch} ctx={context} {method:6s} {budget or '':>3}: shard step {row['step_ms']:8.2f} ms "
+                    f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
+                    f"collectives {row['collectives_ms']:.2f} ms = {row['predicted_tp_step_ms']:.2f} ms "
+                    f"(compile {row['step_compile_s']:.0f} s)",
+                    flush=True,
+                )
+                write_result(
+                    f"k26_tp{args.model_size}_shard" + ("_tiny" if args.tiny else ""),
+                    {"rows": rows, "model_size": args.model_size, "drafter_layers": args.drafter_layers},
+                    args.commit,
+                )
+    header = ["B", "context", "method", "budget", "shard step ms", "shard roofline ms", "x roofline", "collectives ms"]
+    table = [
+        [
+            r["B"],
+            r["context"],
+            r["method"],
+            r["budget"] or "",
+            r["step_ms"],
+            r["shard_roofline_ms"],
+            f"{r['x_shard_roofline']:.2f}",
+            r["collectives_ms"],
+        ]
+        for r in rows
+    ]
+    print("\n" + markdown_table(header, table))
+
+
+if __name__ == "__main__":
+    main()

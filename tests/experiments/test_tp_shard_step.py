@@ -1,0 +1,25 @@
+"""experiments/tp_shard_step.py on CPU: the tiny K2's TP2 shard built, initialised and stepped; each row carries
+the modelled collectives and the predicted multi-GPU step (their sum with the measured shard step)."""
+
+import json
+import sys
+
+import jax
+
+from experiments import tp_shard_step
+
+
+def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
+    full, _, pair = tp_shard_step.shard_pair(2, 1, 2, tiny=True, dtype=jax.numpy.float32)
+    assert pair.target_config.num_heads == full.num_heads // 2
+    assert pair.target_params["embed"].shape[0] == full.vocab_size // 2  # its half of the vocabulary
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["tp_shard_step", "--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1"]
+    argv += ["--methods", "ar,ddtree", "--budgets", "4", "--contexts", "32", "--batches", "1", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    tp_shard_step.main()
+    rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 4)]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["collectives_ms"] > 0
+        assert abs(r["predicted_tp_step_ms"] - r["step_ms"] - r["collectives_ms"]) < 1e-9
