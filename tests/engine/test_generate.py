@@ -437,7 +437,7 @@ def test_a_chunked_prefill_equals_the_whole_prompt_prefill(chunk, method):
     """DecodeOptions(prefill_chunk=c): the prompt prefilled c tokens at a time (rows of lengths 6, 3 and 5,
     so chunk boundaries fall inside rows and rows finish in different chunks) gives the same committed
     target K/V, drafter context (DDTree), cache lengths and first token as one prefill, and the same
-    generation at T = 1."""
+    generation at T = 1; each row of the ragged batch equals that row's chunked prefill alone."""
     whole = _start(PROMPTS, LENGTHS, method=method, chunk=100)  # longer than the prompt: one prefill
     chunked = _start(PROMPTS, LENGTHS, method=method, chunk=chunk)
     np.testing.assert_array_equal(np.asarray(chunked.bonus), np.asarray(whole.bonus))
@@ -456,6 +456,20 @@ def test_a_chunked_prefill_equals_the_whole_prompt_prefill(chunk, method):
         DFLASH, PROMPTS, LENGTHS, method=method, temperature=1.0, max_new=8, options=DecodeOptions(prefill_chunk=chunk)
     )
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    if method == "ddtree":  # the ragged batch's rows equal each row's chunked prefill alone
+        for b, n in enumerate(LENGTHS):
+            alone = _start(PROMPTS[b : b + 1], LENGTHS[b : b + 1], method=method, chunk=chunk)
+            assert int(alone.bonus[0]) == int(chunked.bonus[b])
+            for got_cache, alone_cache in (
+                (chunked.target_cache, alone.target_cache),
+                (chunked.draft_state, alone.draft_state),
+            ):
+                for field in ("k", "v"):
+                    np.testing.assert_allclose(
+                        np.asarray(getattr(got_cache, field))[:, b, :n],
+                        np.asarray(getattr(alone_cache, field))[:, 0, :n],
+                        atol=2e-5,
+                    )
 
 
 def test_a_chunked_prefill_takes_memory_linear_in_the_prompt():
