@@ -34,7 +34,7 @@ from ddtree_jax.sampling import SamplingParams, draw_coins
 from ddtree_jax.tree import build_tree, verification_order
 from ddtree_jax.verify import VerifyResult, verify_step
 from ddtree_jax.verify.step import mask_invalid_rows
-from ddtree_kernels.tree_sampling import tree_sampling_from_logits
+from ddtree_kernels.tree_sampling import SINGLE_TILING, SingleTiling, tree_sampling_from_logits
 
 REPS = 10
 
@@ -42,6 +42,16 @@ REPS = 10
 def _tree(batch, slots, depth, vocab, seed):
     draft = jax.random.normal(jax.random.key(seed), (batch, depth, vocab), jnp.bfloat16) * 3
     return build_tree(draft, slots - 1)
+
+
+def kernel_layout(layout: str) -> tuple[str, SingleTiling]:
+    """A --layouts entry -> (the kernel's layout, its single-layout tiling): "auto", "single", "spans", or
+    "single:WxB" (W warps, B-element search loads)."""
+    name, _, tiling = layout.partition(":")
+    if not tiling:
+        return name, SINGLE_TILING
+    warps, block = (int(v) for v in tiling.split("x"))
+    return name, SingleTiling(warps=warps, search_block=block)
 
 
 def pallas_verify_step(tree, logits, params, keys, *, skip_with_cond: bool, layout: str = "auto") -> VerifyResult:
@@ -61,7 +71,8 @@ def pallas_verify_step(tree, logits, params, keys, *, skip_with_cond: bool, layo
         draw_coins(split[:, 2], ()),
         max_accept=tree.max_depth,
         skip_with_cond=skip_with_cond,
-        layout=layout,
+        layout=kernel_layout(layout)[0],
+        tiling=kernel_layout(layout)[1],
     )
     return mask_invalid_rows(VerifyResult(*arrays), slot_valid, tree)
 
@@ -98,7 +109,7 @@ def input_sets(batch, slots, vocab, seed, tree, params, dtype=jnp.bfloat16):
 
 def column(layout: str) -> str:
     """The result key prefix of the pallas path at a kernel layout."""
-    return "pallas" if layout == "auto" else f"pallas_{layout}"
+    return "pallas" if layout == "auto" else "pallas_" + layout.replace(":", "_")
 
 
 def run_case(batch, slots, vocab, top_p, copy_bw, seed=0, skip_with_cond=True, runs=7, layouts=("auto",), dtype=None):
@@ -146,7 +157,8 @@ def main() -> None:
     parser.add_argument(
         "--layouts",
         default="auto",
-        help="the kernel's layouts to time side by side: auto, single (one program per row), spans",
+        help="the kernel's layouts to time side by side: auto, single (one program per row), spans, "
+        "single:WxB (W warps, B-element search loads; e.g. single:8x1024)",
     )
     parser.add_argument("--logit-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()

@@ -56,6 +56,7 @@ mismatch is such a boundary case.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -73,7 +74,25 @@ SEARCH_BLOCK = 256  # vocab elements per load in a search pass ([block, 16] comp
 SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
 FINAL_BLOCK = 2048  # vocab elements per load in the final sample (a multiple of STATS_BLOCK's role: spans)
 SINGLE_PROGRAM_MAX_VOCAB = 16384  # layout "auto": one program per row ("single") up to this vocabulary
-SINGLE_PROGRAM_WARPS = 4  # warps of the single-program kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleTiling:
+    """Layout "single"'s tiling: warps per program and vocab elements per load of a search pass (a power of
+    two; [search_block, 16] comparisons per load). The default is what the H200 measured at `ef5aa8e`;
+    `benchmarks.bench_tree_sampling --single-tilings` sweeps others."""
+
+    warps: int = 4
+    search_block: int = SEARCH_BLOCK
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8, 16) or self.search_block < 16 or self.search_block & (self.search_block - 1):
+            raise ValueError(
+                f"SingleTiling needs warps in 1-16 (a power of two) and a power-of-two search_block >= 16, got {self}"
+            )
+
+
+SINGLE_TILING = SingleTiling()
 LAYOUTS = ("auto", "single", "spans")
 
 _INT32_MIN = np.iinfo(np.int32).min
@@ -158,7 +177,7 @@ def _span_stats(load, num_chunks: int, inv_t, vocab: int, shift: int):
     return lax.fori_loop(0, num_chunks, body, init)
 
 
-def _search_accumulate(load, num_chunks: int, mode: str, t, cut, m, inv_t, shift: int):
+def _search_accumulate(load, num_chunks: int, mode: str, t, cut, m, inv_t, shift: int, block: int = SEARCH_BLOCK):
     """One threshold-search pass over the chunks of `load` against thresholds t i32 [16]: "count" ->
     (#{key >= t_j} f32 [16], 0); "mass" -> (sum of e over key > t_j and key >= cut [16], sum of e over
     key >= cut)."""
@@ -176,7 +195,7 @@ def _search_accumulate(load, num_chunks: int, mode: str, t, cut, m, inv_t, shift
         0,
         num_chunks,
         body,
-        (jnp.zeros((SEARCH_BLOCK, SEARCH_FANOUT), jnp.float32), jnp.zeros((SEARCH_BLOCK,), jnp.float32)),
+        (jnp.zeros((block, SEARCH_FANOUT), jnp.float32), jnp.zeros((block,), jnp.float32)),
     )
     return jnp.sum(acc, axis=0), jnp.sum(total)
 
@@ -305,6 +324,7 @@ def _single_row_stats_kernel(
     vocab: int,
     shift: int,
     passes: int,
+    search_block: int,
 ):
     temperature, top_p, min_p = temp_ref[...], top_p_ref[...], min_p_ref[...]
     top_k = top_k_ref[...].astype(jnp.int32)
@@ -321,8 +341,8 @@ def _single_row_stats_kernel(
     topp_on = valid & ~greedy & (top_p < 1.0)
     min_e = jnp.where(valid & ~greedy, min_p, 0.0)
     any_filter = valid & ~greedy & (topk_on | topp_on | (min_p > 0))
-    search_span = pl.cdiv(vocab, SEARCH_BLOCK) * SEARCH_BLOCK
-    search_load, search_chunks = _span_chunks(logits_ref, None, search_span, SEARCH_BLOCK, vocab, -jnp.inf, 0)
+    search_span = pl.cdiv(vocab, search_block) * search_block
+    search_load, search_chunks = _span_chunks(logits_ref, None, search_span, search_block, vocab, -jnp.inf, 0)
 
     def search(mode, active, lo, hi, cut, threshold_fn):
         # a while loop, not a fori_loop with a traced trip count (Triton's scf.for rejects its bound types);
@@ -334,7 +354,7 @@ def _single_row_stats_kernel(
         def one_pass(state):
             i, lo, hi = state
             t, ok = _thresholds(lo, hi)
-            values, total = _search_accumulate(search_load, search_chunks, mode, t, cut, m, inv_t, shift)
+            values, total = _search_accumulate(search_load, search_chunks, mode, t, cut, m, inv_t, shift, search_block)
             new_lo, new_hi = _narrow(mode, t, ok, ok & threshold_fn(values, total), lo, hi)
             return i + 1, new_lo, new_hi
 
@@ -378,18 +398,20 @@ def _single_row_stats_kernel(
     valid_ref[...] = valid.astype(jnp.int32)
 
 
-def _single_row_stats(logits, params_rows, *, shift: int, passes: int, interpret: bool) -> dict:
+def _single_row_stats(logits, params_rows, *, shift: int, passes: int, interpret: bool, tiling: SingleTiling) -> dict:
     rows, vocab = logits.shape
     scalar = pl.BlockSpec((None,), lambda r: (r,))
     names = ("max", "z", "min_e", "cut", "argmax", "valid")
     dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 3
     outs = pl.pallas_call(
-        functools.partial(_single_row_stats_kernel, vocab=vocab, shift=shift, passes=passes),
+        functools.partial(
+            _single_row_stats_kernel, vocab=vocab, shift=shift, passes=passes, search_block=tiling.search_block
+        ),
         grid=(rows,),
         in_specs=[scalar] * 4 + [pl.BlockSpec((None, vocab), lambda r: (r, 0))],
         out_specs=[scalar] * 6,
         out_shape=[jax.ShapeDtypeStruct((rows,), d) for d in dtypes],
-        compiler_params=plgpu.CompilerParams(num_warps=SINGLE_PROGRAM_WARPS, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.warps, num_stages=2),
         interpret=interpret,
         name="tree_sampling_single_row_stats",
     )(*(params_rows[:, i] for i in range(4)), logits)
@@ -430,6 +452,7 @@ def row_stats(
     interpret: bool | None = None,
     skip_with_cond: bool = True,
     layout: str = "auto",
+    tiling: SingleTiling = SINGLE_TILING,
 ) -> dict:
     """Per-row statistics of logits [R, V] (bf16 / f32) under per-row params f32 [R, 4]
     (temperature, top_k, top_p, min_p) -> dict of [R] arrays:
@@ -446,7 +469,8 @@ def row_stats(
     then the kept mass. Rows that do not filter skip the passes inside the kernels; a batch in which no
     row filters skips them all (one lax.cond; skip_with_cond=False launches them regardless, with every row
     inactive: `benchmarks/bench_tree_sampling.py --no-cond` measures that). layout "single" (`resolve_layout`)
-    runs all of it in one program per row (kernel 1'), the same statistics.
+    runs all of it in one program per row (kernel 1', its warps and search loads from `tiling`), the same
+    statistics.
     """
     rows, vocab = logits.shape
     if logits.dtype not in (jnp.bfloat16, jnp.float32):
@@ -455,7 +479,7 @@ def row_stats(
     passes = 4 if shift else 8  # 16 or 32 key bits, 4 bits per pass
     interpret = default_interpret(interpret)
     if resolve_layout(layout, vocab) == "single":
-        return _single_row_stats(logits, params_rows, shift=shift, passes=passes, interpret=interpret)
+        return _single_row_stats(logits, params_rows, shift=shift, passes=passes, interpret=interpret, tiling=tiling)
     splits, span = _split(vocab, rows, STATS_BLOCK)
     temperature, top_k, top_p, min_p = (params_rows[:, i] for i in range(4))
     top_k = top_k.astype(jnp.int32)
@@ -840,7 +864,19 @@ def _final_spans(final_specs, final_inputs, final_coins, batch, vocab, params, i
 
 
 def _walk(
-    mode, lists, coins, final_coins, values, extra, *, max_accept, threshold_single, threshold_acc, interpret, layout
+    mode,
+    lists,
+    coins,
+    final_coins,
+    values,
+    extra,
+    *,
+    max_accept,
+    threshold_single,
+    threshold_acc,
+    interpret,
+    layout,
+    tiling=SINGLE_TILING,
 ):
     """Kernel 4 (grid (B, 1)), then layout "spans": kernel 5 (grid (B, splits)), the crossing span in XLA,
     kernel 6 (grid (B, 1)); layout "single": kernel 5' (grid (B, 1))."""
@@ -908,7 +944,7 @@ def _walk(
             in_specs=final_specs + [scalar],
             out_specs=[scalar, scalar],
             out_shape=[jax.ShapeDtypeStruct((batch,), jnp.int32)] * 2,
-            compiler_params=plgpu.CompilerParams(num_warps=SINGLE_PROGRAM_WARPS, num_stages=2),
+            compiler_params=plgpu.CompilerParams(num_warps=tiling.warps, num_stages=2),
             interpret=interpret,
             name=f"tree_sampling_final_single_{mode}",
         )(*final_inputs, final_coins)
@@ -992,7 +1028,9 @@ def _check_common(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "layout"))
+@functools.partial(
+    jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "layout", "tiling")
+)
 def _from_probs_jit(
     candidates,
     next_token,
@@ -1006,6 +1044,7 @@ def _from_probs_jit(
     threshold_acc,
     interpret,
     layout,
+    tiling=SINGLE_TILING,
 ):
     return _walk(
         "probs",
@@ -1019,6 +1058,7 @@ def _from_probs_jit(
         threshold_acc=threshold_acc,
         interpret=interpret,
         layout=layout,
+        tiling=tiling,
     )
 
 
@@ -1101,7 +1141,15 @@ def params_rows(sampling_params: jax.Array, slots: int) -> jax.Array:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "skip_with_cond", "layout"),
+    static_argnames=(
+        "max_accept",
+        "threshold_single",
+        "threshold_acc",
+        "interpret",
+        "skip_with_cond",
+        "layout",
+        "tiling",
+    ),
 )
 def _from_logits_jit(
     candidates,
@@ -1118,6 +1166,7 @@ def _from_logits_jit(
     interpret,
     skip_with_cond,
     layout,
+    tiling=SINGLE_TILING,
 ):
     batch, slots, vocab = logits.shape
     stats = row_stats(
@@ -1126,6 +1175,7 @@ def _from_logits_jit(
         interpret=interpret,
         skip_with_cond=skip_with_cond,
         layout=layout,
+        tiling=tiling,
     )
     accept, num_accepted, tokens = _walk(
         "logits",
@@ -1139,6 +1189,7 @@ def _from_logits_jit(
         threshold_acc=threshold_acc,
         interpret=interpret,
         layout=layout,
+        tiling=tiling,
     )
     return accept, num_accepted, tokens, stats["valid"].reshape(batch, slots).astype(bool)
 
@@ -1166,6 +1217,7 @@ def tree_sampling_from_logits(
     interpret: bool | None = None,
     skip_with_cond: bool = True,
     layout: str = "auto",
+    tiling: SingleTiling = SINGLE_TILING,
 ):
     """Mode (b): fused from raw logits [B, N, V] (bf16 / f32) and per-row settings sampling_params f32 [B, 4]
     (temperature, top_k, top_p, min_p; the library's `SamplingParams.as_rows()`).
@@ -1174,7 +1226,8 @@ def tree_sampling_from_logits(
     Where a slot's logits hold NaN / +inf or are all -inf, `valid` is False; the caller (`verify_step`)
     turns rows with an invalid reachable slot into invalid rows, exactly as for the reference path.
     skip_with_cond: skip the filter passes with one lax.cond when no row filters (`row_stats`, layout
-    "spans"). layout: "single" (one program per row), "spans" or "auto" (`resolve_layout`).
+    "spans"). layout: "single" (one program per row), "spans" or "auto" (`resolve_layout`); tiling: the
+    single layout's warps and search loads (`SingleTiling`).
     """
     _check_common(
         candidates,
@@ -1204,6 +1257,7 @@ def tree_sampling_from_logits(
         interpret=default_interpret(interpret),
         skip_with_cond=bool(skip_with_cond),
         layout=layout,
+        tiling=tiling,
     )
 
 

@@ -27,6 +27,15 @@ def test_a_tiny_case_runs_and_agrees():
     assert row["xla_us"] > 0 and row["pallas_us"] > 0 and row["x_roofline"] > 0
 
 
+def test_layout_columns_sit_side_by_side():
+    """--layouts single,single:8x1024: both kernel tilings timed on the same input sets, each its own column."""
+    row = bench_tree_sampling.run_case(1, 9, 300, 0.9, copy_bw=1e12, runs=1, layouts=("single", "single:8x1024"))
+    assert row["pallas_single_us"] > 0 and row["pallas_single_8x1024_us"] > 0
+    assert row["pallas_us"] == row["pallas_single_us"]  # speedup and x_roofline: the first layout's
+    name, tiling = bench_tree_sampling.kernel_layout("single:8x1024")
+    assert name == "single" and (tiling.warps, tiling.search_block) == (8, 1024)
+
+
 def test_the_pipelined_timer_counts_seconds_per_call():
     calls = []
 
