@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 
+from ddtree_jax.analysis.memory import MeshLayout, Tensor, local_shape
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
 from ddtree_jax.models.layers import is_shape_leaf
@@ -65,19 +66,12 @@ def per_device_shapes(config, layout: str, model_size: int, target_hidden: int |
         raise ValueError(f"layout must be one of {sorted(RULES)}, got {layout!r}")
     if isinstance(model_size, bool) or not isinstance(model_size, int) or model_size < 1:
         raise ValueError(f"model_size must be an int >= 1, got {model_size!r}")
-    rules = RULES[layout]
+    mesh_layout = MeshLayout(layout, model_size)  # the planner's per-device split
     leaves, treedef = jax.tree_util.tree_flatten_with_path(_param_shapes(config, target_hidden), is_leaf=is_shape_leaf)
     out = []
     for path, (shape, axes) in leaves:
-        local = []
-        for size, axis in zip(shape, axes):
-            if rules[axis] == MODEL:
-                if size % model_size:
-                    name = jax.tree_util.keystr(path)
-                    raise ValueError(f"{name}: dimension {axis!r} of {size} does not split {model_size} ways")
-                size //= model_size
-            local.append(size)
-        out.append((tuple(local), axes))
+        tensor = Tensor(jax.tree_util.keystr(path), shape, axes, "bf16", "")
+        out.append((local_shape(tensor, mesh_layout), axes))
     return jax.tree.unflatten(treedef, out)
 
 

@@ -55,7 +55,7 @@ def test_layouts_without_a_same_family_share_and_bad_splits_are_named():
         tp_shard_config(k26, 8, layout="ep")
     with pytest.raises(ValueError, match="num_heads = 64 does not split 3 ways"):
         tp_shard_config(k26, 3)
-    with pytest.raises(ValueError, match="does not split 3 ways"):
+    with pytest.raises(ValueError, match="does not divide over 3 devices"):
         per_device_shapes(k26, "tp", 3)
     with pytest.raises(ValueError, match="layout must be one of"):
         tp_shard_config(k26, 8, layout="fsdp")
