@@ -150,6 +150,13 @@ def _span_chunks(values_ref, row, span: int, block: int, vocab: int, other, base
     return load, span // block
 
 
+def _kept_e(x, in_row, m, inv_t, cut, min_e, shift: int):
+    """e = exp((x - m) / T) where the filters keep x (logit_key(x) >= cut and e >= min_e), else 0: a row's
+    unnormalised processed probabilities."""
+    e = jnp.where(x > -jnp.inf, jnp.exp((x - m) / inv_t), 0.0)
+    return jnp.where(in_row & (logit_key(x, shift) >= cut) & (e >= min_e), e, 0.0)
+
+
 # --- kernel 1: partial statistics of a span (max, Z, argmax, min key, validity) ---------------------------
 
 
@@ -298,9 +305,7 @@ def _kept_mass_kernel(
 
         def body(c, acc):
             _, in_row, x = load(c)
-            e = jnp.where(x > -jnp.inf, jnp.exp((x - m) / inv_t), 0.0)
-            kept = in_row & (logit_key(x, shift) >= cut) & (e >= min_e)
-            return acc + jnp.where(kept, e, 0.0)
+            return acc + _kept_e(x, in_row, m, inv_t, cut, min_e, shift)
 
         z_ref[...] = jnp.sum(lax.fori_loop(0, num_chunks, body, jnp.zeros((block,), jnp.float32)))
 
@@ -383,8 +388,7 @@ def _single_row_stats_kernel(
     def kept(state):
         c, acc = state
         _, in_row, x = load(c)
-        e = jnp.where(x > -jnp.inf, jnp.exp((x - m) / inv_t), 0.0)
-        return c + 1, acc + jnp.where(in_row & (logit_key(x, shift) >= cut) & (e >= min_e), e, 0.0)
+        return c + 1, acc + _kept_e(x, in_row, m, inv_t, cut, min_e, shift)
 
     _, kept_e = lax.while_loop(
         lambda state: any_filter & (state[0] < num_chunks), kept, (jnp.int32(0), jnp.zeros((STATS_BLOCK,), jnp.float32))
@@ -703,9 +707,8 @@ def _residual_loader(mode, values_ref, stats, row, n_excl, excl_ref, span, block
         else:
             max_ref, z_ref, min_e_ref, cut_ref, _, temperature = stats
             inv_t = jnp.where(temperature == 0.0, 1.0, temperature)
-            e = jnp.where(x > -jnp.inf, jnp.exp((x - max_ref[row]) / inv_t), 0.0)
-            kept = in_row & (logit_key(x, shift) >= cut_ref[row]) & (e >= min_e_ref[row])
-            res = jnp.where(kept, e / z_ref[row], 0.0)
+            e = _kept_e(x, in_row, max_ref[row], inv_t, cut_ref[row], min_e_ref[row], shift)
+            res = jnp.where(e > 0, e / z_ref[row], 0.0)
         return idx, lax.fori_loop(0, n_excl, lambda j, r: jnp.where(idx == excl_ref[j], 0.0, r), res)
 
     return residual, num_chunks
@@ -720,6 +723,39 @@ def _final_refs(refs, mode):
     return walk_ref, excl_ref, values_ref, None, rest
 
 
+def _residual_sums(residual, num_chunks: int, block: int):
+    """(sum f32 [], last positive index i32 [] (-1 = none)) of the residual over the chunks of `residual`."""
+
+    def body(c, carry):
+        total, last = carry
+        idx, res = residual(c)
+        return total + res, jnp.maximum(last, jnp.where(res > 0, idx, -1))
+
+    total, last = lax.fori_loop(
+        0, num_chunks, body, (jnp.zeros((block,), jnp.float32), jnp.full((block,), -1, jnp.int32))
+    )
+    return jnp.sum(total), jnp.max(last)
+
+
+def _first_crossing(residual, num_chunks: int, u, before, vocab: int):
+    """The first token whose running residual CDF (from `before`) exceeds u, chunk by chunk, stopping at the
+    chunk that holds it: i32 [] (vocab = no crossing)."""
+
+    def cond(state):
+        c, _, found, _ = state
+        return (c < num_chunks) & ~found
+
+    def body(state):
+        c, running, _, _ = state
+        idx, res = residual(c)
+        cdf = running + jnp.cumsum(res)
+        first = jnp.min(jnp.where((res > 0) & (cdf > u), idx, vocab))
+        return c + 1, running + jnp.sum(res), first < vocab, first
+
+    _, _, found, first = lax.while_loop(cond, body, (jnp.int32(0), before, jnp.bool_(False), jnp.int32(vocab)))
+    return jnp.where(found, first, vocab)
+
+
 def _residual_sums_kernel(*refs, mode: str, vocab: int, span: int, block: int):
     # refs: walk i32 [4], excl i32 [N_pad], (temperature f32 [], logits [N, V], stats [N] x 5) | probs [N, V];
     # out: sum f32 [] and last positive index i32 [] of the residual over this program's span
@@ -732,17 +768,7 @@ def _residual_sums_kernel(*refs, mode: str, vocab: int, span: int, block: int):
         residual, num_chunks = _residual_loader(
             mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block, vocab, base
         )
-
-        def body(c, carry):
-            total, last = carry
-            idx, res = residual(c)
-            return total + res, jnp.maximum(last, jnp.where(res > 0, idx, -1))
-
-        total, last = lax.fori_loop(
-            0, num_chunks, body, (jnp.zeros((block,), jnp.float32), jnp.full((block,), -1, jnp.int32))
-        )
-        sum_ref[...] = jnp.sum(total)
-        last_ref[...] = jnp.max(last)
+        sum_ref[...], last_ref[...] = _residual_sums(residual, num_chunks, block)
 
     if mode == "logits":
         pl.when(stats[5] != 0.0)(sums)  # greedy rows: the final token is the argmax, no scan
@@ -761,23 +787,7 @@ def _final_scan_kernel(*refs, mode: str, vocab: int, span: int, block: int):
         residual, num_chunks = _residual_loader(
             mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block, vocab, base=split_ref[...] * span
         )
-        u = u_ref[...]
-
-        def cond(state):
-            c, _, found, _ = state
-            return (c < num_chunks) & ~found
-
-        def body(state):
-            c, running, _, _ = state
-            idx, res = residual(c)
-            cdf = running + jnp.cumsum(res)
-            first = jnp.min(jnp.where((res > 0) & (cdf > u), idx, vocab))
-            return c + 1, running + jnp.sum(res), first < vocab, first
-
-        _, _, found, first = lax.while_loop(
-            cond, body, (jnp.int32(0), before_ref[...], jnp.bool_(False), jnp.int32(vocab))
-        )
-        token_ref[...] = jnp.where(found, first, vocab)
+        token_ref[...] = _first_crossing(residual, num_chunks, u_ref[...], before_ref[...], vocab)
 
 
 def _final_single_kernel(*refs, mode: str, vocab: int, span: int, block: int):
@@ -791,33 +801,9 @@ def _final_single_kernel(*refs, mode: str, vocab: int, span: int, block: int):
         residual, num_chunks = _residual_loader(
             mode, values_ref, stats, walk_ref[1], walk_ref[2], excl_ref, span, block, vocab, 0
         )
-
-        def sums(c, carry):
-            total, last = carry
-            idx, res = residual(c)
-            return total + res, jnp.maximum(last, jnp.where(res > 0, idx, -1))
-
-        total, last = lax.fori_loop(
-            0, num_chunks, sums, (jnp.zeros((block,), jnp.float32), jnp.full((block,), -1, jnp.int32))
-        )
-        u = coin_ref[...] * jnp.sum(total)
-
-        def cond(state):
-            c, _, found, _ = state
-            return (c < num_chunks) & ~found
-
-        def scan(state):
-            c, running, _, _ = state
-            idx, res = residual(c)
-            cdf = running + jnp.cumsum(res)
-            first = jnp.min(jnp.where((res > 0) & (cdf > u), idx, vocab))
-            return c + 1, running + jnp.sum(res), first < vocab, first
-
-        _, _, found, first = lax.while_loop(
-            cond, scan, (jnp.int32(0), jnp.float32(0.0), jnp.bool_(False), jnp.int32(vocab))
-        )
-        token_ref[...] = jnp.where(found, first, vocab)
-        last_ref[...] = jnp.max(last)
+        total, last = _residual_sums(residual, num_chunks, block)
+        token_ref[...] = _first_crossing(residual, num_chunks, coin_ref[...] * total, jnp.float32(0.0), vocab)
+        last_ref[...] = last
 
     if mode == "logits":
         pl.when(stats[5] != 0.0)(sample)  # greedy rows: the final token is the argmax, no scan
