@@ -17,6 +17,10 @@ import time
 
 import numpy as np
 
+# dispatch.WEIGHT_DTYPES, written out: the parser is built before JAX is imported (--help stays fast);
+# tests/test_cli.py checks the two agree
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
 
 def _tree_command(args: argparse.Namespace) -> int:
     import jax
@@ -409,7 +413,7 @@ def _add_pair_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=("auto", "float32", "bfloat16"),
+        choices=DTYPE_CHOICES,
         default="auto",
         help="the dtype the weights load in and the KV caches hold (default auto: on GPU the checkpoint's "
         "stored dtype, bfloat16 for the embedded pair; float32 elsewhere)",
@@ -552,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, default=1)
     plan.add_argument(
         "--dtype",
-        choices=("auto", "float32", "bfloat16"),
+        choices=DTYPE_CHOICES,
         default="auto",
         help="the weights' dtype, as generate's --dtype (default auto: on GPU the config's torch_dtype)",
     )

@@ -142,6 +142,9 @@ def test_dtype_loads_the_weights_and_sizes_the_caches(capsys):
     assert pair_dtype(load_pair(FIXTURE, None)) == jax.numpy.float32
     assert load_dtype("auto") == (jax.numpy.float32 if jax.default_backend() != "gpu" else "auto")
     assert load_dtype("bfloat16") == jax.numpy.bfloat16
+    from ddtree_jax import dispatch
+
+    assert cli.DTYPE_CHOICES == dispatch.WEIGHT_DTYPES  # the parser's copy (built before JAX is imported)
     embedded = load_pair(cli.EMBEDDED_TARGET, cli.EMBEDDED_DRAFTER, "auto")  # stored in bf16
     assert pair_dtype(embedded) == jax.numpy.bfloat16
     assert {leaf.dtype for leaf in jax.tree.leaves(embedded.drafter.params)} == {jax.numpy.dtype("bfloat16")}
