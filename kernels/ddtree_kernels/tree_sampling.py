@@ -157,6 +157,31 @@ def _kept_e(x, in_row, m, inv_t, cut, min_e, shift: int):
     return jnp.where(in_row & (logit_key(x, shift) >= cut) & (e >= min_e), e, 0.0)
 
 
+def _filter_cuts(search, topk_on, topp_on, kmin, kmax, top_k, top_p, no_cut, per_row=lambda a: a):
+    """The keep-cut of the top-k and top-p filters through `search(mode, active, lo, hi, cut, threshold_fn)
+    -> (lo, hi)` (one row in a kernel, or [R] rows in XLA, `per_row` broadcasting a row's value against its
+    16 thresholds): top-k's is the largest key t with count(key >= t) >= k (the k-th largest logit);
+    top-p's the smallest key t with mass(key > t, key >= cut_k) < top_p * Z_k; the cut is the larger."""
+    cut_k, _ = search(
+        "count",
+        topk_on,
+        jnp.where(topk_on, kmin, _INT32_MIN),
+        kmax + 1,
+        no_cut,
+        lambda counts, _: counts >= per_row(top_k.astype(jnp.float32)),
+    )
+    cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
+    _, cut_p = search(
+        "mass",
+        topp_on,
+        jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1,
+        kmax,
+        cut_k,
+        lambda masses, zk: masses < per_row(top_p * zk),
+    )
+    return jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
+
+
 # --- kernel 1: partial statistics of a span (max, Z, argmax, min key, validity) ---------------------------
 
 
@@ -366,24 +391,7 @@ def _single_row_stats_kernel(
         _, lo, hi = lax.while_loop(more, one_pass, (jnp.int32(0), lo, hi))
         return lo, hi
 
-    cut_k, _ = search(
-        "count",
-        topk_on,
-        jnp.where(topk_on, kmin, _INT32_MIN),
-        kmax + 1,
-        jnp.int32(_INT32_MIN),
-        lambda counts, _: counts >= top_k.astype(jnp.float32),
-    )
-    cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
-    _, cut_p = search(
-        "mass",
-        topp_on,
-        jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1,
-        kmax,
-        cut_k,
-        lambda masses, zk: masses < top_p * zk,
-    )
-    cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
+    cut = _filter_cuts(search, topk_on, topp_on, kmin, kmax, top_k, top_p, jnp.int32(_INT32_MIN))
 
     def kept(state):
         c, acc = state
@@ -549,26 +557,7 @@ def row_stats(
     any_filter = valid & ~greedy & (topk_on | topp_on | (min_p > 0))
 
     def filtered(z):
-        # top-k: the largest key t with count(key >= t) >= k (the k-th largest logit)
-        cut_k, _ = search(
-            "count",
-            topk_on,
-            jnp.where(topk_on, kmin, _INT32_MIN),
-            kmax + 1,
-            jnp.full((rows,), _INT32_MIN, jnp.int32),
-            lambda counts, _: counts >= top_k[:, None].astype(jnp.float32),
-        )
-        cut_k = jnp.where(topk_on, cut_k, _INT32_MIN)
-        # top-p: the smallest key t with mass(key > t, key >= cut_k) < top_p * Z_k
-        _, cut_p = search(
-            "mass",
-            topp_on,
-            jnp.where(cut_k == _INT32_MIN, kmin, cut_k) - 1,
-            kmax,
-            cut_k,
-            lambda masses, zk: masses < (top_p * zk)[:, None],
-        )
-        cut = jnp.where(topp_on, jnp.maximum(cut_p, cut_k), cut_k)
+        cut = _filter_cuts(search, topk_on, topp_on, kmin, kmax, top_k, top_p, no_cut, lambda a: a[:, None])
         z_parts = _grid_call(
             functools.partial(_kept_mass_kernel, block=STATS_BLOCK, **common),
             rows,
