@@ -160,6 +160,7 @@ def profile_loop(
     for key in ("span_ns", "busy_ns", "idle_ns", "events"):
         summary[key] -= prefill[key]
     per = 1e-3 / (runs * max(steps, 1))
+    stage_map = op_stages(hlo_text)
     totals, counts = {}, {}
     for e in events:
         totals[e["op"]] = totals.get(e["op"], 0) + e["duration_ns"]
@@ -181,8 +182,8 @@ def profile_loop(
             {**g, "us_per_step": g["total_ns"] * per, "per_step": g["count"] / (runs * max(steps, 1))}
             for g in summary["gaps"][:30]
         ],
-        "ops": ops,
-        "stages": stage_table(ops, op_stages(hlo_text)),
+        "ops": [{**row, "stage": stage_map.get(row["op"], "other")} for row in ops],
+        "stages": stage_table(ops, stage_map),
     }
 
 
