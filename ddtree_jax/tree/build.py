@@ -29,7 +29,7 @@ from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKE
 from ddtree_jax.tree.select import prefilter_candidates, top_k_log_probs
 from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 from ddtree_kernels import tree_build
-from ddtree_kernels.tree_build import tree_select, tree_select_reference, tree_topk
+from ddtree_kernels.tree_build import tree_select_reference, tree_slots, tree_topk
 
 
 def _as_array(draft_logits):
@@ -122,10 +122,22 @@ def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: s
         lp, ids = kernel_top_k(draft_logits, k)
     else:
         lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
+    if impl == "pallas":  # the selection and the tree's layout in one kernel (dead depths masked in it)
+        tokens, parents, depths, ranks, logw, num_nodes = tree_slots(
+            lp, ids, ~dead, root_tokens, row_finite, budget, pads=(PAD_TOKEN, PAD_PARENT, PAD_DEPTH, PAD_RANK)
+        )
+        return DraftTree(
+            tokens=tokens,
+            parents=parents,
+            depths=depths,
+            ranks=ranks,
+            logw=logw,
+            num_nodes=num_nodes,
+            max_depth=depth_limit,
+        )
     # -inf log-probs (masked tokens, dead depths) only ever give -inf log-weights: padding, never real
     lp = jnp.where(dead[..., None], -jnp.inf, lp)
-    select = tree_select if impl == "pallas" else tree_select_reference
-    level, rank, parent, logw = select(lp, budget)
+    level, rank, parent, logw = tree_select_reference(lp, budget)
 
     # A row with NaN/+inf logits gets a root-only tree (documented; the eager path raises instead).
     real = jnp.isfinite(logw) & row_finite[:, None]  # [B, budget]

@@ -83,17 +83,18 @@ def _extract_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: i
     # values_ref:     f32 [C_pad]          one row of candidates (positions >= count are padding)
     # out_values_ref: f32 [K_pad + block]  the k largest, descending (entries >= k unspecified)
     # out_pos_ref:    i32 [K_pad + block]  their positions in the row
-    # Small k: the row in registers, the k best extracted one at a time (two reductions each).
+    # Small k: the row in registers, the k best extracted one at a time: one argmax reduction each (its
+    # first index on ties: equal values -> the lowest position), the value re-read from the row at it.
     del block, interpret
     c_pad, k_pad = values_ref.shape[0], out_values_ref.shape[0]
     pos = _iota(c_pad)
     out = _iota(k_pad)
     keys = jnp.where(pos < count, float_key(values_ref[...]), _EMPTY)
 
-    def extract(i, carry):
+    def extract(i, carry):  # k <= count, so a real entry (key > _EMPTY) is left to take every time
         keys, best_keys, best_pos = carry
-        best = jnp.max(keys)
-        at = jnp.min(jnp.where(keys == best, pos, c_pad))  # equal values: the lowest position
+        at = jnp.argmax(keys).astype(jnp.int32)
+        best = float_key(values_ref[at])
         best_keys = jnp.where(out == i, best, best_keys)
         best_pos = jnp.where(out == i, at, best_pos)
         return jnp.where(pos == at, _EMPTY, keys), best_keys, best_pos
@@ -255,12 +256,11 @@ def _meta_bits(budget: int, k: int, depth_limit: int) -> tuple[int, int, int]:
     return bits
 
 
-def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget: int, k: int, depth_limit: int):
-    # lp_ref:     f32 [L, K]       per-depth top-K log-probabilities, descending (-inf: no such token)
-    # level_ref:  i32 [budget]     out: depth - 1 of each slot 1..budget, in pop order
-    # rank_ref:   i32 [budget]     out: its rank at its depth
-    # parent_ref: i32 [budget]     out: its parent's slot (0 = the root)
-    # logw_ref:   f32 [budget]     out: its log-weight (-inf: padding)
+def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int):
+    """The heap of one row, popped `budget` times (the body of both selection kernels). lp(depth_index,
+    rank) -> f32 scalar reads the per-depth top-K log-probabilities (-inf: no such token); each pop calls
+    emit(slot, valid, depth, rank, parent, logw) -> int32 count with slot 1..budget in pop order (valid
+    False: padding, the other fields unspecified). Returns the sum of the counts."""
     parent_bits, rank_bits, _ = _meta_bits(budget, k, depth_limit)
     rank_shift, depth_shift = parent_bits, parent_bits + rank_bits
     f_pad = _next_pow2(budget + 1)
@@ -328,7 +328,7 @@ def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget:
         return best
 
     def pop(slot, carry):
-        f_key, f_plogw, f_meta, t_meta, n_used = carry
+        f_key, f_plogw, f_meta, t_meta, n_used, counted = carry
         best = jnp.max(f_key)
         valid = best != _EMPTY
         tied = (f_key == best).astype(jnp.int32)
@@ -339,36 +339,91 @@ def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget:
         meta = pick(f_meta, at)
         parent_logw = jnp.sum(jnp.where(fpos == at, f_plogw, 0.0))
         parent, rank, depth = unpack(meta)
-        level_ref[slot - 1] = depth - 1
-        rank_ref[slot - 1] = rank
-        parent_ref[slot - 1] = parent
-        logw_ref[slot - 1] = jnp.where(valid, logw, -jnp.inf)
+        counted = counted + emit(slot, valid, depth, rank, parent, logw)
         t_meta = jnp.where(fpos == slot, meta, t_meta)
 
         # next sibling: the same parent's logw plus the next rank's log-prob; it takes the popped entry's place
         sib_rank = rank + 1
-        lp_sib = lp_ref[jnp.maximum(depth - 1, 0), jnp.minimum(sib_rank, k - 1)]
+        lp_sib = lp(jnp.maximum(depth - 1, 0), jnp.minimum(sib_rank, k - 1))
         push_sib = valid & (sib_rank < k) & (lp_sib > -jnp.inf)
         here = fpos == at
         f_key = jnp.where(here, jnp.where(push_sib, float_key(parent_logw + lp_sib), _EMPTY), f_key)
         f_plogw = jnp.where(here, parent_logw, f_plogw)
         f_meta = jnp.where(here, pack(parent, sib_rank, depth), f_meta)
         # first child: this node's logw plus the next depth's best log-prob, at the next unused position
-        lp_child = lp_ref[jnp.minimum(depth, depth_limit - 1), 0]
+        lp_child = lp(jnp.minimum(depth, depth_limit - 1), 0)
         push_child = valid & (depth < depth_limit) & (lp_child > -jnp.inf)
         there = (fpos == n_used) & push_child
         f_key = jnp.where(there, float_key(logw + lp_child), f_key)
         f_plogw = jnp.where(there, logw, f_plogw)
         f_meta = jnp.where(there, pack(slot, 0, depth + 1), f_meta)
-        return f_key, f_plogw, f_meta, t_meta, n_used + push_child.astype(jnp.int32)
+        return f_key, f_plogw, f_meta, t_meta, n_used + push_child.astype(jnp.int32), counted
 
-    lp_first = lp_ref[0, 0]
+    lp_first = lp(0, 0)
     root_push = (fpos == 0) & (lp_first > -jnp.inf)
     f_key = jnp.where(root_push, float_key(lp_first), _EMPTY)
     f_plogw = jnp.zeros((f_pad,), jnp.float32)
     f_meta = jnp.where(fpos == 0, pack(0, 0, 1), 0)
     t_meta = jnp.zeros((f_pad,), jnp.int32)  # slot 0: the root (never read: walks stop at depth 1)
-    lax.fori_loop(1, budget + 1, pop, (f_key, f_plogw, f_meta, t_meta, jnp.int32(1)))
+    return lax.fori_loop(1, budget + 1, pop, (f_key, f_plogw, f_meta, t_meta, jnp.int32(1), jnp.int32(0)))[-1]
+
+
+def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget: int, k: int, depth_limit: int):
+    # lp_ref:     f32 [L, K]       per-depth top-K log-probabilities, descending (-inf: no such token)
+    # level_ref:  i32 [budget]     out: depth - 1 of each slot 1..budget, in pop order
+    # rank_ref:   i32 [budget]     out: its rank at its depth
+    # parent_ref: i32 [budget]     out: its parent's slot (0 = the root)
+    # logw_ref:   f32 [budget]     out: its log-weight (-inf: padding)
+    def emit(slot, valid, depth, rank, parent, logw):
+        level_ref[slot - 1] = depth - 1
+        rank_ref[slot - 1] = rank
+        parent_ref[slot - 1] = parent
+        logw_ref[slot - 1] = jnp.where(valid, logw, -jnp.inf)
+        return jnp.int32(0)
+
+    _select_heap(lambda d, r: lp_ref[d, r], emit, budget=budget, k=k, depth_limit=depth_limit)
+
+
+def _slots_kernel(
+    lp_ref,  # f32 [L, K]   per-depth top-K log-probabilities, descending (-inf: no such token)
+    ids_ref,  # i32 [L, K]  their token ids
+    live_ref,  # i32 [L]    0: the depth has no candidates (its log-probs read as -inf)
+    root_ref,  # i32 []     slot 0's token
+    row_ok_ref,  # i32 []   0: the row is root-only (its logits held NaN / +inf)
+    tokens_ref,  # i32 [N]  out, N = budget + 1: the DraftTree fields of the row, slot 0 the root
+    parents_ref,  # i32 [N] out
+    depths_ref,  # i32 [N]  out
+    ranks_ref,  # i32 [N]   out
+    logw_ref,  # f32 [N]    out (-inf: padding)
+    num_nodes_ref,  # i32 [] out: 1 + real slots
+    *,
+    budget: int,
+    k: int,
+    depth_limit: int,
+    pads: tuple[int, int, int, int],
+):
+    pad_token, pad_parent, pad_depth, pad_rank = pads
+    row_ok = row_ok_ref[...] != 0
+    tokens_ref[0] = root_ref[...]
+    parents_ref[0] = jnp.int32(pad_parent)
+    depths_ref[0] = jnp.int32(0)
+    ranks_ref[0] = jnp.int32(-1)
+    logw_ref[0] = jnp.float32(0.0)
+
+    def lp(d, r):
+        return jnp.where(live_ref[d] != 0, lp_ref[d, r], -jnp.inf)
+
+    def emit(slot, valid, depth, rank, parent, logw):
+        real = valid & row_ok
+        token = ids_ref[jnp.clip(depth - 1, 0, depth_limit - 1), jnp.clip(rank, 0, k - 1)]
+        tokens_ref[slot] = jnp.where(real, token, pad_token)
+        parents_ref[slot] = jnp.where(real, parent, pad_parent)
+        depths_ref[slot] = jnp.where(real, depth, pad_depth)
+        ranks_ref[slot] = jnp.where(real, rank, pad_rank)
+        logw_ref[slot] = jnp.where(real, logw, -jnp.inf)
+        return real.astype(jnp.int32)
+
+    num_nodes_ref[...] = 1 + _select_heap(lp, emit, budget=budget, k=k, depth_limit=depth_limit)
 
 
 def _select_warps(budget: int) -> int:
@@ -394,6 +449,32 @@ def _tree_select_jit(top_lp, *, budget: int, interpret: bool, num_warps: int | N
     )(top_lp.astype(jnp.float32))
 
 
+@functools.partial(jax.jit, static_argnames=("budget", "pads", "interpret"))
+def _tree_slots_jit(top_lp, top_ids, live, root_tokens, row_ok, *, budget: int, pads, interpret: bool):
+    batch, depth_limit, k = top_lp.shape
+    slots = budget + 1
+    row_spec = pl.BlockSpec((None, slots), lambda b: (b, 0))
+    scalar = pl.BlockSpec((None,), lambda b: (b,))
+    table = pl.BlockSpec((None, depth_limit, k), lambda b: (b, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_slots_kernel, budget=budget, k=k, depth_limit=depth_limit, pads=pads),
+        grid=(batch,),
+        in_specs=[table, table, pl.BlockSpec((None, depth_limit), lambda b: (b, 0)), scalar, scalar],
+        out_specs=[row_spec] * 5 + [scalar],
+        out_shape=[jax.ShapeDtypeStruct((batch, slots), jnp.int32)] * 4
+        + [jax.ShapeDtypeStruct((batch, slots), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=_select_warps(budget), num_stages=1),
+        interpret=interpret,
+        name="tree_slots",
+    )(
+        top_lp.astype(jnp.float32),
+        top_ids.astype(jnp.int32),
+        live.astype(jnp.int32),
+        root_tokens.astype(jnp.int32),
+        row_ok.astype(jnp.int32),
+    )
+
+
 def _check_select(top_lp, budget) -> None:
     if top_lp.ndim != 3 or 0 in top_lp.shape:
         raise ValueError(f"top_lp must have shape [B, L, K] with B, L, K >= 1, got {tuple(top_lp.shape)}")
@@ -415,6 +496,69 @@ def tree_select(
     default for the budget; `benchmarks.bench_tree --select-warps` sweeps it)."""
     _check_select(top_lp, budget)
     return _tree_select_jit(top_lp, budget=int(budget), interpret=default_interpret(interpret), num_warps=num_warps)
+
+
+def tree_slots(
+    top_lp: jax.Array,
+    top_ids: jax.Array,
+    live: jax.Array,
+    root_tokens: jax.Array,
+    row_ok: jax.Array,
+    budget: int,
+    *,
+    pads: tuple[int, int, int, int] = (0, -1, 0, -1),
+    interpret: bool | None = None,
+) -> tuple[jax.Array, ...]:
+    """`tree_select` with the tree laid out in the same kernel: the slots as a draft tree's fields.
+
+    top_lp: float32 [B, L, K] as for `tree_select`; top_ids: int32 [B, L, K] their token ids; live: bool
+    [B, L] (False: the depth has no candidates, its log-probs are read as -inf); root_tokens: int32 [B];
+    row_ok: bool [B] (False: a root-only tree). pads: the (token, parent, depth, rank) of padding slots.
+    Returns tokens, parents, depths, ranks int32 [B, N] and logw float32 [B, N] (N = budget + 1: slot 0 the
+    root, token root_tokens, parent pads[1], depth 0, rank -1, logw 0; then the slots in pop order, padding
+    after the real ones) and num_nodes int32 [B]. Equal to `tree_slots_reference`."""
+    _check_select(top_lp, budget)
+    batch, depth_limit, k = top_lp.shape
+    if top_ids.shape != top_lp.shape:
+        raise ValueError(f"top_ids must have top_lp's shape {tuple(top_lp.shape)}, got {tuple(top_ids.shape)}")
+    if live.shape != (batch, depth_limit) or root_tokens.shape != (batch,) or row_ok.shape != (batch,):
+        raise ValueError(
+            f"live must be [B, L] = ({batch}, {depth_limit}), root_tokens and row_ok [B] = ({batch},); got "
+            f"{tuple(live.shape)}, {tuple(root_tokens.shape)}, {tuple(row_ok.shape)}"
+        )
+    return _tree_slots_jit(
+        top_lp,
+        top_ids,
+        live,
+        root_tokens,
+        row_ok,
+        budget=int(budget),
+        pads=tuple(int(p) for p in pads),
+        interpret=default_interpret(interpret),
+    )
+
+
+def tree_slots_reference(top_lp, top_ids, live, root_tokens, row_ok, budget: int, *, pads=(0, -1, 0, -1)):
+    """`tree_slots`' twin: `tree_select_reference` on the masked log-probs, then the layout in XLA."""
+    pad_token, pad_parent, pad_depth, pad_rank = pads
+    batch, depth_limit, k = top_lp.shape
+    lp = jnp.where(live[..., None], top_lp.astype(jnp.float32), -jnp.inf)
+    level, rank, parent, logw = tree_select_reference(lp, budget)
+    real = jnp.isfinite(logw) & row_ok[:, None]
+    token = jnp.take_along_axis(top_ids.reshape(batch, depth_limit * k), level * k + rank, axis=1)
+
+    def with_root(root_value, values, pad_value):
+        values = jnp.where(real, values, pad_value)
+        return jnp.concatenate([jnp.broadcast_to(root_value, (batch, 1)).astype(values.dtype), values], axis=1)
+
+    return (
+        with_root(root_tokens[:, None], token.astype(jnp.int32), pad_token),
+        with_root(pad_parent, parent, pad_parent),
+        with_root(0, level + 1, pad_depth),
+        with_root(-1, rank, pad_rank),
+        with_root(0.0, logw, -jnp.inf),
+        1 + real.sum(axis=1, dtype=jnp.int32),
+    )
 
 
 # --- the twin: the parallel level-by-level selection ----------------------------------------------------

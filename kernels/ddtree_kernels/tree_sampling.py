@@ -78,17 +78,21 @@ SINGLE_PROGRAM_MAX_VOCAB = 16384  # layout "auto": one program per row ("single"
 
 @dataclasses.dataclass(frozen=True)
 class SingleTiling:
-    """Layout "single"'s tiling: warps per program and vocab elements per load of a search pass (a power of
-    two; [search_block, 16] comparisons per load). The default is what the H200 measured at `ef5aa8e`;
-    `benchmarks.bench_tree_sampling --single-tilings` sweeps others."""
+    """Layout "single"'s tiling: warps per program, vocab elements per load of a search pass ([search_block,
+    16] comparisons per load) and of the statistics and kept-mass passes (stats_block: up to it, a row is
+    one load and each statistic one reduction), all powers of two. The default is what the H200 measured at
+    `ef5aa8e`; `benchmarks.bench_tree_sampling --layouts single:WxB` sweeps warps and search loads."""
 
     warps: int = 4
     search_block: int = SEARCH_BLOCK
+    stats_block: int = 8192
 
     def __post_init__(self):
-        if self.warps not in (1, 2, 4, 8, 16) or self.search_block < 16 or self.search_block & (self.search_block - 1):
+        blocks = (self.search_block, self.stats_block)
+        if self.warps not in (1, 2, 4, 8, 16) or any(b < 16 or b & (b - 1) for b in blocks):
             raise ValueError(
-                f"SingleTiling needs warps in 1-16 (a power of two) and a power-of-two search_block >= 16, got {self}"
+                "SingleTiling needs warps in 1-16 (a power of two) and power-of-two search_block and "
+                f"stats_block >= 16, got {self}"
             )
 
 
@@ -339,10 +343,7 @@ def _kept_mass_kernel(
 
 
 def _single_row_stats_kernel(
-    temp_ref,  # f32 []: this row's temperature (0 = greedy)
-    top_k_ref,  # f32 []: top-k (0 = off)
-    top_p_ref,  # f32 []: top-p (1 = off)
-    min_p_ref,  # f32 []: min-p (0 = off)
+    params_ref,  # f32 [4]: this row's (temperature (0 = greedy), top-k (0 = off), top-p (1 = off), min-p (0 = off))
     logits_ref,  # [V] bf16 / f32: the row
     max_ref,  # out f32 []
     z_ref,  # out f32 []
@@ -355,13 +356,14 @@ def _single_row_stats_kernel(
     shift: int,
     passes: int,
     search_block: int,
+    stats_block: int,
 ):
-    temperature, top_p, min_p = temp_ref[...], top_p_ref[...], min_p_ref[...]
-    top_k = top_k_ref[...].astype(jnp.int32)
+    temperature, top_p, min_p = params_ref[0], params_ref[2], params_ref[3]
+    top_k = params_ref[1].astype(jnp.int32)
     greedy = temperature == 0.0
     inv_t = jnp.where(greedy, 1.0, temperature)
-    stats_span = pl.cdiv(vocab, STATS_BLOCK) * STATS_BLOCK
-    load, num_chunks = _span_chunks(logits_ref, None, stats_span, STATS_BLOCK, vocab, -jnp.inf, 0)
+    stats_span = pl.cdiv(vocab, stats_block) * stats_block
+    load, num_chunks = _span_chunks(logits_ref, None, stats_span, stats_block, vocab, -jnp.inf, 0)
     m_row, z, argmax, kmin, bad = _span_stats(load, num_chunks, inv_t, vocab, shift)
     valid = (bad == 0) & (m_row > -jnp.inf)
     m = jnp.where(valid, m_row, 0.0)
@@ -399,7 +401,7 @@ def _single_row_stats_kernel(
         return c + 1, acc + _kept_e(x, in_row, m, inv_t, cut, min_e, shift)
 
     _, kept_e = lax.while_loop(
-        lambda state: any_filter & (state[0] < num_chunks), kept, (jnp.int32(0), jnp.zeros((STATS_BLOCK,), jnp.float32))
+        lambda state: any_filter & (state[0] < num_chunks), kept, (jnp.int32(0), jnp.zeros((stats_block,), jnp.float32))
     )
     kept_z = jnp.sum(kept_e)
     max_ref[...] = m
@@ -410,23 +412,35 @@ def _single_row_stats_kernel(
     valid_ref[...] = valid.astype(jnp.int32)
 
 
-def _single_row_stats(logits, params_rows, *, shift: int, passes: int, interpret: bool, tiling: SingleTiling) -> dict:
+def _single_row_stats(
+    logits, settings, *, shift: int, passes: int, interpret: bool, tiling: SingleTiling, rows_per_setting: int
+) -> dict:
     rows, vocab = logits.shape
     scalar = pl.BlockSpec((None,), lambda r: (r,))
     names = ("max", "z", "min_e", "cut", "argmax", "valid")
     dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 3
+    stats_block = min(_next_pow2(vocab), tiling.stats_block)
     outs = pl.pallas_call(
         functools.partial(
-            _single_row_stats_kernel, vocab=vocab, shift=shift, passes=passes, search_block=tiling.search_block
+            _single_row_stats_kernel,
+            vocab=vocab,
+            shift=shift,
+            passes=passes,
+            search_block=tiling.search_block,
+            stats_block=stats_block,
         ),
         grid=(rows,),
-        in_specs=[scalar] * 4 + [pl.BlockSpec((None, vocab), lambda r: (r, 0))],
+        # each row reads its settings row in place (no [R, 4] repeat of the [B, 4] settings)
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda r: (r // rows_per_setting, 0)),
+            pl.BlockSpec((None, vocab), lambda r: (r, 0)),
+        ],
         out_specs=[scalar] * 6,
         out_shape=[jax.ShapeDtypeStruct((rows,), d) for d in dtypes],
         compiler_params=plgpu.CompilerParams(num_warps=tiling.warps, num_stages=2),
         interpret=interpret,
         name="tree_sampling_single_row_stats",
-    )(*(params_rows[:, i] for i in range(4)), logits)
+    )(settings.astype(jnp.float32), logits)
     return dict(zip(names, outs))
 
 
@@ -465,9 +479,11 @@ def row_stats(
     skip_with_cond: bool = True,
     layout: str = "auto",
     tiling: SingleTiling = SINGLE_TILING,
+    rows_per_setting: int = 1,
 ) -> dict:
-    """Per-row statistics of logits [R, V] (bf16 / f32) under per-row params f32 [R, 4]
-    (temperature, top_k, top_p, min_p) -> dict of [R] arrays:
+    """Per-row statistics of logits [R, V] (bf16 / f32) under per-row params f32 [R / rows_per_setting, 4]
+    (temperature, top_k, top_p, min_p; rows_per_setting consecutive rows share one, e.g. a tree's N slots)
+    -> dict of [R] arrays:
 
       max    f32  the row's max logit (0 for invalid rows)
       z      f32  sum of e = exp((x - max) / T) over the kept tokens (T := 1 for greedy rows)
@@ -490,8 +506,22 @@ def row_stats(
     shift = 16 if logits.dtype == jnp.bfloat16 else 0
     passes = 4 if shift else 8  # 16 or 32 key bits, 4 bits per pass
     interpret = default_interpret(interpret)
+    if params_rows.shape != (rows // rows_per_setting, 4) or rows % rows_per_setting:
+        raise ValueError(
+            f"params_rows must be f32 [R / rows_per_setting, 4] = ({rows} / {rows_per_setting}, 4), "
+            f"got {tuple(params_rows.shape)}"
+        )
     if resolve_layout(layout, vocab) == "single":
-        return _single_row_stats(logits, params_rows, shift=shift, passes=passes, interpret=interpret, tiling=tiling)
+        return _single_row_stats(
+            logits,
+            params_rows,
+            shift=shift,
+            passes=passes,
+            interpret=interpret,
+            tiling=tiling,
+            rows_per_setting=rows_per_setting,
+        )
+    params_rows = jnp.repeat(params_rows.astype(jnp.float32), rows_per_setting, axis=0)
     splits, span = _split(vocab, rows, STATS_BLOCK)
     temperature, top_k, top_p, min_p = (params_rows[:, i] for i in range(4))
     top_k = top_k.astype(jnp.int32)
@@ -1146,11 +1176,12 @@ def _from_logits_jit(
     batch, slots, vocab = logits.shape
     stats = row_stats(
         logits.reshape(batch * slots, vocab),
-        params_rows(sampling_params, slots),
+        sampling_params,
         interpret=interpret,
         skip_with_cond=skip_with_cond,
         layout=layout,
         tiling=tiling,
+        rows_per_setting=slots,
     )
     accept, num_accepted, tokens = _walk(
         "logits",

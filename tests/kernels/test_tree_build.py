@@ -14,6 +14,8 @@ from ddtree_kernels.tree_build import (
     key_float,
     tree_select,
     tree_select_reference,
+    tree_slots,
+    tree_slots_reference,
     tree_topk,
     tree_topk_reference,
 )
@@ -105,6 +107,43 @@ def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kin
     if kind == "ties":  # the tie walk ran: some popped log-weights repeat
         logw = np.asarray(want[3])[0]
         assert len(np.unique(logw[np.isfinite(logw)])) < np.isfinite(logw).sum()
+
+
+@pytest.mark.parametrize(
+    "batch,depth,vocab,budget,kind",
+    [(3, 6, 40, 16, "ties"), (2, 15, 512, 64, "normal"), (2, 4, 8, 64, "ties"), (3, 6, 16, 24, "dead")],
+)
+def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kind):
+    """`tree_slots` (selection + layout in one kernel) against `tree_slots_reference`: every field equal,
+    padding included, with dead depths (passed as `live`, not masked in the log-probs), a root-only row and
+    more budget than prefixes."""
+    rng = np.random.default_rng(7 * depth + vocab + budget)
+    if kind == "normal":
+        lp = _log_probs(rng.standard_normal((batch, depth, vocab)) * 3)
+    else:
+        lp = _log_probs(rng.integers(-3, 2, size=(batch, depth, vocab)).astype(np.float64))
+    k = min(budget, vocab)
+    top, pos = tree_topk_reference(lp.reshape(batch * depth, vocab), k)
+    top, ids = top.reshape(batch, depth, k), (pos.reshape(batch, depth, k) * 7 + 3) % 1000  # not the ranks
+    live = np.ones((batch, depth), bool)
+    row_ok = np.ones((batch,), bool)
+    if kind == "dead":
+        live[0, 2] = False  # the tree stops above depth 3
+        live[2, 0] = False  # no depth-1 candidates: root-only
+        row_ok[1] = False  # NaN logits upstream: root-only
+    roots = jnp.asarray(rng.integers(0, vocab, size=batch), jnp.int32)
+    args = (top, jnp.asarray(ids, jnp.int32), jnp.asarray(live), roots, jnp.asarray(row_ok), budget)
+    pads = (5, -1, 0, -1)
+    got = tree_slots(*args, pads=pads)
+    want = tree_slots_reference(*args, pads=pads)
+    for name, a, b in zip(("tokens", "parents", "depths", "ranks", "logw", "num_nodes"), got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    num_nodes = np.asarray(want[5])
+    assert (num_nodes > 1).any() and (num_nodes <= budget + 1).all()
+    if kind == "dead":
+        assert num_nodes[1] == 1 and num_nodes[2] == 1 and (np.asarray(want[2])[0] < 3).all()
+    with pytest.raises(ValueError, match="top_ids must have top_lp's shape"):
+        tree_slots(top, jnp.asarray(ids)[:, :, :1], *args[2:])
 
 
 def test_select_and_topk_reject_bad_input_by_name():
