@@ -4,6 +4,7 @@ its own.
 
   decode_matmul        weight-streaming matmul (bf16 / f32 / INT4 / block-FP8 weights) and its grouped (MoE) form
   tree_attention       tree-verify attention (GQA and absorbed MLA), flash-decoding over the cache
+  tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits
   sampling_reference   the pure-jnp definitions tree_sampling computes (processed probabilities, the walk)
   quant                INT4 pack-quantized and block-FP8 weights
@@ -13,6 +14,14 @@ Precision contract: float32 inputs are computed at float32 (IEEE dots), bfloat16
 path with float32 accumulation (`tiling`).
 """
 
-from ddtree_kernels import decode_matmul, quant, sampling_reference, tiling, tree_attention, tree_sampling
+from ddtree_kernels import (
+    decode_matmul,
+    quant,
+    sampling_reference,
+    tiling,
+    tree_attention,
+    tree_build,
+    tree_sampling,
+)
 
-__all__ = ["decode_matmul", "quant", "sampling_reference", "tiling", "tree_attention", "tree_sampling"]
+__all__ = ["decode_matmul", "quant", "sampling_reference", "tiling", "tree_attention", "tree_build", "tree_sampling"]

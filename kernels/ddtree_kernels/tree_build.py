@@ -13,7 +13,13 @@ Two kernels, each beside its pure-jnp twin:
                                       row in registers, the k best extracted one at a time; larger k: a
                                       radix search for the k-th largest value (8 passes over the row, 16
                                       thresholds each), a compaction of the k chosen entries, and their
-                                      ranks by counting.
+                                      ranks by counting. method="resident": the same search with the row
+                                      in registers (a bisection of <= 33 count reductions, whatever k;
+                                      one compaction scan), not yet measured on a GPU, so not the default.
+  tree_slots(top_lp, top_ids, ...)  -> the DraftTree fields [B, budget + 1]: tree_select's heap with the
+                                      tree laid out in the same kernel (root slot, token ids, padding, the
+                                      dead-depth mask and root-only rows), so the builder is two launches
+                                      after the log-softmax.
   tree_select(top_lp [B, L, K], budget)
                                    -> (level, rank, parent int32 [B, budget], logw float32 [B, budget]):
                                       the slots in pop order. One program per row runs the heap literally:
@@ -24,10 +30,10 @@ Two kernels, each beside its pure-jnp twin:
                                       broken by the ranks tuple exactly, by walking both paths up the
                                       popped tree to where they part (only when a tie occurs).
 
-Twins: `tree_topk_reference` (a two-key sort) and `tree_select_reference`, the parallel level-by-level
-formulation (the library's XLA builder): the same keys, so the same trees, bit for bit, on the same
-log-probabilities. Padding slots (fewer reachable prefixes than `budget`) have logw -inf; their other
-fields are unspecified.
+Twins: `tree_topk_reference` (a two-key sort), `tree_select_reference`, the parallel level-by-level
+formulation (the library's XLA builder), and `tree_slots_reference` (it, then the layout in XLA): the same
+keys, so the same trees, bit for bit, on the same log-probabilities. Padding slots (fewer reachable prefixes
+than `budget`) have logw -inf; their other fields are unspecified (`tree_slots` sets them to the pads).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ _BLOCK = 512  # row elements per load in a pass ([block, 16] comparisons)
 # 106 / 117 us for the search at V = 8192); beyond: the radix search (110 against 202 us at k = 256).
 # BENCHMARKS.md, "Tree construction"; 128 lies between the points measured.
 EXTRACT_MAX_K = 128
+TOPK_METHODS = ("auto", "extract", "search", "resident")  # `tree_topk(method=)`, `resolve_topk_method`
 _EMPTY = np.int32(np.iinfo(np.int32).min)  # below the key of every float, -inf included
 
 
@@ -154,10 +161,15 @@ def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int,
         return taken + jnp.sum(chosen.astype(jnp.int32)), ties_seen + jnp.sum(tie.astype(jnp.int32))
 
     lax.fori_loop(0, num_chunks, compact, (jnp.int32(0), jnp.int32(0)))
+    _rank_in_place(out_values_ref, out_pos_ref, k=k, k_pad=k_pad, tail=block, interpret=interpret)
+
+
+def _rank_in_place(out_values_ref, out_pos_ref, *, k: int, k_pad: int, tail: int, interpret: bool):
+    """Step 3 of the search kernels: the k compacted entries at [0, k) of the outputs (position order)
+    re-stored in descending order, by counting: entry i's place = #{j: key_j > key_i, or equal with a
+    lower position}. Lanes past k store to the scratch tail [k_pad, k_pad + tail)."""
     if not interpret:
         plgpu.debug_barrier()  # the scattered entries are read back by other threads
-
-    # 3. rank by counting: entry i's place = #{j: key_j > key_i, or equal with a lower position}
     out_lanes = _iota(k_pad)
     in_k = out_lanes < k
     keys = jnp.where(in_k, float_key(out_values_ref[pl.ds(0, k_pad)]), _EMPTY)
@@ -177,9 +189,45 @@ def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int,
     rank = lax.fori_loop(0, k_pad // rank_block, rank_pass, jnp.zeros((k_pad,), jnp.int32))
     if not interpret:
         plgpu.debug_barrier()  # every thread has read the compacted entries before they are overwritten
-    slot = jnp.where(in_k, rank, k_pad + out_lanes % block)  # lanes past k: to the scratch tail
+    slot = jnp.where(in_k, rank, k_pad + out_lanes % tail)  # lanes past k: to the scratch tail
     plgpu.store(out_values_ref.at[slot], key_float(keys))
     plgpu.store(out_pos_ref.at[slot], pos)
+
+
+def _resident_topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int, block: int, interpret: bool):
+    # values_ref:     f32 [C_pad]          one row of candidates (positions >= count are padding)
+    # out_values_ref: f32 [K_pad + C_pad]  the k largest, descending (entries >= k: scratch)
+    # out_pos_ref:    i32 [K_pad + C_pad]  their positions in the row
+    # The search kernel with the row in registers: the k-th largest key by bisection (<= 33 steps, one
+    # count reduction each, whatever k), the k chosen entries compacted in one scan, then ranked.
+    del block
+    c_pad = values_ref.shape[0]
+    k_pad = out_values_ref.shape[0] - c_pad
+    pos = _iota(c_pad)
+    real = pos < count
+    keys = jnp.where(real, float_key(values_ref[...]), _EMPTY)
+
+    # (lo, hi]: count(keys >= lo) >= k > count(keys >= hi); the cut is lo once hi = lo + 1
+    def more(state):
+        i, lo, hi = state
+        return (i < 33) & ((hi - lo) != 1)
+
+    def halve(state):
+        i, lo, hi = state
+        t = lo + lax.shift_right_logical(hi - lo, jnp.int32(1))  # wrapping: hi - lo may exceed 2^31
+        enough = jnp.sum((keys >= t).astype(jnp.int32)) >= k
+        return i + 1, jnp.where(enough, t, lo), jnp.where(enough, hi, t)
+
+    lo = jnp.min(jnp.where(real, keys, np.int32(np.iinfo(np.int32).max)))
+    _, cut, _ = lax.while_loop(more, halve, (jnp.int32(0), lo, jnp.max(keys) + 1))
+    ties_wanted = k - jnp.sum((keys > cut).astype(jnp.int32))
+    tie = keys == cut
+    chosen = (keys > cut) | (tie & (jnp.cumsum(tie.astype(jnp.int32)) - 1 < ties_wanted))
+    # every lane a slot of its own: the chosen ones to [0, k) in position order, the others to the tail
+    slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)) - 1, k_pad + pos)
+    plgpu.store(out_values_ref.at[slot], key_float(keys), mask=None if interpret else chosen)
+    plgpu.store(out_pos_ref.at[slot], pos, mask=None if interpret else chosen)
+    _rank_in_place(out_values_ref, out_pos_ref, k=k, k_pad=k_pad, tail=c_pad, interpret=interpret)
 
 
 def _topk_warps(c_pad: int, extract: bool) -> int:
@@ -188,18 +236,30 @@ def _topk_warps(c_pad: int, extract: bool) -> int:
     return 4 if c_pad <= 1024 else 8
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret"))
-def _tree_topk_jit(values, *, k: int, interpret: bool):
+def resolve_topk_method(method: str, k: int) -> str:
+    """The top-K kernel for k: "extract" up to EXTRACT_MAX_K, else "search" (the measured rule; "resident",
+    the search with the row in registers, is chosen explicitly until it is measured on a GPU)."""
+    if method not in TOPK_METHODS:
+        raise ValueError(f"method must be one of {TOPK_METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    return "extract" if k <= EXTRACT_MAX_K else "search"
+
+
+_TOPK_KERNELS = {"extract": _extract_kernel, "search": _topk_kernel, "resident": _resident_topk_kernel}
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "method"))
+def _tree_topk_jit(values, *, k: int, interpret: bool, method: str = "auto"):
     rows, count = values.shape
     c_pad, k_pad = _next_pow2(count), _next_pow2(k)
-    extract = k <= EXTRACT_MAX_K
+    method = resolve_topk_method(method, k)
     block = min(c_pad, _BLOCK)
-    width = k_pad if extract else k_pad + block  # the search's compaction needs a scratch tail
+    # the searches' compaction needs a scratch tail: a block (streamed) or the row (resident)
+    width = {"extract": k_pad, "search": k_pad + block, "resident": k_pad + c_pad}[method]
     padded = jnp.pad(values.astype(jnp.float32), ((0, 0), (0, c_pad - count)))
     out_values, out_pos = pl.pallas_call(
-        functools.partial(
-            _extract_kernel if extract else _topk_kernel, k=k, count=count, block=block, interpret=interpret
-        ),
+        functools.partial(_TOPK_KERNELS[method], k=k, count=count, block=block, interpret=interpret),
         grid=(rows,),
         in_specs=[pl.BlockSpec((None, c_pad), lambda r: (r, 0))],
         out_specs=[pl.BlockSpec((None, width), lambda r: (r, 0))] * 2,
@@ -207,7 +267,7 @@ def _tree_topk_jit(values, *, k: int, interpret: bool):
             jax.ShapeDtypeStruct((rows, width), jnp.float32),
             jax.ShapeDtypeStruct((rows, width), jnp.int32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=_topk_warps(c_pad, extract), num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=_topk_warps(c_pad, method != "search"), num_stages=1),
         interpret=interpret,
         name="tree_topk",
     )(padded)
@@ -225,12 +285,16 @@ def _check_topk(values, k) -> None:
         raise ValueError(f"rows of C={values.shape[1]} candidates exceed MAX_ROW={MAX_ROW}: prefilter them first")
 
 
-def tree_topk(values: jax.Array, k: int, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def tree_topk(
+    values: jax.Array, k: int, *, interpret: bool | None = None, method: str = "auto"
+) -> tuple[jax.Array, jax.Array]:
     """The k largest of each row (module docstring). values: float [R, C], C padded to a power of two
-    <= MAX_ROW; NaN is not allowed (the caller marks such rows invalid). Returns (float32 [R, k] descending,
-    int32 [R, k] positions)."""
+    <= MAX_ROW; NaN is not allowed (the caller marks such rows invalid). method: one of TOPK_METHODS
+    (`resolve_topk_method`; all give the same result). Returns (float32 [R, k] descending, int32 [R, k]
+    positions)."""
     _check_topk(values, k)
-    return _tree_topk_jit(values, k=int(k), interpret=default_interpret(interpret))
+    resolve_topk_method(method, k)
+    return _tree_topk_jit(values, k=int(k), interpret=default_interpret(interpret), method=method)
 
 
 def tree_topk_reference(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -376,9 +376,10 @@ def _single_row_stats_kernel(
     search_span = pl.cdiv(vocab, search_block) * search_block
     search_load, search_chunks = _span_chunks(logits_ref, None, search_span, search_block, vocab, -jnp.inf, 0)
 
-    def search(mode, active, lo, hi, cut, threshold_fn):
-        # a while loop, not a fori_loop with a traced trip count (Triton's scf.for rejects its bound types);
-        # it also stops once the bracket is one key wide
+    # a while loop, not a fori_loop with a traced trip count (Triton's scf.for rejects its bound types); both
+    # searches also stop once the bracket is one key wide
+    def streamed_search(mode, active, lo, hi, cut, threshold_fn):
+        # the row streamed in search_block chunks, 16 thresholds a pass
         def more(state):
             i, lo, hi = state
             return active & (i < passes) & ((hi - lo) != 1)
@@ -392,6 +393,37 @@ def _single_row_stats_kernel(
 
         _, lo, hi = lax.while_loop(more, one_pass, (jnp.int32(0), lo, hi))
         return lo, hi
+
+    if num_chunks == 1:  # the whole row in one load: it stays in registers, and each step is one reduction
+        _, row_in, row_x = load(0)
+        row_key = jnp.where(row_in, logit_key(row_x, shift), _INT32_MIN)
+        row_live = row_in & (row_x > -jnp.inf)
+        key_bits = 32 - shift
+
+        def resident_search(mode, active, lo, hi, cut, threshold_fn):
+            # bisection of (lo, hi] (at most key_bits halvings): the same cut as the 16-threshold passes
+            e_cut = jnp.where(row_live & (row_key >= cut), jnp.exp((row_x - m) / inv_t), 0.0)
+            total = jnp.sum(e_cut) if mode == "mass" else jnp.float32(0.0)
+
+            def more(state):
+                i, lo, hi = state
+                return active & (i <= key_bits) & ((hi - lo) != 1)  # a bracket of 2^bits + 1 keys: bits + 1 steps
+
+            def halve(state):
+                i, lo, hi = state
+                t = lo + lax.shift_right_logical(hi - lo, jnp.int32(1))  # wrapping: hi - lo may exceed 2^31
+                if mode == "count":  # keys still leaving >= k tokens: the cut is at or above t
+                    sat = threshold_fn(jnp.sum((row_key >= t).astype(jnp.float32)), total)
+                    return i + 1, jnp.where(sat, t, lo), jnp.where(sat, hi, t)
+                sat = threshold_fn(jnp.sum(jnp.where(row_key > t, e_cut, 0.0)), total)  # small upper mass
+                return i + 1, jnp.where(sat, lo, t), jnp.where(sat, t, hi)
+
+            _, lo, hi = lax.while_loop(more, halve, (jnp.int32(0), lo, hi))
+            return lo, hi
+
+        search = resident_search
+    else:
+        search = streamed_search
 
     cut = _filter_cuts(search, topk_on, topp_on, kmin, kmax, top_k, top_p, jnp.int32(_INT32_MIN))
 
@@ -410,6 +442,14 @@ def _single_row_stats_kernel(
     cut_ref[...] = cut
     argmax_ref[...] = argmax
     valid_ref[...] = valid.astype(jnp.int32)
+
+
+def _single_stats_warps(vocab: int, tiling: SingleTiling) -> int:
+    """The row-statistics program's warps: tiling.warps, at least one per 1,024 elements (up to 16) when the
+    row is one load (V <= tiling.stats_block), so the row's registers do not spill."""
+    stats_block = min(_next_pow2(vocab), tiling.stats_block)
+    resident = pl.cdiv(vocab, stats_block) == 1
+    return max(tiling.warps, min(16, stats_block // 1024)) if resident else tiling.warps
 
 
 def _single_row_stats(
@@ -437,7 +477,8 @@ def _single_row_stats(
         ],
         out_specs=[scalar] * 6,
         out_shape=[jax.ShapeDtypeStruct((rows,), d) for d in dtypes],
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.warps, num_stages=2),
+        # a row held in registers (one load) gets >= 1 warp per 1,024 elements (64 f32 registers a thread)
+        compiler_params=plgpu.CompilerParams(num_warps=_single_stats_warps(vocab, tiling), num_stages=2),
         interpret=interpret,
         name="tree_sampling_single_row_stats",
     )(settings.astype(jnp.float32), logits)

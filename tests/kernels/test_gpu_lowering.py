@@ -147,3 +147,36 @@ def test_tree_attention_lowers_for_triton(hopper, case):
         .as_text()
     )
     assert "tree_attention" in text
+
+
+@pytest.mark.parametrize("method", ["extract", "search", "resident"])
+def test_tree_build_kernels_lower_for_triton(hopper, method):
+    """Every top-K method and both selection kernels (`tree_select`, `tree_slots`) at the embedded pair's V."""
+    from ddtree_kernels.tree_build import _tree_select_jit, _tree_slots_jit, _tree_topk_jit
+
+    text = (
+        _tree_topk_jit.trace(spec((15, 8192)), k=64, interpret=False, method=method)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "tree_topk" in text
+    if method != "extract":
+        return
+    lp, ids = spec((2, 15, 64)), spec((2, 15, 64), jnp.int32)
+    text = _tree_select_jit.trace(lp, budget=64, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tree_select" in text
+    text = (
+        _tree_slots_jit.trace(
+            lp,
+            ids,
+            spec((2, 15), jnp.bool_),
+            spec((2,), jnp.int32),
+            spec((2,), jnp.bool_),
+            budget=64,
+            pads=(0, -1, 0, -1),
+            interpret=False,
+        )
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "tree_slots" in text

@@ -56,8 +56,10 @@ def test_float_key_is_monotone_and_inverted():
         (2, 300, 300, True),
     ],
 )
-def test_topk_matches_its_twin(rows, count, k, quantized):
-    """Both kernel paths (k <= EXTRACT_MAX_K: extraction; beyond: the radix search) against the two-key sort."""
+@pytest.mark.parametrize("method", ["auto", "resident"])
+def test_topk_matches_its_twin(rows, count, k, quantized, method):
+    """Every kernel path against the two-key sort: "auto" (k <= EXTRACT_MAX_K: extraction; beyond: the radix
+    search over streamed chunks) and "resident" (the row in registers: bisection, one compaction scan)."""
     assert tree_build.EXTRACT_MAX_K < 200  # the last three cases take the search path
     rng = np.random.default_rng(count + k)
     values = rng.standard_normal((rows, count)) * 3
@@ -65,14 +67,15 @@ def test_topk_matches_its_twin(rows, count, k, quantized):
         values = np.round(values)
     values[0, rng.integers(0, count, count // 3)] = -np.inf
     values = jnp.asarray(values, jnp.float32)
-    got, want = tree_topk(values, k), tree_topk_reference(values, k)
+    got, want = tree_topk(values, k, method=method), tree_topk_reference(values, k)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
-def test_topk_with_more_k_than_finite_entries_takes_the_lowest_positions():
+@pytest.mark.parametrize("method", ["extract", "search", "resident"])
+def test_topk_with_more_k_than_finite_entries_takes_the_lowest_positions(method):
     values = jnp.asarray([[-jnp.inf, 0.5, -jnp.inf, -jnp.inf, 1.0, -jnp.inf]], jnp.float32)
-    got_values, got_pos = tree_topk(values, 4)
+    got_values, got_pos = tree_topk(values, 4, method=method)
     np.testing.assert_array_equal(np.asarray(got_pos), [[4, 1, 0, 2]])
     np.testing.assert_array_equal(np.asarray(got_values), [[1.0, 0.5, -np.inf, -np.inf]])
 
@@ -149,6 +152,8 @@ def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kin
 def test_select_and_topk_reject_bad_input_by_name():
     with pytest.raises(ValueError, match="k must be an integer in"):
         tree_topk(jnp.zeros((2, 8)), 9)
+    with pytest.raises(ValueError, match="method must be one of .* got 'sort'"):
+        tree_topk(jnp.zeros((2, 8)), 2, method="sort")
     with pytest.raises(ValueError, match="MAX_ROW"):
         tree_topk(jnp.zeros((1, tree_build.MAX_ROW + 1)), 4)
     with pytest.raises(ValueError, match=r"shape \[R, C\]"):

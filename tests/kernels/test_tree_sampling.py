@@ -94,11 +94,12 @@ def _assert_agreement(got, ref, explain, min_share=0.999):
 # --- row statistics ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["single", "spans"])
+@pytest.mark.parametrize("layout", ["single", "single streamed", "spans"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_row_stats_match_the_sorting_reference(dtype, layout):
-    """Both layouts (one program per row; a (row, span) grid with XLA combines) against the sorting
-    reference, on rows with masked tokens, ties at the cut, NaN / inf / all -inf rows and flat rows."""
+    """Both layouts (one program per row, the row in registers or, "single streamed", loaded in 256-element
+    chunks; a (row, span) grid with XLA combines) against the sorting reference, on rows with masked tokens,
+    ties at the cut, NaN / inf / all -inf rows and flat rows."""
     rng = np.random.default_rng(7)
     rows, vocab = 40, 700
     x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
@@ -119,7 +120,10 @@ def test_row_stats_match_the_sorting_reference(dtype, layout):
     ).astype(np.float32)
     p[4] = [1.0, 0, 0.5, 0]  # ties at the top-p cut
     logits = jnp.asarray(x, dtype)
-    got = row_stats(logits, jnp.asarray(p), layout=layout)
+    if layout == "single streamed":
+        got = row_stats(logits, jnp.asarray(p), layout="single", tiling=tree_sampling.SingleTiling(stats_block=256))
+    else:
+        got = row_stats(logits, jnp.asarray(p), layout=layout)
     ref = row_stats_reference(logits, jnp.asarray(p))
     for name in ("valid", "argmax", "max", "cut", "min_e"):
         valid = np.asarray(ref["valid"]).astype(bool)
@@ -130,8 +134,9 @@ def test_row_stats_match_the_sorting_reference(dtype, layout):
 
 
 def test_single_layout_tilings_give_the_same_statistics():
-    """The single layout's tiling (warps, search loads; `SingleTiling`) changes the reduction order only:
-    the same cut, argmax and validity, Z within float32 rounding, at a vocabulary no load size divides."""
+    """The single layout's tiling (warps, search loads, the row in registers or streamed; `SingleTiling`)
+    changes the reduction order only: the same cut, argmax and validity, Z within float32 rounding, at a
+    vocabulary no load size divides."""
     rng = np.random.default_rng(3)
     rows, vocab = 12, 3000
     x = jnp.asarray(rng.standard_normal((rows, vocab)) * 3, jnp.float32)
@@ -142,10 +147,14 @@ def test_single_layout_tilings_give_the_same_statistics():
         jnp.float32,
     )
     base = row_stats(x, p, layout="single")
-    wide = row_stats(x, p, layout="single", tiling=tree_sampling.SingleTiling(warps=8, search_block=1024))
-    for name in ("cut", "argmax", "valid", "max"):
-        np.testing.assert_array_equal(np.asarray(wide[name]), np.asarray(base[name]), err_msg=name)
-    np.testing.assert_allclose(np.asarray(wide["z"]), np.asarray(base["z"]), rtol=2e-6)
+    for tiling in (
+        tree_sampling.SingleTiling(warps=8, search_block=1024, stats_block=1024),  # streamed, 16 thresholds a pass
+        tree_sampling.SingleTiling(stats_block=512),
+    ):
+        other = row_stats(x, p, layout="single", tiling=tiling)
+        for name in ("cut", "argmax", "valid", "max"):
+            np.testing.assert_array_equal(np.asarray(other[name]), np.asarray(base[name]), err_msg=name)
+        np.testing.assert_allclose(np.asarray(other["z"]), np.asarray(base["z"]), rtol=2e-6)
     with pytest.raises(ValueError, match="SingleTiling needs"):
         tree_sampling.SingleTiling(warps=3)
 
