@@ -104,7 +104,9 @@ def row_stats_rows(vocab: int, cases, tilings, runs: int, bandwidth: float) -> l
                         x, settings, layout="single", tiling=t, rows_per_setting=s
                     )
                 )
-                label = f"{tiling.warps}w x {tiling.search_block} / {tiling.stats_block}"
+                resident = vocab <= tiling.stats_block
+                warps = tree_sampling._single_stats_warps(vocab, tiling)  # the warps the kernel runs with
+                label = f"{warps}w, " + ("row in registers" if resident else f"streamed, {tiling.search_block}")
                 out.append(
                     {
                         "kernel": "row_stats",
@@ -135,12 +137,13 @@ def main(argv=None) -> None:
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     vocab, runs = args.vocab, args.runs
     tilings = [
-        tree_sampling.SINGLE_TILING,
-        tree_sampling.SingleTiling(warps=8, search_block=1024, stats_block=2048),  # streamed
-        tree_sampling.SingleTiling(warps=16),
+        tree_sampling.SINGLE_TILING,  # the row streamed, 16 thresholds a pass
+        tree_sampling.SingleTiling(warps=8, search_block=1024),
+        tree_sampling.SingleTiling(stats_block=16384),  # the row in registers (bisection), >= 1 warp per 1,024
+        tree_sampling.SingleTiling(warps=16, stats_block=16384),
     ]
     if args.quick:
-        vocab, budgets, cases, runs, tilings = 512, [8], [(1, 3)], 2, tilings[:2]
+        vocab, budgets, cases, runs, tilings = 512, [8], [(1, 3)], 2, tilings[::2]
     bandwidth = copy_bandwidth()
     print(f"device: {device_description()}; commit {args.commit}; V = {vocab}; copy {bandwidth / 1e12:.2f} TB/s")
     rows = topk_rows(vocab, budgets, runs, bandwidth) + slots_rows(vocab, budgets, runs, bandwidth)

@@ -80,12 +80,13 @@ SINGLE_PROGRAM_MAX_VOCAB = 16384  # layout "auto": one program per row ("single"
 class SingleTiling:
     """Layout "single"'s tiling: warps per program, vocab elements per load of a search pass ([search_block,
     16] comparisons per load) and of the statistics and kept-mass passes (stats_block: up to it, a row is
-    one load and each statistic one reduction), all powers of two. The default is what the H200 measured at
-    `ef5aa8e`; `benchmarks.bench_tree_sampling --layouts single:WxB` sweeps warps and search loads."""
+    one load held in registers and its filter cuts are found by bisection, one reduction a step), all powers
+    of two. The default is what the H200 measured at `ef5aa8e` (the row streamed); the resident row
+    (stats_block >= V) is tested but not yet measured on a GPU: `benchmarks.bench_small_kernels` times both."""
 
     warps: int = 4
     search_block: int = SEARCH_BLOCK
-    stats_block: int = 8192
+    stats_block: int = STATS_BLOCK
 
     def __post_init__(self):
         blocks = (self.search_block, self.stats_block)

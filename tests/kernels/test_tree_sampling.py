@@ -97,8 +97,8 @@ def _assert_agreement(got, ref, explain, min_share=0.999):
 @pytest.mark.parametrize("layout", ["single", "single streamed", "spans"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_row_stats_match_the_sorting_reference(dtype, layout):
-    """Both layouts (one program per row, the row in registers or, "single streamed", loaded in 256-element
-    chunks; a (row, span) grid with XLA combines) against the sorting reference, on rows with masked tokens,
+    """Both layouts (one program per row, the row in registers (V <= the default stats_block) or, "single
+    streamed", loaded in 256-element chunks; a (row, span) grid with XLA combines) against the sorting reference, on rows with masked tokens,
     ties at the cut, NaN / inf / all -inf rows and flat rows."""
     rng = np.random.default_rng(7)
     rows, vocab = 40, 700
@@ -150,6 +150,7 @@ def test_single_layout_tilings_give_the_same_statistics():
     for tiling in (
         tree_sampling.SingleTiling(warps=8, search_block=1024, stats_block=1024),  # streamed, 16 thresholds a pass
         tree_sampling.SingleTiling(stats_block=512),
+        tree_sampling.SingleTiling(stats_block=4096),  # the row in registers: the cuts by bisection
     ):
         other = row_stats(x, p, layout="single", tiling=tiling)
         for name in ("cut", "argmax", "valid", "max"):
