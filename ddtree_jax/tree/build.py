@@ -5,10 +5,11 @@ Two stages, each with a Pallas kernel and an XLA form (`ddtree_kernels.tree_buil
 1. top-K per depth (K = min(budget, V)) of the float32 log-softmax, equal values -> lower token id:
    the kernel `tree_topk` (rows longer than `tree_build.MAX_ROW` go through the exact chunk-max prefilter
    of `tree.select` first), or `lax.top_k` / the prefilter (`tree.select.top_k_log_probs`).
-2. the best-first selection of `budget` prefixes by key (-logw, ranks tuple): the kernel `tree_select`
-   runs the heap itself on chip; its twin `tree_select_reference` is the parallel level-by-level
-   formulation in XLA (its docstring says why it is exact). Both give the same slots, bit for bit, from
-   the same log-probabilities.
+2. the best-first selection of `budget` prefixes by key (-logw, ranks tuple), laid out as the tree: the
+   kernel `tree_slots` runs the heap itself on chip and writes the tree's fields; its twin
+   `tree_slots_reference` is the parallel level-by-level formulation in XLA (`tree_select_reference`, whose
+   docstring says why it is exact) plus the same layout. Both give the same slots, bit for bit, from the
+   same log-probabilities.
 
 The only divergence from the numpy heap (`tree.reference`) is where float32 rounding makes two different
 real sums equal (|delta logw| ~ 1 ulp): near-ties, which may swap (`tree.compare`).
@@ -29,7 +30,7 @@ from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKE
 from ddtree_jax.tree.select import prefilter_candidates, top_k_log_probs
 from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 from ddtree_kernels import tree_build
-from ddtree_kernels.tree_build import tree_select_reference, tree_slots, tree_topk
+from ddtree_kernels.tree_build import tree_slots, tree_slots_reference, tree_topk
 
 
 def _as_array(draft_logits):
@@ -122,38 +123,20 @@ def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: s
         lp, ids = kernel_top_k(draft_logits, k)
     else:
         lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
-    if impl == "pallas":  # the selection and the tree's layout in one kernel (dead depths masked in it)
-        tokens, parents, depths, ranks, logw, num_nodes = tree_slots(
-            lp, ids, ~dead, root_tokens, row_finite, budget, pads=(PAD_TOKEN, PAD_PARENT, PAD_DEPTH, PAD_RANK)
-        )
-        return DraftTree(
-            tokens=tokens,
-            parents=parents,
-            depths=depths,
-            ranks=ranks,
-            logw=logw,
-            num_nodes=num_nodes,
-            max_depth=depth_limit,
-        )
-    # -inf log-probs (masked tokens, dead depths) only ever give -inf log-weights: padding, never real
-    lp = jnp.where(dead[..., None], -jnp.inf, lp)
-    level, rank, parent, logw = tree_select_reference(lp, budget)
-
-    # A row with NaN/+inf logits gets a root-only tree (documented; the eager path raises instead).
-    real = jnp.isfinite(logw) & row_finite[:, None]  # [B, budget]
-    token = jnp.take_along_axis(ids.reshape(batch, depth_limit * k), level * k + rank, axis=1)
-
-    def with_root(root_value, slots, pad_value):
-        slots = jnp.where(real, slots, pad_value)
-        return jnp.concatenate([jnp.broadcast_to(root_value, (batch, 1)).astype(slots.dtype), slots], axis=1)
-
+    # the selection and the tree's layout: in one kernel, or its XLA twin (the level-by-level selection). Dead
+    # depths read as -inf log-probs (padding, never real); a row with NaN/+inf logits gets a root-only tree
+    # (documented; the eager path raises instead).
+    layout = tree_slots if impl == "pallas" else tree_slots_reference
+    tokens, parents, depths, ranks, logw, num_nodes = layout(
+        lp, ids, ~dead, root_tokens, row_finite, budget, pads=(PAD_TOKEN, PAD_PARENT, PAD_DEPTH, PAD_RANK)
+    )
     return DraftTree(
-        tokens=with_root(root_tokens[:, None], token, PAD_TOKEN),
-        parents=with_root(PAD_PARENT, parent, PAD_PARENT),
-        depths=with_root(0, level + 1, PAD_DEPTH),
-        ranks=with_root(-1, rank, PAD_RANK),
-        logw=with_root(0.0, logw, -jnp.inf),
-        num_nodes=1 + real.sum(axis=1, dtype=jnp.int32),
+        tokens=tokens,
+        parents=parents,
+        depths=depths,
+        ranks=ranks,
+        logw=logw,
+        num_nodes=num_nodes,
         max_depth=depth_limit,
     )
 
