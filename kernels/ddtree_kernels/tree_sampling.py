@@ -563,7 +563,7 @@ def row_stats(
             tiling=tiling,
             rows_per_setting=rows_per_setting,
         )
-    params_rows = jnp.repeat(params_rows.astype(jnp.float32), rows_per_setting, axis=0)
+    params_rows = _repeat_settings(params_rows, rows_per_setting)
     splits, span = _split(vocab, rows, STATS_BLOCK)
     temperature, top_k, top_p, min_p = (params_rows[:, i] for i in range(4))
     top_k = top_k.astype(jnp.int32)
@@ -1187,9 +1187,13 @@ def tree_sampling_from_probs_reference(
     )
 
 
+def _repeat_settings(sampling_params: jax.Array, slots: int) -> jax.Array:
+    return jnp.repeat(sampling_params.astype(jnp.float32), slots, axis=0)
+
+
 def params_rows(sampling_params: jax.Array, slots: int) -> jax.Array:
     """f32 [B * N, 4]: a row's (temperature, top_k, top_p, min_p) [B, 4] repeated for each of its N slots."""
-    return jnp.repeat(sampling_params.astype(jnp.float32), slots, axis=0)
+    return _repeat_settings(sampling_params, slots)
 
 
 @functools.partial(
