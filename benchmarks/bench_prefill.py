@@ -56,7 +56,7 @@ def bench_prefill(config, params, *, context: int, chunk: int, repeats: int, see
     """One row: compile and time `start_state` on a `context`-token prompt (module docstring)."""
     options = DecodeOptions(prefill_chunk=chunk)
 
-    def run(prompts, lengths):
+    def run(params, prompts, lengths):  # params an argument: closed over, they would be baked in as constants
         return start_state(
             config,
             params,
@@ -78,7 +78,7 @@ def bench_prefill(config, params, *, context: int, chunk: int, repeats: int, see
     lengths = jnp.full((1,), context, jnp.int32)
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
-    compiled = jax.jit(run).lower(jax.ShapeDtypeStruct((1, context), jnp.int32), lengths).compile()
+    compiled = jax.jit(run).lower(params, jax.ShapeDtypeStruct((1, context), jnp.int32), lengths).compile()
     compile_s = time.perf_counter() - start
     temp = compiled.memory_analysis().temp_size_in_bytes
     times = []
@@ -86,7 +86,7 @@ def bench_prefill(config, params, *, context: int, chunk: int, repeats: int, see
         prompt = jnp.asarray(rng.integers(0, config.vocab_size, (1, context)), jnp.int32)
         jax.block_until_ready(prompt)
         begin = time.perf_counter()
-        jax.block_until_ready(compiled(prompt, lengths))
+        jax.block_until_ready(compiled(params, prompt, lengths))
         if i:
             times.append(time.perf_counter() - begin)
     seconds = float(np.median(times))
