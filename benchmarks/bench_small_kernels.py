@@ -8,6 +8,7 @@ the variants can be ranked and the dispatch rules set from it:
 
   topk       `tree_build.tree_topk` per method (extract / search / resident) at k = budget, [15, V] rows
   slots      `tree_build.tree_slots` (selection + layout) and `tree_select` (selection alone) per budget
+             and pop reduction (`tree_build.POP_REDUCTIONS`)
   row_stats  `tree_sampling.row_stats`, layout "single", per SingleTiling, T = 0 and T = 1 with top-p 0.95,
              over B x N rows (N = budget + 1)
 
@@ -75,9 +76,14 @@ def slots_rows(vocab: int, budgets, runs: int, bandwidth: float, depths: int = 1
             lp, ids = tree_build.tree_topk_reference(jax.nn.log_softmax(x[0], axis=-1), k)
             sets.append((lp[None], ids[None]))
         live, root, ok = jnp.ones((1, depths), bool), jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)
-        slots = jax.jit(lambda lp, ids, b=budget: tree_build.tree_slots(lp, ids, live, root, ok, b))
-        select = jax.jit(lambda lp, ids, b=budget: tree_build.tree_select(lp, b))
-        for variant, fn in (("tree_slots", slots), ("tree_select", select)):
+        variants = []
+        for pop in tree_build.POP_REDUCTIONS:
+            slots = jax.jit(
+                lambda lp, ids, b=budget, p=pop: tree_build.tree_slots(lp, ids, live, root, ok, b, pop_reduction=p)
+            )
+            select = jax.jit(lambda lp, ids, b=budget, p=pop: tree_build.tree_select(lp, b, pop_reduction=p))
+            variants += [(f"tree_slots, pop {pop}", slots), (f"tree_select, pop {pop}", select)]
+        for variant, fn in variants:
             out.append(
                 {
                     "kernel": "slots",
@@ -130,6 +136,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", default="16,64,256")
     parser.add_argument("--cases", default="1x1,1x17,1x65", help="BxN row-statistics cases")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--kernels", default="topk,slots,row_stats", help="which tables (default all three)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 runs (CPU smoke run)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -137,8 +144,8 @@ def main(argv=None) -> None:
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     vocab, runs = args.vocab, args.runs
     tilings = [
-        tree_sampling.SINGLE_TILING,  # the row streamed, 16 thresholds a pass
-        tree_sampling.SingleTiling(warps=8, search_block=1024),
+        tree_sampling.SingleTiling(stats_block=2048),  # the row streamed, 16 thresholds a pass
+        tree_sampling.SingleTiling(warps=8, search_block=1024, stats_block=1024),
         tree_sampling.SingleTiling(stats_block=16384),  # the row in registers (bisection), >= 1 warp per 1,024
         tree_sampling.SingleTiling(warps=16, stats_block=16384),
     ]
@@ -146,8 +153,12 @@ def main(argv=None) -> None:
         vocab, budgets, cases, runs, tilings = 512, [8], [(1, 3)], 2, tilings[::2]
     bandwidth = copy_bandwidth()
     print(f"device: {device_description()}; commit {args.commit}; V = {vocab}; copy {bandwidth / 1e12:.2f} TB/s")
-    rows = topk_rows(vocab, budgets, runs, bandwidth) + slots_rows(vocab, budgets, runs, bandwidth)
-    rows += row_stats_rows(vocab, cases, tilings, runs, bandwidth)
+    kernels = set(args.kernels.split(","))
+    if not kernels <= {"topk", "slots", "row_stats"}:
+        raise SystemExit(f"error: --kernels takes topk, slots, row_stats; got {args.kernels!r}")
+    rows = topk_rows(vocab, budgets, runs, bandwidth) if "topk" in kernels else []
+    rows += slots_rows(vocab, budgets, runs, bandwidth) if "slots" in kernels else []
+    rows += row_stats_rows(vocab, cases, tilings, runs, bandwidth) if "row_stats" in kernels else []
     table = [
         [
             r["kernel"],

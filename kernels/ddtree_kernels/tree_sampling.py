@@ -73,6 +73,11 @@ STATS_BLOCK = 2048  # vocab elements per load: statistics and kept-mass passes
 SEARCH_BLOCK = 256  # vocab elements per load in a search pass ([block, 16] comparisons and accumulators)
 SEARCH_FANOUT = 16  # thresholds per search pass (a power of two: Triton tensors are power-of-two sized)
 FINAL_BLOCK = 2048  # vocab elements per load in the final sample (a multiple of STATS_BLOCK's role: spans)
+# layout "single": rows up to this are one load held in registers (the filter cuts by bisection). H200, V =
+# 8,192 (`benchmarks.bench_small_kernels`, small_kernels_833ba35.json): T = 1 top-p 0.95, 1 x 17 rows:
+# 10.0 us resident against 37.6 us streamed (8 warps, 1,024 a load) and 50.9 us (4 warps, 256); T = 0
+# 4.1 against 4.4 us. Longer rows (not measured resident) stream.
+SINGLE_STATS_BLOCK = 8192
 SINGLE_PROGRAM_MAX_VOCAB = 16384  # layout "auto": one program per row ("single") up to this vocabulary
 
 
@@ -81,12 +86,12 @@ class SingleTiling:
     """Layout "single"'s tiling: warps per program, vocab elements per load of a search pass ([search_block,
     16] comparisons per load) and of the statistics and kept-mass passes (stats_block: up to it, a row is
     one load held in registers and its filter cuts are found by bisection, one reduction a step), all powers
-    of two. The default is what the H200 measured at `ef5aa8e` (the row streamed); the resident row
-    (stats_block >= V) is tested but not yet measured on a GPU: `benchmarks.bench_small_kernels` times both."""
+    of two. The defaults are what the H200 measured (`SINGLE_STATS_BLOCK`: the row resident up to V = 8,192;
+    `benchmarks.bench_small_kernels` times the tilings)."""
 
     warps: int = 4
     search_block: int = SEARCH_BLOCK
-    stats_block: int = STATS_BLOCK
+    stats_block: int = SINGLE_STATS_BLOCK
 
     def __post_init__(self):
         blocks = (self.search_block, self.stats_block)
