@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from ddtree_jax.dispatch import ATTENTION_IMPLS
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.run import (
     DTYPE_CHOICES,
@@ -187,6 +188,12 @@ def main(argv=None) -> int:
         default="auto",
         help="weights and KV caches (default auto: on GPU the checkpoints' bf16)",
     )
+    parser.add_argument(
+        "--attn-impl",
+        choices=ATTENTION_IMPLS,
+        default="auto",
+        help="DecodeOptions.attn_impl (default auto: the dispatch rule); not auto: the JSON name says it",
+    )
     parser.add_argument("--quick", action="store_true", help="4 prompts, budgets 16 and 64, 64 new tokens, 1 repeat")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
@@ -210,7 +217,8 @@ def main(argv=None) -> int:
         f"{len(prompt_ids[0])} tokens, {args.max_new} new; weights {jnp.dtype(pair_dtype(pair)).name}",
         flush=True,
     )
-    options = DecodeOptions(steps_per_iteration=args.steps_per_iteration)
+    options = DecodeOptions(steps_per_iteration=args.steps_per_iteration, attn_impl=args.attn_impl)
+    suffix = "" if args.attn_impl == "auto" else f"_attn-{args.attn_impl}"
     written = []
     for name in names:
         setting = SETTINGS[name]
@@ -242,11 +250,12 @@ def main(argv=None) -> int:
                 "steps_per_iteration": args.steps_per_iteration,
                 "dtype": jnp.dtype(pair_dtype(pair)).name,  # as loaded (--dtype auto resolved)
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "attn_impl": args.attn_impl,
                 **setting,
             },
             "results": rows,
         }
-        written.append(write_result(f"e2e_embedded_{name}_{args.commit}", payload, args.commit, args.out))
+        written.append(write_result(f"e2e_embedded_{name}_{args.commit}{suffix}", payload, args.commit, args.out))
         print(
             markdown_table(
                 ["method", "budget", "tokens/s", "x AR", "x chain", "mean tau", "prefill ms"],
