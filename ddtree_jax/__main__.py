@@ -555,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--block-size", type=int, default=16, help="drafter block size (chain slots; default 16)")
     plan.add_argument("--batch", type=int, default=1)
     plan.add_argument(
+        "--context", type=int, default=None, help="cache rows a step attends (default unknown: no short-cache rule)"
+    )
+    plan.add_argument(
         "--dtype",
         choices=DTYPE_CHOICES,
         default="auto",
@@ -604,6 +607,7 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         batch=args.batch,
         float32=dtype == "float32",
+        keys=args.context,
         backend_name=backend,
     )
     print(

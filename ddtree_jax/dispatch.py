@@ -4,8 +4,10 @@ budget?" (`python -m ddtree_jax dispatch --backend gpu --budget 32`).
 
 The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
 
-  attention   GQA tree verify with <= AUTO_PALLAS_MAX_QUERIES queries per row: the Pallas tree-attention
-              kernel (1.9-2.3x XLA at N = 17, contexts 8k-128k; a tie at N = 65); float32 inputs only up to
+  attention   GQA with <= AUTO_PALLAS_GQA_QUERIES queries per row (<= AUTO_PALLAS_GQA_SHORT_QUERIES against
+              <= AUTO_PALLAS_GQA_SHORT_KEYS keys): the Pallas tree-attention kernel (1.9-2.3x XLA at N = 17,
+              contexts 8k-128k; a tie at N = 65 there; one launch a layer instead of XLA's ~8 at the
+              embedded pair's short contexts: DDTree 64 end to end 1.27x); float32 inputs only up to
               AUTO_PALLAS_MAX_F32_ROWS query rows per KV head (the embedded pair in float32: 1.2-1.8x XLA at
               2 x 16 rows, 0.19-0.26x at 2 x 17); absorbed MLA and longer blocks (prefill): XLA (the Triton
               kernel reaches 30-56 TFLOP/s on MLA, 0.2-0.7x XLA).
@@ -63,7 +65,15 @@ BUILD_TOPK_IMPLS = TOPK_IMPLS + ("vocab_parallel",)  # the tree builder's: the v
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")  # "auto": `weights_dtype`
 
-AUTO_PALLAS_MAX_QUERIES = 32  # attention: the tree-attention kernel up to this many queries per row (GQA)
+AUTO_PALLAS_MAX_QUERIES = 32  # decode / verify calls: up to this many queries per row (longer: prefill-sized)
+# GQA attention: the tree-attention kernel up to AUTO_PALLAS_GQA_QUERIES queries per row at any context, and up
+# to AUTO_PALLAS_GQA_SHORT_QUERIES against <= AUTO_PALLAS_GQA_SHORT_KEYS cache rows. H200, the embedded pair
+# (~470 cache rows), T = 0 end to end: DDTree 64 (65 queries) 11,205 tok/s with it against 8,837 with XLA's
+# ~8 launches a layer, DDTree 128 (129) 8,852 against 6,925 (e2e_embedded_T0_9ff412f*.json); at 8k-128k
+# keys N = 65 is a tie (BENCHMARKS.md, tree-verify attention) and N = 129 is not measured.
+AUTO_PALLAS_GQA_QUERIES = 65
+AUTO_PALLAS_GQA_SHORT_QUERIES = 129
+AUTO_PALLAS_GQA_SHORT_KEYS = 2048
 AUTO_PALLAS_MAX_F32_ROWS = 32  # ... and, for float32 inputs, up to this many query rows (group x N) per KV head
 BLOCKWISE_MIN_SCORES = 1 << 24  # attention: blockwise (online softmax) from this many scores per row and head
 BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
@@ -112,7 +122,10 @@ def attention_impl(
         return "xla"
     if float32 and group * (queries or 1) > AUTO_PALLAS_MAX_F32_ROWS:
         return "xla"
-    return "pallas" if queries is None or queries <= AUTO_PALLAS_MAX_QUERIES else "xla"
+    if queries is None or queries <= AUTO_PALLAS_GQA_QUERIES:
+        return "pallas"
+    short = keys is not None and keys <= AUTO_PALLAS_GQA_SHORT_KEYS
+    return "pallas" if short and queries <= AUTO_PALLAS_GQA_SHORT_QUERIES else "xla"
 
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
@@ -255,11 +268,12 @@ def decode_plan(
     block_size: int,
     batch: int = 1,
     float32: bool = False,
+    keys: int | None = None,
     backend_name: str | None = None,
 ) -> list[StageChoice]:
     """What one decode step runs with these `options` (an `options.DecodeOptions`) on a target of
-    `target_config` with float32 (float32=True) or bf16 weights and caches: one StageChoice per decision,
-    after the "auto" rules above."""
+    `target_config` with float32 (float32=True) or bf16 weights and caches, attending `keys` cache rows
+    (None: unknown): one StageChoice per decision, after the "auto" rules above."""
     backend_name = backend_name or backend()
     slots = 1 if method == "ar" else (budget + 1 if method == "ddtree" else block_size)
     rows = batch * slots
@@ -282,9 +296,16 @@ def decode_plan(
         StageChoice(
             "tree-forward attention",
             attention_impl(
-                options.attn_impl, queries=slots, mla=mla, group=group, float32=float32, backend_name=backend_name
+                options.attn_impl,
+                queries=slots,
+                keys=keys,
+                mla=mla,
+                group=group,
+                float32=float32,
+                backend_name=backend_name,
             ),
             f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row"
+            + ("" if keys is None else f" against {keys} keys")
             + (f" x {group} heads per KV head, float32" if float32 else ""),
         )
     )

@@ -19,8 +19,17 @@ def test_every_rule_is_xla_off_gpu():
 
 def test_gpu_rules_and_their_thresholds():
     gpu = dict(backend_name="gpu")
-    assert dispatch.attention_impl("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES, **gpu) == "pallas"
-    assert dispatch.attention_impl("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES + 1, **gpu) == "xla"
+    most, short, short_keys = (
+        dispatch.AUTO_PALLAS_GQA_QUERIES,
+        dispatch.AUTO_PALLAS_GQA_SHORT_QUERIES,
+        dispatch.AUTO_PALLAS_GQA_SHORT_KEYS,
+    )
+    assert dispatch.attention_impl("auto", queries=most, keys=1 << 17, **gpu) == "pallas"
+    assert dispatch.attention_impl("auto", queries=most + 1, keys=1 << 17, **gpu) == "xla"
+    assert dispatch.attention_impl("auto", queries=most + 1, **gpu) == "xla"  # keys unknown: not short
+    assert dispatch.attention_impl("auto", queries=short, keys=short_keys, **gpu) == "pallas"
+    assert dispatch.attention_impl("auto", queries=short + 1, keys=short_keys, **gpu) == "xla"
+    assert dispatch.attention_impl("auto", queries=short, keys=short_keys + 1, **gpu) == "xla"
     assert dispatch.attention_impl("auto", queries=9, mla=True, **gpu) == "xla"
     # float32 inputs: the kernel only up to AUTO_PALLAS_MAX_F32_ROWS query rows per KV head
     rows = dispatch.AUTO_PALLAS_MAX_F32_ROWS
@@ -156,3 +165,19 @@ def test_prefill_chunking_rule():
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):
             DecodeOptions(prefill_chunk=bad)
+
+
+def test_the_plan_takes_the_short_cache_rule_only_when_told_the_context():
+    from ddtree_jax import presets
+
+    qwen = presets.qwen3_8b()
+
+    def attention(keys):
+        plan = dispatch.decode_plan(
+            DecodeOptions(), qwen, method="ddtree", budget=128, block_size=16, keys=keys, backend_name="gpu"
+        )
+        return next(row for row in plan if row.stage == "tree-forward attention")
+
+    assert attention(None).choice == "xla"
+    assert attention(500).choice == "pallas" and "against 500 keys" in attention(500).why
+    assert attention(dispatch.AUTO_PALLAS_GQA_SHORT_KEYS + 1).choice == "xla"

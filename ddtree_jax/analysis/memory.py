@@ -520,7 +520,7 @@ def plan_memory(
         ffn = c.intermediate_size // layout.split("mlp")
     keys = context + slots
     attention = dispatch.attention_impl(
-        attention_impl, queries=slots, mla=isinstance(c, DeepSeekV3Config), backend_name=PLANNED_BACKEND
+        attention_impl, queries=slots, keys=keys, mla=isinstance(c, DeepSeekV3Config), backend_name=PLANNED_BACKEND
     )
     act = {
         "logits": tokens * c.vocab_size * 4 + tokens * vocab_local * 2,

@@ -213,7 +213,8 @@ def test_the_planner_splits_the_axes_the_rule_table_splits():
 
 
 def test_auto_attention_is_resolved_as_on_a_gpu():
-    # MLA: "auto" is XLA (models.attention.resolve_attention_impl); Qwen3's GQA at N <= 32: the kernel
+    # MLA: "auto" is XLA (models.attention.resolve_attention_impl); Qwen3's GQA at N <= 65: the kernel; at
+    # N = 129 only against a short cache (dispatch.AUTO_PALLAS_GQA_SHORT_KEYS)
     k2, q = presets.kimi_k2_6(), presets.qwen3_8b()
     assert plan_memory(k2, attention_impl="auto").activations == plan_memory(k2, attention_impl="xla").activations
     assert (
@@ -222,8 +223,13 @@ def test_auto_attention_is_resolved_as_on_a_gpu():
     )
     assert (
         plan_memory(q, layout="single", budget=64, attention_impl="auto").activations
-        == plan_memory(q, layout="single", budget=64, attention_impl="xla").activations
+        == plan_memory(q, layout="single", budget=64, attention_impl="pallas").activations
     )
+    for context, impl in ((1024, "pallas"), (8192, "xla")):
+        assert (
+            plan_memory(q, layout="single", budget=128, context=context, attention_impl="auto").activations
+            == plan_memory(q, layout="single", budget=128, context=context, attention_impl=impl).activations
+        ), context
 
 
 def test_layouts():

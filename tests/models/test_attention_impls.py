@@ -70,8 +70,9 @@ def test_attention_entry_dispatches_and_falls_back_for_odd_head_dims():
 
 
 def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatch):
-    """ "auto": XLA off GPU; on GPU the kernel for GQA calls with <= 32 query positions (tree verify,
-    decode), XLA for absorbed MLA and long blocks (BENCHMARKS.md, tree-verify attention)."""
+    """ "auto": XLA off GPU; on GPU the kernel for GQA calls with <= 65 query positions (tree verify,
+    decode; <= 129 against a short cache), XLA for absorbed MLA and long blocks (BENCHMARKS.md, tree-verify
+    attention)."""
     from ddtree_jax import dispatch
 
     resolve = dispatch.attention_impl
@@ -79,7 +80,8 @@ def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatc
     assert resolve("auto", queries=17) == "xla"
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     assert resolve("auto", queries=17) == "pallas" and resolve("auto") == "pallas"
-    assert resolve("auto", queries=dispatch.AUTO_PALLAS_MAX_QUERIES + 1) == "xla"
+    assert resolve("auto", queries=dispatch.AUTO_PALLAS_GQA_QUERIES) == "pallas"
+    assert resolve("auto", queries=dispatch.AUTO_PALLAS_GQA_QUERIES + 1, keys=1 << 15) == "xla"
     assert resolve("auto", queries=1, mla=True) == "xla"
     assert resolve("xla", queries=17) == "xla" and resolve("pallas", queries=512, mla=True) == "pallas"
     with pytest.raises(ValueError, match="attention impl must be one of"):
