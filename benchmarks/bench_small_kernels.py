@@ -8,7 +8,6 @@ the variants can be ranked and the dispatch rules set from it:
 
   topk       `tree_build.tree_topk` per method (extract / search / resident) at k = budget, [15, V] rows
   slots      `tree_build.tree_slots` (selection + layout) and `tree_select` (selection alone) per budget
-             and pop reduction (`tree_build.POP_REDUCTIONS`)
   row_stats  `tree_sampling.row_stats`, layout "single", per SingleTiling, T = 0 and T = 1 with top-p 0.95,
              over B x N rows (N = budget + 1)
 
@@ -76,13 +75,9 @@ def slots_rows(vocab: int, budgets, runs: int, bandwidth: float, depths: int = 1
             lp, ids = tree_build.tree_topk_reference(jax.nn.log_softmax(x[0], axis=-1), k)
             sets.append((lp[None], ids[None]))
         live, root, ok = jnp.ones((1, depths), bool), jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)
-        variants = []
-        for pop in tree_build.POP_REDUCTIONS:
-            slots = jax.jit(
-                lambda lp, ids, b=budget, p=pop: tree_build.tree_slots(lp, ids, live, root, ok, b, pop_reduction=p)
-            )
-            select = jax.jit(lambda lp, ids, b=budget, p=pop: tree_build.tree_select(lp, b, pop_reduction=p))
-            variants += [(f"tree_slots, pop {pop}", slots), (f"tree_select, pop {pop}", select)]
+        slots = jax.jit(lambda lp, ids, b=budget: tree_build.tree_slots(lp, ids, live, root, ok, b))
+        select = jax.jit(lambda lp, ids, b=budget: tree_build.tree_select(lp, b))
+        variants = [("tree_slots", slots), ("tree_select", select)]
         for variant, fn in variants:
             out.append(
                 {

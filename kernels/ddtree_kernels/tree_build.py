@@ -11,11 +11,10 @@ Two kernels, each beside its pure-jnp twin:
                                       candidates come in token-id order, so this is the heap's rank order).
                                       One program per row, no sort of the row. k <= EXTRACT_MAX_K: the
                                       row in registers, the k best extracted one at a time. Larger k
-                                      ("resident"): the k-th
-                                      largest value by a bisection with the row in registers (<= 33
-                                      count reductions, whatever k), one compaction scan, the ranks by
-                                      counting; method="search" streams the row instead (8 radix passes
-                                      of 16 thresholds), slower wherever both fit.
+                                      ("resident"): the k-th largest value by a bisection with the row in
+                                      registers (<= 33 count reductions, whatever k), one compaction
+                                      scan, the ranks by counting; method="search" streams the row
+                                      instead (8 radix passes of 16 thresholds), slower wherever both fit.
   tree_slots(top_lp, top_ids, ...)  -> the DraftTree fields [B, budget + 1]: tree_select's heap with the
                                       tree laid out in the same kernel (root slot, token ids, padding, the
                                       dead-depth mask and root-only rows), so the builder is two launches
@@ -54,13 +53,11 @@ _DIGIT_BITS = 4  # bits of the k-th largest key found per pass over the row
 _FANOUT = 1 << _DIGIT_BITS
 _BLOCK = 512  # row elements per load in a pass ([block, 16] comparisons)
 # "auto" (`resolve_topk_method`): k up to this, extract the k best one at a time; beyond, the resident
-# search. H200, V = 8,192, 15 rows (`benchmarks.bench_small_kernels`, small_kernels_833ba35.json): extract
-# 10.4 / 37.6 / 146.7 us at k = 16 / 64 / 256 (~0.6 us a token), resident 13.9 / 14.2 / 17.8 us, the
-# streamed search 68.5 / 68.9 / 74.1 us (kept for rows the registers cannot hold).
+# search. H200, V = 8,192, 15 rows (`benchmarks.bench_small_kernels`, small_kernels_a9a0d5d.json): extract
+# 10.4 / 19.4 / 37.6 us at k = 16 / 32 / 64 (~0.6 us a token), resident 13.9 / 13.9 / 14.2 us, the
+# streamed search 68.4 / 68.2 / 68.8 us (kept for rows the registers cannot hold).
 EXTRACT_MAX_K = 16
-TOPK_METHODS = ("auto", "extract", "search", "resident")
-POP_REDUCTIONS = ("max", "argmax")  # the selection's pop (`_select_heap`); the same slots either way
-POP_REDUCTION = "max"  # `tree_topk(method=)`, `resolve_topk_method`
+TOPK_METHODS = ("auto", "extract", "search", "resident")  # `tree_topk(method=)`, `resolve_topk_method`
 _EMPTY = np.int32(np.iinfo(np.int32).min)  # below the key of every float, -inf included
 
 
@@ -323,16 +320,11 @@ def _meta_bits(budget: int, k: int, depth_limit: int) -> tuple[int, int, int]:
     return bits
 
 
-def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, pop_reduction: str):
+def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int):
     """The heap of one row, popped `budget` times (the body of both selection kernels). lp(depth_index,
     rank) -> f32 scalar reads the per-depth top-K log-probabilities (-inf: no such token); each pop calls
     emit(slot, valid, depth, rank, parent, logw) -> int32 count with slot 1..budget in pop order (valid
-    False: padding, the other fields unspecified). Returns the sum of the counts.
-
-    pop_reduction (POP_REDUCTIONS): how a pop finds the best frontier entry. "max": the best key, then its
-    first and last positions (two dependent reductions before the entry's fields are read); "argmax": the
-    first position of the best key and, over a reversed copy of the keys, the last one, in one stage (a
-    tie shows as first != last), then the key and fields read in a second."""
+    False: padding, the other fields unspecified). Returns the sum of the counts."""
     parent_bits, rank_bits, _ = _meta_bits(budget, k, depth_limit)
     rank_shift, depth_shift = parent_bits, parent_bits + rank_bits
     f_pad = _next_pow2(budget + 1)
@@ -399,21 +391,16 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, pop_reducti
         _, best = lax.while_loop(lambda c: jnp.max(c[0]) > 0, body, (remaining, at))
         return best
 
-    reversed_keys = pop_reduction == "argmax"
-
     def pop(slot, carry):
-        f_key, f_rev, f_plogw, f_meta, t_meta, n_used, counted = carry
-        if reversed_keys:  # f_rev[i] = f_key[f_pad - 1 - i]: argmax's lowest position there is the last here
-            at = jnp.argmax(f_key).astype(jnp.int32)
-            last = f_pad - 1 - jnp.argmax(f_rev).astype(jnp.int32)
-            best = pick(f_key, at)
-        else:
-            best = jnp.max(f_key)
-            tied_at = f_key == best
-            at = jnp.min(jnp.where(tied_at, fpos, f_pad))
-            last = jnp.max(jnp.where(tied_at, fpos, -1))  # independent of `at`: one reduction stage for both
+        # the best key, then its first and last positions: two dependent reductions. An argmax over the keys
+        # and a reversed copy (one stage) measured slower on an H200: 29.8 against 24.4 us at budget 64.
+        f_key, f_plogw, f_meta, t_meta, n_used, counted = carry
+        best = jnp.max(f_key)
         valid = best != _EMPTY
-        at = lax.cond(last != at, lambda: tie_break((f_key == best).astype(jnp.int32), at, f_meta, t_meta), lambda: at)
+        tied = (f_key == best).astype(jnp.int32)
+        at = jnp.min(jnp.where(tied > 0, fpos, f_pad))
+        last = jnp.max(jnp.where(tied > 0, fpos, -1))  # independent of `at`: one reduction stage for both
+        at = lax.cond(last != at, lambda: tie_break(tied, at, f_meta, t_meta), lambda: at)
         logw = key_float(best)
         meta = pick(f_meta, at)
         parent_logw = jnp.sum(jnp.where(fpos == at, f_plogw, 0.0))
@@ -426,37 +413,28 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, pop_reducti
         lp_sib = lp(jnp.maximum(depth - 1, 0), jnp.minimum(sib_rank, k - 1))
         push_sib = valid & (sib_rank < k) & (lp_sib > -jnp.inf)
         here = fpos == at
-        sib_key = jnp.where(push_sib, float_key(parent_logw + lp_sib), _EMPTY)
-        f_key = jnp.where(here, sib_key, f_key)
+        f_key = jnp.where(here, jnp.where(push_sib, float_key(parent_logw + lp_sib), _EMPTY), f_key)
         f_plogw = jnp.where(here, parent_logw, f_plogw)
         f_meta = jnp.where(here, pack(parent, sib_rank, depth), f_meta)
         # first child: this node's logw plus the next depth's best log-prob, at the next unused position
         lp_child = lp(jnp.minimum(depth, depth_limit - 1), 0)
         push_child = valid & (depth < depth_limit) & (lp_child > -jnp.inf)
         there = (fpos == n_used) & push_child
-        child_key = float_key(logw + lp_child)
-        f_key = jnp.where(there, child_key, f_key)
-        if reversed_keys:
-            f_rev = jnp.where(fpos == f_pad - 1 - at, sib_key, f_rev)
-            f_rev = jnp.where((fpos == f_pad - 1 - n_used) & push_child, child_key, f_rev)
+        f_key = jnp.where(there, float_key(logw + lp_child), f_key)
         f_plogw = jnp.where(there, logw, f_plogw)
         f_meta = jnp.where(there, pack(slot, 0, depth + 1), f_meta)
-        return f_key, f_rev, f_plogw, f_meta, t_meta, n_used + push_child.astype(jnp.int32), counted
+        return f_key, f_plogw, f_meta, t_meta, n_used + push_child.astype(jnp.int32), counted
 
     lp_first = lp(0, 0)
     root_push = (fpos == 0) & (lp_first > -jnp.inf)
     f_key = jnp.where(root_push, float_key(lp_first), _EMPTY)
-    f_rev = jnp.where((fpos == f_pad - 1) & (lp_first > -jnp.inf), float_key(lp_first), _EMPTY)
     f_plogw = jnp.zeros((f_pad,), jnp.float32)
     f_meta = jnp.where(fpos == 0, pack(0, 0, 1), 0)
     t_meta = jnp.zeros((f_pad,), jnp.int32)  # slot 0: the root (never read: walks stop at depth 1)
-    init = (f_key, f_rev, f_plogw, f_meta, t_meta, jnp.int32(1), jnp.int32(0))
-    return lax.fori_loop(1, budget + 1, pop, init)[-1]
+    return lax.fori_loop(1, budget + 1, pop, (f_key, f_plogw, f_meta, t_meta, jnp.int32(1), jnp.int32(0)))[-1]
 
 
-def _select_kernel(
-    lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget: int, k: int, depth_limit: int, pop_reduction: str
-):
+def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget: int, k: int, depth_limit: int):
     # lp_ref:     f32 [L, K]       per-depth top-K log-probabilities, descending (-inf: no such token)
     # level_ref:  i32 [budget]     out: depth - 1 of each slot 1..budget, in pop order
     # rank_ref:   i32 [budget]     out: its rank at its depth
@@ -469,9 +447,7 @@ def _select_kernel(
         logw_ref[slot - 1] = jnp.where(valid, logw, -jnp.inf)
         return jnp.int32(0)
 
-    _select_heap(
-        lambda d, r: lp_ref[d, r], emit, budget=budget, k=k, depth_limit=depth_limit, pop_reduction=pop_reduction
-    )
+    _select_heap(lambda d, r: lp_ref[d, r], emit, budget=budget, k=k, depth_limit=depth_limit)
 
 
 def _slots_kernel(
@@ -491,7 +467,6 @@ def _slots_kernel(
     k: int,
     depth_limit: int,
     pads: tuple[int, int, int, int],
-    pop_reduction: str,
 ):
     pad_token, pad_parent, pad_depth, pad_rank = pads
     row_ok = row_ok_ref[...] != 0
@@ -514,9 +489,7 @@ def _slots_kernel(
         logw_ref[slot] = jnp.where(real, logw, -jnp.inf)
         return real.astype(jnp.int32)
 
-    num_nodes_ref[...] = 1 + _select_heap(
-        lp, emit, budget=budget, k=k, depth_limit=depth_limit, pop_reduction=pop_reduction
-    )
+    num_nodes_ref[...] = 1 + _select_heap(lp, emit, budget=budget, k=k, depth_limit=depth_limit)
 
 
 def _select_warps(budget: int) -> int:
@@ -525,12 +498,12 @@ def _select_warps(budget: int) -> int:
     return 1 if budget < 128 else 4
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps", "pop_reduction"))
-def _tree_select_jit(top_lp, *, budget: int, interpret: bool, num_warps: int | None, pop_reduction: str):
+@functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps"))
+def _tree_select_jit(top_lp, *, budget: int, interpret: bool, num_warps: int | None = None):
     batch, depth_limit, k = top_lp.shape
     out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
     return pl.pallas_call(
-        functools.partial(_select_kernel, budget=budget, k=k, depth_limit=depth_limit, pop_reduction=pop_reduction),
+        functools.partial(_select_kernel, budget=budget, k=k, depth_limit=depth_limit),
         grid=(batch,),
         in_specs=[pl.BlockSpec((None, depth_limit, k), lambda b: (b, 0, 0))],
         out_specs=[out_spec] * 4,
@@ -542,19 +515,15 @@ def _tree_select_jit(top_lp, *, budget: int, interpret: bool, num_warps: int | N
     )(top_lp.astype(jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "pads", "interpret", "pop_reduction"))
-def _tree_slots_jit(
-    top_lp, top_ids, live, root_tokens, row_ok, *, budget: int, pads, interpret: bool, pop_reduction: str
-):
+@functools.partial(jax.jit, static_argnames=("budget", "pads", "interpret"))
+def _tree_slots_jit(top_lp, top_ids, live, root_tokens, row_ok, *, budget: int, pads, interpret: bool):
     batch, depth_limit, k = top_lp.shape
     slots = budget + 1
     row_spec = pl.BlockSpec((None, slots), lambda b: (b, 0))
     scalar = pl.BlockSpec((None,), lambda b: (b,))
     table = pl.BlockSpec((None, depth_limit, k), lambda b: (b, 0, 0))
     return pl.pallas_call(
-        functools.partial(
-            _slots_kernel, budget=budget, k=k, depth_limit=depth_limit, pads=pads, pop_reduction=pop_reduction
-        ),
+        functools.partial(_slots_kernel, budget=budget, k=k, depth_limit=depth_limit, pads=pads),
         grid=(batch,),
         in_specs=[table, table, pl.BlockSpec((None, depth_limit), lambda b: (b, 0)), scalar, scalar],
         out_specs=[row_spec] * 5 + [scalar],
@@ -582,35 +551,17 @@ def _check_select(top_lp, budget) -> None:
     _meta_bits(budget, top_lp.shape[2], top_lp.shape[1])
 
 
-def _check_pop(pop_reduction: str) -> None:
-    if pop_reduction not in POP_REDUCTIONS:
-        raise ValueError(f"pop_reduction must be one of {POP_REDUCTIONS}, got {pop_reduction!r}")
-
-
 def tree_select(
-    top_lp: jax.Array,
-    budget: int,
-    *,
-    interpret: bool | None = None,
-    num_warps: int | None = None,
-    pop_reduction: str = POP_REDUCTION,
+    top_lp: jax.Array, budget: int, *, interpret: bool | None = None, num_warps: int | None = None
 ) -> tuple[jax.Array, ...]:
     """The best-first selection of `budget` slots per row (module docstring).
 
     top_lp: float32 [B, L, K], each depth's top-K log-probabilities descending (-inf: no such token),
     K = min(budget, V). Returns (level, rank, parent) int32 [B, budget] and logw float32 [B, budget], the
     slots 1..budget in pop order; padding slots have logw -inf. num_warps: the program's warps (None: the
-    default for the budget; `benchmarks.bench_tree --select-warps` sweeps it). pop_reduction: one of
-    POP_REDUCTIONS (the same slots either way)."""
+    default for the budget; `benchmarks.bench_tree --select-warps` sweeps it)."""
     _check_select(top_lp, budget)
-    _check_pop(pop_reduction)
-    return _tree_select_jit(
-        top_lp,
-        budget=int(budget),
-        interpret=default_interpret(interpret),
-        num_warps=num_warps,
-        pop_reduction=pop_reduction,
-    )
+    return _tree_select_jit(top_lp, budget=int(budget), interpret=default_interpret(interpret), num_warps=num_warps)
 
 
 def tree_slots(
@@ -623,7 +574,6 @@ def tree_slots(
     *,
     pads: tuple[int, int, int, int] = (0, -1, 0, -1),
     interpret: bool | None = None,
-    pop_reduction: str = POP_REDUCTION,
 ) -> tuple[jax.Array, ...]:
     """`tree_select` with the tree laid out in the same kernel: the slots as a draft tree's fields.
 
@@ -634,7 +584,6 @@ def tree_slots(
     root, token root_tokens, parent pads[1], depth 0, rank -1, logw 0; then the slots in pop order, padding
     after the real ones) and num_nodes int32 [B]. Equal to `tree_slots_reference`."""
     _check_select(top_lp, budget)
-    _check_pop(pop_reduction)
     batch, depth_limit, k = top_lp.shape
     if top_ids.shape != top_lp.shape:
         raise ValueError(f"top_ids must have top_lp's shape {tuple(top_lp.shape)}, got {tuple(top_ids.shape)}")
@@ -652,7 +601,6 @@ def tree_slots(
         budget=int(budget),
         pads=tuple(int(p) for p in pads),
         interpret=default_interpret(interpret),
-        pop_reduction=pop_reduction,
     )
 
 

@@ -93,8 +93,7 @@ def test_topk_with_more_k_than_finite_entries_takes_the_lowest_positions(method)
         (1, 15, 300, 256, "ties"),
     ],
 )
-@pytest.mark.parametrize("pop_reduction", tree_build.POP_REDUCTIONS)
-def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kind, pop_reduction):
+def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kind):
     rng = np.random.default_rng(depth * 1000 + vocab + budget)
     if kind == "normal":
         logits = rng.standard_normal((batch, depth, vocab)) * 3
@@ -106,7 +105,7 @@ def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kin
     k = min(budget, vocab)
     top, _ = tree_topk_reference(_log_probs(logits).reshape(batch * depth, vocab), k)
     top = top.reshape(batch, depth, k)
-    got = tree_select(top, budget, pop_reduction=pop_reduction)
+    got = tree_select(top, budget)
     want = tree_select_reference(top, budget)
     _assert_same_slots(got, want)
     if kind == "ties":  # the tie walk ran: some popped log-weights repeat
@@ -118,8 +117,7 @@ def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kin
     "batch,depth,vocab,budget,kind",
     [(3, 6, 40, 16, "ties"), (2, 15, 512, 64, "normal"), (2, 4, 8, 64, "ties"), (3, 6, 16, 24, "dead")],
 )
-@pytest.mark.parametrize("pop_reduction", tree_build.POP_REDUCTIONS)
-def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kind, pop_reduction):
+def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kind):
     """`tree_slots` (selection + layout in one kernel) against `tree_slots_reference`: every field equal,
     padding included, with dead depths (passed as `live`, not masked in the log-probs), a root-only row and
     more budget than prefixes."""
@@ -140,7 +138,7 @@ def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kin
     roots = jnp.asarray(rng.integers(0, vocab, size=batch), jnp.int32)
     args = (top, jnp.asarray(ids, jnp.int32), jnp.asarray(live), roots, jnp.asarray(row_ok), budget)
     pads = (5, -1, 0, -1)
-    got = tree_slots(*args, pads=pads, pop_reduction=pop_reduction)
+    got = tree_slots(*args, pads=pads)
     want = tree_slots_reference(*args, pads=pads)
     for name, a, b in zip(("tokens", "parents", "depths", "ranks", "logw", "num_nodes"), got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
@@ -165,7 +163,5 @@ def test_select_and_topk_reject_bad_input_by_name():
         tree_select(jnp.zeros((1, 3, 8)), 4)
     with pytest.raises(ValueError, match="budget must be an integer >= 1"):
         tree_select(jnp.zeros((1, 3, 1)), 0)
-    with pytest.raises(ValueError, match="pop_reduction must be one of .* got 'sort'"):
-        tree_select(jnp.zeros((1, 3, 2)), 4, pop_reduction="sort")
     with pytest.raises(ValueError, match="do not pack into 31 bits"):
         tree_select(jnp.zeros((1, 2**13, 2)), 2**16)
