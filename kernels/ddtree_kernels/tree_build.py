@@ -320,7 +320,7 @@ def _meta_bits(budget: int, k: int, depth_limit: int) -> tuple[int, int, int]:
     return bits
 
 
-def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, fused_picks: bool = False):
+def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int):
     """The heap of one row, popped `budget` times (the body of both selection kernels). lp(depth_index,
     rank) -> f32 scalar reads the per-depth top-K log-probabilities (-inf: no such token); each pop calls
     emit(slot, valid, depth, rank, parent, logw) -> int32 count with slot 1..budget in pop order (valid
@@ -391,33 +391,25 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, fused_picks
         _, best = lax.while_loop(lambda c: jnp.max(c[0]) > 0, body, (remaining, at))
         return best
 
-    def read(at, f_meta, f_plogw):  # (packed meta, parent's logw) of frontier entry `at`
-        return pick(f_meta, at), jnp.sum(jnp.where(fpos == at, f_plogw, 0.0))
-
     def pop(slot, carry):
-        # An argmax over the keys and a reversed copy (the first and last best position in one stage)
-        # measured slower on an H200: 29.8 against 24.4 us at budget 64.
+        # Two dependent reduction stages: the best key; then, in parallel, its first position, how many
+        # entries share it and, when it is alone (the common case: equal float32 log-weights are rare), its fields as
+        # sums over the one matching entry. A tie re-reads them after the tie walk. H200, V = 8,192: 20.6
+        # against 24.5 us at budget 64 for the three-stage pop (max; first and last position; fields), and an
+        # argmax over the keys plus a reversed copy was slower still (29.8 us): small_kernels_98535cc.json,
+        # small_kernels_a9a0d5d.json.
         f_key, f_plogw, f_meta, t_meta, n_used, counted = carry
         best = jnp.max(f_key)
         valid = best != _EMPTY
         tied = (f_key == best).astype(jnp.int32)
         at = jnp.min(jnp.where(tied > 0, fpos, f_pad))
-        if fused_picks:
-            # one stage after the max: the best's first position, how many share its key and, when it is
-            # alone, its fields as sums over the one matching entry; a tie re-reads them after the tie walk
-            count = jnp.sum(tied)
-            alone = (jnp.sum(tied * f_meta), jnp.sum(jnp.where(tied > 0, f_plogw, 0.0)))
+        alone = (jnp.sum(tied * f_meta), jnp.sum(jnp.where(tied > 0, f_plogw, 0.0)))
 
-            def tie_walk():
-                won = tie_break(tied, at, f_meta, t_meta)
-                return (won,) + read(won, f_meta, f_plogw)
+        def tie_walk():
+            won = tie_break(tied, at, f_meta, t_meta)
+            return won, pick(f_meta, won), jnp.sum(jnp.where(fpos == won, f_plogw, 0.0))
 
-            at, meta, parent_logw = lax.cond(count > 1, tie_walk, lambda: (at,) + alone)
-        else:
-            # the best key, then its first and last positions, then its fields: three dependent stages
-            last = jnp.max(jnp.where(tied > 0, fpos, -1))  # independent of `at`: one reduction stage for both
-            at = lax.cond(last != at, lambda: tie_break(tied, at, f_meta, t_meta), lambda: at)
-            meta, parent_logw = read(at, f_meta, f_plogw)
+        at, meta, parent_logw = lax.cond(jnp.sum(tied) > 1, tie_walk, lambda: (at,) + alone)
         logw = key_float(best)
         parent, rank, depth = unpack(meta)
         counted = counted + emit(slot, valid, depth, rank, parent, logw)
@@ -482,7 +474,6 @@ def _slots_kernel(
     k: int,
     depth_limit: int,
     pads: tuple[int, int, int, int],
-    fused_picks: bool,
 ):
     pad_token, pad_parent, pad_depth, pad_rank = pads
     row_ok = row_ok_ref[...] != 0
@@ -505,9 +496,7 @@ def _slots_kernel(
         logw_ref[slot] = jnp.where(real, logw, -jnp.inf)
         return real.astype(jnp.int32)
 
-    num_nodes_ref[...] = 1 + _select_heap(
-        lp, emit, budget=budget, k=k, depth_limit=depth_limit, fused_picks=fused_picks
-    )
+    num_nodes_ref[...] = 1 + _select_heap(lp, emit, budget=budget, k=k, depth_limit=depth_limit)
 
 
 def _select_warps(budget: int) -> int:
@@ -533,19 +522,15 @@ def _tree_select_jit(top_lp, *, budget: int, interpret: bool, num_warps: int | N
     )(top_lp.astype(jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "pads", "interpret", "fused_picks"))
-def _tree_slots_jit(
-    top_lp, top_ids, live, root_tokens, row_ok, *, budget: int, pads, interpret: bool, fused_picks: bool = False
-):
+@functools.partial(jax.jit, static_argnames=("budget", "pads", "interpret"))
+def _tree_slots_jit(top_lp, top_ids, live, root_tokens, row_ok, *, budget: int, pads, interpret: bool):
     batch, depth_limit, k = top_lp.shape
     slots = budget + 1
     row_spec = pl.BlockSpec((None, slots), lambda b: (b, 0))
     scalar = pl.BlockSpec((None,), lambda b: (b,))
     table = pl.BlockSpec((None, depth_limit, k), lambda b: (b, 0, 0))
     return pl.pallas_call(
-        functools.partial(
-            _slots_kernel, budget=budget, k=k, depth_limit=depth_limit, pads=pads, fused_picks=fused_picks
-        ),
+        functools.partial(_slots_kernel, budget=budget, k=k, depth_limit=depth_limit, pads=pads),
         grid=(batch,),
         in_specs=[table, table, pl.BlockSpec((None, depth_limit), lambda b: (b, 0)), scalar, scalar],
         out_specs=[row_spec] * 5 + [scalar],

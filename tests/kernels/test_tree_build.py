@@ -117,8 +117,7 @@ def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kin
     "batch,depth,vocab,budget,kind",
     [(3, 6, 40, 16, "ties"), (2, 15, 512, 64, "normal"), (2, 4, 8, 64, "ties"), (3, 6, 16, 24, "dead")],
 )
-@pytest.mark.parametrize("fused_picks", [False, True])
-def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kind, fused_picks):
+def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kind):
     """`tree_slots` (selection + layout in one kernel) against `tree_slots_reference`: every field equal,
     padding included, with dead depths (passed as `live`, not masked in the log-probs), a root-only row and
     more budget than prefixes."""
@@ -139,12 +138,7 @@ def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kin
     roots = jnp.asarray(rng.integers(0, vocab, size=batch), jnp.int32)
     args = (top, jnp.asarray(ids, jnp.int32), jnp.asarray(live), roots, jnp.asarray(row_ok), budget)
     pads = (5, -1, 0, -1)
-    if fused_picks:  # the variant of the pop that reads a lone best entry's fields in the max's next stage
-        got = tree_build._tree_slots_jit(
-            *[jnp.asarray(a) for a in args[:5]], budget=budget, pads=pads, interpret=True, fused_picks=True
-        )
-    else:
-        got = tree_slots(*args, pads=pads)
+    got = tree_slots(*args, pads=pads)
     want = tree_slots_reference(*args, pads=pads)
     for name, a, b in zip(("tokens", "parents", "depths", "ranks", "logw", "num_nodes"), got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
