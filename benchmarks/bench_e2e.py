@@ -2,8 +2,9 @@
 the 16 held-out prompts, tokens per second with the prefill timed apart.
 
 For each temperature setting (T = 0; T = 1 with top-p 0.95) and each column (AR, chain, DDTree at every
-budget), one program is compiled per column (`engine.generate`, the prompts padded to one width) and run
-on each prompt alone (B = 1, request key = prompt index), `--repeats` times:
+budget), one program is compiled per column (`engine.generate`, the prompts padded to one width); then
+each prompt runs alone (B = 1, request key = prompt index) through every column in turn, `--repeats` times
+each (the columns interleaved prompt by prompt, so a machine's drift over the run is shared):
 
   decode s      median wall time of the whole generation minus the median time of the same program with
                 max_new = 1 (prefill and first token only: the rows are done before the first step; same
@@ -70,19 +71,8 @@ def load_prompt_ids(path: str) -> list[list[int]]:
     return ids
 
 
-def run_column(
-    pair,
-    prompt_ids,
-    *,
-    method: str,
-    budget: int | None,
-    max_new: int,
-    setting: dict,
-    repeats: int,
-    options: DecodeOptions,
-) -> dict:
-    """One column: compile once, then per prompt the full generation and the max_new = 1 run, each timed
-    `repeats` times (medians)."""
+def compile_column(pair, prompt_ids, *, method: str, budget: int | None, max_new: int, setting: dict, options) -> dict:
+    """One column's program, compiled once for every prompt (padded to one width)."""
     block = resolve_block_size(pair, method, None)
     check_request(pair, prompt_ids, method=method, budget=budget or 1, block_size=None, max_new_tokens=max_new)
     width = max(len(p) for p in prompt_ids)
@@ -92,39 +82,52 @@ def run_column(
     )
     start = time.perf_counter()
     compiled = generate.lower(*request_args(pair, prompt_ids[:1], request_ids=[0], **common), **static).compile()
-    compile_s = time.perf_counter() - start
-    per_prompt = []
-    for i, prompt in enumerate(prompt_ids):
-        args = request_args(pair, [prompt], request_ids=[i], **common)[1:]  # the static config is baked in
-        prefill_only = args[:-1] + (jnp.ones((1,), jnp.int32),)
-        full = time_calls(compiled, [args], runs=repeats, warmup=1)
-        prefill = time_calls(compiled, [prefill_only], runs=repeats, warmup=1)
-        result = compiled(*args)
-        n = int(np.asarray(result.num_generated)[0])
-        per_prompt.append(
-            {
-                "prompt": i,
-                "num_tokens": n,
-                "run_s": full.median,
-                "prefill_s": prefill.median,
-                "decode_s": max(full.median - prefill.median, 1e-9),
-                "tau": float(np.asarray(result.tau)[0]),
-                "steps": int(np.asarray(result.steps)[0]),
-                "tokens": np.asarray(result.tokens)[0, :n].tolist(),
-            }
-        )
-    decode_s = sum(p["decode_s"] for p in per_prompt)
-    decoded = sum(p["num_tokens"] - 1 for p in per_prompt)  # the first token comes from the prefill
     return {
         "method": method,
         "budget": budget,
-        "block_size": None if method == "ar" else block,
+        "block": block,
+        "common": common,
+        "compiled": compiled,
+        "compile_s": time.perf_counter() - start,
+    }
+
+
+def time_prompt(pair, column: dict, prompt, index: int, repeats: int) -> dict:
+    """One prompt through one compiled column: the full generation and the max_new = 1 run, each timed
+    `repeats` times (medians)."""
+    compiled = column["compiled"]
+    args = request_args(pair, [prompt], request_ids=[index], **column["common"])[1:]  # the static config is baked in
+    prefill_only = args[:-1] + (jnp.ones((1,), jnp.int32),)
+    full = time_calls(compiled, [args], runs=repeats, warmup=1)
+    prefill = time_calls(compiled, [prefill_only], runs=repeats, warmup=1)
+    result = compiled(*args)
+    n = int(np.asarray(result.num_generated)[0])
+    return {
+        "prompt": index,
+        "num_tokens": n,
+        "run_s": full.median,
+        "prefill_s": prefill.median,
+        "decode_s": max(full.median - prefill.median, 1e-9),
+        "tau": float(np.asarray(result.tau)[0]),
+        "steps": int(np.asarray(result.steps)[0]),
+        "tokens": np.asarray(result.tokens)[0, :n].tolist(),
+    }
+
+
+def column_row(column: dict, per_prompt: list[dict]) -> dict:
+    decode_s = sum(p["decode_s"] for p in per_prompt)
+    decoded = sum(p["num_tokens"] - 1 for p in per_prompt)  # the first token comes from the prefill
+    method = column["method"]
+    return {
+        "method": method,
+        "budget": column["budget"],
+        "block_size": None if method == "ar" else column["block"],
         "tokens_per_s": decoded / decode_s,
         "mean_tau": statistics.mean(p["tau"] for p in per_prompt),
         "prefill_ms": 1e3 * statistics.median(p["prefill_s"] for p in per_prompt),
         "decode_s": decode_s,
         "num_tokens": decoded,
-        "compile_s": compile_s,
+        "compile_s": column["compile_s"],
         "speedup": None,
         "per_prompt": per_prompt,
     }
@@ -141,21 +144,26 @@ def run_setting(
     options: DecodeOptions,
     methods=("ar", "chain", "ddtree"),
 ) -> list[dict]:
-    rows = []
+    """Every column compiled first, then timed interleaved: prompt by prompt, each prompt through every
+    column (the column order rotated by one per prompt), so a drift of the machine over the run (clocks,
+    other work) lands on all columns alike instead of on whichever ran last."""
+    columns = []
     for method, budget in bench_columns(budgets, methods):
-        row = run_column(
-            pair,
-            prompt_ids,
-            method=method,
-            budget=budget,
-            max_new=max_new,
-            setting=setting,
-            repeats=repeats,
-            options=options,
+        columns.append(
+            compile_column(
+                pair, prompt_ids, method=method, budget=budget, max_new=max_new, setting=setting, options=options
+            )
         )
-        rows.append(row)
+        print(f"  compiled {method} {budget or ''} ({columns[-1]['compile_s']:.0f} s)", flush=True)
+    per_prompt = [[] for _ in columns]
+    for i, prompt in enumerate(prompt_ids):
+        for j in range(len(columns)):
+            c = (i + j) % len(columns)
+            per_prompt[c].append(time_prompt(pair, columns[c], prompt, i, repeats))
+    rows = [column_row(column, timed) for column, timed in zip(columns, per_prompt)]
+    for row in rows:
         print(
-            f"  {method:<7}{'' if budget is None else budget:>5}  {row['tokens_per_s']:9.1f} tok/s  "
+            f"  {row['method']:<7}{'' if row['budget'] is None else row['budget']:>5}  {row['tokens_per_s']:9.1f} tok/s  "
             f"tau {row['mean_tau']:5.2f}  prefill {row['prefill_ms']:7.2f} ms  (compile {row['compile_s']:.0f} s)",
             flush=True,
         )
