@@ -62,6 +62,16 @@ def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return jax.vmap(one)(buffer, new, start)
 
 
+def write_layer_rows(stack: jax.Array, layer, new: jax.Array, start: jax.Array) -> jax.Array:
+    """stack [L, B, S, ...] with new [B, T, ...] written into layer `layer` at rows start[b] .. start[b] + T - 1:
+    one scatter into the stack in place (no slice of the layer copied out and written back). Rows past S
+    are dropped (callers check room first: `check_room`)."""
+    batch, steps = new.shape[:2]
+    rows = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None, :]  # [B, T]
+    batch_index = jnp.broadcast_to(jnp.arange(batch, dtype=start.dtype)[:, None], (batch, steps))
+    return stack.at[layer, batch_index, rows].set(new.astype(stack.dtype), mode="drop")
+
+
 def commit(cache: KVCache, accept_index: jax.Array, num_accepted: jax.Array) -> KVCache:
     """Moves the accepted tree slots down and advances the lengths.
 

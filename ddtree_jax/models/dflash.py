@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.attention import attention
-from ddtree_jax.models.cache import KVCache, check_room, write_rows
+from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows
 from ddtree_jax.models.layers import (
     apply_rope,
     axes_of,
@@ -90,13 +90,13 @@ def append_context(
     check_room(cache, steps)
     positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     ctx = fuse_features(config, params, features)
-    ks, vs = [], []
-    for layer in range(config.num_layers):
+    k_all, v_all = cache.k, cache.v
+    for layer in range(config.num_layers):  # each layer's rows scattered into the stacks in place
         p = layer_params(params["layers"], layer)
         k, v = _project_kv(config, p, ctx, positions)
-        ks.append(write_rows(cache.k[layer], k, cache.lengths))
-        vs.append(write_rows(cache.v[layer], v, cache.lengths))
-    return KVCache(jnp.stack(ks), jnp.stack(vs), cache.lengths + num_new)
+        k_all = write_layer_rows(k_all, layer, k, cache.lengths)
+        v_all = write_layer_rows(v_all, layer, v, cache.lengths)
+    return KVCache(k_all, v_all, cache.lengths + num_new)
 
 
 def draft(

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.attention import attention
-from ddtree_jax.models.cache import KVCache, check_room, write_rows
+from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows
 from ddtree_jax.models.layers import (
     apply_rope,
     axes_of,
@@ -96,7 +96,10 @@ def _run(
     layer_loop "unrolled": a Python loop (one copy of the layer per layer in the program). "scan":
     `lax.scan` over the stacked layer parameters and the layer index (the program holds one layer).
     Both carry the full stacked cache.k / cache.v [L, B, S, H, D] and write layer l's new rows into
-    them in place (read slice l, `write_rows`, put it back): no per-layer copies are stacked.
+    them in place (`write_layer_rows`: one scatter into the stack), then attend slice l. Reading slice l,
+    writing into it and putting it back instead cost 22 cache-sized copies in the CPU-compiled tree
+    forward of the embedded target (0 now) and on the GPU a layer-sized slice and write-back per K / V
+    and layer.
     """
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
@@ -117,9 +120,8 @@ def _run(
                 return k, v
             attend = []
             for i, (full, new_rows) in enumerate(zip(kv, (k, v))):
-                rows = write_rows(jax.lax.dynamic_index_in_dim(full, layer, 0, keepdims=False), new_rows, write_start)
-                kv[i] = jax.lax.dynamic_update_index_in_dim(full, rows, layer, 0)
-                attend.append(rows)
+                kv[i] = write_layer_rows(full, layer, new_rows, write_start)
+                attend.append(jax.lax.dynamic_index_in_dim(kv[i], layer, 0, keepdims=False))
             return tuple(attend)
 
         h = _layer(config, p, h, cos, sin, kv_update, mask, attn_impl, matmul_impl)
