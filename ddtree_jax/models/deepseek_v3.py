@@ -20,7 +20,7 @@ from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
 from ddtree_jax.models.attention import attention, blockwise_attention, sharded_tree_attention
-from ddtree_jax.models.cache import KVCache, check_room, write_rows
+from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows, write_rows
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
     axes_of,
@@ -220,6 +220,7 @@ def mla_absorbed(
     mask,
     attn_impl: str = "xla",
     form: str = "auto",
+    layer=None,
 ):
     """MLA over the latent cache. Absorbed form: W_UK folded into the query, attention over [latent ; rope
     key] with one shared KV head and the latent as value, W_UV after. Expanded form (`dispatch.mla_form`:
@@ -229,13 +230,38 @@ def mla_absorbed(
 
     x [B, T, hidden] (normed), one layer's p, cos / sin from `rope_tables_half`, latent_cache
     [B, S, 1, kv_lora_rank], rope_cache [B, S, 1, qk_rope_head_dim], write_start int32 [B] (the first row
-    written), mask bool [B, T, S] -> (out [B, T, hidden], latent_cache, rope_cache)."""
+    written), mask bool [B, T, S] -> (out [B, T, hidden], latent_cache, rope_cache). With `layer` (an int
+    or int32 scalar) the caches are the stacks of all layers, [L, B, S, 1, ...]: the new rows are scattered
+    into layer `layer` in place (`write_layer_rows`) and the stacks returned."""
     c = config
     batch, steps, _ = x.shape
     q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
     latent = latent[:, :, None, :]
-    latent_cache = write_rows(latent_cache, latent, write_start)
-    rope_cache = write_rows(rope_cache, k_rot, write_start)
+    if layer is None:
+        latent_cache = write_rows(latent_cache, latent, write_start)
+        rope_cache = write_rows(rope_cache, k_rot, write_start)
+        out = _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form)
+        return out, latent_cache, rope_cache
+    latent_stack = write_layer_rows(latent_cache, layer, latent, write_start)
+    rope_stack = write_layer_rows(rope_cache, layer, k_rot, write_start)
+    out = _mla_attend(
+        c,
+        p,
+        x,
+        q_nope,
+        q_rot,
+        jax.lax.dynamic_index_in_dim(latent_stack, layer, 0, keepdims=False),
+        jax.lax.dynamic_index_in_dim(rope_stack, layer, 0, keepdims=False),
+        mask,
+        attn_impl,
+        form,
+    )
+    return out, latent_stack, rope_stack
+
+
+def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form):
+    """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]."""
+    batch, steps, _ = x.shape
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     shape = dict(
@@ -246,7 +272,7 @@ def mla_absorbed(
     )
     if dispatch.mla_form(form, queries=steps, **shape) == "expanded":
         out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl)
-        return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
+        return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
     q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
     if (
         dispatch.attention_impl(attn_impl, queries=steps, mla=True) == "pallas"
@@ -272,7 +298,7 @@ def mla_absorbed(
             impl="blockwise" if blockwise else "xla",
         )
     out = contract("bthr,hvr->bthv", out_latent, w_uv)
-    return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"]), latent_cache, rope_cache
+    return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
 
 
 def _mla_expanded(config, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl):
@@ -316,9 +342,9 @@ def _run(
     """Embeds, runs the dense then the MoE layers, returns (logits f32, tapped [B, T, F*D], cache).
     head_rows int32 [B] (or None): the LM head runs only at that position of each row (logits [B, 1, V]).
 
-    layer_loop "scan": `lax.scan` over each stack of layers (the stacked parameters and that stack's cache
-    slices as scanned inputs): the program holds one layer of each kind, so 61 layers compile in about
-    the time of two. "unrolled": a Python loop (one copy of the layer per layer in the program).
+    layer_loop "scan": `lax.scan` over each stack of layers (the stacked parameters as scanned inputs, the
+    stacked caches in the carry, each layer's new rows scattered into them in place): the program holds
+    one layer of each kind, so 61 layers compile in about the time of two. "unrolled": a Python loop (one copy of the layer per layer in the program).
     """
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
@@ -327,19 +353,21 @@ def _run(
     h = params["embed"][tokens]
 
     def layer_fn(kind):
-        def step(h, inputs):
-            p, latent_cache, rope_cache = inputs
-            attn, lat, rope = mla_absorbed(
+        def step(carry, inputs):  # carry (h, latent stack [L, B, S, 1, r], rope stack); inputs (p, layer)
+            h, latent_all, rope_all = carry
+            p, layer = inputs
+            attn, latent_all, rope_all = mla_absorbed(
                 c,
                 p,
                 rms_norm(h, p["input_norm"], c.rms_norm_eps),
                 cos,
                 sin,
-                latent_cache,
-                rope_cache,
+                latent_all,
+                rope_all,
                 write_start,
                 mask,
                 attn_impl,
+                layer=layer,
             )
             h = h + attn
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
@@ -348,11 +376,14 @@ def _run(
                 if kind == "dense_layers"
                 else moe(c, p, x, impl=moe_impl)
             )
-            return h, (lat, rope, h)
+            return (h, latent_all, rope_all), h
 
         return step
 
-    latents, ropes, outputs = [], [], []
+    # the stacked caches ride in the carry and each layer scatters its new rows into them in place (no
+    # per-layer cache slices scanned in and restacked: that copied every layer's cache each step)
+    carry = (h, cache.k, cache.v)
+    outputs = []
     first = 0
     for kind, count in (("dense_layers", c.first_k_dense_replace), ("moe_layers", c.num_moe_layers)):
         if not count:
@@ -361,32 +392,31 @@ def _run(
         # grouped kernel reads its layer in place instead of a per-layer slice copy (models/moe.py)
         stacks = {name: params[kind][name] for name in EXPERT_AXES if name in params[kind]}
         rest = {name: value for name, value in params[kind].items() if name not in stacks}
-        xs = (rest, cache.k[first : first + count], cache.v[first : first + count], jnp.arange(count, dtype=jnp.int32))
+        xs = (rest, jnp.arange(count, dtype=jnp.int32))
 
-        def step(h, inputs, kind=kind, stacks=stacks):
-            p, latent_cache, rope_cache, layer = inputs
+        def step(carry, inputs, kind=kind, stacks=stacks, first=first):
+            p, layer = inputs
             p = {**p, **{name: LayerOf(stack, layer) for name, stack in stacks.items()}}
-            return layer_fn(kind)(h, (p, latent_cache, rope_cache))
+            return layer_fn(kind)(carry, (p, first + layer))
 
         if layer_loop == "scan":
-            h, (lat, rope, hs) = jax.lax.scan(step, h, xs)
+            carry, hs = jax.lax.scan(step, carry, xs)
         else:
             per_layer = []
             for layer in range(count):
-                h, out = step(h, jax.tree.map(lambda a: a[layer], xs))
+                carry, out = step(carry, (jax.tree.map(lambda a: a[layer], xs[0]), layer))
                 per_layer.append(out)
-            lat, rope, hs = (jnp.stack(parts) for parts in zip(*per_layer))
-        latents.append(lat)
-        ropes.append(rope)
+            hs = jnp.stack(per_layer)
         outputs.append(hs)  # [count, B, T, D]: each layer's output, for the tapped features
         first += count
+    h, latent_all, rope_all = carry
     layer_outputs = jnp.concatenate(outputs) if outputs else None
     tapped = [layer_outputs[layer] for layer in c.tapped_layers]
     features = jnp.concatenate(tapped, axis=-1) if tapped else jnp.zeros(h.shape[:2] + (0,), h.dtype)
     if head_rows is not None:
         h = jnp.take_along_axis(h, head_rows[:, None, None], axis=1)
     logits = linear(rms_norm(h, params["final_norm"], c.rms_norm_eps), head(c, params)).astype(jnp.float32)
-    return logits, features, KVCache(jnp.concatenate(latents), jnp.concatenate(ropes), cache.lengths)
+    return logits, features, KVCache(latent_all, rope_all, cache.lengths)
 
 
 def prefill(
