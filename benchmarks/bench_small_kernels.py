@@ -77,8 +77,7 @@ def slots_rows(vocab: int, budgets, runs: int, bandwidth: float, depths: int = 1
         live, root, ok = jnp.ones((1, depths), bool), jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)
         slots = jax.jit(lambda lp, ids, b=budget: tree_build.tree_slots(lp, ids, live, root, ok, b))
         select = jax.jit(lambda lp, ids, b=budget: tree_build.tree_select(lp, b))
-        variants = [("tree_slots", slots), ("tree_select", select)]
-        for variant, fn in variants:
+        for variant, fn in (("tree_slots", slots), ("tree_select", select)):
             out.append(
                 {
                     "kernel": "slots",

@@ -344,7 +344,8 @@ def _run(
 
     layer_loop "scan": `lax.scan` over each stack of layers (the stacked parameters as scanned inputs, the
     stacked caches in the carry, each layer's new rows scattered into them in place): the program holds
-    one layer of each kind, so 61 layers compile in about the time of two. "unrolled": a Python loop (one copy of the layer per layer in the program).
+    one layer of each kind, so 61 layers compile in about the time of two. "unrolled": a Python loop (one
+    copy of the layer per layer in the program).
     """
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
