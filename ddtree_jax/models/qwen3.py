@@ -96,10 +96,8 @@ def _run(
     layer_loop "unrolled": a Python loop (one copy of the layer per layer in the program). "scan":
     `lax.scan` over the stacked layer parameters and the layer index (the program holds one layer).
     Both carry the full stacked cache.k / cache.v [L, B, S, H, D] and write layer l's new rows into
-    them in place (`write_layer_rows`: one scatter into the stack), then attend slice l. Reading slice l,
-    writing into it and putting it back instead cost 22 cache-sized copies in the CPU-compiled tree
-    forward of the embedded target (0 now) and on the GPU a layer-sized slice and write-back per K / V
-    and layer.
+    them in place (`write_layer_rows`: one scatter into the stack), then attend slice l (no layer slice
+    copied out, written and put back).
     """
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")

@@ -393,11 +393,11 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int):
 
     def pop(slot, carry):
         # Two dependent reduction stages: the best key; then, in parallel, its first position, how many
-        # entries share it and, when it is alone (the common case: equal float32 log-weights are rare), its fields as
-        # sums over the one matching entry. A tie re-reads them after the tie walk. H200, V = 8,192: 20.6
-        # against 24.5 us at budget 64 for the three-stage pop (max; first and last position; fields), and an
-        # argmax over the keys plus a reversed copy was slower still (29.8 us): small_kernels_98535cc.json,
-        # small_kernels_a9a0d5d.json.
+        # entries share it and, when it is alone (the common case: equal float32 log-weights are rare),
+        # its fields as sums over the one matching entry. A tie re-reads them after the tie walk. H200,
+        # V = 8,192: 20.6 against 24.5 us at budget 64 for the three-stage pop (max; first and last
+        # position; fields); an argmax over the keys plus a reversed copy was slower still (29.8 us):
+        # small_kernels_98535cc.json, small_kernels_a9a0d5d.json.
         f_key, f_plogw, f_meta, t_meta, n_used, counted = carry
         best = jnp.max(f_key)
         valid = best != _EMPTY
@@ -407,7 +407,7 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int):
 
         def tie_walk():
             won = tie_break(tied, at, f_meta, t_meta)
-            return won, pick(f_meta, won), jnp.sum(jnp.where(fpos == won, f_plogw, 0.0))
+            return won, pick(f_meta, won), pick(f_plogw, won)
 
         at, meta, parent_logw = lax.cond(jnp.sum(tied) > 1, tie_walk, lambda: (at,) + alone)
         logw = key_float(best)
