@@ -6,7 +6,9 @@ kernels run 1-90 us, below what a host-timed loop resolves (`bench_tree_sampling
 (`benchmarks.op_profile.op_times`: the trace's events of the variant's own pallas_call, nothing else), so
 the variants can be ranked and the dispatch rules set from it:
 
-  topk       `tree_build.tree_topk` per method (extract / search / resident) at k = budget, [15, V] rows
+  topk       `tree_build.tree_topk` per method (extract / search / resident) at k = budget, [15, V] rows;
+             and the builder's whole top-K stage from bf16 logits, every op: XLA log-softmax + row flags +
+             the kernel against the fused `tree_topk_logits`
   slots      `tree_build.tree_slots` (selection + layout) and `tree_select` (selection alone) per budget
   row_stats  `tree_sampling.row_stats`, layout "single", per SingleTiling, T = 0 and T = 1 with top-p 0.95,
              over B x N rows (N = budget + 1)
@@ -45,6 +47,22 @@ def _kernel_us(fn, arg_sets, runs: int) -> float:
     return sum(r["us_per_run"] for r in (kernel or rows))
 
 
+def _device_us(fn, arg_sets, runs: int) -> float:
+    """Device us per call of every op fn launches (kernels and XLA fusions alike)."""
+    cycle = itertools.cycle(arg_sets)
+    return sum(r["us_per_run"] for r in op_times(lambda: fn(*next(cycle)), runs=runs))
+
+
+def _unfused_topk(logits, k: int, method: str):
+    """What the builder ran before `tree_topk_logits`: XLA's log-softmax and the row flags, then the kernel."""
+    x = logits.astype(jnp.float32)
+    dead = jnp.all(x == -jnp.inf, axis=-1)
+    invalid = jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1)
+    x = jnp.where(dead[:, None], 0.0, x)
+    values, ids = tree_build.tree_topk(jax.nn.log_softmax(x, axis=-1), k, method=method)
+    return values, ids, dead, invalid
+
+
 def _logits(rng, shape, dtype):
     return [jnp.asarray(rng.standard_normal(shape) * 3, dtype) for _ in range(POOL)]
 
@@ -61,6 +79,19 @@ def topk_rows(vocab: int, budgets, runs: int, bandwidth: float, depths: int = 15
             floor = depths * vocab * 4 / bandwidth * 1e6
             out.append(
                 {"kernel": "topk", "variant": method, "budget": budget, "rows": depths, "us": us, "roofline_us": floor}
+            )
+        # the builder's whole top-K stage from bf16 logits, every op counted: XLA log-softmax + flags + the
+        # kernel, against the fused kernel (`tree_topk_logits`)
+        method = tree_build.resolve_topk_method("auto", k)
+        raw = [(x,) for x in _logits(rng, (depths, vocab), jnp.bfloat16)]
+        floor = depths * vocab * 2 / bandwidth * 1e6
+        for variant, fn in (
+            (f"{method}: XLA log-softmax + flags + kernel (all ops)", lambda x, k=k: _unfused_topk(x, k, method)),
+            (f"{method}: fused tree_topk_logits (all ops)", lambda x, k=k: tree_build.tree_topk_logits(x, k)),
+        ):
+            us = _device_us(jax.jit(fn), raw, runs)
+            out.append(
+                {"kernel": "topk", "variant": variant, "budget": budget, "rows": depths, "us": us, "roofline_us": floor}
             )
     return out
 

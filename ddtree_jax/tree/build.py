@@ -3,8 +3,9 @@
 Two stages, each with a Pallas kernel and an XLA form (`ddtree_kernels.tree_build`, `impl` below):
 
 1. top-K per depth (K = min(budget, V)) of the float32 log-softmax, equal values -> lower token id:
-   the kernel `tree_topk` (rows longer than `tree_build.MAX_ROW` go through the exact chunk-max prefilter
-   of `tree.select` first), or `lax.top_k` / the prefilter (`tree.select.top_k_log_probs`).
+   the kernel `tree_topk_logits` (the log-softmax, the dead-depth / invalid-row flags and the top-K in one
+   launch from the raw logits; rows longer than `tree_build.MAX_ROW`: the exact chunk-max prefilter of
+   `tree.select`, then `tree_topk`), or `lax.top_k` / the prefilter (`tree.select.top_k_log_probs`).
 2. the best-first selection of `budget` prefixes by key (-logw, ranks tuple), laid out as the tree: the
    kernel `tree_slots` runs the heap itself on chip and writes the tree's fields; its twin
    `tree_slots_reference` is the parallel level-by-level formulation in XLA (`tree_select_reference`, whose
@@ -12,7 +13,9 @@ Two stages, each with a Pallas kernel and an XLA form (`ddtree_kernels.tree_buil
    same log-probabilities.
 
 The only divergence from the numpy heap (`tree.reference`) is where float32 rounding makes two different
-real sums equal (|delta logw| ~ 1 ulp): near-ties, which may swap (`tree.compare`).
+real sums equal (|delta logw| ~ 1 ulp): near-ties, which may swap (`tree.compare`). (The kernel's
+log-softmax sums in its own order, so its log-normaliser may differ from XLA's by an ulp: the same kind of
+near-tie.)
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKE
 from ddtree_jax.tree.select import prefilter_candidates, top_k_log_probs
 from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 from ddtree_kernels import tree_build
-from ddtree_kernels.tree_build import tree_slots, tree_slots_reference, tree_topk
+from ddtree_kernels.tree_build import tree_slots, tree_slots_reference, tree_topk, tree_topk_logits
 
 
 def _as_array(draft_logits):
@@ -115,14 +118,21 @@ def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: s
     entries are all -inf has no candidates (the row's tree stops above it)."""
     batch, depth_limit, vocab = draft_logits.shape
     k = min(budget, vocab)
-    row_finite = ~_invalid_entries(draft_logits).any(axis=(1, 2))
-    draft_logits, dead = _mask_dead_depths(draft_logits)
-    if topk_impl == "vocab_parallel":  # the vocabulary split over the mesh's "model" axis (LM head under TP)
-        lp, ids = sharded_top_k_log_probs(draft_logits, k)
-    elif impl == "pallas" and topk_impl == "auto":
-        lp, ids = kernel_top_k(draft_logits, k)
+    if impl == "pallas" and topk_impl == "auto" and vocab <= tree_build.MAX_ROW:
+        # one kernel from the raw logits: the log-softmax, the dead-depth / invalid-row flags and the top-K
+        lp, ids, flags = tree_topk_logits(draft_logits.reshape(batch * depth_limit, vocab), k)
+        lp, ids, flags = (x.reshape((batch, depth_limit) + x.shape[1:]) for x in (lp, ids, flags))
+        dead = (flags & tree_build.DEAD_DEPTH) != 0
+        row_finite = ~((flags & tree_build.INVALID_ROW) != 0).any(axis=1)
     else:
-        lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
+        row_finite = ~_invalid_entries(draft_logits).any(axis=(1, 2))
+        draft_logits, dead = _mask_dead_depths(draft_logits)
+        if topk_impl == "vocab_parallel":  # the vocabulary split over the mesh's "model" axis (LM head under TP)
+            lp, ids = sharded_top_k_log_probs(draft_logits, k)
+        elif impl == "pallas" and topk_impl == "auto":
+            lp, ids = kernel_top_k(draft_logits, k)
+        else:
+            lp, ids = top_k_log_probs(draft_logits, k, impl=topk_impl)  # [B, L, K] f32, int32
     # the selection and the tree's layout: in one kernel, or its XLA twin (the level-by-level selection). Dead
     # depths read as -inf log-probs (padding, never real); a row with NaN/+inf logits gets a root-only tree
     # (documented; the eager path raises instead).

@@ -85,18 +85,47 @@ def _iota(n: int) -> jax.Array:
 
 # --- kernel 1: top-K of a row -------------------------------------------------------------------------
 
+DEAD_DEPTH = 1  # `tree_topk_logits` row flag: every logit is -inf (the depth has no candidates)
+INVALID_ROW = 2  # `tree_topk_logits` row flag: a logit is NaN or +inf
 
-def _extract_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int, block: int, interpret: bool):
-    # values_ref:     f32 [C_pad]          one row of candidates (positions >= count are padding)
-    # out_values_ref: f32 [K_pad + block]  the k largest, descending (entries >= k unspecified)
-    # out_pos_ref:    i32 [K_pad + block]  their positions in the row
+
+def _row_values(values_ref, count: int, log_softmax: bool):
+    """(values f32 [C_pad], real bool [C_pad], flags i32 []): one row as the top-K kernels rank it.
+    log_softmax False: the row as given (flags 0). True: the row is raw logits (any float dtype), ranked as
+    their float32 log-softmax `(x - max) - log(sum(exp(x - max)))` (jax.nn.log_softmax's formula); flags
+    DEAD_DEPTH when every logit is -inf, INVALID_ROW when one is NaN or +inf (such rows are ranked as
+    zeros: finite, never NaN)."""
+    x = values_ref[...].astype(jnp.float32)
+    real = _iota(x.shape[0]) < count
+    if not log_softmax:
+        return x, real, jnp.int32(0)
+    invalid = jnp.max((real & ((x != x) | (x == jnp.inf))).astype(jnp.int32))  # x != x: NaN
+    dead = jnp.min((~real | (x == -jnp.inf)).astype(jnp.int32))
+    flags = dead * DEAD_DEPTH + invalid * INVALID_ROW
+    x = jnp.where(flags == 0, x, 0.0)
+    shifted = x - jnp.max(jnp.where(real, x, -jnp.inf))
+    total = jnp.sum(jnp.where(real, jnp.exp(shifted), 0.0))
+    return shifted - jnp.log(total), real, flags
+
+
+def _extract_kernel(
+    values_ref, out_values_ref, out_pos_ref, *flags_ref, k: int, count: int, block: int, interpret: bool
+):
+    # values_ref:     f32 [C_pad]  one row of candidates (positions >= count are padding); with flags_ref:
+    #                              raw logits of any float dtype, ranked as their log-softmax (_row_values)
+    # out_values_ref: f32 [K_pad]  the k largest, descending (entries >= k unspecified)
+    # out_pos_ref:    i32 [K_pad]  their positions in the row
+    # flags_ref:      (i32 [],)    with log_softmax only: DEAD_DEPTH | INVALID_ROW of the row
     # Small k: the row in registers, the k best extracted one at a time (two reductions each). (One argmax
     # reduction plus a re-read of the value measured 10-15% slower on an H200 at 87ce57c.)
     del block, interpret
     c_pad, k_pad = values_ref.shape[0], out_values_ref.shape[0]
     pos = _iota(c_pad)
     out = _iota(k_pad)
-    keys = jnp.where(pos < count, float_key(values_ref[...]), _EMPTY)
+    values, real, flags = _row_values(values_ref, count, bool(flags_ref))
+    if flags_ref:
+        flags_ref[0][...] = flags
+    keys = jnp.where(real, float_key(values), _EMPTY)
 
     def extract(i, carry):
         keys, best_keys, best_pos = carry
@@ -116,6 +145,7 @@ def _topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int,
     # values_ref:     f32 [C_pad]  one row of candidates (positions >= count are padding)
     # out_values_ref: f32 [K_pad + block]  the k largest, descending (entries >= k: scratch)
     # out_pos_ref:    i32 [K_pad + block]  their positions in the row
+    # (No log_softmax form: it streams the row, which the fused log-softmax would read twice more.)
     c_pad, k_pad = values_ref.shape[0], out_values_ref.shape[0] - block
     num_chunks = c_pad // block
     lanes = _iota(block)
@@ -189,23 +219,35 @@ def _rank_in_place(out_values_ref, out_pos_ref, *, k: int, k_pad: int, tail: int
     rank = lax.fori_loop(0, k_pad // rank_block, rank_pass, jnp.zeros((k_pad,), jnp.int32))
     if not interpret:
         plgpu.debug_barrier()  # every thread has read the compacted entries before they are overwritten
-    slot = jnp.where(in_k, rank, k_pad + out_lanes % tail)  # lanes past k: to the scratch tail
-    plgpu.store(out_values_ref.at[slot], key_float(keys))
-    plgpu.store(out_pos_ref.at[slot], pos)
+    if tail:
+        slot = jnp.where(in_k, rank, k_pad + out_lanes % tail)  # lanes past k: to the scratch tail
+        plgpu.store(out_values_ref.at[slot], key_float(keys))
+        plgpu.store(out_pos_ref.at[slot], pos)
+    else:  # no tail (the GPU's masked scatter): lanes past k store nothing
+        plgpu.store(out_values_ref.at[jnp.where(in_k, rank, 0)], key_float(keys), mask=in_k)
+        plgpu.store(out_pos_ref.at[jnp.where(in_k, rank, 0)], pos, mask=in_k)
 
 
-def _resident_topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, count: int, block: int, interpret: bool):
-    # values_ref:     f32 [C_pad]          one row of candidates (positions >= count are padding)
-    # out_values_ref: f32 [K_pad + C_pad]  the k largest, descending (entries >= k: scratch)
-    # out_pos_ref:    i32 [K_pad + C_pad]  their positions in the row
+def _resident_topk_kernel(
+    values_ref, out_values_ref, out_pos_ref, *flags_ref, k: int, count: int, block: int, interpret: bool
+):
+    # values_ref:     f32 [C_pad]  one row of candidates (positions >= count are padding); with flags_ref:
+    #                              raw logits of any float dtype, ranked as their log-softmax (_row_values)
+    # out_values_ref: f32 [K_pad (+ C_pad in interpret mode)]  the k largest, descending (the tail: scratch
+    #                              for the lanes that store nothing, where masked scatters are not run)
+    # out_pos_ref:    i32 [same]   their positions in the row
+    # flags_ref:      (i32 [],)    with log_softmax only: DEAD_DEPTH | INVALID_ROW of the row
     # The search kernel with the row in registers: the k-th largest key by bisection (<= 33 steps, one
     # count reduction each, whatever k), the k chosen entries compacted in one scan, then ranked.
     del block
     c_pad = values_ref.shape[0]
-    k_pad = out_values_ref.shape[0] - c_pad
+    k_pad = _next_pow2(k)
+    tail = out_values_ref.shape[0] - k_pad  # c_pad in interpret mode, else 0
     pos = _iota(c_pad)
-    real = pos < count
-    keys = jnp.where(real, float_key(values_ref[...]), _EMPTY)
+    values, real, flags = _row_values(values_ref, count, bool(flags_ref))
+    if flags_ref:
+        flags_ref[0][...] = flags
+    keys = jnp.where(real, float_key(values), _EMPTY)
 
     # (lo, hi]: count(keys >= lo) >= k > count(keys >= hi); the cut is lo once hi = lo + 1
     def more(state):
@@ -223,11 +265,15 @@ def _resident_topk_kernel(values_ref, out_values_ref, out_pos_ref, *, k: int, co
     ties_wanted = k - jnp.sum((keys > cut).astype(jnp.int32))
     tie = keys == cut
     chosen = (keys > cut) | (tie & (jnp.cumsum(tie.astype(jnp.int32)) - 1 < ties_wanted))
-    # every lane a slot of its own: the chosen ones to [0, k) in position order, the others to the tail
-    slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)) - 1, k_pad + pos)
-    plgpu.store(out_values_ref.at[slot], key_float(keys), mask=None if interpret else chosen)
-    plgpu.store(out_pos_ref.at[slot], pos, mask=None if interpret else chosen)
-    _rank_in_place(out_values_ref, out_pos_ref, k=k, k_pad=k_pad, tail=c_pad, interpret=interpret)
+    # the chosen ones to [0, k) in position order; the others store nothing (masked) or to the scratch tail
+    slot = jnp.where(chosen, jnp.cumsum(chosen.astype(jnp.int32)) - 1, k_pad + pos % max(tail, 1))
+    if tail:
+        plgpu.store(out_values_ref.at[slot], key_float(keys))
+        plgpu.store(out_pos_ref.at[slot], pos)
+    else:
+        plgpu.store(out_values_ref.at[jnp.where(chosen, slot, 0)], key_float(keys), mask=chosen)
+        plgpu.store(out_pos_ref.at[jnp.where(chosen, slot, 0)], pos, mask=chosen)
+    _rank_in_place(out_values_ref, out_pos_ref, k=k, k_pad=k_pad, tail=tail, interpret=interpret)
 
 
 def _topk_warps(c_pad: int, extract: bool) -> int:
@@ -249,29 +295,36 @@ def resolve_topk_method(method: str, k: int) -> str:
 _TOPK_KERNELS = {"extract": _extract_kernel, "search": _topk_kernel, "resident": _resident_topk_kernel}
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "method"))
-def _tree_topk_jit(values, *, k: int, interpret: bool, method: str = "auto"):
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "method", "log_softmax"))
+def _tree_topk_jit(values, *, k: int, interpret: bool, method: str = "auto", log_softmax: bool = False):
     rows, count = values.shape
     c_pad, k_pad = _next_pow2(count), _next_pow2(k)
     method = resolve_topk_method(method, k)
+    if log_softmax and method == "search":
+        raise ValueError("the streamed search ('search') has no log_softmax form: use 'extract' or 'resident'")
     block = min(c_pad, _BLOCK)
-    # the searches' compaction needs a scratch tail: a block (streamed) or the row (resident)
-    width = {"extract": k_pad, "search": k_pad + block, "resident": k_pad + c_pad}[method]
-    padded = jnp.pad(values.astype(jnp.float32), ((0, 0), (0, c_pad - count)))
-    out_values, out_pos = pl.pallas_call(
+    # the searches' compaction needs a scratch tail: a block (streamed); the row (resident, in interpret mode
+    # only: on the GPU its lanes that store nothing are masked)
+    width = {"extract": k_pad, "search": k_pad + block, "resident": k_pad + (c_pad if interpret else 0)}[method]
+    padded = values if log_softmax else values.astype(jnp.float32)
+    padded = jnp.pad(padded, ((0, 0), (0, c_pad - count))) if c_pad != count else padded
+    out_shape = [jax.ShapeDtypeStruct((rows, width), jnp.float32), jax.ShapeDtypeStruct((rows, width), jnp.int32)]
+    out_specs = [pl.BlockSpec((None, width), lambda r: (r, 0))] * 2
+    if log_softmax:
+        out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.int32))
+        out_specs.append(pl.BlockSpec((None,), lambda r: (r,)))
+    outs = pl.pallas_call(
         functools.partial(_TOPK_KERNELS[method], k=k, count=count, block=block, interpret=interpret),
         grid=(rows,),
         in_specs=[pl.BlockSpec((None, c_pad), lambda r: (r, 0))],
-        out_specs=[pl.BlockSpec((None, width), lambda r: (r, 0))] * 2,
-        out_shape=[
-            jax.ShapeDtypeStruct((rows, width), jnp.float32),
-            jax.ShapeDtypeStruct((rows, width), jnp.int32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=_topk_warps(c_pad, method != "search"), num_stages=1),
         interpret=interpret,
-        name="tree_topk",
+        name="tree_topk_logits" if log_softmax else "tree_topk",
     )(padded)
-    return out_values[:, :k], out_pos[:, :k]
+    top = (outs[0][:, :k], outs[1][:, :k]) if width != k else (outs[0], outs[1])
+    return top + tuple(outs[2:])
 
 
 def _check_topk(values, k) -> None:
@@ -295,6 +348,36 @@ def tree_topk(
     _check_topk(values, k)
     resolve_topk_method(method, k)
     return _tree_topk_jit(values, k=int(k), interpret=default_interpret(interpret), method=method)
+
+
+def tree_topk_logits(
+    logits: jax.Array, k: int, *, interpret: bool | None = None, method: str = "auto"
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`tree_topk` of each row's float32 log-softmax, computed in the same kernel from the raw logits (one
+    launch instead of the log-softmax, the row-flag reductions and the top-K).
+
+    logits: float [R, C] (bf16 or f32; C padded to a power of two <= MAX_ROW); method "auto", "extract" or
+    "resident". Returns (log-probs float32 [R, k] descending, positions int32 [R, k], flags int32 [R]):
+    flags DEAD_DEPTH where every logit of the row is -inf, INVALID_ROW where one is NaN or +inf; such rows'
+    top-K are those of zeros (finite, meaningless: the caller reads the flags). The log-softmax is
+    jax.nn.log_softmax's formula in float32 with the kernel's own summation order, so a value may differ
+    from XLA's by an ulp of the log-normaliser. Twin: `tree_topk_logits_reference`."""
+    _check_topk(logits, k)
+    if resolve_topk_method(method, k) == "search":
+        raise ValueError("tree_topk_logits: method must be 'auto', 'extract' or 'resident', got 'search'")
+    return _tree_topk_jit(logits, k=int(k), interpret=default_interpret(interpret), method=method, log_softmax=True)
+
+
+def tree_topk_logits_reference(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`tree_topk_logits`'s twin: the flags by plain reductions, dead and invalid rows read as zeros, then
+    `jax.nn.log_softmax` and `tree_topk_reference`."""
+    x = logits.astype(jnp.float32)
+    dead = jnp.all(x == -jnp.inf, axis=-1)
+    invalid = jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1)
+    flags = jnp.where(dead, DEAD_DEPTH, 0) | jnp.where(invalid, INVALID_ROW, 0)
+    x = jnp.where((flags == 0)[:, None], x, 0.0)
+    values, positions = tree_topk_reference(jax.nn.log_softmax(x, axis=-1), k)
+    return values, positions, flags.astype(jnp.int32)
 
 
 def tree_topk_reference(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -160,6 +160,13 @@ def test_tree_build_kernels_lower_for_triton(hopper, method):
         .as_text()
     )
     assert "tree_topk" in text
+    if method != "search":  # the fused log-softmax form from bf16 logits (no streamed form)
+        text = (
+            _tree_topk_jit.trace(spec((15, 8192), jnp.bfloat16), k=64, interpret=False, method=method, log_softmax=True)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        assert "tree_topk_logits" in text
     if method != "extract":
         return
     lp, ids = spec((2, 15, 64)), spec((2, 15, 64), jnp.int32)

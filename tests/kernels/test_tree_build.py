@@ -17,6 +17,8 @@ from ddtree_kernels.tree_build import (
     tree_slots,
     tree_slots_reference,
     tree_topk,
+    tree_topk_logits,
+    tree_topk_logits_reference,
     tree_topk_reference,
 )
 
@@ -79,6 +81,38 @@ def test_topk_with_more_k_than_finite_entries_takes_the_lowest_positions(method)
     got_values, got_pos = tree_topk(values, 4, method=method)
     np.testing.assert_array_equal(np.asarray(got_pos), [[4, 1, 0, 2]])
     np.testing.assert_array_equal(np.asarray(got_values), [[1.0, 0.5, -np.inf, -np.inf]])
+
+
+@pytest.mark.parametrize(
+    "rows,count,k,dtype",
+    [
+        (6, 300, 16, jnp.float32),  # extraction
+        (6, 1000, 64, jnp.float32),  # the resident search
+        (6, 2048, 33, jnp.bfloat16),  # bf16 logits: many exact ties, lower position first
+        (6, 64, 64, jnp.bfloat16),  # k = C
+    ],
+)
+def test_topk_logits_matches_its_twin(rows, count, k, dtype):
+    """The fused log-softmax + flags + top-K against the twin (XLA log-softmax, plain reductions, the two-key
+    sort) on fresh random logits with a dead row, a NaN row, a +inf row and a half -inf row: the flags and
+    positions exactly, the log-probs within ulps of the log-normaliser (the kernel sums in its own order)."""
+    rng = np.random.default_rng(count + k)
+    logits = rng.standard_normal((rows, count)) * 3
+    logits[1] = -np.inf  # dead
+    logits[2, rng.integers(0, count)] = np.nan
+    logits[3, rng.integers(0, count)] = np.inf
+    logits[4, : count // 2] = -np.inf
+    logits = jnp.asarray(logits, dtype)
+    got, want = tree_topk_logits(logits, k), tree_topk_logits_reference(logits, k)
+    flags = np.asarray(want[2])
+    np.testing.assert_array_equal(np.asarray(got[2]), flags)
+    assert list(flags) == [0, tree_build.DEAD_DEPTH, tree_build.INVALID_ROW, tree_build.INVALID_ROW, 0, 0]
+    ok = flags == 0  # flagged rows' top-K are meaningless (the builder reads the flags)
+    np.testing.assert_array_equal(np.asarray(got[1])[ok], np.asarray(want[1])[ok])
+    ulp = np.spacing(np.float32(np.log(count) + 10.0))
+    np.testing.assert_allclose(np.asarray(got[0])[ok], np.asarray(want[0])[ok], rtol=0, atol=2 * ulp)
+    with pytest.raises(ValueError, match="search"):
+        tree_topk_logits(logits, k, method="search")
 
 
 @pytest.mark.parametrize(
