@@ -475,36 +475,40 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int):
         return best
 
     def pop(slot, carry):
-        # Two dependent reduction stages: the best key; then, in parallel, its first position, how many
-        # entries share it and, when it is alone (the common case: equal float32 log-weights are rare),
-        # its fields as sums over the one matching entry. A tie re-reads them after the tie walk. H200,
-        # V = 8,192: 20.6 against 24.5 us at budget 64 for the three-stage pop (max; first and last
-        # position; fields); an argmax over the keys plus a reversed copy was slower still (29.8 us):
-        # small_kernels_98535cc.json, small_kernels_a9a0d5d.json.
+        # Two dependent reduction stages: the best key; then, in parallel, how many entries share it and,
+        # when it is alone (the common case: equal float32 log-weights are rare), its packed fields as a
+        # sum over the one matching entry. Its position stays a mask (`tied`) and its parent's logw is read
+        # in place by the sibling push, so neither needs a reduction; a tie finds the first position and
+        # re-reads the fields after the tie walk. H200, V = 8,192: the previous form (also the position and
+        # the parent's logw as reductions) 20.6 against 24.5 us at budget 64 for a three-stage pop (max;
+        # first and last position; fields); an argmax over the keys plus a reversed copy was slower still
+        # (29.8 us): small_kernels_98535cc.json, small_kernels_a9a0d5d.json.
         f_key, f_plogw, f_meta, t_meta, n_used, counted = carry
         best = jnp.max(f_key)
         valid = best != _EMPTY
         tied = (f_key == best).astype(jnp.int32)
-        at = jnp.min(jnp.where(tied > 0, fpos, f_pad))
-        alone = (jnp.sum(tied * f_meta), jnp.sum(jnp.where(tied > 0, f_plogw, 0.0)))
+        num_tied = jnp.sum(tied)
+        alone_meta = jnp.sum(tied * f_meta)  # the fields of a lone best entry, as a sum over it
 
         def tie_walk():
+            at = jnp.min(jnp.where(tied > 0, fpos, f_pad))
             won = tie_break(tied, at, f_meta, t_meta)
-            return won, pick(f_meta, won), pick(f_plogw, won)
+            return (fpos == won).astype(jnp.int32), pick(f_meta, won)
 
-        at, meta, parent_logw = lax.cond(jnp.sum(tied) > 1, tie_walk, lambda: (at,) + alone)
+        # `here`: the popped entry's position as a mask (a lone best entry: `tied` itself, no position needed)
+        here, meta = lax.cond(num_tied > 1, tie_walk, lambda: (tied, alone_meta))
+        here = here > 0
         logw = key_float(best)
         parent, rank, depth = unpack(meta)
         counted = counted + emit(slot, valid, depth, rank, parent, logw)
         t_meta = jnp.where(fpos == slot, meta, t_meta)
 
-        # next sibling: the same parent's logw plus the next rank's log-prob; it takes the popped entry's place
+        # next sibling: the same parent's logw (the entry's own f_plogw, read in place: no reduction) plus the
+        # next rank's log-prob; it takes the popped entry's place
         sib_rank = rank + 1
         lp_sib = lp(jnp.maximum(depth - 1, 0), jnp.minimum(sib_rank, k - 1))
         push_sib = valid & (sib_rank < k) & (lp_sib > -jnp.inf)
-        here = fpos == at
-        f_key = jnp.where(here, jnp.where(push_sib, float_key(parent_logw + lp_sib), _EMPTY), f_key)
-        f_plogw = jnp.where(here, parent_logw, f_plogw)
+        f_key = jnp.where(here, jnp.where(push_sib, float_key(f_plogw + lp_sib), _EMPTY), f_key)
         f_meta = jnp.where(here, pack(parent, sib_rank, depth), f_meta)
         # first child: this node's logw plus the next depth's best log-prob, at the next unused position
         lp_child = lp(jnp.minimum(depth, depth_limit - 1), 0)
