@@ -1,10 +1,15 @@
 """Test session setup: CPU JAX with 8 virtual devices (for the sharding tests), quiet Pallas warnings; the tiny
-trained pair of the study tests (tests/experiments, the study notebooks)."""
+trained pair of the study tests (tests/experiments, the study notebooks) and the small runs of the two studies, each
+computed once per test run and shared by every xdist worker (`_once_per_run`)."""
 
 import contextlib
+import dataclasses
+import fcntl
 import gc
 import io
 import os
+import pickle
+import shutil
 import warnings
 
 import pytest
@@ -32,28 +37,95 @@ def _free_compiled_programs():
     gc.collect()
 
 
+def _once_per_run(tmp_path_factory, name: str, make) -> str:
+    """The directory `name`, filled by `make(directory)` once per test run. Under xdist every worker asks for it in
+    the run's own temporary directory (the parent of the workers' basetemps; `--dist loadfile` puts the files that
+    use it on any worker): the first makes it under a file lock, the others wait for the lock and reuse it. Without
+    xdist it lives in the session's basetemp. A failed `make` leaves no marker: the next asker tries again."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (path / ".done").exists():
+                shutil.rmtree(path, ignore_errors=True)
+                path.mkdir()
+                make(str(path))
+                (path / ".done").touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair_dir(tmp_path_factory):
-    """A tiny target + DFlash drafter trained on CPU once per session with configs/train_tiny.json (~30 s):
-    DIR/target (with tokenizer.json), DIR/drafter, DIR/provenance.json, DIR/work/corpus/manifest.json.
-    The studies (tests/experiments, the study notebooks) run on it."""
+    """A tiny target + DFlash drafter trained on CPU once per test run with configs/train_tiny.json (~30 s; the
+    workers share it, `_once_per_run`): DIR/target (with tokenizer.json), DIR/drafter, DIR/provenance.json,
+    DIR/work/corpus/manifest.json. The studies (tests/experiments, the study notebooks) run on it; none writes to it."""
     from ddtree_jax.train.__main__ import main
 
-    out = tmp_path_factory.mktemp("tiny_pair")
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert (
-            main(
-                [
-                    "all",
-                    "--config",
-                    os.path.join(ROOT, "configs", "train_tiny.json"),
-                    "--out",
-                    str(out),
-                    "--no-progress",
-                    "--commit",
-                    "tiny-test",
-                ]
-            )
-            == 0
-        )
-    return str(out)
+    def train(out):
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = ["all", "--config", os.path.join(ROOT, "configs", "train_tiny.json"), "--out", out]
+            assert main(args + ["--no-progress", "--commit", "tiny-test"]) == 0
+
+    return _once_per_run(tmp_path_factory, "tiny_pair", train)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyRun:
+    """A study's result (exactly as the study function returned it) and the same result as the study's CLI writes
+    it (`studies.write_json`), for the notebook that shows it (DDTREE_NB_RESULT)."""
+
+    result: dict
+    json_path: str
+
+
+def _study_run(tmp_path_factory, name: str, run) -> StudyRun:
+    from experiments.studies import write_json
+
+    def make(out):
+        result = run()
+        with open(os.path.join(out, "result.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        write_json(result, os.path.join(out, "result.json"))
+
+    path = _once_per_run(tmp_path_factory, name, make)
+    with open(os.path.join(path, "result.pkl"), "rb") as f:
+        return StudyRun(pickle.load(f), os.path.join(path, "result.json"))
+
+
+@pytest.fixture(scope="session")
+def budget_sweep_small(tiny_pair_dir, tmp_path_factory):
+    """The budget sweep's small settings on the tiny pair, run once per test run (the workers share it): checked by
+    tests/experiments/test_budget_sweep.py and shown by notebooks/budget_sweep.ipynb, which ran the same call (the
+    notebook's `sweep(TARGET, DRAFTER, small=True)`) a second time before."""
+    from experiments import budget_sweep
+    from experiments.studies import pair_dirs
+
+    target, drafter = pair_dirs(tiny_pair_dir)
+    return _study_run(
+        tmp_path_factory,
+        "budget_sweep_small",
+        lambda: budget_sweep.sweep(target, drafter, small=True, progress=False, commit="test"),
+    )
+
+
+@pytest.fixture(scope="session")
+def ordering_ablation_small(tiny_pair_dir, tmp_path_factory):
+    """The ordering ablation's SMALL grid on the tiny pair (12 configurations, six compiled programs: the order is
+    a static option; ~1.5 min alone on 2 CPU cores, ~3 min beside another worker), run once per test run (the
+    workers share it): checked by tests/experiments/test_ordering_ablation.py and shown by
+    notebooks/ordering_ablation.ipynb, which ran the same grid (the notebook's `ablation(TARGET, DRAFTER,
+    small=True)`) a second time before."""
+    from experiments import ordering_ablation
+    from experiments.studies import pair_dirs
+
+    target, drafter = pair_dirs(tiny_pair_dir)
+    return _study_run(
+        tmp_path_factory,
+        "ordering_ablation_small",
+        lambda: ordering_ablation.ablation(target, drafter, small=True, progress=False, commit="test"),
+    )

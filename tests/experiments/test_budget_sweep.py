@@ -12,9 +12,10 @@ from experiments.studies import pair_dirs
 
 
 @pytest.fixture(scope="module")
-def sweep(tiny_pair_dir):
-    target, drafter = pair_dirs(tiny_pair_dir)
-    return budget_sweep.sweep(target, drafter, small=True, progress=False, commit="test")
+def sweep(budget_sweep_small):
+    """`budget_sweep.sweep(target, drafter, small=True)` on the tiny pair (tests/conftest.py: run once per test run,
+    the budget_sweep notebook shows the same run)."""
+    return budget_sweep_small.result
 
 
 def test_rows_cover_every_column_and_temperature(sweep):

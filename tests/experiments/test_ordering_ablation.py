@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from experiments import ordering_ablation as ab
-from experiments.studies import pair_dirs
 from tests.stats_helpers import ALPHA
 
 
@@ -53,10 +52,10 @@ def test_fit_test_on_an_exactly_known_law():
 
 
 @pytest.fixture(scope="module")
-def ablation(tiny_pair_dir):
-    """The SMALL grid (12 configurations, two compiled programs; ~1 min on 2 CPU cores): the tests using it are slow."""
-    target, drafter = pair_dirs(tiny_pair_dir)
-    return ab.ablation(target, drafter, small=True, progress=False, commit="test")
+def ablation(ordering_ablation_small):
+    """The SMALL grid on the tiny pair, `ab.ablation(target, drafter, small=True)` (tests/conftest.py: run once per
+    test run, the ordering_ablation notebook shows the same run): the tests using it are slow."""
+    return ordering_ablation_small.result
 
 
 @pytest.mark.slow
