@@ -10,14 +10,23 @@ from experiments import tp_shard_step
 
 
 def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
-    full, _, pair = tp_shard_step.shard_pair(2, 1, 2, tiny=True, dtype=jax.numpy.float32)
-    assert pair.target_config.num_heads == full.num_heads // 2
-    assert pair.target_params["embed"].shape[0] == full.vocab_size // 2  # its half of the vocabulary
+    # the shard is checked on the one main builds and steps (building another here compiled its weights twice)
+    built, real = [], tp_shard_step.shard_pair
+
+    def shard_pair(*args, **kwargs):
+        built.append((args, kwargs, real(*args, **kwargs)))
+        return built[-1][2]
+
+    monkeypatch.setattr(tp_shard_step, "shard_pair", shard_pair)
     monkeypatch.setenv("OUT", str(tmp_path))
     argv = ["tp_shard_step", "--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1"]
     argv += ["--methods", "ar,ddtree", "--budgets", "4", "--contexts", "32", "--batches", "1", "--repeats", "1"]
     monkeypatch.setattr(sys, "argv", argv)
     tp_shard_step.main()
+    [(args, kwargs, (full, _, pair))] = built
+    assert args == (2, 1, 2) and kwargs == {"tiny": True, "dtype": jax.numpy.float32}
+    assert pair.target_config.num_heads == full.num_heads // 2
+    assert pair.target_params["embed"].shape[0] == full.vocab_size // 2  # its half of the vocabulary
     rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 4)]
     for r in rows:
