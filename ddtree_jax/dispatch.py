@@ -40,6 +40,13 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               decode step waits on no host round trip (the loop predicate read back, the next graph launched).
               On the embedded pair, T = 0: AR 266 -> 213 us a step, chain 704 -> 577, DDTree 64 937 -> 780
               (the step's device time). An XLA_FLAGS setting of xla_gpu_enable_command_buffer wins.
+  split-K     XLA splits the K of small-M GEMMs (split-K 8 on the embedded pair's 17-65-row GEMMs, partial
+              sums reduced by the next fusion); for a target of hidden size <= SPLIT_K_MAX_HIDDEN `generate`
+              compiles with xla_gpu_experimental_force_split_k = 1 (`loop_compiler_options`). Embedded pair
+              (hidden 256), T = 0, step device time (step_loop_T0_*_splitk_*.json): the tree forward 218.5 ->
+              194.6 us for DDTree 64 (65 rows), 199.8 -> 188.8 for the chain (17); whole step 384 -> 363 and
+              332 -> 322 us. Larger models keep XLA's choice (unmeasured: their weight-read-bound GEMMs need
+              the split's parallelism). An XLA_FLAGS setting of the option wins.
 
 Off GPU every "auto" is XLA: interpret-mode Pallas is for tests, not speed. Precision: every kernel
 computes float32 inputs at float32 and bf16 inputs on the bf16 tensor-core path (`ddtree_kernels.tiling`).
@@ -55,6 +62,7 @@ import jax
 
 from ddtree_kernels.tree_build import MAX_ROW
 
+SPLIT_K_MAX_HIDDEN = 1024  # targets up to this hidden size compile `generate` without split-K (module docstring)
 ATTENTION_IMPLS = ("xla", "blockwise", "pallas", "auto")
 MATMUL_IMPLS = ("xla", "pallas", "auto")
 MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
@@ -206,14 +214,22 @@ def prefill_chunk(requested: int, prompt_len: int) -> int | None:
     return chunk if prompt_len > chunk else None
 
 
-def loop_compiler_options(xla_flags: str | None = None) -> dict[str, str]:
-    """The compiler options of `generate`'s jit (module docstring, "gen. loop"): command buffers that also
-    capture WHILE and CONDITIONAL; {} when XLA_FLAGS (or `xla_flags`) sets xla_gpu_enable_command_buffer
-    itself (e.g. empty, to see every kernel in a profile). XLA's CPU backend ignores the option."""
+def loop_compiler_options(xla_flags: str | None = None, hidden_size: int | None = None) -> dict:
+    """The compiler options of `generate`'s jit (module docstring, "gen. loop" and "split-K"): command
+    buffers that also capture WHILE and CONDITIONAL, and for a target of hidden size <= SPLIT_K_MAX_HIDDEN
+    no split-K in XLA's GEMMs. An option that XLA_FLAGS (or `xla_flags`) sets itself is left to it (e.g. an
+    empty xla_gpu_enable_command_buffer, to see every kernel in a profile). XLA's CPU backend ignores both."""
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    if "xla_gpu_enable_command_buffer" in flags:
-        return {}
-    return {"xla_gpu_enable_command_buffer": LOOP_COMMAND_BUFFER}
+    options: dict = {}
+    if "xla_gpu_enable_command_buffer" not in flags:
+        options["xla_gpu_enable_command_buffer"] = LOOP_COMMAND_BUFFER
+    if (
+        hidden_size is not None
+        and hidden_size <= SPLIT_K_MAX_HIDDEN
+        and "xla_gpu_experimental_force_split_k" not in flags
+    ):
+        options["xla_gpu_experimental_force_split_k"] = 1
+    return options
 
 
 def verify_impl(impl: str, backend_name: str | None = None) -> str:
@@ -339,7 +355,18 @@ def decode_plan(
     plan.append(
         StageChoice("layer loop", options.layer_loop, "the model's default" if options.layer_loop == "auto" else "set")
     )
-    loop = loop_compiler_options()
+    loop = loop_compiler_options(hidden_size=target_config.hidden_size)
+    if _on_gpu(backend_name):
+        no_split = "xla_gpu_experimental_force_split_k" in loop
+        plan.append(
+            StageChoice(
+                "GEMM split-K",
+                "off" if no_split else "XLA's choice",
+                f"hidden {target_config.hidden_size} "
+                + ("<=" if target_config.hidden_size <= SPLIT_K_MAX_HIDDEN else ">")
+                + f" SPLIT_K_MAX_HIDDEN = {SPLIT_K_MAX_HIDDEN}",
+            )
+        )
     plan.append(
         StageChoice(
             "generation loop",

@@ -147,6 +147,13 @@ def test_the_generation_loop_is_one_cuda_graph_unless_xla_flags_say_otherwise():
     assert {"WHILE", "CONDITIONAL", "FUSION", "CUSTOM_CALL"} <= set(captured)
     assert dispatch.loop_compiler_options(xla_flags="--xla_gpu_enable_command_buffer=") == {}
     assert dispatch.loop_compiler_options(xla_flags="--xla_dump_to=/tmp/x") == options
+    # small targets compile without split-K (measured on the embedded pair), larger ones keep XLA's choice;
+    # an XLA_FLAGS setting of the option wins
+    small = dispatch.loop_compiler_options(xla_flags="", hidden_size=256)
+    assert small == {**options, "xla_gpu_experimental_force_split_k": 1}
+    assert dispatch.loop_compiler_options(xla_flags="", hidden_size=4096) == options
+    flagged = "--xla_gpu_experimental_force_split_k=4"
+    assert "xla_gpu_experimental_force_split_k" not in dispatch.loop_compiler_options(flagged, hidden_size=256)
     k26 = parse_config(_json("configs/kimi_k2_6.json"))
     gpu = {
         row.stage: row

@@ -331,32 +331,41 @@ def check_generate_inputs(target_config, prompts, prompt_lengths, max_new, *, ma
 class _CheckedJit:
     """A jitted generation function behind eager input checks (`check_generate_inputs`, on concrete inputs
     only): calling it and `.lower(...)` take the jit's signature and run the same compiled program; every
-    other attribute is the jit's. Top-level calls compile with `dispatch.loop_compiler_options()`; a call
-    traced inside another jit (or eval_shape) goes through the same function jitted without them (JAX takes
-    compiler options on top-level jits only)."""
+    other attribute is the jit's. Top-level calls compile with `dispatch.loop_compiler_options` for the
+    target's hidden size (one jit per distinct option set); a call traced inside another jit (or eval_shape)
+    goes through the same function jitted without them (JAX takes compiler options on top-level jits only)."""
 
     def __init__(self, fun, static_argnames: tuple[str, ...]):
+        self._fun, self._static_argnames = fun, static_argnames
         self._jitted = jax.jit(fun, static_argnames=static_argnames, compiler_options=dispatch.loop_compiler_options())
+        self._by_options: dict = {}
         self._nested = jax.jit(fun, static_argnames=static_argnames)
         self._signature = inspect.signature(fun)
         functools.update_wrapper(self, fun)
 
-    def _check(self, args, kwargs) -> None:
+    def _check(self, args, kwargs):
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
         check_generate_inputs(
             a["target_config"], a["prompts"], a["prompt_lengths"], a["max_new"], max_new_tokens=a["max_new_tokens"]
         )
+        return a["target_config"]
+
+    def _top_level(self, target_config):
+        options = dispatch.loop_compiler_options(hidden_size=getattr(target_config, "hidden_size", None))
+        key = tuple(sorted(options.items()))
+        if key not in self._by_options:
+            self._by_options[key] = jax.jit(self._fun, static_argnames=self._static_argnames, compiler_options=options)
+        return self._by_options[key]
 
     def __call__(self, *args, **kwargs):
-        self._check(args, kwargs)
+        target_config = self._check(args, kwargs)
         traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
-        return (self._nested if traced else self._jitted)(*args, **kwargs)
+        return (self._nested if traced else self._top_level(target_config))(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        self._check(args, kwargs)
-        return self._jitted.lower(*args, **kwargs)
+        return self._top_level(self._check(args, kwargs)).lower(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
