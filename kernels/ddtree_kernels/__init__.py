@@ -4,6 +4,7 @@ its own.
 
   decode_matmul        weight-streaming matmul (bf16 / f32 / INT4 / block-FP8 weights) and its grouped (MoE) form
   tree_attention       tree-verify attention (GQA and absorbed MLA), flash-decoding over the cache
+  mla_attention_mgpu   absorbed-MLA tree-verify attention on Mosaic GPU (Hopper TMA + wgmma; not wired in yet)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits
   sampling_reference   the pure-jnp definitions tree_sampling computes (processed probabilities, the walk)
@@ -16,6 +17,7 @@ path with float32 accumulation (`tiling`).
 
 from ddtree_kernels import (
     decode_matmul,
+    mla_attention_mgpu,
     quant,
     sampling_reference,
     tiling,
@@ -23,5 +25,17 @@ from ddtree_kernels import (
     tree_build,
     tree_sampling,
 )
+from ddtree_kernels.mla_attention_mgpu import mla_tree_attention, mla_tree_attention_reference
 
-__all__ = ["decode_matmul", "quant", "sampling_reference", "tiling", "tree_attention", "tree_build", "tree_sampling"]
+__all__ = [
+    "decode_matmul",
+    "mla_attention_mgpu",
+    "mla_tree_attention",
+    "mla_tree_attention_reference",
+    "quant",
+    "sampling_reference",
+    "tiling",
+    "tree_attention",
+    "tree_build",
+    "tree_sampling",
+]

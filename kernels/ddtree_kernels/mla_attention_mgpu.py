@@ -1,0 +1,405 @@
+"""Absorbed-MLA tree-verify attention as a Mosaic GPU (Hopper: TMA + wgmma) Pallas kernel.
+
+  out[b, t, h] = softmax_s(scale * (q_latent[b, t, h] . latent[b, s] + q_rope[b, t, h] . rope_key[b, s])
+                           where mask[b, t, s] and s < kv_lengths[b]) @ latent[b, s]
+
+The semantics of `tree_attention.tree_attention_reference((q_latent, q_rope), (latent, rope_key), None,
+mask)`: one shared KV head, scores over 512 + 64 dims, values the 512-dim latent.
+
+Kernel (`plgpu.kernel`, grid (row block, key split, B), three warpgroups per CTA; flash-decoding):
+  rows        the T tree queries x H heads of a batch row, flattened (row = t * H + h) and taken 64 at
+              a time (one wgmma M tile; the zero rows past T * H come from TMA's out-of-bounds fill);
+  memory WG   TMA-loads the CTA's queries once, then the key split's blocks of `block_kv` keys (latent,
+              rope part and the packed mask words) into a ring of `stages` shared-memory slots;
+  compute WGs both compute the block's scores [64, block_kv] (wgmma over 512 + 64 dims) and the online
+              softmax; WG w then accumulates P @ latent[:, 256 w : 256 (w + 1)] (wgmma, the same latent
+              tile as the values), so each latent block is read from memory once for both products and
+              a 64 x 256 float32 accumulator fits a warpgroup's registers;
+  outputs     each split writes its normalised bf16 output and float32 log2-sum-exp per row; a jnp
+              epilogue merges the splits.
+The mask is passed as bit words: word[b, w, s] holds mask[b, 32 w + i, s] (and s < kv_lengths[b]) in bit
+i, so a key block costs 4 bytes a key per 32 tree queries against 1,152 bytes of latent + rope, and any
+dense mask is exact (prefix, tree ancestors, ragged lengths).
+
+Constraints (ValueError otherwise): head dims 512 (latent) and 64 (rope), one KV head, bf16 inputs,
+block_kv in (32, 64). S and T * H are free (TMA fills out-of-bounds rows with zeros and drops
+out-of-bounds stores); keys in the last block past kv_lengths are read (with weight exactly 0), so the
+cache must hold finite values there (zero-initialised caches do).
+
+`mla_tree_attention_reference` is the twin (`tree_attention_reference`, plain XLA).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
+from ddtree_kernels.tree_attention import tree_attention_reference, visible_lengths
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+BLOCK_M = 64  # rows per CTA: one wgmma M tile
+HALF = LATENT_DIM // 2  # value columns per compute warpgroup
+NUM_SMS = 132  # H200
+MAX_STAGES = 4
+SMEM_BUDGET = SMEM_LIMIT_BYTES - 4 * 1024  # leave room for barriers and the small tiles
+LOG2E = math.log2(math.e)
+_INTERPRET_PARAMS = plgpu.InterpretGPUParams()
+
+
+def _stages(block_kv: int) -> int:
+    """Key-block slots in shared memory: as many as fit beside the query tile (at most MAX_STAGES)."""
+    resident = 2 * BLOCK_M * (LATENT_DIM + ROPE_DIM)
+    per_stage = 2 * block_kv * (LATENT_DIM + ROPE_DIM) + 4 * 3 * block_kv
+    return min(MAX_STAGES, (SMEM_BUDGET - resident) // per_stage)
+
+
+def _accumulate(acc, p, values_ref, p_smem):
+    """acc + p @ values on the tensor cores. Compiled (p_smem None): the FA3 idiom, a wgmma from the
+    registers into the carried accumulator (`pl.run_state`, which waits for it). Interpret mode (jax
+    0.11) runs neither `run_state` nor a wgmma operand held in registers, so there p is staged through
+    shared memory and the product goes to a fresh accumulator that is added: the same value."""
+    if p_smem is None:
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, p, values_ref)
+
+        return pl.run_state(product)(plgpu.ACC.init(acc))
+
+    p_smem[...] = p
+    plgpu.commit_smem()
+
+    def staged(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, values_ref)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _kernel(
+    counts_ref,
+    rows_ref,
+    ql_ref,
+    qr_ref,
+    lat_ref,
+    rope_ref,
+    words_ref,
+    o_ref,
+    lse_ref,
+    ql_smem,
+    qr_smem,
+    rows_smem,
+    lat_smem,
+    rope_smem,
+    words_smem,
+    lse_smem,
+    q_barrier,
+    kv_barriers,
+    consumed_barriers,
+    done_barrier,
+    p_smem=None,
+    *,
+    block_kv: int,
+    blocks_per_split: int,
+    stages: int,
+    num_words: int,
+    scale_log2: float,
+):
+    # GMEM: counts_ref i32 [B, splits] key blocks of each split; rows_ref i32 [2, R_pad] per row: the bit
+    #   (1 << t % 32) and the word (t // 32) of its tree query (bit 0: padding row); ql_ref [B, R, 512],
+    #   qr_ref [B, R, 64] queries (row = t * H + h); lat_ref [B, S, 512], rope_ref [B, S, 64] the cache;
+    #   words_ref i32 [B, W, S] the packed mask; o_ref bf16 [B, splits, R, 512] each split's normalised
+    #   output; lse_ref f32 [B, splits, R_pad] its log2-sum-exp (-inf: no key seen).
+    # SMEM: ql_smem [2, 64, 256] (the two column halves), qr_smem [64, 64], rows_smem i32 [2, 64];
+    #   per slot: lat_smem [stages, 2, block_kv, 256], rope_smem [stages, block_kv, 64],
+    #   words_smem i32 [stages, W, block_kv]; lse_smem f32 [64]; interpret mode only: p_smem [2, 64, block_kv]
+    #   each compute warpgroup's probabilities (see `_accumulate`).
+    row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    r0 = row_block * BLOCK_M
+    num_blocks = counts_ref[b, split]
+    first_key = split * (blocks_per_split * block_kv)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        rows = pl.ds(r0, BLOCK_M)
+        for half in range(2):
+            plgpu.copy_gmem_to_smem(ql_ref.at[b, rows, pl.ds(half * HALF, HALF)], ql_smem.at[half], q_barrier)
+        plgpu.copy_gmem_to_smem(qr_ref.at[b, rows], qr_smem, q_barrier)
+        plgpu.copy_gmem_to_smem(rows_ref.at[:, rows], rows_smem, q_barrier)
+
+        def load(i, slot):
+            keys = pl.ds(first_key + i * block_kv, block_kv)
+            barrier = kv_barriers.at[slot]
+            for half in range(2):
+                plgpu.copy_gmem_to_smem(lat_ref.at[b, keys, pl.ds(half * HALF, HALF)], lat_smem.at[slot, half], barrier)
+            plgpu.copy_gmem_to_smem(rope_ref.at[b, keys], rope_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(words_ref.at[b, :, keys], words_smem.at[slot], barrier)
+
+        for i in range(stages):
+
+            @pl.when(i < num_blocks)
+            def _prologue():
+                load(i, i)
+
+        @pl.loop(stages, jnp.maximum(num_blocks, stages))
+        def _steady(i):
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(consumed_barriers.at[slot])
+            load(i, slot)
+
+        # observe the consumption of the last blocks too (every phase of a barrier is observed by each of
+        # its waiters; interpret mode checks it)
+        @pl.loop(jnp.maximum(num_blocks - stages, 0), num_blocks)
+        def _drain(i):
+            plgpu.barrier_wait(consumed_barriers.at[lax.rem(i, stages)])
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.barrier_wait(q_barrier)
+        row_bit = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+        row_word = plgpu.load(rows_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+        tile = (BLOCK_M, block_kv)
+        row_bit = lax.broadcast_in_dim(row_bit, tile, [0])
+        row_word = lax.broadcast_in_dim(row_word, tile, [0])
+
+        def body(i, carry):
+            acc, m, l = carry
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(kv_barriers.at[slot])
+
+            def scores(acc_ref):
+                for half in range(2):
+                    plgpu.wgmma(acc_ref, ql_smem.at[half], lat_smem.at[slot, half].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, qr_smem, rope_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
+            word = None
+            for w in range(num_words):
+                col = plgpu.load(words_smem.at[slot, w], layout=plgpu.Layout.WGMMA.reduce(0))
+                col = lax.broadcast_in_dim(col, tile, [1])
+                word = col if word is None else jnp.where(row_word == w, col, word)
+            s = jnp.where((word & row_bit) != 0, s * scale_log2, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            base = jnp.maximum(m_new, -1e30)  # finite: rows that saw nothing yet get p = 0, not NaN
+            alpha = jnp.exp2(m - base)
+            p = jnp.exp2(s - lax.broadcast_in_dim(base, tile, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            p_stage = None if p_smem is None else p_smem.at[wg]
+            acc = _accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg], p_stage)
+            plgpu.barrier_arrive(consumed_barriers.at[slot])
+            return acc, m_new, l
+
+        init = (
+            plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+        # both warpgroups are done reading the query tile before it holds the output
+        plgpu.barrier_arrive(done_barrier)
+        plgpu.barrier_wait(done_barrier)
+        inv = 1.0 / jnp.maximum(l, 1e-30)  # l = 0 only where acc = 0
+        ql_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(ql_smem.dtype)
+
+        @pl.when(wg == 0)
+        def _lse():
+            lse_smem[...] = m + jnp.log(l) * (1.0 / math.log(2.0))
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ql_smem.at[wg], o_ref.at[b, split, pl.ds(r0, BLOCK_M), pl.ds(wg * HALF, HALF)])
+
+        @pl.when(wg == 0)
+        def _store_lse():
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(r0, BLOCK_M)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _row_table(steps: int, heads: int, rows_pad: int) -> np.ndarray:
+    """i32 [2, rows_pad]: per row t * H + h, the bit 1 << (t % 32) and the word t // 32; 0 past T * H."""
+    t = np.arange(rows_pad) // heads
+    bit = np.where(t < steps, np.left_shift(np.uint32(1), (t % 32).astype(np.uint32)), 0).astype(np.uint32)
+    return np.stack([bit.view(np.int32), (t // 32).astype(np.int32)])
+
+
+def _pack_mask(mask: jax.Array, kv_lengths: jax.Array, num_words: int) -> jax.Array:
+    """i32 [B, W, S]: bit i of word w is mask[b, 32 w + i, s] and s < kv_lengths[b]."""
+    batch, steps, capacity = mask.shape
+    live = mask & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])
+    live = jnp.pad(live, ((0, 0), (0, 32 * num_words - steps), (0, 0))).reshape(batch, num_words, 32, capacity)
+    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))[None, None, :, None]
+    words = jnp.sum(jnp.where(live, bits, jnp.uint32(0)), axis=2, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(words, jnp.int32)
+
+
+def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: int | None) -> tuple[int, int]:
+    """(splits, key blocks per split): by default enough CTAs (row blocks x splits x B) to fill the SMs once."""
+    row_blocks = pl.cdiv(rows, BLOCK_M)
+    total = pl.cdiv(capacity, block_kv)
+    if num_splits is None:
+        num_splits = max(1, NUM_SMS // (row_blocks * batch))
+    per_split = pl.cdiv(total, max(1, min(num_splits, total)))
+    return pl.cdiv(total, per_split), per_split
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "interpret"))
+def _mla_tree_attention(
+    q_latent, q_rope, latent, rope_key, mask, kv_lengths, *, scale, block_kv, num_splits, interpret
+):
+    batch, steps, heads, _ = q_latent.shape
+    capacity = latent.shape[1]
+    rows = steps * heads
+    row_blocks = pl.cdiv(rows, BLOCK_M)
+    rows_pad = row_blocks * BLOCK_M
+    splits, per_split = split_plan(batch, rows, capacity, block_kv, num_splits)
+    num_words = pl.cdiv(steps, 32)
+    stages = _stages(block_kv)
+    dtype = q_latent.dtype
+
+    kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, capacity)
+    starts = jnp.arange(splits, dtype=jnp.int32) * (per_split * block_kv)
+    counts = jnp.clip(pl.cdiv(kv_lengths[:, None] - starts[None, :], block_kv), 0, per_split).astype(jnp.int32)
+    words = _pack_mask(mask, kv_lengths, num_words)
+    row_table = jnp.asarray(_row_table(steps, heads, rows_pad))
+
+    tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    p_transforms = (plgpu.TilingTransform((8, block_kv)), plgpu.SwizzleTransform(2 * block_kv))
+    kernel = functools.partial(
+        _kernel,
+        block_kv=block_kv,
+        blocks_per_split=per_split,
+        stages=stages,
+        num_words=num_words,
+        scale_log2=scale * LOG2E,
+    )
+    partial, lse = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((batch, splits, rows, LATENT_DIM), dtype),
+            jax.ShapeDtypeStruct((batch, splits, rows_pad), jnp.float32),
+        ),
+        scratch_types=(
+            plgpu.SMEM((2, BLOCK_M, HALF), dtype, **tiled),
+            plgpu.SMEM((BLOCK_M, ROPE_DIM), dtype, **tiled),
+            plgpu.SMEM((2, BLOCK_M), jnp.int32),
+            plgpu.SMEM((stages, 2, block_kv, HALF), dtype, **tiled),
+            plgpu.SMEM((stages, block_kv, ROPE_DIM), dtype, **tiled),
+            plgpu.SMEM((stages, num_words, block_kv), jnp.int32),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.Barrier(num_arrivals=4),
+            plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+        )
+        + ((plgpu.SMEM((2, BLOCK_M, block_kv), dtype, transforms=p_transforms),) if interpret else ()),
+        grid=(row_blocks, splits, batch),
+        grid_names=("rows", "split", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_INTERPRET_PARAMS if interpret else None,
+    )(
+        counts,
+        row_table,
+        q_latent.reshape(batch, rows, LATENT_DIM),
+        q_rope.reshape(batch, rows, ROPE_DIM),
+        latent.reshape(batch, capacity, LATENT_DIM),
+        rope_key.reshape(batch, capacity, ROPE_DIM),
+        words,
+    )
+    # log-sum-exp merge of the splits (base 2); rows that saw no key come out zero
+    lse = lse[:, :, :rows]
+    top = jnp.max(lse, axis=1, keepdims=True)
+    weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for -inf
+    total = jnp.sum(weight, axis=1)
+    out = jnp.einsum("bjr,bjrd->brd", weight, partial.astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
+    return out.reshape(batch, steps, heads, LATENT_DIM).astype(dtype)
+
+
+def mla_tree_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    latent: jax.Array,
+    rope_key: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    kv_lengths: jax.Array | None = None,
+    block_kv: int = 64,
+    num_splits: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Absorbed-MLA tree-verify attention on the Mosaic GPU backend (Hopper).
+
+    Args:
+      q_latent: bf16 [B, T, H, 512] queries absorbed into the latent space; q_rope: bf16 [B, T, H, 64].
+      latent: bf16 [B, S, 1, 512] the latent cache (keys and values); rope_key: bf16 [B, S, 1, 64].
+      mask: bool [B, T, S], True where tree query t may attend key s.
+      scale: softmax scale (default (512 + 64) ** -0.5); kv_lengths: int32 [B], keys >= it are never
+        seen (default `visible_lengths(mask)`).
+      block_kv: keys per pipelined block (32 or 64); num_splits: key splits per row (default: fill the SMs).
+      interpret: Mosaic GPU interpret mode (default: on the CPU backend).
+    Returns:
+      bf16 [B, T, H, 512] (softmax and sums in float32); rows with no visible key are 0.
+    """
+    if q_latent.ndim != 4 or q_latent.shape[-1] != LATENT_DIM:
+        raise ValueError(f"q_latent must be [B, T, H, {LATENT_DIM}], got {q_latent.shape}")
+    batch, steps, heads, _ = q_latent.shape
+    if q_rope.shape != (batch, steps, heads, ROPE_DIM):
+        raise ValueError(
+            f"q_rope must be [B, T, H, {ROPE_DIM}] = {(batch, steps, heads, ROPE_DIM)}, got {q_rope.shape}"
+        )
+    if latent.ndim != 4 or latent.shape[0] != batch or latent.shape[2:] != (1, LATENT_DIM):
+        raise ValueError(f"latent must be [B, S, 1, {LATENT_DIM}] with B = {batch}, got {latent.shape}")
+    capacity = latent.shape[1]
+    if rope_key.shape != (batch, capacity, 1, ROPE_DIM):
+        raise ValueError(
+            f"rope_key must be [B, S, 1, {ROPE_DIM}] = {(batch, capacity, 1, ROPE_DIM)}, got {rope_key.shape}"
+        )
+    if mask.shape != (batch, steps, capacity):
+        raise ValueError(f"mask must be [B, T, S] = {(batch, steps, capacity)}, got {mask.shape}")
+    for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("latent", latent), ("rope_key", rope_key)):
+        if x.dtype != jnp.bfloat16:
+            raise ValueError(f"{name} must be bfloat16, got {x.dtype}")
+    if block_kv not in (32, 64):
+        raise ValueError(f"block_kv must be 32 or 64, got {block_kv}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if kv_lengths is not None and kv_lengths.shape != (batch,):
+        raise ValueError(f"kv_lengths must be [B] = ({batch},), got {kv_lengths.shape}")
+    scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else float(scale)
+    kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
+    return _mla_tree_attention(
+        q_latent,
+        q_rope,
+        latent,
+        rope_key,
+        mask.astype(bool),
+        kv_lengths,
+        scale=scale,
+        block_kv=block_kv,
+        num_splits=num_splits,
+        interpret=default_interpret(interpret),
+    )
+
+
+def mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, *, scale=None, kv_lengths=None):
+    """The twin in plain XLA: `tree_attention_reference` over (latent, rope) parts, values the latent."""
+    if kv_lengths is not None:
+        mask = mask & (jnp.arange(mask.shape[-1])[None, None, :] < kv_lengths[:, None, None])
+    scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else scale
+    return tree_attention_reference((q_latent, q_rope), (latent, rope_key), None, mask, scale=scale)

@@ -1,0 +1,139 @@
+"""The Mosaic GPU absorbed-MLA tree attention (`ddtree_kernels.mla_attention_mgpu`) against its XLA twin, in
+Mosaic GPU interpret mode on the CPU.
+
+Interpret mode runs a CTA's three warpgroups as threads that block inside host callbacks (barrier waits);
+with XLA's CPU thread pool at its default size (the core count) two blocked warpgroups can starve the
+third on a 2-core machine and the kernel hangs. The cases therefore run in one subprocess with a larger
+pool (NPROC=8, read when the CPU client starts), and each test checks its case's result.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name: (B, T, H, S, kv_lengths, kwargs). Rows T * H = 136, 72, 68, 144, 66: partial row blocks; S not a
+# multiple of the key block in two; ragged lengths with 0 and 1; one split with the pipeline in its steady
+# state (5 blocks, 2 stages); T = 33: two mask words.
+CASES = {
+    "t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3)),
+    "t9_h8_empty_row": (2, 9, 8, 200, (0, 190), dict(num_splits=2, block_kv=32)),
+    "t17_h4_scale": (2, 17, 4, 192, (150, 40), dict(num_splits=2, scale=0.05)),
+    "t9_h16_one_split": (1, 9, 16, 300, (297,), dict(num_splits=1)),
+    "t33_h2_two_words": (1, 33, 2, 130, (128,), dict(num_splits=2)),
+}
+TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities
+
+
+def tree_mask(rng, steps: int, capacity: int, kv_lengths) -> np.ndarray:
+    """bool [B, T, S]: the prefix (keys < kv_length - T) visible to every query, the last T keys the tree's
+    slots under a random ancestor mask (slot j's parent uniform in 0 .. j - 1), nothing from kv_length on."""
+    masks = []
+    for length in kv_lengths:
+        parent = [-1] + [int(rng.integers(0, j)) for j in range(1, steps)]
+        ancestor = np.zeros((steps, steps), bool)
+        for t in range(steps):
+            j = t
+            while j >= 0:
+                ancestor[t, j] = True
+                j = parent[j]
+        prefix = max(length - steps, 0)
+        mask = np.zeros((steps, capacity), bool)
+        mask[:, :prefix] = True
+        slots = length - prefix  # < T when the row is shorter than the tree
+        mask[:, prefix:length] = ancestor[:, steps - slots :]
+        masks.append(mask)
+    return np.stack(masks)
+
+
+def run_case(name: str) -> dict:
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention, mla_tree_attention_reference
+
+    batch, steps, heads, capacity, lengths, kwargs = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
+    q_latent = jax.random.normal(keys[0], (batch, steps, heads, 512), jnp.bfloat16)
+    q_rope = jax.random.normal(keys[1], (batch, steps, heads, 64), jnp.bfloat16)
+    latent = jax.random.normal(keys[2], (batch, capacity, 1, 512), jnp.bfloat16)
+    rope_key = jax.random.normal(keys[3], (batch, capacity, 1, 64), jnp.bfloat16)
+    mask = jnp.asarray(tree_mask(rng, steps, capacity, lengths))
+    kv_lengths = jnp.asarray(lengths, jnp.int32)
+    out = mla_tree_attention(q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
+    scale = kwargs.get("scale")
+    ref = mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale, kv_lengths=kv_lengths)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    empty = ~np.asarray(mask).any(-1)  # [B, T] rows that see no key
+    return {
+        "shape": list(out.shape),
+        "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+        "finite": bool(np.isfinite(out).all()),
+        "empty_rows_zero": bool((out[empty] == 0).all()),
+        "empty_rows": int(empty.sum()),
+    }
+
+
+def _main():  # the subprocess: every case, one JSON line
+    print(json.dumps({name: run_case(name) for name in CASES}))
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, NPROC="8", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "kernels"), env.get("PYTHONPATH", "")])
+    code = "from tests.kernels.test_mla_attention_mgpu import _main; _main()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"interpret-mode run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(results, name):
+    batch, steps, heads, *_ = CASES[name]
+    result = results[name]
+    assert result["shape"] == [batch, steps, heads, 512]
+    assert result["finite"]
+    assert result["empty_rows_zero"], result
+    assert result["rel_err"] < TOLERANCE, result
+
+
+def test_cases_cover_empty_and_single_key_rows():
+    lengths = [length for case in CASES.values() for length in case[4]]
+    assert 0 in lengths and 1 in lengths
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(q_latent=(1, 3, 2, 256)), "q_latent must be"),
+        (dict(q_rope=(1, 3, 2, 32)), "q_rope must be"),
+        (dict(latent=(1, 40, 2, 512)), "latent must be"),
+        (dict(rope_key=(1, 41, 1, 64)), "rope_key must be"),
+        (dict(mask=(1, 3, 39)), "mask must be"),
+        (dict(dtype=jnp.float32), "must be bfloat16"),
+        (dict(block_kv=128), "block_kv must be 32 or 64, got 128"),
+        (dict(num_splits=0), "num_splits must be >= 1, got 0"),
+        (dict(kv_lengths=(2,)), "kv_lengths must be"),
+    ],
+)
+def test_rejects_bad_shapes(change, message):
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
+
+    dtype = change.get("dtype", jnp.bfloat16)
+    shapes = dict(q_latent=(1, 3, 2, 512), q_rope=(1, 3, 2, 64), latent=(1, 40, 1, 512), rope_key=(1, 40, 1, 64))
+    shapes.update({k: v for k, v in change.items() if k in shapes})
+    arrays = {k: jnp.zeros(v, jnp.bfloat16 if k.startswith("q") else dtype) for k, v in shapes.items()}
+    mask = jnp.ones(change.get("mask", (1, 3, 40)), bool)
+    kwargs = {k: change[k] for k in ("block_kv", "num_splits") if k in change}
+    if "kv_lengths" in change:
+        kwargs["kv_lengths"] = jnp.zeros(change["kv_lengths"], jnp.int32)
+    with pytest.raises(ValueError, match=message):
+        mla_tree_attention(**arrays, mask=mask, **kwargs)
