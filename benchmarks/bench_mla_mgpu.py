@@ -1,0 +1,191 @@
+"""Absorbed-MLA tree-verify attention: the Mosaic GPU kernel (kernels/ddtree_kernels/mla_attention_mgpu.py)
+vs the Triton kernel (`tree_attention`) vs the models' XLA path (`tree_attention_reference`) vs the roofline.
+
+Cases: H = 8 (one TP8 shard) and 64 (one GPU) query heads over the one shared latent KV head, N = 17 and
+65 tree queries, contexts 8k and 32k, B = 1 (and B = 8 at H = 8). The cache holds context + N keys; every
+row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
+
+Counted first, per call (S = context + N):
+  FLOPs = 2 * B * N * H * S * (576 + 512)  (scores over latent + rope, values the latent);
+  bytes = the latent + rope cache read once (1,152 B a key) + the queries + the bf16 output;
+  roofline = max(bytes / 4.3 TB/s (read + write copy bandwidth measured on this H200), FLOPs / 790 TFLOP/s).
+Timing (`common.time_calls`): each call on another of >= 4 input sets (queries and cache) whose total is
+larger than the 50 MB L2, 8 calls queued per sample (device time without host gaps), block_until_ready,
+median of 7 samples. Correctness: ||out - ref|| / ||ref|| against the XLA path on input set 0, per case
+(bf16: expect ~3e-3). A variant that fails to compile or run records its error string and the rest go on.
+
+Usage: PYTHONPATH=.:kernels python -m benchmarks.bench_mla_mgpu --commit $(git rev-parse --short HEAD) [--quick]
+Writes attention_mgpu_<commit>.json to $OUT (else benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_attention import random_tree_mask
+from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from ddtree_kernels.mla_attention_mgpu import BLOCK_M, mla_tree_attention, split_plan
+from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s read + write, XLA copy on this H200 (BENCHMARKS.md)
+PEAK_FLOPS = 790e12  # bf16 matmul rate measured on this H200
+L2_BYTES = 50 << 20
+MIN_SETS = 4
+PIPELINE = 8  # calls queued per timed sample
+VARIANTS = {"mla8": 8, "mla64": 64}  # query heads
+
+
+def counts(batch: int, steps: int, heads: int, context: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one call."""
+    capacity = context + steps
+    flops = 2 * batch * steps * heads * capacity * (576 + 512)
+    nbytes = batch * capacity * 1152 + batch * steps * heads * 2 * (576 + 512)
+    return float(flops), float(nbytes)
+
+
+def input_sets(batch: int, steps: int, heads: int, context: int, key) -> list[tuple]:
+    """>= MIN_SETS (q_latent, q_rope, latent, rope_key, mask) sets, together larger than twice the L2."""
+    _, nbytes = counts(batch, steps, heads, context)
+    sets = max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes))
+    capacity = context + steps
+    mask = jnp.asarray(random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context))
+    out = []
+    for i in range(sets):
+        k = jax.random.split(jax.random.fold_in(key, i), 4)
+        out.append(
+            (
+                jax.random.normal(k[0], (batch, steps, heads, 512), jnp.bfloat16),
+                jax.random.normal(k[1], (batch, steps, heads, 64), jnp.bfloat16),
+                jax.random.normal(k[2], (batch, capacity, 1, 512), jnp.bfloat16),
+                jax.random.normal(k[3], (batch, capacity, 1, 64), jnp.bfloat16),
+                mask,
+            )
+        )
+    return out
+
+
+ATTEND = {
+    "mgpu": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask)),
+    "pallas": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention((ql, qr), (lat, rk), None, mask)),
+    "xla": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention_reference((ql, qr), (lat, rk), None, mask)),
+}
+
+
+def relative_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def run_case(variant: str, batch: int, steps: int, context: int, key) -> dict:
+    heads = VARIANTS[variant]
+    flops, nbytes = counts(batch, steps, heads, context)
+    roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
+    rows = steps * heads
+    splits, per_split = split_plan(batch, rows, context + steps, 64, None)
+    row = {
+        "variant": variant,
+        "B": batch,
+        "N": steps,
+        "context": context,
+        "GFLOP": flops / 1e9,
+        "MB": nbytes / 1e6,
+        "roofline_us": roof_s * 1e6,
+        "bound": "compute" if flops / PEAK_FLOPS > nbytes / COPY_BANDWIDTH else "memory",
+        "mgpu_grid": [math.ceil(rows / BLOCK_M), splits, batch],
+        "mgpu_blocks_per_split": per_split,
+    }
+    sets = input_sets(batch, steps, heads, context, key)
+    ref = None
+    try:
+        ref = ATTEND["xla"](*sets[0])
+    except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
+        row["xla_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    for name in ("mgpu", "pallas", "xla"):
+        try:
+            out = ATTEND[name](*sets[0])
+            if ref is not None:
+                row[f"{name}_rel_err"] = relative_error(out, ref)
+            seconds = time_calls(ATTEND[name], sets, runs=7, warmup=2, pipeline=PIPELINE).median
+            row[f"{name}_us"] = seconds * 1e6
+            row[f"{name}_TFLOPs"] = flops / seconds / 1e12
+            row[f"{name}_GBps"] = nbytes / seconds / 1e9
+            row[f"{name}_of_roofline"] = seconds / roof_s
+        except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
+            row[f"{name}_us"] = float("nan")
+            row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    row["rel_err"] = row.get("mgpu_rel_err", float("nan"))
+    for name in ("mgpu_TFLOPs", "mgpu_GBps", "mgpu_of_roofline"):
+        row.setdefault(name, float("nan"))
+    del sets
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
+    parser.add_argument("--variants", default="mla8,mla64")
+    parser.add_argument("--contexts", default="8192,32768")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    cases = []
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            raise SystemExit(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
+        batches = [1] if args.quick or variant != "mla8" else [1, 8]
+        for batch in batches:
+            for steps in [17] if args.quick else [17, 65]:
+                cases += [(variant, batch, steps, context) for context in contexts]
+    print(
+        f"device: {device_description()}; commit {args.commit}; roofline {COPY_BANDWIDTH / 1e12:.1f} TB/s, "
+        f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    results = []
+    key = jax.random.key(0)
+    for variant, batch, steps, context in cases:
+        row = run_case(variant, batch, steps, context, jax.random.fold_in(key, context + steps + batch))
+        results.append(row)
+        errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
+        print(
+            f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
+            f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
+            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  pallas {row['pallas_us']:8.1f} us  "
+            f"xla {row['xla_us']:8.1f} us" + (f"  [{errors}]" if errors else ""),
+            flush=True,
+        )
+        write_result(
+            f"attention_mgpu_{args.commit}",
+            {"rows": results, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS},
+            args.commit,
+        )
+    header = ["variant", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "x roof", "rel err"]
+    header += ["pallas us", "xla us", "mgpu vs pallas"]
+    table = [
+        [
+            r["variant"],
+            r["B"],
+            r["N"],
+            r["context"],
+            r["bound"],
+            r["roofline_us"],
+            r["mgpu_us"],
+            f"{r['mgpu_TFLOPs']:.0f}",
+            f"{r['mgpu_of_roofline']:.2f}",
+            f"{r['rel_err']:.1e}",
+            r["pallas_us"],
+            r["xla_us"],
+            f"{r['pallas_us'] / r['mgpu_us']:.2f}",
+        ]
+        for r in results
+    ]
+    print("\n" + markdown_table(header, table))
+
+
+if __name__ == "__main__":
+    main()
