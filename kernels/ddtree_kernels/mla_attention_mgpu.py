@@ -26,6 +26,17 @@ block_kv in (32, 64). S and T * H are free (TMA fills out-of-bounds rows with ze
 out-of-bounds stores); keys in the last block past kv_lengths are read (with weight exactly 0), so the
 cache must hold finite values there (zero-initialised caches do).
 
+Why not all H * T rows in one CTA (issue #20's first sketch): the value accumulator is [rows, 512] float32,
+and a warpgroup holds at most 64 x 256 of it (128 registers a thread); 64 rows use the two compute
+warpgroups' register budget (232 each, as FlashAttention-3). The row blocks of a split run side by side
+(grid axis 0 varies fastest), so their reads of the same key blocks meet in L2.
+
+Interpret mode (CPU; `interpret=None` picks it there) runs the same kernel with two departures that jax
+0.11's interpreter needs (`_accumulate`): the probabilities reach the value wgmma through shared memory,
+not registers, and that product is added instead of accumulated in place. The interpreter runs a CTA's
+three warpgroups as threads blocked inside host callbacks: on a machine with fewer than 4 cores, start
+the process with NPROC=8 (XLA's CPU pool size), or two waiting warpgroups can starve the third (a hang).
+
 `mla_tree_attention_reference` is the twin (`tree_attention_reference`, plain XLA).
 """
 
@@ -116,8 +127,9 @@ def _kernel(
     # GMEM: counts_ref i32 [B, splits] key blocks of each split; rows_ref i32 [2, R_pad] per row: the bit
     #   (1 << t % 32) and the word (t // 32) of its tree query (bit 0: padding row); ql_ref [B, R, 512],
     #   qr_ref [B, R, 64] queries (row = t * H + h); lat_ref [B, S, 512], rope_ref [B, S, 64] the cache;
-    #   words_ref i32 [B, W, S] the packed mask; o_ref bf16 [B, splits, R, 512] each split's normalised
-    #   output; lse_ref f32 [B, splits, R_pad] its log2-sum-exp (-inf: no key seen).
+    #   words_ref i32 [B, W, S_pad] the packed mask (S_pad: S in whole key blocks); o_ref bf16
+    #   [B, splits, R, 512] each split's normalised output; lse_ref f32 [B, splits, R_pad] its log2-sum-exp
+    #   (-inf: no key seen).
     # SMEM: ql_smem [2, 64, 256] (the two column halves), qr_smem [64, 64], rows_smem i32 [2, 64];
     #   per slot: lat_smem [stages, 2, block_kv, 256], rope_smem [stages, block_kv, 64],
     #   words_smem i32 [stages, W, block_kv]; lse_smem f32 [64]; interpret mode only: p_smem [2, 64, block_kv]
@@ -167,11 +179,11 @@ def _kernel(
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_barrier)
+        # per-row vectors (2 registers a thread), broadcast to the tile inside the loop: hoisted [64, block_kv]
+        # tiles would hold 32 registers each for the whole loop
         row_bit = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-        row_word = plgpu.load(rows_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+        row_word = plgpu.load(rows_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1)) if num_words > 1 else None
         tile = (BLOCK_M, block_kv)
-        row_bit = lax.broadcast_in_dim(row_bit, tile, [0])
-        row_word = lax.broadcast_in_dim(row_word, tile, [0])
 
         def body(i, carry):
             acc, m, l = carry
@@ -189,8 +201,9 @@ def _kernel(
             for w in range(num_words):
                 col = plgpu.load(words_smem.at[slot, w], layout=plgpu.Layout.WGMMA.reduce(0))
                 col = lax.broadcast_in_dim(col, tile, [1])
-                word = col if word is None else jnp.where(row_word == w, col, word)
-            s = jnp.where((word & row_bit) != 0, s * scale_log2, -jnp.inf)
+                word = col if word is None else jnp.where(lax.broadcast_in_dim(row_word, tile, [0]) == w, col, word)
+            visible = (word & lax.broadcast_in_dim(row_bit, tile, [0])) != 0
+            s = jnp.where(visible, s * scale_log2, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             base = jnp.maximum(m_new, -1e30)  # finite: rows that saw nothing yet get p = 0, not NaN
             alpha = jnp.exp2(m - base)
@@ -273,7 +286,9 @@ def _mla_tree_attention(
     kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, capacity)
     starts = jnp.arange(splits, dtype=jnp.int32) * (per_split * block_kv)
     counts = jnp.clip(pl.cdiv(kv_lengths[:, None] - starts[None, :], block_kv), 0, per_split).astype(jnp.int32)
+    # TMA needs 16-byte row strides: the words' rows padded to whole key blocks (zero: not visible)
     words = _pack_mask(mask, kv_lengths, num_words)
+    words = jnp.pad(words, ((0, 0), (0, 0), (0, pl.cdiv(capacity, block_kv) * block_kv - capacity)))
     row_table = jnp.asarray(_row_table(steps, heads, rows_pad))
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
