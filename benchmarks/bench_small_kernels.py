@@ -34,7 +34,6 @@ import numpy as np
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, write_result
 from benchmarks.op_profile import op_times
 from ddtree_kernels import tree_build, tree_sampling
-from ddtree_kernels.tiling import default_interpret
 
 POOL = 8  # input sets in the rotation
 
@@ -74,22 +73,13 @@ def topk_rows(vocab: int, budgets, runs: int, bandwidth: float, depths: int = 15
     out = []
     for budget in budgets:
         k = min(budget, vocab)
-        variants = [(m, m, tree_build.RADIX_BITS) for m in ("extract", "search", "resident")]
-        variants += [(f"radix, {bits} bits a pass", "radix", bits) for bits in (2, 4, 8)]
-        for label, method, bits in variants:
-            fn = jax.jit(
-                lambda v, m=method, k=k, b=bits: tree_build._tree_topk_jit(
-                    v, k=k, interpret=default_interpret(None), method=m, radix_bits=b
-                )
-            )
+        for method in ("extract", "search", "resident"):
+            fn = jax.jit(lambda v, m=method, k=k: tree_build.tree_topk(v, k, method=m))
+            us = _kernel_us(fn, inputs, runs)
             floor = depths * vocab * 4 / bandwidth * 1e6
-            row = {"kernel": "topk", "variant": label, "budget": budget, "rows": depths, "roofline_us": floor}
-            try:  # a variant that does not compile (registers, shared memory) is recorded, the rest still run
-                row["us"] = _kernel_us(fn, inputs, runs)
-            except Exception as err:  # noqa: BLE001
-                row["us"], row["error"] = float("nan"), f"{type(err).__name__}: {str(err)[:300]}"
-                print(f"  {label} (budget {budget}) failed: {row['error']}")
-            out.append(row)
+            out.append(
+                {"kernel": "topk", "variant": method, "budget": budget, "rows": depths, "us": us, "roofline_us": floor}
+            )
         # the builder's whole top-K stage from bf16 logits, every op counted: XLA log-softmax + flags + the
         # kernel, against the fused kernel (`tree_topk_logits`)
         method = tree_build.resolve_topk_method("auto", k)
@@ -98,10 +88,6 @@ def topk_rows(vocab: int, budgets, runs: int, bandwidth: float, depths: int = 15
         for variant, fn in (
             (f"{method}: XLA log-softmax + flags + kernel (all ops)", lambda x, k=k: _unfused_topk(x, k, method)),
             (f"{method}: fused tree_topk_logits (all ops)", lambda x, k=k: tree_build.tree_topk_logits(x, k)),
-            (
-                "radix: fused tree_topk_logits (all ops)",
-                lambda x, k=k: tree_build.tree_topk_logits(x, k, method="radix"),
-            ),
         ):
             us = _device_us(jax.jit(fn), raw, runs)
             out.append(

@@ -13,11 +13,8 @@ Two kernels, each beside its pure-jnp twin:
                                       row in registers, the k best extracted one at a time. Larger k
                                       ("resident"): the k-th largest value by a bisection with the row in
                                       registers (<= 33 count reductions, whatever k), one compaction
-                                      scan, the ranks by counting; "radix": the same with the k-th
-                                      largest found by a radix search in registers (RADIX_BITS per pass);
-                                      method="search" streams the row instead (8 radix passes of 16
-                                      thresholds), slower wherever both fit. `tree_topk_logits`: the same
-                                      kernels from raw logits, the log-softmax and the row's flags in them.
+                                      scan, the ranks by counting; method="search" streams the row
+                                      instead (8 radix passes of 16 thresholds), slower wherever both fit.
   tree_slots(top_lp, top_ids, ...)  -> the DraftTree fields [B, budget + 1]: tree_select's heap with the
                                       tree laid out in the same kernel (root slot, token ids, padding, the
                                       dead-depth mask and root-only rows), so the builder is two launches
@@ -60,8 +57,7 @@ _BLOCK = 512  # row elements per load in a pass ([block, 16] comparisons)
 # 10.4 / 19.4 / 37.6 us at k = 16 / 32 / 64 (~0.6 us a token), resident 13.9 / 13.9 / 14.2 us, the
 # streamed search 68.4 / 68.2 / 68.8 us (kept for rows the registers cannot hold).
 EXTRACT_MAX_K = 16
-TOPK_METHODS = ("auto", "extract", "search", "resident", "radix")  # `tree_topk(method=)`, `resolve_topk_method`
-RADIX_BITS = 4  # "radix": bits of the k-th largest key found per pass with the row in registers
+TOPK_METHODS = ("auto", "extract", "search", "resident")  # `tree_topk(method=)`, `resolve_topk_method`
 _EMPTY = np.int32(np.iinfo(np.int32).min)  # below the key of every float, -inf included
 
 
@@ -232,8 +228,26 @@ def _rank_in_place(out_values_ref, out_pos_ref, *, k: int, k_pad: int, tail: int
         plgpu.store(out_pos_ref.at[jnp.where(in_k, rank, 0)], pos, mask=in_k)
 
 
-def _bisection_cut(keys, real, k: int):
-    """The k-th largest key by bisection over [min, max] (<= 33 dependent count reductions)."""
+def _resident_topk_kernel(
+    values_ref, out_values_ref, out_pos_ref, *flags_ref, k: int, count: int, block: int, interpret: bool
+):
+    # values_ref:     f32 [C_pad]  one row of candidates (positions >= count are padding); with flags_ref:
+    #                              raw logits of any float dtype, ranked as their log-softmax (_row_values)
+    # out_values_ref: f32 [K_pad (+ C_pad in interpret mode)]  the k largest, descending (the tail: scratch
+    #                              for the lanes that store nothing, where masked scatters are not run)
+    # out_pos_ref:    i32 [same]   their positions in the row
+    # flags_ref:      (i32 [],)    with log_softmax only: DEAD_DEPTH | INVALID_ROW of the row
+    # The search kernel with the row in registers: the k-th largest key by bisection (<= 33 steps, one
+    # count reduction each, whatever k), the k chosen entries compacted in one scan, then ranked.
+    del block
+    c_pad = values_ref.shape[0]
+    k_pad = _next_pow2(k)
+    tail = out_values_ref.shape[0] - k_pad  # c_pad in interpret mode, else 0
+    pos = _iota(c_pad)
+    values, real, flags = _row_values(values_ref, count, bool(flags_ref))
+    if flags_ref:
+        flags_ref[0][...] = flags
+    keys = jnp.where(real, float_key(values), _EMPTY)
 
     # (lo, hi]: count(keys >= lo) >= k > count(keys >= hi); the cut is lo once hi = lo + 1
     def more(state):
@@ -248,55 +262,6 @@ def _bisection_cut(keys, real, k: int):
 
     lo = jnp.min(jnp.where(real, keys, np.int32(np.iinfo(np.int32).max)))
     _, cut, _ = lax.while_loop(more, halve, (jnp.int32(0), lo, jnp.max(keys) + 1))
-    return cut
-
-
-def _radix_cut(keys, k: int, bits: int):
-    """The k-th largest key, `bits` bits per pass (32 / bits dependent passes, each counting the row against
-    2**bits thresholds at once), in the sign-flipped domain where int32 bit patterns order as unsigned."""
-    if 32 % bits:
-        raise ValueError(f"radix bits must divide 32, got {bits}")
-    digits = _iota(1 << bits)
-    prefix = jnp.int32(0)
-    for shift in range(32 - bits, -1, -bits):
-        thresholds = (prefix | (digits << shift)) ^ _EMPTY  # back to the key domain
-        counts = jnp.sum((keys[:, None] >= thresholds[None, :]).astype(jnp.int32), axis=0)
-        digit = jnp.sum((counts >= k).astype(jnp.int32)) - 1  # counts fall with the digit; counts[0] >= k
-        prefix = prefix | (digit << shift)
-    return prefix ^ _EMPTY
-
-
-def _resident_topk_kernel(
-    values_ref,
-    out_values_ref,
-    out_pos_ref,
-    *flags_ref,
-    k: int,
-    count: int,
-    block: int,
-    interpret: bool,
-    radix_bits: int = 0,
-):
-    # values_ref:     f32 [C_pad]  one row of candidates (positions >= count are padding); with flags_ref:
-    #                              raw logits of any float dtype, ranked as their log-softmax (_row_values)
-    # out_values_ref: f32 [K_pad (+ C_pad in interpret mode)]  the k largest, descending (the tail: scratch
-    #                              for the lanes that store nothing, where masked scatters are not run)
-    # out_pos_ref:    i32 [same]   their positions in the row
-    # flags_ref:      (i32 [],)    with log_softmax only: DEAD_DEPTH | INVALID_ROW of the row
-    # The search kernel with the row in registers: the k-th largest key by bisection (<= 33 steps, one
-    # count reduction each, whatever k; radix_bits = 0) or by a radix search (radix_bits per pass: 32 /
-    # radix_bits passes, 2**radix_bits counts each), the k chosen entries compacted in one scan, then ranked.
-    del block
-    c_pad = values_ref.shape[0]
-    k_pad = _next_pow2(k)
-    tail = out_values_ref.shape[0] - k_pad  # c_pad in interpret mode, else 0
-    pos = _iota(c_pad)
-    values, real, flags = _row_values(values_ref, count, bool(flags_ref))
-    if flags_ref:
-        flags_ref[0][...] = flags
-    keys = jnp.where(real, float_key(values), _EMPTY)
-
-    cut = _radix_cut(keys, k, radix_bits) if radix_bits else _bisection_cut(keys, real, k)
     ties_wanted = k - jnp.sum((keys > cut).astype(jnp.int32))
     tie = keys == cut
     chosen = (keys > cut) | (tie & (jnp.cumsum(tie.astype(jnp.int32)) - 1 < ties_wanted))
@@ -327,18 +292,11 @@ def resolve_topk_method(method: str, k: int) -> str:
     return "extract" if k <= EXTRACT_MAX_K else "resident"
 
 
-_TOPK_KERNELS = {
-    "extract": _extract_kernel,
-    "search": _topk_kernel,
-    "resident": _resident_topk_kernel,
-    "radix": _resident_topk_kernel,  # with radix_bits
-}
+_TOPK_KERNELS = {"extract": _extract_kernel, "search": _topk_kernel, "resident": _resident_topk_kernel}
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "method", "log_softmax", "radix_bits"))
-def _tree_topk_jit(
-    values, *, k: int, interpret: bool, method: str = "auto", log_softmax: bool = False, radix_bits: int = RADIX_BITS
-):
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "method", "log_softmax"))
+def _tree_topk_jit(values, *, k: int, interpret: bool, method: str = "auto", log_softmax: bool = False):
     rows, count = values.shape
     c_pad, k_pad = _next_pow2(count), _next_pow2(k)
     method = resolve_topk_method(method, k)
@@ -347,8 +305,7 @@ def _tree_topk_jit(
     block = min(c_pad, _BLOCK)
     # the searches' compaction needs a scratch tail: a block (streamed); the row (resident, in interpret mode
     # only: on the GPU its lanes that store nothing are masked)
-    resident_width = k_pad + (c_pad if interpret else 0)
-    width = {"extract": k_pad, "search": k_pad + block, "resident": resident_width, "radix": resident_width}[method]
+    width = {"extract": k_pad, "search": k_pad + block, "resident": k_pad + (c_pad if interpret else 0)}[method]
     padded = values if log_softmax else values.astype(jnp.float32)
     padded = jnp.pad(padded, ((0, 0), (0, c_pad - count))) if c_pad != count else padded
     out_shape = [jax.ShapeDtypeStruct((rows, width), jnp.float32), jax.ShapeDtypeStruct((rows, width), jnp.int32)]
@@ -357,14 +314,7 @@ def _tree_topk_jit(
         out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.int32))
         out_specs.append(pl.BlockSpec((None,), lambda r: (r,)))
     outs = pl.pallas_call(
-        functools.partial(
-            _TOPK_KERNELS[method],
-            k=k,
-            count=count,
-            block=block,
-            interpret=interpret,
-            **({"radix_bits": radix_bits} if method == "radix" else {}),
-        ),
+        functools.partial(_TOPK_KERNELS[method], k=k, count=count, block=block, interpret=interpret),
         grid=(rows,),
         in_specs=[pl.BlockSpec((None, c_pad), lambda r: (r, 0))],
         out_specs=out_specs,
@@ -406,15 +356,15 @@ def tree_topk_logits(
     """`tree_topk` of each row's float32 log-softmax, computed in the same kernel from the raw logits (one
     launch instead of the log-softmax, the row-flag reductions and the top-K).
 
-    logits: float [R, C] (bf16 or f32; C padded to a power of two <= MAX_ROW); method "auto", "extract",
-    "resident" or "radix". Returns (log-probs float32 [R, k] descending, positions int32 [R, k], flags int32 [R]):
+    logits: float [R, C] (bf16 or f32; C padded to a power of two <= MAX_ROW); method "auto", "extract" or
+    "resident". Returns (log-probs float32 [R, k] descending, positions int32 [R, k], flags int32 [R]):
     flags DEAD_DEPTH where every logit of the row is -inf, INVALID_ROW where one is NaN or +inf; such rows'
     top-K are those of zeros (finite, meaningless: the caller reads the flags). The log-softmax is
     jax.nn.log_softmax's formula in float32 with the kernel's own summation order, so a value may differ
     from XLA's by an ulp of the log-normaliser. Twin: `tree_topk_logits_reference`."""
     _check_topk(logits, k)
     if resolve_topk_method(method, k) == "search":
-        raise ValueError("tree_topk_logits: method must not be 'search' (it streams the row), got 'search'")
+        raise ValueError("tree_topk_logits: method must be 'auto', 'extract' or 'resident', got 'search'")
     return _tree_topk_jit(logits, k=int(k), interpret=default_interpret(interpret), method=method, log_softmax=True)
 
 

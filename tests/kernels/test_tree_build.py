@@ -58,12 +58,11 @@ def test_float_key_is_monotone_and_inverted():
         (2, 300, 300, True),
     ],
 )
-@pytest.mark.parametrize("method", ["auto", "extract", "search", "resident", "radix"])
+@pytest.mark.parametrize("method", ["auto", "extract", "search", "resident"])
 def test_topk_matches_its_twin(rows, count, k, quantized, method):
     """Every kernel path against the two-key sort: "auto" (k <= EXTRACT_MAX_K: extraction; beyond: the
     resident search), "extract" (one at a time), "search" (the radix search over streamed chunks) and
-    "resident" (the row in registers: bisection, one compaction scan), "radix" (the row in registers: a
-    radix search, RADIX_BITS per pass)."""
+    "resident" (the row in registers: bisection, one compaction scan)."""
     assert tree_build.EXTRACT_MAX_K < 17  # "auto" takes both paths over these cases
     rng = np.random.default_rng(count + k)
     values = rng.standard_normal((rows, count)) * 3
@@ -76,7 +75,7 @@ def test_topk_matches_its_twin(rows, count, k, quantized, method):
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
-@pytest.mark.parametrize("method", ["extract", "search", "resident", "radix"])
+@pytest.mark.parametrize("method", ["extract", "search", "resident"])
 def test_topk_with_more_k_than_finite_entries_takes_the_lowest_positions(method):
     values = jnp.asarray([[-jnp.inf, 0.5, -jnp.inf, -jnp.inf, 1.0, -jnp.inf]], jnp.float32)
     got_values, got_pos = tree_topk(values, 4, method=method)
@@ -93,8 +92,7 @@ def test_topk_with_more_k_than_finite_entries_takes_the_lowest_positions(method)
         (6, 64, 64, jnp.bfloat16),  # k = C
     ],
 )
-@pytest.mark.parametrize("method", ["auto", "radix"])
-def test_topk_logits_matches_its_twin(rows, count, k, dtype, method):
+def test_topk_logits_matches_its_twin(rows, count, k, dtype):
     """The fused log-softmax + flags + top-K against the twin (XLA log-softmax, plain reductions, the two-key
     sort) on fresh random logits with a dead row, a NaN row, a +inf row and a half -inf row: the flags and
     positions exactly, the log-probs within ulps of the log-normaliser (the kernel sums in its own order)."""
@@ -105,7 +103,7 @@ def test_topk_logits_matches_its_twin(rows, count, k, dtype, method):
     logits[3, rng.integers(0, count)] = np.inf
     logits[4, : count // 2] = -np.inf
     logits = jnp.asarray(logits, dtype)
-    got, want = tree_topk_logits(logits, k, method=method), tree_topk_logits_reference(logits, k)
+    got, want = tree_topk_logits(logits, k), tree_topk_logits_reference(logits, k)
     flags = np.asarray(want[2])
     np.testing.assert_array_equal(np.asarray(got[2]), flags)
     assert list(flags) == [0, tree_build.DEAD_DEPTH, tree_build.INVALID_ROW, tree_build.INVALID_ROW, 0, 0]
