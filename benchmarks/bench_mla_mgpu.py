@@ -52,8 +52,11 @@ def input_sets(batch: int, steps: int, heads: int, context: int, key) -> list[tu
     """>= MIN_SETS (q_latent, q_rope, latent, rope_key, mask) sets, together larger than twice the L2."""
     _, nbytes = counts(batch, steps, heads, context)
     sets = max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes))
-    capacity = context + steps
-    mask = jnp.asarray(random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context))
+    # the cache's capacity in whole 64-key blocks, as an engine allocates it (the Mosaic kernel's TMA tiles the
+    # key axis; a ragged capacity would make its wrapper pad, i.e. copy, the cache); the tail is never visible
+    capacity = -(-(context + steps) // 64) * 64
+    mask = random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context)
+    mask = jnp.asarray(np.pad(mask, ((0, 0), (0, 0), (0, capacity - context - steps))))
     out = []
     for i in range(sets):
         k = jax.random.split(jax.random.fold_in(key, i), 4)

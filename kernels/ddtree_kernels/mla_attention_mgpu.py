@@ -275,6 +275,16 @@ def _mla_tree_attention(
 ):
     batch, steps, heads, _ = q_latent.shape
     capacity = latent.shape[1]
+    if capacity % block_kv:
+        # The TMA copies tile the cache's key axis by 8 and read whole blocks: the first GPU run (H200,
+        # ae031d5) refused S = context + 17 ("dimension 1 must have size smaller or a multiple of its tiling
+        # 8"). Pad the keys to whole blocks (zeros: finite, never visible). This copies the cache: callers
+        # should allocate capacities in whole key blocks (the benchmark does).
+        extra = pl.cdiv(capacity, block_kv) * block_kv - capacity
+        latent = jnp.pad(latent, ((0, 0), (0, extra), (0, 0), (0, 0)))
+        rope_key = jnp.pad(rope_key, ((0, 0), (0, extra), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, extra)))
+        capacity += extra
     rows = steps * heads
     row_blocks = pl.cdiv(rows, BLOCK_M)
     rows_pad = row_blocks * BLOCK_M
