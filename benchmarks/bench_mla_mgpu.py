@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
     parser.add_argument("--variants", default="mla8,mla64")
     parser.add_argument("--contexts", default="8192,32768")
+    parser.add_argument("--out", help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     cases = []
@@ -166,6 +167,7 @@ def main() -> None:
             f"attention_mgpu_{args.commit}",
             {"rows": results, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS},
             args.commit,
+            args.out,
         )
     header = ["variant", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "x roof", "rel err"]
     header += ["pallas us", "xla us", "mgpu vs pallas"]
