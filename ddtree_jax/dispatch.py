@@ -223,13 +223,18 @@ def loop_compiler_options(xla_flags: str | None = None, hidden_size: int | None 
     options: dict = {}
     if "xla_gpu_enable_command_buffer" not in flags:
         options["xla_gpu_enable_command_buffer"] = LOOP_COMMAND_BUFFER
-    if (
-        hidden_size is not None
-        and hidden_size <= SPLIT_K_MAX_HIDDEN
-        and "xla_gpu_experimental_force_split_k" not in flags
-    ):
-        options["xla_gpu_experimental_force_split_k"] = 1
-    return options
+    return {**options, **gemm_compiler_options(flags, hidden_size)}
+
+
+def gemm_compiler_options(xla_flags: str | None = None, hidden_size: int | None = None) -> dict:
+    """The GEMM part of `loop_compiler_options` (module docstring, "split-K"), for any jit of a decode step:
+    {xla_gpu_experimental_force_split_k: 1} for a target of hidden size <= SPLIT_K_MAX_HIDDEN unless XLA_FLAGS
+    (or `xla_flags`) sets the option itself; else {}."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    small = hidden_size is not None and hidden_size <= SPLIT_K_MAX_HIDDEN
+    if small and "xla_gpu_experimental_force_split_k" not in flags:
+        return {"xla_gpu_experimental_force_split_k": 1}
+    return {}
 
 
 def verify_impl(impl: str, backend_name: str | None = None) -> str:

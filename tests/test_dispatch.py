@@ -152,6 +152,8 @@ def test_the_generation_loop_is_one_cuda_graph_unless_xla_flags_say_otherwise():
     small = dispatch.loop_compiler_options(xla_flags="", hidden_size=256)
     assert small == {**options, "xla_gpu_experimental_force_split_k": 1}
     assert dispatch.loop_compiler_options(xla_flags="", hidden_size=4096) == options
+    assert dispatch.gemm_compiler_options("", 256) == {"xla_gpu_experimental_force_split_k": 1}
+    assert dispatch.gemm_compiler_options("", 4096) == {} and dispatch.gemm_compiler_options("") == {}
     flagged = "--xla_gpu_experimental_force_split_k=4"
     assert "xla_gpu_experimental_force_split_k" not in dispatch.loop_compiler_options(flagged, hidden_size=256)
     k26 = parse_config(_json("configs/kimi_k2_6.json"))

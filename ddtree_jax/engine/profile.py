@@ -28,6 +28,7 @@ import time
 import jax
 import numpy as np
 
+from ddtree_jax import dispatch
 from ddtree_jax.engine.generate import layers_sliced_once, prefill
 from ddtree_jax.engine.run import Pair, check_request, pair_dtype, request_args, resolve_block_size
 from ddtree_jax.engine.step import (
@@ -118,7 +119,10 @@ def warm_step(
         )
 
     step_args = (params, drafter, state, sampling, keys, stop, max_new)
-    step = jax.jit(step_fn).lower(*step_args).compile()
+    # the GEMM options `generate` compiles with (no split-K for small targets), so a step profiled alone runs
+    # the kernels the generation loop runs
+    gemm_options = dispatch.gemm_compiler_options(hidden_size=config.hidden_size)
+    step = jax.jit(step_fn).lower(*step_args).compile(compiler_options=gemm_options or None)
     for _ in range(warmup_steps):
         state = step(params, drafter, state, sampling, keys, stop, max_new)
     return step, (params, drafter, state, sampling, keys, stop, max_new), block
