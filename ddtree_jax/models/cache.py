@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 
@@ -82,18 +83,20 @@ def commit(cache: KVCache, accept_index: jax.Array, num_accepted: jax.Array) -> 
 
     accept_index: int32 [B, S] (-1 past the end, never gathered); num_accepted: int32 [B].
     """
-    steps = accept_index.shape[1]
+    batch, steps = accept_index.shape
     keep = jnp.arange(steps)[None, :] <= num_accepted[:, None]  # [B, S]
+    rows = jnp.arange(batch)[:, None]  # [B, 1]
+    start = cache.lengths[:, None]
 
     def move(buffer):  # [layers, B, S_max, ...]
-        capacity = buffer.shape[2]
-
-        def per_row(rows, start, accept, keep_row):  # rows [layers, S_max, ...]
-            source = start + jnp.where(keep_row, accept, 0)
-            target = jnp.where(keep_row, start + jnp.arange(steps), capacity)  # out of range: dropped
-            return rows.at[:, target].set(rows[:, source], mode="drop")
-
-        return jax.vmap(per_row, in_axes=(1, 0, 0, 0), out_axes=1)(buffer, cache.lengths, accept_index, keep)
+        source = start + jnp.where(keep, accept_index, 0)  # [B, S]
+        target = jnp.where(keep, start + jnp.arange(steps)[None, :], buffer.shape[2])  # out of range: dropped
+        # The accepted rows are gathered first into their own small array [layers, B, S, ...], behind a barrier
+        # so that XLA cannot fuse the read into the scatter: a scatter that reads the buffer it writes (the
+        # rows move within it) made XLA copy the whole cache before it, and again after (4 cache-sized copies
+        # a DDTree step in the H200 HLO at 2bd1060); from its own array the scatter writes in place.
+        moved = lax.optimization_barrier(buffer[:, rows, source])
+        return buffer.at[:, rows, target].set(moved, mode="drop")
 
     return KVCache(move(cache.k), move(cache.v), cache.lengths + num_accepted + 1)
 

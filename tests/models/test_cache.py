@@ -30,3 +30,35 @@ def test_write_layer_rows_casts_to_the_cache_dtype():
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got[1, 0, 2:4], np.float32), np.full((2, 1, 2), 1.5))
     assert float(jnp.abs(got[0]).sum()) == 0 and float(jnp.abs(got[1, 0, :2]).sum()) == 0
+
+
+def _commit_reference(k, lengths, accept_index, num_accepted):
+    """numpy: row b's accepted slots accept_index[b, :n + 1] (n = num_accepted[b]; -1: commit nothing) move to
+    rows lengths[b] .. lengths[b] + n, read from the cache before any write."""
+    out = k.copy()
+    for b in range(k.shape[1]):
+        for j in range(num_accepted[b] + 1):
+            out[:, b, lengths[b] + j] = k[:, b, lengths[b] + accept_index[b, j]]
+    return out
+
+
+def test_commit_moves_the_accepted_slots_down_in_every_layer():
+    """Random caches and accepted paths (increasing slots, as the tree's pop order gives), ragged lengths, a row
+    that commits nothing (-1) and one that accepts the whole path; the lengths advance by n + 1."""
+    from ddtree_jax.models.cache import KVCache, commit
+
+    rng = np.random.default_rng(5)
+    layers, batch, capacity, heads, dim, slots, steps = 3, 4, 40, 2, 3, 9, 5
+    lengths = np.array([0, 7, 20, 31], np.int32)
+    num_accepted = np.array([2, -1, 4, 0], np.int32)
+    accept_index = np.full((batch, steps), -1, np.int32)
+    for b in range(batch):
+        path = np.sort(rng.choice(np.arange(1, slots), size=steps - 1, replace=False))
+        accept_index[b, : max(num_accepted[b] + 1, 0)] = np.concatenate([[0], path])[: max(num_accepted[b] + 1, 0)]
+    k = rng.standard_normal((layers, batch, capacity, heads, dim)).astype(np.float32)
+    v = rng.standard_normal((layers, batch, capacity, heads, dim)).astype(np.float32)
+    cache = KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
+    got = commit(cache, jnp.asarray(accept_index), jnp.asarray(num_accepted))
+    np.testing.assert_array_equal(np.asarray(got.k), _commit_reference(k, lengths, accept_index, num_accepted))
+    np.testing.assert_array_equal(np.asarray(got.v), _commit_reference(v, lengths, accept_index, num_accepted))
+    np.testing.assert_array_equal(np.asarray(got.lengths), lengths + num_accepted + 1)
