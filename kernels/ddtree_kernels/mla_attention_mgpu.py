@@ -296,9 +296,8 @@ def _mla_tree_attention(
     kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, capacity)
     starts = jnp.arange(splits, dtype=jnp.int32) * (per_split * block_kv)
     counts = jnp.clip(pl.cdiv(kv_lengths[:, None] - starts[None, :], block_kv), 0, per_split).astype(jnp.int32)
-    # TMA needs 16-byte row strides: the words' rows padded to whole key blocks (zero: not visible)
+    # TMA needs 16-byte row strides: the capacity is whole key blocks by now (padded above), so are the words
     words = _pack_mask(mask, kv_lengths, num_words)
-    words = jnp.pad(words, ((0, 0), (0, 0), (0, pl.cdiv(capacity, block_kv) * block_kv - capacity)))
     row_table = jnp.asarray(_row_table(steps, heads, rows_pad))
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
