@@ -73,10 +73,15 @@ def bench_case(
     options: DecodeOptions = DecodeOptions(attn_impl="xla", matmul_impl="xla"),
     seed: int = 0,
     step_only: bool = False,
+    profile_top: int = 0,
+    hlo_path: str | None = None,
 ) -> dict:
     """One row (module docstring); options: how the step runs (default XLA attention and matmuls);
     step_only: the fused step alone, without the per-stage breakdown (each stage is one more compilation
-    of the model: 30-75 s per case for the Qwen3-8B shape on the H200)."""
+    of the model: 30-75 s per case for the Qwen3-8B shape on the H200); profile_top > 0: the step's
+    `profile_top` largest ops by device time (`benchmarks.op_profile.op_times`, 3 traced steps) in
+    row["op_profile"], with the launches and device time of the whole step; hlo_path: the compiled step's
+    HLO text written there (to name the profile's fusions)."""
     config, block = pair.target_config, pair.drafter.config.block_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
@@ -120,6 +125,16 @@ def bench_case(
     state = step(*step_args)  # warm-up step: the drafter now has context features to append
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     row["step_ms"] = median_seconds(step, *step_args, runs=repeats) * 1e3
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(step.as_text())
+    if profile_top > 0:
+        from benchmarks.op_profile import op_times
+
+        ops = op_times(step, *step_args, runs=3)
+        row["device_us"] = sum(r["us_per_run"] for r in ops)
+        row["launches"] = sum(r["events_per_run"] for r in ops)
+        row["op_profile"] = ops[:profile_top]
     if step_only:
         row["slots"] = {"ar": 1, "chain": block}.get(method, budget + 1)
         return row

@@ -24,6 +24,7 @@ Usage (one H200): python -m experiments.tp_shard_step --commit C [--layers 61] [
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, markdown_table, write_result
+from benchmarks.op_profile import format_op_table
 from benchmarks.k26_model import k26_config, random_int4_target
 from ddtree_jax.analysis.roofline import step_cost
 from ddtree_jax.analysis.tp_shard import tp_shard_config
@@ -73,7 +75,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--profile-top", type=int, default=0, help="also profile each step: its N largest ops (device us, launches)"
+    )
+    parser.add_argument("--hlo-dir", default=None, help="write each step's compiled HLO text here")
+    parser.add_argument("--layer-loop", default="auto", help="DecodeOptions.layer_loop")
     args = parser.parse_args()
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     start = time.perf_counter()
     full, full_drafter, pair = shard_pair(
@@ -107,7 +116,13 @@ def main() -> None:
                     top_p=1.0,
                     repeats=args.repeats,
                     step_only=True,
-                    options=DecodeOptions(matmul_impl="xla"),
+                    options=DecodeOptions(matmul_impl="xla", layer_loop=args.layer_loop),
+                    profile_top=args.profile_top,
+                    hlo_path=(
+                        os.path.join(args.hlo_dir, f"step_B{batch}_ctx{context}_{method}{budget or ''}.hlo.txt")
+                        if args.hlo_dir
+                        else None
+                    ),
                 )
                 cost = step_cost(
                     full,
@@ -127,6 +142,12 @@ def main() -> None:
                 )
                 row["x_shard_roofline"] = row["step_ms"] / row["shard_roofline_ms"]
                 rows.append(row)
+                if args.profile_top:
+                    print(
+                        f"  profile: {row['device_us']:.0f} us of device time in {row['launches']:.0f} launches\n"
+                        + format_op_table(row["op_profile"], top=args.profile_top),
+                        flush=True,
+                    )
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3}: shard step {row['step_ms']:8.2f} ms "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
