@@ -84,7 +84,12 @@ def relative_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def run_case(variant: str, batch: int, steps: int, context: int, key) -> dict:
+def mgpu_with_splits(num_splits: int):
+    """The Mosaic kernel at a fixed number of key splits (the `--splits` sweep)."""
+    return jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, num_splits=num_splits))
+
+
+def run_case(variant: str, batch: int, steps: int, context: int, key, split_sweep: tuple[int, ...] = ()) -> dict:
     heads = VARIANTS[variant]
     flops, nbytes = counts(batch, steps, heads, context)
     roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
@@ -121,6 +126,12 @@ def run_case(variant: str, batch: int, steps: int, context: int, key) -> dict:
         except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
+        try:
+            seconds = time_calls(mgpu_with_splits(num_splits), sets, runs=7, warmup=2, pipeline=PIPELINE).median
+            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
+        except Exception as err:  # noqa: BLE001
+            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = f"{type(err).__name__}: {str(err)[:200]}"
     row["rel_err"] = row.get("mgpu_rel_err", float("nan"))
     for name in ("mgpu_TFLOPs", "mgpu_GBps", "mgpu_of_roofline"):
         row.setdefault(name, float("nan"))
@@ -134,6 +145,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
     parser.add_argument("--variants", default="mla8,mla64")
     parser.add_argument("--contexts", default="8192,32768")
+    parser.add_argument("--splits", default="", help="also time the Mosaic kernel at these key-split counts (e.g. 4,16,64)")
+    parser.add_argument("--batches", default="", help="override the batch sizes (default: 1, and 8 for mla8)")
+    parser.add_argument("--steps", default="", help="override the tree sizes N (default: 17 and 65; 17 with --quick)")
     parser.add_argument("--out", help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -142,8 +156,13 @@ def main() -> None:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
         batches = [1] if args.quick or variant != "mla8" else [1, 8]
+        if args.batches:
+            batches = [int(b) for b in args.batches.split(",")]
+        step_list = [17] if args.quick else [17, 65]
+        if args.steps:
+            step_list = [int(n) for n in args.steps.split(",")]
         for batch in batches:
-            for steps in [17] if args.quick else [17, 65]:
+            for steps in step_list:
                 cases += [(variant, batch, steps, context) for context in contexts]
     print(
         f"device: {device_description()}; commit {args.commit}; roofline {COPY_BANDWIDTH / 1e12:.1f} TB/s, "
@@ -153,14 +172,16 @@ def main() -> None:
     results = []
     key = jax.random.key(0)
     for variant, batch, steps, context in cases:
-        row = run_case(variant, batch, steps, context, jax.random.fold_in(key, context + steps + batch))
+        sweep = tuple(int(n) for n in args.splits.split(",") if n)
+        row = run_case(variant, batch, steps, context, jax.random.fold_in(key, context + steps + batch), sweep)
         results.append(row)
         errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
         print(
             f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
             f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
             f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  pallas {row['pallas_us']:8.1f} us  "
-            f"xla {row['xla_us']:8.1f} us" + (f"  [{errors}]" if errors else ""),
+            f"xla {row['xla_us']:8.1f} us" + (f"  [{errors}]" if errors else "")
+            + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
             flush=True,
         )
         write_result(

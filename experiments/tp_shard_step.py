@@ -80,6 +80,7 @@ def main() -> None:
     )
     parser.add_argument("--hlo-dir", default=None, help="write each step's compiled HLO text here")
     parser.add_argument("--layer-loop", default="auto", help="DecodeOptions.layer_loop")
+    parser.add_argument("--moe-impl", default="auto", help="DecodeOptions.moe_impl")
     args = parser.parse_args()
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
@@ -116,7 +117,7 @@ def main() -> None:
                     top_p=1.0,
                     repeats=args.repeats,
                     step_only=True,
-                    options=DecodeOptions(matmul_impl="xla", layer_loop=args.layer_loop),
+                    options=DecodeOptions(matmul_impl="xla", layer_loop=args.layer_loop, moe_impl=args.moe_impl),
                     profile_top=args.profile_top,
                     hlo_path=(
                         os.path.join(args.hlo_dir, f"step_B{batch}_ctx{context}_{method}{budget or ''}.hlo.txt")
