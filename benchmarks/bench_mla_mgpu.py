@@ -145,7 +145,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
     parser.add_argument("--variants", default="mla8,mla64")
     parser.add_argument("--contexts", default="8192,32768")
-    parser.add_argument("--splits", default="", help="also time the Mosaic kernel at these key-split counts (e.g. 4,16,64)")
+    parser.add_argument(
+        "--splits", default="", help="also time the Mosaic kernel at these key-split counts (e.g. 4,16,64)"
+    )
     parser.add_argument("--batches", default="", help="override the batch sizes (default: 1, and 8 for mla8)")
     parser.add_argument("--steps", default="", help="override the tree sizes N (default: 17 and 65; 17 with --quick)")
     parser.add_argument("--out", help="directory for the JSON (default $OUT, else benchmarks/results)")
@@ -180,7 +182,8 @@ def main() -> None:
             f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
             f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
             f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  pallas {row['pallas_us']:8.1f} us  "
-            f"xla {row['xla_us']:8.1f} us" + (f"  [{errors}]" if errors else "")
+            f"xla {row['xla_us']:8.1f} us"
+            + (f"  [{errors}]" if errors else "")
             + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
             flush=True,
         )

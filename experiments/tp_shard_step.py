@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, markdown_table, write_result
-from benchmarks.op_profile import format_op_table
 from benchmarks.k26_model import k26_config, random_int4_target
+from benchmarks.op_profile import format_op_table
 from ddtree_jax.analysis.roofline import step_cost
 from ddtree_jax.analysis.tp_shard import tp_shard_config
 from ddtree_jax.engine.drafters import DFlashDrafter
