@@ -9,9 +9,12 @@ Counted first, per call (S = context + N):
   FLOPs = 2 * B * N * H * S * (576 + 512)  (scores over latent + rope, values the latent);
   bytes = the latent + rope cache read once (1,152 B a key) + the queries + the bf16 output;
   roofline = max(bytes / 4.3 TB/s (read + write copy bandwidth measured on this H200), FLOPs / 790 TFLOP/s).
-Timing (`common.time_calls`): each call on another of >= 4 input sets (queries and cache) whose total is
-larger than the 50 MB L2, 8 calls queued per sample (device time without host gaps), block_until_ready,
-median of 7 samples. Correctness: ||out - ref|| / ||ref|| against the XLA path on input set 0, per case
+Timing (`in_jit_seconds`): one jitted program calls the variant once on each of >= 4 input sets (queries
+and cache; together larger than twice the 50 MB L2, so no call reads the previous call's data from L2) and
+returns a few elements of each output; time per call = the program's median wall time over 7 runs
+(`common.time_calls`, block_until_ready) / the number of sets. Inside one program the calls run back to
+back on the device: no host dispatch per call (a host-queued loop measured ~75-120 us a call for every
+variant at the small cases: the dispatch, not the kernel). Correctness: ||out - ref|| / ||ref|| against the XLA path on input set 0, per case
 (bf16: expect ~3e-3). A variant that fails to compile or run records its error string and the rest go on.
 
 Usage: PYTHONPATH=.:kernels python -m benchmarks.bench_mla_mgpu --commit $(git rev-parse --short HEAD) [--quick]
@@ -36,7 +39,7 @@ COPY_BANDWIDTH = 4.3e12  # bytes/s read + write, XLA copy on this H200 (BENCHMAR
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on this H200
 L2_BYTES = 50 << 20
 MIN_SETS = 4
-PIPELINE = 8  # calls queued per timed sample
+MAX_SETS = 32  # calls in one timed program (tiny CPU smoke shapes would otherwise ask for hundreds)
 VARIANTS = {"mla8": 8, "mla64": 64}  # query heads
 
 
@@ -51,7 +54,7 @@ def counts(batch: int, steps: int, heads: int, context: int) -> tuple[float, flo
 def input_sets(batch: int, steps: int, heads: int, context: int, key) -> list[tuple]:
     """>= MIN_SETS (q_latent, q_rope, latent, rope_key, mask) sets, together larger than twice the L2."""
     _, nbytes = counts(batch, steps, heads, context)
-    sets = max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes))
+    sets = min(MAX_SETS, max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes)))
     # the cache's capacity in whole 64-key blocks, as an engine allocates it (the Mosaic kernel's TMA tiles the
     # key axis; a ragged capacity would make its wrapper pad, i.e. copy, the cache); the tail is never visible
     capacity = -(-(context + steps) // 64) * 64
@@ -77,6 +80,16 @@ ATTEND = {
     "pallas": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention((ql, qr), (lat, rk), None, mask)),
     "xla": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention_reference((ql, qr), (lat, rk), None, mask)),
 }
+
+
+def in_jit_seconds(attend, sets: list[tuple]) -> float:
+    """Seconds per call of `attend`: one jit calling it on every input set in turn (module docstring)."""
+
+    @jax.jit
+    def run(sets):
+        return [attend(*args)[:, :, 0, :8].astype(jnp.float32).sum() for args in sets]
+
+    return time_calls(run, [(sets,)], runs=7, warmup=2).median / len(sets)
 
 
 def relative_error(out, ref) -> float:
@@ -118,7 +131,7 @@ def run_case(variant: str, batch: int, steps: int, context: int, key, split_swee
             out = ATTEND[name](*sets[0])
             if ref is not None:
                 row[f"{name}_rel_err"] = relative_error(out, ref)
-            seconds = time_calls(ATTEND[name], sets, runs=7, warmup=2, pipeline=PIPELINE).median
+            seconds = in_jit_seconds(ATTEND[name], sets)
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_TFLOPs"] = flops / seconds / 1e12
             row[f"{name}_GBps"] = nbytes / seconds / 1e9
@@ -128,7 +141,7 @@ def run_case(variant: str, batch: int, steps: int, context: int, key, split_swee
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
         try:
-            seconds = time_calls(mgpu_with_splits(num_splits), sets, runs=7, warmup=2, pipeline=PIPELINE).median
+            seconds = in_jit_seconds(mgpu_with_splits(num_splits), sets)
             row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
         except Exception as err:  # noqa: BLE001
             row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = f"{type(err).__name__}: {str(err)[:200]}"

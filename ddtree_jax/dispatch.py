@@ -82,6 +82,11 @@ AUTO_PALLAS_MAX_QUERIES = 32  # decode / verify calls: up to this many queries p
 AUTO_PALLAS_GQA_QUERIES = 65
 AUTO_PALLAS_GQA_SHORT_QUERIES = 129
 AUTO_PALLAS_GQA_SHORT_KEYS = 2048
+# Absorbed MLA on GPU: the Mosaic GPU kernel (`ddtree_kernels.mla_attention_mgpu`) for decode / verify calls of
+# up to AUTO_PALLAS_MLA_QUERIES queries per row against at least AUTO_PALLAS_MLA_MIN_KEYS cache rows (module
+# docstring); the Triton kernel is what "pallas" runs for MLA off GPU and on float32 inputs.
+AUTO_PALLAS_MLA_QUERIES = 65
+AUTO_PALLAS_MLA_MIN_KEYS = 0
 AUTO_PALLAS_MAX_F32_ROWS = 32  # ... and, for float32 inputs, up to this many query rows (group x N) per KV head
 BLOCKWISE_MIN_SCORES = 1 << 24  # attention: blockwise (online softmax) from this many scores per row and head
 BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
@@ -126,14 +131,25 @@ def attention_impl(
     long = queries is not None and queries > AUTO_PALLAS_MAX_QUERIES  # a prefill, not a decode step
     if long and keys is not None and queries * keys >= BLOCKWISE_MIN_SCORES:
         return "blockwise"  # any backend: the dense path's float32 scores would be >= 64 MB per row and head
-    if not _on_gpu(backend_name) or mla:
+    if not _on_gpu(backend_name):
         return "xla"
+    if mla:
+        decode = queries is None or queries <= AUTO_PALLAS_MLA_QUERIES
+        enough_keys = keys is None or keys >= AUTO_PALLAS_MLA_MIN_KEYS
+        return "pallas" if decode and enough_keys and not float32 else "xla"
     if float32 and group * (queries or 1) > AUTO_PALLAS_MAX_F32_ROWS:
         return "xla"
     if queries is None or queries <= AUTO_PALLAS_GQA_QUERIES:
         return "pallas"
     short = keys is not None and keys <= AUTO_PALLAS_GQA_SHORT_KEYS
     return "pallas" if short and queries <= AUTO_PALLAS_GQA_SHORT_QUERIES else "xla"
+
+
+def mla_attention_kernel(*, bfloat16: bool, backend_name: str | None = None) -> str:
+    """The kernel behind attn_impl "pallas" for absorbed MLA: "mosaic" (`mla_attention_mgpu`: TMA + wgmma,
+    bf16 only) on GPU for bf16 inputs, else "triton" (`tree_attention`; in interpret mode off GPU, where
+    Mosaic GPU's interpreter runs a CTA's warpgroups as host threads that starve on a 2-core machine)."""
+    return "mosaic" if _on_gpu(backend_name) and bfloat16 else "triton"
 
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
@@ -313,19 +329,16 @@ def decode_plan(
             else:
                 topk = topk_impl(options.topk_impl, vocab=vocab, k=k)
             plan.append(StageChoice("tree top-k", topk, f"V = {vocab}, K = {k}"))
+    attention = attention_impl(
+        options.attn_impl, queries=slots, keys=keys, mla=mla, group=group, float32=float32, backend_name=backend_name
+    )
+    kernel = mla_attention_kernel(bfloat16=not float32, backend_name=backend_name)
     plan.append(
         StageChoice(
             "tree-forward attention",
-            attention_impl(
-                options.attn_impl,
-                queries=slots,
-                keys=keys,
-                mla=mla,
-                group=group,
-                float32=float32,
-                backend_name=backend_name,
-            ),
+            attention,
             f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row"
+            + (f" (the {kernel} kernel)" if mla and attention == "pallas" else "")
             + ("" if keys is None else f" against {keys} keys")
             + (f" x {group} heads per KV head, float32" if float32 else ""),
         )

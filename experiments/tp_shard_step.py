@@ -24,6 +24,7 @@ Usage (one H200): python -m experiments.tp_shard_step --commit C [--layers 61] [
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 
@@ -81,6 +82,9 @@ def main() -> None:
     parser.add_argument("--hlo-dir", default=None, help="write each step's compiled HLO text here")
     parser.add_argument("--layer-loop", default="auto", help="DecodeOptions.layer_loop")
     parser.add_argument("--moe-impl", default="auto", help="DecodeOptions.moe_impl")
+    parser.add_argument(
+        "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
+    )
     args = parser.parse_args()
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
@@ -106,7 +110,7 @@ def main() -> None:
     layout = f"tp{args.model_size}"
     for batch in (int(b) for b in args.batches.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
-            for method, budget in columns:
+            for (method, budget), attn_impl in itertools.product(columns, args.attn_impls.split(",")):
                 row = bench_case(
                     pair,
                     batch,
@@ -117,10 +121,14 @@ def main() -> None:
                     top_p=1.0,
                     repeats=args.repeats,
                     step_only=True,
-                    options=DecodeOptions(matmul_impl="xla", layer_loop=args.layer_loop, moe_impl=args.moe_impl),
+                    options=DecodeOptions(
+                        matmul_impl="xla", layer_loop=args.layer_loop, moe_impl=args.moe_impl, attn_impl=attn_impl
+                    ),
                     profile_top=args.profile_top,
                     hlo_path=(
-                        os.path.join(args.hlo_dir, f"step_B{batch}_ctx{context}_{method}{budget or ''}.hlo.txt")
+                        os.path.join(
+                            args.hlo_dir, f"step_B{batch}_ctx{context}_{method}{budget or ''}_{attn_impl}.hlo.txt"
+                        )
                         if args.hlo_dir
                         else None
                     ),
@@ -150,7 +158,7 @@ def main() -> None:
                         flush=True,
                     )
                 print(
-                    f"B={batch} ctx={context} {method:6s} {budget or '':>3}: shard step {row['step_ms']:8.2f} ms "
+                    f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s}: shard step {row['step_ms']:8.2f} ms "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
                     f"collectives {row['collectives_ms']:.2f} ms = {row['predicted_tp_step_ms']:.2f} ms "
                     f"(compile {row['step_compile_s']:.0f} s)",
@@ -161,13 +169,24 @@ def main() -> None:
                     {"rows": rows, "model_size": args.model_size, "drafter_layers": args.drafter_layers},
                     args.commit,
                 )
-    header = ["B", "context", "method", "budget", "shard step ms", "shard roofline ms", "x roofline", "collectives ms"]
+    header = [
+        "B",
+        "context",
+        "method",
+        "budget",
+        "attention",
+        "shard step ms",
+        "shard roofline ms",
+        "x roofline",
+        "collectives ms",
+    ]
     table = [
         [
             r["B"],
             r["context"],
             r["method"],
             r["budget"] or "",
+            r["attn_impl"],
             r["step_ms"],
             r["shard_roofline_ms"],
             f"{r['x_shard_roofline']:.2f}",

@@ -30,7 +30,12 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.attention_impl("auto", queries=short, keys=short_keys, **gpu) == "pallas"
     assert dispatch.attention_impl("auto", queries=short + 1, keys=short_keys, **gpu) == "xla"
     assert dispatch.attention_impl("auto", queries=short, keys=short_keys + 1, **gpu) == "xla"
-    assert dispatch.attention_impl("auto", queries=9, mla=True, **gpu) == "xla"
+    mla_keys = max(dispatch.AUTO_PALLAS_MLA_MIN_KEYS, 1)
+    assert dispatch.attention_impl("auto", queries=9, keys=mla_keys, mla=True, **gpu) == "pallas"
+    assert dispatch.attention_impl("auto", queries=9, keys=mla_keys, mla=True, float32=True, **gpu) == "xla"
+    assert dispatch.mla_attention_kernel(bfloat16=True, **gpu) == "mosaic"
+    assert dispatch.mla_attention_kernel(bfloat16=False, **gpu) == "triton"
+    assert dispatch.mla_attention_kernel(bfloat16=True, backend_name="cpu") == "triton"
     # float32 inputs: the kernel only up to AUTO_PALLAS_MAX_F32_ROWS query rows per KV head
     rows = dispatch.AUTO_PALLAS_MAX_F32_ROWS
     assert dispatch.attention_impl("auto", queries=rows // 2, group=2, float32=True, **gpu) == "pallas"
@@ -108,7 +113,7 @@ def test_decode_plan_answers_what_runs_where():
     }
     assert plan["tree builder"] == "pallas"  # the tree_build kernels on GPU
     assert plan["tree top-k"] == "pallas after the prefilter"  # V = 163840 > the kernel's 16384-long rows
-    assert plan["tree-forward attention"] == "xla"  # absorbed MLA
+    assert plan["tree-forward attention"] == "pallas"  # absorbed MLA on the Mosaic GPU kernel (bf16)
     assert plan["tree-forward MoE"] == "pallas"  # 33 rows x 8 experts > 16 assignments
     assert plan["rejection walk"] == "pallas"
     ar = {

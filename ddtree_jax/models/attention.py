@@ -14,10 +14,18 @@ import jax.numpy as jnp
 from ddtree_jax import dispatch
 from ddtree_jax.dispatch import ATTENTION_IMPLS, BLOCKWISE_KEYS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
+from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
 from ddtree_kernels.tiling import dot_precision
 from ddtree_kernels.tree_attention import attention_reference, tree_attention
 
-__all__ = ["ATTENTION_IMPLS", "BLOCKWISE_KEYS", "attention", "blockwise_attention", "sharded_tree_attention"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "BLOCKWISE_KEYS",
+    "attention",
+    "blockwise_attention",
+    "sharded_mla_attention",
+    "sharded_tree_attention",
+]
 
 
 def blockwise_attention(
@@ -137,3 +145,24 @@ def sharded_tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Arra
         )
     specs = (tuple(heads(4) for _ in q_parts), tuple(kv for _ in k_parts), kv, rows(3))
     return shard_call(partial(tree_attention, scale=scale), (tuple(q_parts), tuple(k_parts), v, mask), specs, heads(4))
+
+
+def sharded_mla_attention(
+    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, rope_key: jax.Array, mask: jax.Array, *, scale: float
+) -> jax.Array:
+    """Absorbed-MLA attention on a kernel (attn_impl "pallas"), per shard when a mesh is set: queries
+    q_latent [B, T, H, R], q_rope [B, T, H, P] against the shared latent cache [B, S, 1, R] and rope keys
+    [B, S, 1, P], values the latent; mask bool [B, T, S] -> [B, T, H, R] in q_latent's dtype. The kernel is
+    `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16, the Triton kernel otherwise."""
+    dtype = q_latent.dtype
+    bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
+    if dispatch.mla_attention_kernel(bfloat16=bfloat16) == "triton":
+        return sharded_tree_attention(
+            (q_latent, q_rope.astype(dtype)), (latent.astype(dtype), rope_key.astype(dtype)), None, mask, scale=scale
+        )
+    return shard_call(
+        lambda ql, qr, lat, rk, m: mla_tree_attention(ql, qr, lat, rk, m, scale=scale),
+        (q_latent, q_rope, latent, rope_key, mask),
+        (heads(4), heads(4), rows(4), rows(4), rows(3)),
+        heads(4),
+    )

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
-from ddtree_jax.models.attention import attention, blockwise_attention, sharded_tree_attention
+from ddtree_jax.models.attention import attention, blockwise_attention, sharded_mla_attention
 from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows, write_rows
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
@@ -274,17 +274,12 @@ def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_imp
         out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl)
         return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
     q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
-    if (
-        dispatch.attention_impl(attn_impl, queries=steps, mla=True) == "pallas"
-    ):  # the two key parts as they are: no [latent ; rope] copy
-        dtype = q_latent.dtype
-        out_latent = sharded_tree_attention(
-            (q_latent, q_rot.astype(dtype)),
-            (latent_cache.astype(dtype), rope_cache.astype(dtype)),
-            None,
-            mask,
-            scale=softmax_scale(c),
-        )  # values: the latent key part
+    float32 = q_latent.dtype == jnp.float32 or latent_cache.dtype == jnp.float32
+    impl = dispatch.attention_impl(attn_impl, queries=steps, keys=latent_cache.shape[1], mla=True, float32=float32)
+    if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
+        out_latent = sharded_mla_attention(
+            q_latent, q_rot.astype(q_latent.dtype), latent_cache, rope_cache, mask, scale=softmax_scale(c)
+        )
     else:
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
         keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]

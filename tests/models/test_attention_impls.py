@@ -54,6 +54,41 @@ def test_prefill_and_tree_verify_equal_the_xla_path(family):
         assert relerr(got, want) < 1e-5
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the Mosaic GPU kernel compiles for Hopper only; its interpret-mode tests: tests/kernels/test_mla_attention_mgpu.py",
+)
+def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu():
+    """attn_impl="pallas" runs absorbed MLA on the Mosaic GPU kernel for bf16 on GPU (the kernel's head dims:
+    latent 512, rope 64): the tree verify's logits and features equal the XLA path's to bf16 rounding."""
+    import dataclasses
+
+    from ddtree_jax import dispatch
+    from ddtree_jax.tree import ancestor_mask, build_tree
+
+    assert dispatch.mla_attention_kernel(bfloat16=True) == "mosaic"
+    config = dataclasses.replace(DSV3, kv_lora_rank=512, qk_rope_head_dim=64)
+    params = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        deepseek_v3.init_params(config, jax.random.key(3)),
+    )
+    rng = np.random.default_rng(4)
+    prefix = jnp.asarray(rng.integers(0, 50, (2, 70)), jnp.int32)  # 70 + 7 slots: two 64-key blocks
+    lengths = jnp.asarray([70, 5], jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
+    cache = deepseek_v3.create_cache(config, 2, 128, jnp.bfloat16)
+    _, _, cache = deepseek_v3.prefill(config, params, cache, prefix, lengths, attn_impl="xla")
+    outs = {
+        impl: deepseek_v3.tree_forward(
+            config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl=impl
+        )[:2]
+        for impl in ("xla", "pallas")
+    }
+    for got, want in zip(outs["pallas"], outs["xla"]):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
+
+
 def test_attention_entry_dispatches_and_falls_back_for_odd_head_dims():
     rng = np.random.default_rng(2)
     q, k, v = (
@@ -82,7 +117,12 @@ def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatc
     assert resolve("auto", queries=17) == "pallas" and resolve("auto") == "pallas"
     assert resolve("auto", queries=dispatch.AUTO_PALLAS_GQA_QUERIES) == "pallas"
     assert resolve("auto", queries=dispatch.AUTO_PALLAS_GQA_QUERIES + 1, keys=1 << 15) == "xla"
-    assert resolve("auto", queries=1, mla=True) == "xla"
+    few = dispatch.AUTO_PALLAS_MLA_MIN_KEYS
+    assert resolve("auto", queries=1, keys=max(few, 1), mla=True) == "pallas"  # the Mosaic kernel (bf16)
+    assert resolve("auto", queries=1, keys=max(few, 1), mla=True, float32=True) == "xla"
+    assert resolve("auto", queries=dispatch.AUTO_PALLAS_MLA_QUERIES + 1, keys=1 << 12, mla=True) == "xla"
+    if few > 1:
+        assert resolve("auto", queries=1, keys=few - 1, mla=True) == "xla"
     assert resolve("xla", queries=17) == "xla" and resolve("pallas", queries=512, mla=True) == "pallas"
     with pytest.raises(ValueError, match="attention impl must be one of"):
         resolve("flash")
