@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -52,9 +53,11 @@ def prefill_flops(config, tokens: int) -> dict[str, float]:
     return {"matmul": 2.0 * tokens * weights, "attention": float(attention)}
 
 
-def bench_prefill(config, params, *, context: int, chunk: int, repeats: int, seed: int = 0) -> dict:
+def bench_prefill(
+    config, params, *, context: int, chunk: int, repeats: int, seed: int = 0, attn_impl: str = "auto"
+) -> dict:
     """One row: compile and time `start_state` on a `context`-token prompt (module docstring)."""
-    options = DecodeOptions(prefill_chunk=chunk)
+    options = DecodeOptions(prefill_chunk=chunk, attn_impl=attn_impl)
 
     def run(params, prompts, lengths):  # params an argument: closed over, they would be baked in as constants
         return start_state(
@@ -95,6 +98,7 @@ def bench_prefill(config, params, *, context: int, chunk: int, repeats: int, see
     return {
         "context": context,
         "chunk": chunk,
+        "attn_impl": attn_impl,
         "seconds": seconds,
         "tokens_per_s": context / seconds,
         "matmul_flops": flops["matmul"],
@@ -115,6 +119,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--chunks", default="0,2048", help="DecodeOptions.prefill_chunk values (0: auto; default 0,2048)"
     )
+    parser.add_argument(
+        "--attn-impls",
+        default="auto",
+        help="DecodeOptions.attn_impl values, one row each (auto: the causal Mosaic kernel on GPU; blockwise: XLA)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (default 3; median)")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
@@ -131,38 +140,43 @@ def main(argv=None) -> int:
     params = qwen3.init_params(config, jax.random.key(0), jnp.bfloat16)
     print(f"device: {device_description()}; commit {args.commit}; {args.shape}, {config.num_layers} layers", flush=True)
     rows = []
-    for context in contexts:
-        for chunk in chunks:
-            try:
-                row = bench_prefill(config, params, context=context, chunk=chunk, repeats=args.repeats)
-            except Exception as error:  # e.g. out of memory at a long context: recorded, the sweep goes on
-                row = {"context": context, "chunk": chunk, "error": f"{type(error).__name__}: {str(error)[:200]}"}
-            rows.append(row)
-            print(
-                f"  context {context:>7} chunk {chunk:>5}: "
-                + (
-                    row["error"]
-                    if "error" in row
-                    else f"{row['seconds'] * 1e3:9.1f} ms  {row['tflops']:6.1f} TFLOP/s  "
-                    f"temp {row['temp_bytes'] / 2**30:6.2f} GiB  (compile {row['compile_s']:.0f} s)"
-                ),
-                flush=True,
-            )
-            write_result(
-                f"prefill_{args.shape}_{args.commit}",
-                {"settings": vars(args), "layers": config.num_layers, "rows": rows},
-                args.commit,
-                args.out,
-            )
+    for context, chunk, attn_impl in itertools.product(contexts, chunks, args.attn_impls.split(",")):
+        try:
+            row = bench_prefill(config, params, context=context, chunk=chunk, repeats=args.repeats, attn_impl=attn_impl)
+        except Exception as error:  # e.g. out of memory at a long context: recorded, the sweep goes on
+            row = {
+                "context": context,
+                "chunk": chunk,
+                "attn_impl": attn_impl,
+                "error": f"{type(error).__name__}: {str(error)[:200]}",
+            }
+        rows.append(row)
+        print(
+            f"  context {context:>7} chunk {chunk:>5} attn {attn_impl:9s}: "
+            + (
+                row["error"]
+                if "error" in row
+                else f"{row['seconds'] * 1e3:9.1f} ms  {row['tflops']:6.1f} TFLOP/s  "
+                f"temp {row['temp_bytes'] / 2**30:6.2f} GiB  (compile {row['compile_s']:.0f} s)"
+            ),
+            flush=True,
+        )
+        write_result(
+            f"prefill_{args.shape}_{args.commit}",
+            {"settings": vars(args), "layers": config.num_layers, "rows": rows},
+            args.commit,
+            args.out,
+        )
     print(
         markdown_table(
-            ["context", "chunk", "ms", "tokens/s", "TFLOP/s", "peak share", "temp GiB"],
+            ["context", "chunk", "attention", "ms", "tokens/s", "TFLOP/s", "peak share", "temp GiB"],
             [
-                [r["context"], r["chunk"] or "auto", "error", "", "", "", ""]
+                [r["context"], r["chunk"] or "auto", r["attn_impl"], "error", "", "", "", ""]
                 if "error" in r
                 else [
                     r["context"],
                     r["chunk"] or "auto",
+                    r["attn_impl"],
                     r["seconds"] * 1e3,
                     r["tokens_per_s"],
                     r["tflops"],

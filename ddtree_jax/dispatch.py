@@ -86,7 +86,12 @@ AUTO_PALLAS_GQA_SHORT_KEYS = 2048
 # up to AUTO_PALLAS_MLA_QUERIES queries per row against at least AUTO_PALLAS_MLA_MIN_KEYS cache rows (module
 # docstring); the Triton kernel is what "pallas" runs for MLA off GPU and on float32 inputs.
 AUTO_PALLAS_MLA_QUERIES = 65
-AUTO_PALLAS_MLA_MIN_KEYS = 0
+AUTO_PALLAS_MLA_MIN_KEYS = 2048
+# Causal prefill chunks (queries > AUTO_PALLAS_MAX_QUERIES) on GPU in bf16: the Mosaic GPU flash-attention kernel
+# (`ddtree_kernels.prefill_attention_mgpu`) where its head dims fit, instead of the blockwise / dense XLA path.
+AUTO_PREFILL_KERNEL = True
+PREFILL_KERNEL_KEY_DIMS = (64, 128, 192, 256)
+PREFILL_KERNEL_VALUE_DIMS = (64, 128)
 AUTO_PALLAS_MAX_F32_ROWS = 32  # ... and, for float32 inputs, up to this many query rows (group x N) per KV head
 BLOCKWISE_MIN_SCORES = 1 << 24  # attention: blockwise (online softmax) from this many scores per row and head
 BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
@@ -143,6 +148,29 @@ def attention_impl(
         return "pallas"
     short = keys is not None and keys <= AUTO_PALLAS_GQA_SHORT_KEYS
     return "pallas" if short and queries <= AUTO_PALLAS_GQA_SHORT_QUERIES else "xla"
+
+
+def prefill_attention_kernel(
+    impl: str,
+    *,
+    queries: int,
+    keys: int,
+    key_dim: int,
+    value_dim: int,
+    bfloat16: bool,
+    backend_name: str | None = None,
+) -> str:
+    """ "mosaic" (`prefill_attention_mgpu.causal_prefill_attention`) or "none" (the `attention_impl` path with
+    the mask) for a causal prefill call of `queries` query rows against `keys` cache rows: the kernel on GPU
+    for bf16 inputs whose head dims it takes and whose cache is whole 64-key blocks, under "pallas" and, for
+    prefill-sized calls (more than AUTO_PALLAS_MAX_QUERIES queries), under "auto"."""
+    _check("attention", impl, ATTENTION_IMPLS)
+    fits = key_dim in PREFILL_KERNEL_KEY_DIMS and value_dim in PREFILL_KERNEL_VALUE_DIMS and keys % 64 == 0
+    if impl in ("xla", "blockwise") or not (_on_gpu(backend_name) and bfloat16 and fits):
+        return "none"
+    if impl == "auto" and (queries <= AUTO_PALLAS_MAX_QUERIES or not AUTO_PREFILL_KERNEL):
+        return "none"
+    return "mosaic"
 
 
 def mla_attention_kernel(*, bfloat16: bool, backend_name: str | None = None) -> str:

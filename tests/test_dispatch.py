@@ -36,6 +36,20 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.mla_attention_kernel(bfloat16=True, **gpu) == "mosaic"
     assert dispatch.mla_attention_kernel(bfloat16=False, **gpu) == "triton"
     assert dispatch.mla_attention_kernel(bfloat16=True, backend_name="cpu") == "triton"
+    # causal prefill chunks: the Mosaic kernel on GPU for bf16, fitting head dims, whole 64-key blocks
+    prefill = dict(queries=2048, keys=8192, key_dim=128, value_dim=128, bfloat16=True)
+    assert dispatch.prefill_attention_kernel("auto", **prefill, **gpu) == "mosaic"
+    assert dispatch.prefill_attention_kernel("pallas", **prefill, **gpu) == "mosaic"
+    assert dispatch.prefill_attention_kernel("blockwise", **prefill, **gpu) == "none"
+    assert dispatch.prefill_attention_kernel("auto", **prefill, backend_name="cpu") == "none"
+    for change in (
+        dict(queries=dispatch.AUTO_PALLAS_MAX_QUERIES),
+        dict(keys=8200),
+        dict(key_dim=96),
+        dict(value_dim=192),
+        dict(bfloat16=False),
+    ):
+        assert dispatch.prefill_attention_kernel("auto", **{**prefill, **change}, **gpu) == "none", change
     # float32 inputs: the kernel only up to AUTO_PALLAS_MAX_F32_ROWS query rows per KV head
     rows = dispatch.AUTO_PALLAS_MAX_F32_ROWS
     assert dispatch.attention_impl("auto", queries=rows // 2, group=2, float32=True, **gpu) == "pallas"

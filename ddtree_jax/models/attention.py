@@ -15,6 +15,7 @@ from ddtree_jax import dispatch
 from ddtree_jax.dispatch import ATTENTION_IMPLS, BLOCKWISE_KEYS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
 from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
+from ddtree_kernels.prefill_attention_mgpu import causal_prefill_attention
 from ddtree_kernels.tiling import dot_precision
 from ddtree_kernels.tree_attention import attention_reference, tree_attention
 
@@ -23,6 +24,7 @@ __all__ = [
     "BLOCKWISE_KEYS",
     "attention",
     "blockwise_attention",
+    "sharded_causal_attention",
     "sharded_mla_attention",
     "sharded_tree_attention",
 ]
@@ -102,7 +104,14 @@ def blockwise_attention(
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None, impl: str = "xla"
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    impl: str = "xla",
+    causal_start: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention.
 
@@ -110,11 +119,25 @@ def attention(
       q: [B, T, Hq, Dk] queries; k: [B, S, Hkv, Dk] keys; v: [B, S, Hkv, Dv] values (Hq a multiple of Hkv).
       mask: bool [B, T, S], True where query t may attend key s. A row with no True entry yields zeros.
       scale: softmax scale (default 1 / sqrt(Dk)).
+      causal_start: int32 [B] or None. Given, the caller states that mask[b, t, s] == (s <= causal_start[b] + t)
+        (a causal prefill chunk at that offset), and the call may run on the causal flash-attention kernel
+        (`dispatch.prefill_attention_kernel`), which reads only the keys below the diagonal.
     Returns:
       [B, T, Hq, Dv] in q's dtype (softmax in float32; float32 inputs at float32).
     Head dims that are not powers of two fall back to "xla" under "pallas" (split keys into parts and call
     `ddtree_kernels.tree_attention` directly, as the absorbed MLA does).
     """
+    if causal_start is not None:
+        kernel = dispatch.prefill_attention_kernel(
+            impl,
+            queries=q.shape[1],
+            keys=k.shape[1],
+            key_dim=q.shape[-1],
+            value_dim=v.shape[-1],
+            bfloat16=all(x.dtype == jnp.bfloat16 for x in (q, k, v)),
+        )
+        if kernel == "mosaic":
+            return sharded_causal_attention(q, k, v, causal_start, scale=scale)
     choice = dispatch.attention_impl(
         impl,
         queries=q.shape[1],
@@ -164,5 +187,22 @@ def sharded_mla_attention(
         lambda ql, qr, lat, rk, m: mla_tree_attention(ql, qr, lat, rk, m, scale=scale),
         (q_latent, q_rope, latent, rope_key, mask),
         (heads(4), heads(4), rows(4), rows(4), rows(3)),
+        heads(4),
+    )
+
+
+def sharded_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, *, scale: float | None
+) -> jax.Array:
+    """`prefill_attention_mgpu.causal_prefill_attention` (q [B, T, Hq, Dk], k [B, S, Hkv, Dk], v [B, S, Hkv, Dv],
+    start int32 [B]: key s visible to query t iff s <= start[b] + t), per shard when a mesh is set: batch
+    over "data", query heads over "model" with their KV heads. 128-key blocks where S allows (the engine's
+    caches are whole 128-row blocks) and the key dim fits them, else 64."""
+    block_kv = 128 if k.shape[1] % 128 == 0 and q.shape[-1] <= 128 else 64
+    kv = heads(4) if k.shape[2] > 1 else rows(4)
+    return shard_call(
+        lambda q, k, v, start: causal_prefill_attention(q, k, v, start, scale=scale, block_kv=block_kv),
+        (q, k, v, start),
+        (heads(4), kv, kv, rows(1)),
         heads(4),
     )

@@ -52,8 +52,9 @@ def init_params(config: Qwen3Config, key: jax.Array, dtype=jnp.float32, norm_jit
     return init_from_shapes(param_shapes(config), key, dtype, norm_jitter)
 
 
-def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl, matmul_impl="xla"):
-    """One decoder layer. kv_update(k, v) -> (keys, values) to attend (writes the cache if any)."""
+def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl, matmul_impl="xla", causal_start=None):
+    """One decoder layer. kv_update(k, v) -> (keys, values) to attend (writes the cache if any); causal_start
+    int32 [B] or None: the mask is causal at that offset (a prefill: `attention`'s causal kernel may run)."""
     c = config
     batch, steps, _ = h.shape
     x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
@@ -63,7 +64,8 @@ def _layer(config: Qwen3Config, p: dict, h, cos, sin, kv_update, mask, attn_impl
     q = apply_rope(rms_norm(q, p["q_norm"], c.rms_norm_eps), cos, sin)
     k = apply_rope(rms_norm(k, p["k_norm"], c.rms_norm_eps), cos, sin)
     keys, values = kv_update(k, v)
-    out = attention(q, keys, values, mask, impl=attn_impl).reshape(batch, steps, c.num_heads * c.head_dim)
+    out = attention(q, keys, values, mask, impl=attn_impl, causal_start=causal_start)
+    out = out.reshape(batch, steps, c.num_heads * c.head_dim)
     h = h + linear(out, p["o_proj"], matmul_impl)
     x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
     return h + swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"], matmul_impl)
@@ -89,9 +91,11 @@ def _run(
     matmul_impl="xla",
     layer_loop: str = "unrolled",
     head_rows=None,
+    causal_start=None,
 ):
     """Shared body: embeds, runs every layer, returns (logits f32, tapped [B, T, F*D], cache).
     head_rows int32 [B] (or None): the LM head runs only at that position of each row (logits [B, 1, V]).
+    causal_start int32 [B] (or None): mask is causal at that offset (`_layer`).
 
     layer_loop "unrolled": a Python loop (one copy of the layer per layer in the program). "scan":
     `lax.scan` over the stacked layer parameters and the layer index (the program holds one layer).
@@ -122,7 +126,7 @@ def _run(
                 attend.append(jax.lax.dynamic_index_in_dim(kv[i], layer, 0, keepdims=False))
             return tuple(attend)
 
-        h = _layer(config, p, h, cos, sin, kv_update, mask, attn_impl, matmul_impl)
+        h = _layer(config, p, h, cos, sin, kv_update, mask, attn_impl, matmul_impl, causal_start)
         tapped = jax.lax.dynamic_update_index_in_dim(tapped, h, tap_slot[layer], 0)
         return (h, tapped, *kv), None
 
@@ -222,7 +226,18 @@ def prefill(
     rows = jnp.arange(cache.capacity, dtype=jnp.int32)
     mask = rows[None, None, :] <= positions[:, :, None]  # causal over the committed prefix + new tokens
     logits, features, cache = _run(
-        config, params, input_ids, positions, mask, cache, start, attn_impl, matmul_impl, layer_loop, head_rows
+        config,
+        params,
+        input_ids,
+        positions,
+        mask,
+        cache,
+        start,
+        attn_impl,
+        matmul_impl,
+        layer_loop,
+        head_rows,
+        causal_start=start,
     )
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 

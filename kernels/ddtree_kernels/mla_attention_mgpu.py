@@ -22,8 +22,8 @@ i, so a key block costs 4 bytes a key per 32 tree queries against 1,152 bytes of
 dense mask is exact (prefix, tree ancestors, ragged lengths).
 
 Constraints (ValueError otherwise): head dims 512 (latent) and 64 (rope), one KV head, bf16 inputs,
-block_kv in (32, 64). S and T * H are free (TMA fills out-of-bounds rows with zeros and drops
-out-of-bounds stores); keys in the last block past kv_lengths are read (with weight exactly 0), so the
+block_kv in (32, 64). S and T * H are free (T * H is padded to a multiple of 8 for TMA's tiling; TMA
+fills the rows past it with zeros and drops out-of-bounds stores); keys in the last block past kv_lengths are read (with weight exactly 0), so the
 cache must hold finite values there (zero-initialised caches do).
 
 Why not all H * T rows in one CTA (issue #20's first sketch): the value accumulator is [rows, 512] float32,
@@ -286,6 +286,9 @@ def _mla_tree_attention(
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, extra)))
         capacity += extra
     rows = steps * heads
+    # TMA tiles the flattened query / output rows by 8 (the first model-level GPU run, T * H = 28, was refused
+    # "dimension 1 must have size smaller or a multiple of its tiling 8"): zero rows pad them, dropped after
+    tma_rows = pl.cdiv(rows, 8) * 8
     row_blocks = pl.cdiv(rows, BLOCK_M)
     rows_pad = row_blocks * BLOCK_M
     splits, per_split = split_plan(batch, rows, capacity, block_kv, num_splits)
@@ -313,7 +316,7 @@ def _mla_tree_attention(
     partial, lse = plgpu.kernel(
         kernel,
         out_type=(
-            jax.ShapeDtypeStruct((batch, splits, rows, LATENT_DIM), dtype),
+            jax.ShapeDtypeStruct((batch, splits, tma_rows, LATENT_DIM), dtype),
             jax.ShapeDtypeStruct((batch, splits, rows_pad), jnp.float32),
         ),
         scratch_types=(
@@ -339,14 +342,14 @@ def _mla_tree_attention(
     )(
         counts,
         row_table,
-        q_latent.reshape(batch, rows, LATENT_DIM),
-        q_rope.reshape(batch, rows, ROPE_DIM),
+        jnp.pad(q_latent.reshape(batch, rows, LATENT_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
+        jnp.pad(q_rope.reshape(batch, rows, ROPE_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
         latent.reshape(batch, capacity, LATENT_DIM),
         rope_key.reshape(batch, capacity, ROPE_DIM),
         words,
     )
     # log-sum-exp merge of the splits (base 2); rows that saw no key come out zero
-    lse = lse[:, :, :rows]
+    lse, partial = lse[:, :, :rows], partial[:, :, :rows]
     top = jnp.max(lse, axis=1, keepdims=True)
     weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for -inf
     total = jnp.sum(weight, axis=1)

@@ -26,14 +26,15 @@ output), per stage K + V 2 x 128 x 128 (64 KiB): 2 stages = 160 KiB (block_kv 64
 Registers: compute WGs 232 a thread (accumulator 64 x Dv float32 + scores 64 x block_kv), memory WG 40.
 
 Constraints (ValueError otherwise): bf16 q, k, v; Hq a multiple of Hkv; Dk in (64, 128, 192, 256), Dv in
-(64, 128) (Dk != Dv, e.g. expanded MLA 192 / 128, uses a separate output tile); block_q 64 (one wgmma M
-tile per warpgroup); block_kv in (64, 128); S a multiple of block_kv (TMA tiles the key axis). start is
-traced: it must satisfy 0 <= start[b] (a negative start reads as 0) and should satisfy start[b] + T <= S
-(keys >= S are never read). T is free: a T that is not a multiple of 8 is padded (TMA tiles the query axis
-by 8), the query rows past T take the mask of row T - 1 and their stores are dropped. Keys past
-start[b] + T - 1 are never visible; those in the last key block a row reads (up to the next multiple of
-block_kv) are read with weight exactly 0, so V must be finite there (a zero-initialised or previously
-written cache is); blocks past it are never read, they may hold anything.
+(64, 128) (Dk != Dv, e.g. expanded MLA 192 / 128, uses a separate output tile) leaving >= 2 K/V stages;
+block_q 64 (one wgmma M tile per warpgroup); block_kv in (64, 128); S a multiple of block_kv (TMA tiles
+the key axis); scale > 0 (the running max is kept scaled). start is traced: it must satisfy start[b] >= 0
+(a negative start reads as 0) and should satisfy start[b] + T <= S (keys >= S are never read). T is free:
+a T that is not a multiple of 8 is padded (TMA tiles the query axis by 8); query rows past T take the
+mask of row T - 1 and their stores are dropped. Keys past start[b] + T - 1 are never visible; those in
+the last key block a row reads (up to the next multiple of block_kv) are read with weight exactly 0, so
+V must be finite there (a zero-initialised or previously written cache is); the blocks past it are never
+read and may hold anything (NaN included).
 
 CUDA: jax's own causal kernel refuses CUDA runtimes 12.8.0 - 12.9.0 (a ptxas miscompilation of its
 causal masking); this kernel masks the same way, so check the GPU machine's runtime at the first run
@@ -71,7 +72,7 @@ _INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 _TILED = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
-def _smem_plan(key_dim: int, value_dim: int, block_kv: int, interpret: bool) -> tuple[int, int]:
+def smem_plan(key_dim: int, value_dim: int, block_kv: int, interpret: bool) -> tuple[int, int]:
     """(stages, shared-memory bytes): as many K + V slots as fit beside the query (and output) tiles."""
     resident = 2 * BLOCK_Q * key_dim * 2
     if key_dim != value_dim:
@@ -170,7 +171,7 @@ def _kernel(
                 plgpu.barrier_wait(v_consumed.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_barriers.at[slot])
 
-        for i in range(stages):
+        for i in range(min(stages, num_key_blocks)):
 
             @pl.when(i < tile_steps)
             def _prologue():
@@ -215,16 +216,16 @@ def _kernel(
                 schedule()
                 return acc_ref[...]
 
-            s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32)) * scale_log2
+            s = pl.run_scoped(scores, plgpu.ACC(tile_shape, jnp.float32))  # unscaled: scale > 0 commutes with max
             plgpu.barrier_arrive(k_consumed.at[slot])
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, tile_shape, 0, layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1, layout=plgpu.Layout.WGMMA)
                 limit = start - i * block_kv + jnp.minimum(rows + q_base, steps - 1)
                 s = jnp.where(cols <= limit, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))  # finite: block 0 holds key 0, visible to every row
+            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)  # finite: key 0 is visible to every row
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, tile_shape, [0]))
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, tile_shape, [0]))  # one FMA an element
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l = l * alpha + p.sum(axis=1)
             p = p.astype(v_smem.dtype)
@@ -278,7 +279,7 @@ def _causal_prefill_attention(q, k, v, start, *, scale, block_kv, interpret):
     if steps_pad != steps:
         q = jnp.pad(q, ((0, 0), (0, steps_pad - steps), (0, 0), (0, 0)))
     tiles = pl.cdiv(steps_pad, 2 * BLOCK_Q)
-    stages, _ = _smem_plan(key_dim, value_dim, block_kv, interpret)
+    stages, _ = smem_plan(key_dim, value_dim, block_kv, interpret)
     dtype = q.dtype
     scratch = dict(
         q_smem=plgpu.SMEM((2, BLOCK_Q, key_dim), dtype, **_TILED),
@@ -318,7 +319,7 @@ def _causal_prefill_attention(q, k, v, start, *, scale, block_kv, interpret):
     return out[:, :steps]
 
 
-def _check(q, k, v, start, block_q: int, block_kv: int) -> None:
+def _check(q, k, v, start, scale, block_q: int, block_kv: int) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, Hq, Dk], got {q.shape}")
     batch, _, q_heads, key_dim = q.shape
@@ -342,9 +343,11 @@ def _check(q, k, v, start, block_q: int, block_kv: int) -> None:
         raise ValueError(f"block_q must be {BLOCK_Q} (one wgmma tile per warpgroup), got {block_q}")
     if block_kv not in BLOCK_KVS:
         raise ValueError(f"block_kv must be one of {BLOCK_KVS}, got {block_kv}")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
     if capacity % block_kv:
         raise ValueError(f"S = {capacity} must be a multiple of block_kv = {block_kv}")
-    stages, _ = _smem_plan(key_dim, v.shape[3], block_kv, interpret=False)
+    stages, _ = smem_plan(key_dim, v.shape[3], block_kv, interpret=False)
     if stages < 2:
         raise ValueError(f"Dk = {key_dim}, Dv = {v.shape[3]} leave {stages} K/V stage(s) at block_kv = {block_kv}")
 
@@ -372,9 +375,11 @@ def causal_prefill_attention(
     Returns:
       bf16 [B, T, Hq, Dv] (softmax and sums in float32).
     """
-    _check(q, k, v, start, block_q, block_kv)
+    _check(q, k, v, start, scale, block_q, block_kv)
     scale = q.shape[3] ** -0.5 if scale is None else float(scale)
-    return _causal_prefill_attention(q, k, v, start, scale=scale, block_kv=block_kv, interpret=default_interpret(interpret))
+    return _causal_prefill_attention(
+        q, k, v, start, scale=scale, block_kv=block_kv, interpret=default_interpret(interpret)
+    )
 
 
 def causal_prefill_attention_reference(q, k, v, start, *, scale=None):

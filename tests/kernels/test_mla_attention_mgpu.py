@@ -137,3 +137,21 @@ def test_rejects_bad_shapes(change, message):
         kwargs["kv_lengths"] = jnp.zeros(change["kv_lengths"], jnp.int32)
     with pytest.raises(ValueError, match=message):
         mla_tree_attention(**arrays, mask=mask, **kwargs)
+
+
+@pytest.mark.parametrize("steps, heads, capacity", [(17, 8, 8256), (7, 4, 128), (9, 16, 300), (65, 64, 1088)])
+def test_lowers_for_gpu(steps, heads, capacity):
+    """The compiled kernel (not the interpreter) lowers to Mosaic GPU for "cuda" on this CPU machine, TMA
+    tiling included: T * H = 28 (not a multiple of 8) failed here and on the H200 before the rows were padded;
+    S = 300 is padded to whole key blocks by the wrapper."""
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
+
+    args = (
+        jax.ShapeDtypeStruct((2, steps, heads, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, steps, heads, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, capacity, 1, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, capacity, 1, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, steps, capacity), jnp.bool_),
+    )
+    attend = jax.jit(lambda *a: mla_tree_attention(*a, interpret=False))
+    assert "mosaic_gpu" in attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

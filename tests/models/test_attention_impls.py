@@ -89,6 +89,50 @@ def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu():
         assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the Mosaic GPU kernel compiles for Hopper only; its interpret-mode tests: tests/kernels/test_prefill_attention_mgpu.py",
+)
+def test_qwen3_prefill_on_the_causal_kernel_equals_the_xla_path_on_gpu():
+    """A bf16 Qwen3 prefill of 2 ragged rows (then a second chunk at their offsets) with attn_impl="pallas"
+    runs the causal Mosaic GPU kernel (head dim 64, a 256-row cache) and equals the XLA path to bf16 rounding."""
+    import dataclasses
+
+    from ddtree_jax import dispatch
+
+    config = dataclasses.replace(QWEN, head_dim=64)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), qwen3.init_params(config, jax.random.key(5)))
+    assert (
+        dispatch.prefill_attention_kernel("pallas", queries=40, keys=256, key_dim=64, value_dim=64, bfloat16=True)
+        == "mosaic"
+    )
+    rng = np.random.default_rng(6)
+    first = jnp.asarray(rng.integers(0, 61, (2, 70)), jnp.int32)
+    second = jnp.asarray(rng.integers(0, 61, (2, 40)), jnp.int32)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        cache = qwen3.create_cache(config, 2, 256, jnp.bfloat16)
+        logits_1, feats_1, cache = qwen3.prefill(config, params, cache, first, jnp.asarray([70, 33]), attn_impl=impl)
+        logits_2, feats_2, _ = qwen3.prefill(config, params, cache, second, jnp.asarray([40, 40]), attn_impl=impl)
+        outs[impl] = (logits_1, feats_1, logits_2, feats_2)
+    for got, want in zip(outs["pallas"], outs["xla"]):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
+
+
+def test_causal_start_off_gpu_is_the_masked_path():
+    """On CPU `attention(..., causal_start=...)` takes the masked path: equal to it exactly."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 5, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 12, 2, 16)), jnp.float32) for _ in range(2))
+    start = jnp.asarray([0, 6], jnp.int32)
+    mask = jnp.arange(12)[None, None, :] <= start[:, None, None] + jnp.arange(5)[None, :, None]
+    np.testing.assert_array_equal(
+        np.asarray(attention(q, k, v, mask, impl="pallas", causal_start=start)),
+        np.asarray(attention(q, k, v, mask, impl="pallas")),
+    )
+
+
 def test_attention_entry_dispatches_and_falls_back_for_odd_head_dims():
     rng = np.random.default_rng(2)
     q, k, v = (
