@@ -9,8 +9,7 @@ the variants can be ranked and the dispatch rules set from it:
   topk       `tree_build.tree_topk` per method (extract / search / resident) at k = budget, [15, V] rows;
              and the builder's whole top-K stage from bf16 logits, every op: XLA log-softmax + row flags +
              the kernel against the fused `tree_topk_logits`
-  slots      `tree_build.tree_slots` (selection + layout) and `tree_select` (selection alone) per budget,
-             each with the two-stage pop (the default) and the one-stage pop (`pop_stages=1`)
+  slots      `tree_build.tree_slots` (selection + layout) and `tree_select` (selection alone) per budget
   row_stats  `tree_sampling.row_stats`, layout "single", per SingleTiling, T = 0 and T = 1 with top-p 0.95,
              over B x N rows (N = budget + 1)
 
@@ -107,15 +106,9 @@ def slots_rows(vocab: int, budgets, runs: int, bandwidth: float, depths: int = 1
             lp, ids = tree_build.tree_topk_reference(jax.nn.log_softmax(x[0], axis=-1), k)
             sets.append((lp[None], ids[None]))
         live, root, ok = jnp.ones((1, depths), bool), jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)
-        variants = []
-        for stages in (2, 1):  # the pop in two dependent reduction stages (the default), or in one
-            label = "" if stages == tree_build.POP_STAGES else f", {stages}-stage pop"
-            slots = jax.jit(
-                lambda lp, ids, b=budget, p=stages: tree_build.tree_slots(lp, ids, live, root, ok, b, pop_stages=p)
-            )
-            select = jax.jit(lambda lp, ids, b=budget, p=stages: tree_build.tree_select(lp, b, pop_stages=p))
-            variants += [("tree_slots" + label, slots), ("tree_select" + label, select)]
-        for variant, fn in variants:
+        slots = jax.jit(lambda lp, ids, b=budget: tree_build.tree_slots(lp, ids, live, root, ok, b))
+        select = jax.jit(lambda lp, ids, b=budget: tree_build.tree_select(lp, b))
+        for variant, fn in (("tree_slots", slots), ("tree_select", select)):
             out.append(
                 {
                     "kernel": "slots",

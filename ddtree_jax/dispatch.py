@@ -9,8 +9,15 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               contexts 8k-128k; a tie at N = 65 there; one launch a layer instead of XLA's ~8 at the
               embedded pair's short contexts: DDTree 64 end to end 1.27x); float32 inputs only up to
               AUTO_PALLAS_MAX_F32_ROWS query rows per KV head (the embedded pair in float32: 1.2-1.8x XLA at
-              2 x 16 rows, 0.19-0.26x at 2 x 17); absorbed MLA and longer blocks (prefill): XLA (the Triton
-              kernel reaches 30-56 TFLOP/s on MLA, 0.2-0.7x XLA).
+              2 x 16 rows, 0.19-0.26x at 2 x 17). Absorbed MLA (decode / verify, <= AUTO_PALLAS_MLA_QUERIES
+              queries, >= AUTO_PALLAS_MLA_MIN_KEYS cache rows, bf16): the Mosaic GPU kernel
+              (`mla_attention_mgpu`; `mla_attention_kernel`): 1.2-1.7x XLA from 8k keys, a tie or a loss
+              at 1k-4k with 64 heads (attention_mgpu_003b11c.json); the K2.6 TP8 shard's whole step 8-11%
+              faster with it (k26_tp8_shard_003b11c.json). Causal prefill chunks (> AUTO_PALLAS_MAX_QUERIES
+              queries, GQA, bf16, head dims the kernel takes): the Mosaic GPU flash-attention kernel
+              (`prefill_attention_mgpu`; `prefill_attention_kernel`): 550-650 TFLOP/s at a 2,048-query chunk
+              against 69-78 for the blockwise XLA path (prefill_attention_a7d24fc.json); the Qwen3-8B 32k
+              prefill 8.86 -> 1.41 s. Other long blocks: XLA, blockwise past BLOCKWISE_MIN_SCORES.
   MLA form    absorbed MLA (attention over the latent cache, W_UK folded into the queries) for decode and
               verify; the expanded form (per-head keys and values from the latent, one key block at a
               time) for prefill chunks long enough that it needs fewer FLOPs (`mla_form`: more than ~171
@@ -84,12 +91,18 @@ AUTO_PALLAS_GQA_SHORT_QUERIES = 129
 AUTO_PALLAS_GQA_SHORT_KEYS = 2048
 # Absorbed MLA on GPU: the Mosaic GPU kernel (`ddtree_kernels.mla_attention_mgpu`) for decode / verify calls of
 # up to AUTO_PALLAS_MLA_QUERIES queries per row against at least AUTO_PALLAS_MLA_MIN_KEYS cache rows (module
-# docstring); the Triton kernel is what "pallas" runs for MLA off GPU and on float32 inputs.
+# docstring); the Triton kernel is what "pallas" runs for MLA off GPU and on float32 inputs. H200, B = 1, device
+# us per call, kernel / XLA (attention_mgpu_003b11c.json): 64 heads, N = 65, 1k keys 109 / 80 (XLA ahead), N = 17,
+# 4k 88 / 86 (a tie); from 8k the kernel leads everywhere (8 heads 32k: 121 / 165; 64 heads 32k: 277 / 471).
 AUTO_PALLAS_MLA_QUERIES = 65
 AUTO_PALLAS_MLA_MIN_KEYS = 2048
 # Causal prefill chunks (queries > AUTO_PALLAS_MAX_QUERIES) on GPU in bf16: the Mosaic GPU flash-attention kernel
 # (`ddtree_kernels.prefill_attention_mgpu`) where its head dims fit, instead of the blockwise / dense XLA path.
 AUTO_PREFILL_KERNEL = True
+# ... and for the expanded MLA form's prefill chunks (Dk = nope + rope = 192, Dv = 128 at K2's shape): not yet
+# measured on the GPU (the kernel's Dk = 192 path is tested in interpret mode and lowered), so "auto" keeps the
+# blockwise path there and only attn_impl="pallas" takes the kernel
+AUTO_PREFILL_KERNEL_MLA = False
 PREFILL_KERNEL_KEY_DIMS = (64, 128, 192, 256)
 PREFILL_KERNEL_VALUE_DIMS = (64, 128)
 AUTO_PALLAS_MAX_F32_ROWS = 32  # ... and, for float32 inputs, up to this many query rows (group x N) per KV head
@@ -158,17 +171,20 @@ def prefill_attention_kernel(
     key_dim: int,
     value_dim: int,
     bfloat16: bool,
+    mla: bool = False,
     backend_name: str | None = None,
 ) -> str:
     """ "mosaic" (`prefill_attention_mgpu.causal_prefill_attention`) or "none" (the `attention_impl` path with
-    the mask) for a causal prefill call of `queries` query rows against `keys` cache rows: the kernel on GPU
-    for bf16 inputs whose head dims it takes and whose cache is whole 64-key blocks, under "pallas" and, for
-    prefill-sized calls (more than AUTO_PALLAS_MAX_QUERIES queries), under "auto"."""
+    the mask) for a causal prefill call of `queries` query rows against `keys` cache rows (mla: the expanded
+    MLA form's per-head keys): the kernel on GPU for bf16 inputs whose head dims it takes and whose cache is
+    whole 64-key blocks, under "pallas" and, for prefill-sized calls (more than AUTO_PALLAS_MAX_QUERIES
+    queries; MLA only once AUTO_PREFILL_KERNEL_MLA), under "auto"."""
     _check("attention", impl, ATTENTION_IMPLS)
     fits = key_dim in PREFILL_KERNEL_KEY_DIMS and value_dim in PREFILL_KERNEL_VALUE_DIMS and keys % 64 == 0
     if impl in ("xla", "blockwise") or not (_on_gpu(backend_name) and bfloat16 and fits):
         return "none"
-    if impl == "auto" and (queries <= AUTO_PALLAS_MAX_QUERIES or not AUTO_PREFILL_KERNEL):
+    enabled = AUTO_PREFILL_KERNEL_MLA if mla else AUTO_PREFILL_KERNEL
+    if impl == "auto" and (queries <= AUTO_PALLAS_MAX_QUERIES or not enabled):
         return "none"
     return "mosaic"
 

@@ -50,6 +50,11 @@ def test_gpu_rules_and_their_thresholds():
         dict(bfloat16=False),
     ):
         assert dispatch.prefill_attention_kernel("auto", **{**prefill, **change}, **gpu) == "none", change
+    # the expanded MLA form's chunks: only under "pallas" until measured (AUTO_PREFILL_KERNEL_MLA)
+    mla_prefill = dict(prefill, key_dim=192, mla=True)
+    assert dispatch.prefill_attention_kernel("pallas", **mla_prefill, **gpu) == "mosaic"
+    expected = "mosaic" if dispatch.AUTO_PREFILL_KERNEL_MLA else "none"
+    assert dispatch.prefill_attention_kernel("auto", **mla_prefill, **gpu) == expected
     # float32 inputs: the kernel only up to AUTO_PALLAS_MAX_F32_ROWS query rows per KV head
     rows = dispatch.AUTO_PALLAS_MAX_F32_ROWS
     assert dispatch.attention_impl("auto", queries=rows // 2, group=2, float32=True, **gpu) == "pallas"

@@ -19,7 +19,12 @@ import jax.numpy as jnp
 from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
-from ddtree_jax.models.attention import attention, blockwise_attention, sharded_mla_attention
+from ddtree_jax.models.attention import (
+    attention,
+    blockwise_attention,
+    sharded_causal_attention,
+    sharded_mla_attention,
+)
 from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows, write_rows
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
@@ -221,6 +226,7 @@ def mla_absorbed(
     attn_impl: str = "xla",
     form: str = "auto",
     layer=None,
+    causal_start=None,
 ):
     """MLA over the latent cache. Absorbed form: W_UK folded into the query, attention over [latent ; rope
     key] with one shared KV head and the latent as value, W_UV after. Expanded form (`dispatch.mla_form`:
@@ -232,7 +238,9 @@ def mla_absorbed(
     [B, S, 1, kv_lora_rank], rope_cache [B, S, 1, qk_rope_head_dim], write_start int32 [B] (the first row
     written), mask bool [B, T, S] -> (out [B, T, hidden], latent_cache, rope_cache). With `layer` (an int
     or int32 scalar) the caches are the stacks of all layers, [L, B, S, 1, ...]: the new rows are scattered
-    into layer `layer` in place (`write_layer_rows`) and the stacks returned."""
+    into layer `layer` in place (`write_layer_rows`) and the stacks returned. causal_start int32 [B] or None:
+    the caller states mask[b, t, s] == (s <= causal_start[b] + t) (a prefill chunk), so the expanded form may
+    run on the causal flash-attention kernel (`attention`'s causal_start)."""
     c = config
     batch, steps, _ = x.shape
     q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
@@ -240,7 +248,7 @@ def mla_absorbed(
     if layer is None:
         latent_cache = write_rows(latent_cache, latent, write_start)
         rope_cache = write_rows(rope_cache, k_rot, write_start)
-        out = _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form)
+        out = _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start)
         return out, latent_cache, rope_cache
     latent_stack = write_layer_rows(latent_cache, layer, latent, write_start)
     rope_stack = write_layer_rows(rope_cache, layer, k_rot, write_start)
@@ -255,11 +263,12 @@ def mla_absorbed(
         mask,
         attn_impl,
         form,
+        causal_start,
     )
     return out, latent_stack, rope_stack
 
 
-def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form):
+def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start=None):
     """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]."""
     batch, steps, _ = x.shape
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
@@ -271,7 +280,7 @@ def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_imp
         v_head_dim=c.v_head_dim,
     )
     if dispatch.mla_form(form, queries=steps, **shape) == "expanded":
-        out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl)
+        out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl, causal_start)
         return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
     q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
     float32 = q_latent.dtype == jnp.float32 or latent_cache.dtype == jnp.float32
@@ -296,10 +305,13 @@ def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_imp
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
 
 
-def _mla_expanded(config, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl):
+def _mla_expanded(config, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl, causal_start=None):
     """The expanded form over the cache: queries [q_nope ; q_rot] [B, T, H, nope + rope] against per-head keys
     [W_UK latent ; rope key] and values W_UV latent -> [B, T, H, v]. Under "blockwise" the keys and values
-    are expanded one key block at a time (never [B, S, H, nope + rope + v] at once)."""
+    are expanded one key block at a time (never [B, S, H, nope + rope + v] at once); on the causal kernel
+    (a prefill chunk, `dispatch.prefill_attention_kernel`) they are expanded whole, [B, S, H, nope + rope]
+    and [B, S, H, v] (one layer's at a time: 1.3 GB at 32k keys and 64 heads, 168 MB for a TP8 shard's 8
+    heads), and the kernel reads only the blocks at or below each query tile's diagonal."""
     c = config
     dtype = q_nope.dtype
     query = jnp.concatenate([q_nope, q_rot.astype(dtype)], axis=-1)
@@ -311,6 +323,19 @@ def _mla_expanded(config, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, m
         keys = jnp.concatenate([k_nope, jnp.broadcast_to(rope, k_nope.shape[:-1] + rope.shape[-1:])], axis=-1)
         return keys, contract("bsr,hvr->bshv", latent, w_uv)
 
+    if causal_start is not None:
+        kernel = dispatch.prefill_attention_kernel(
+            attn_impl,
+            queries=q_nope.shape[1],
+            keys=cache.shape[1],
+            key_dim=query.shape[-1],
+            value_dim=c.v_head_dim,
+            bfloat16=dtype == jnp.bfloat16,
+            mla=True,
+        )
+        if kernel == "mosaic":
+            keys, values = expand(cache, None)
+            return sharded_causal_attention(query, keys, values, causal_start, scale=softmax_scale(c))
     impl = dispatch.attention_impl(attn_impl, queries=q_nope.shape[1], keys=cache.shape[1], mla=True)
     if impl == "blockwise":
         return blockwise_attention(query, cache, cache, mask, scale=softmax_scale(c), expand=expand)
@@ -333,9 +358,11 @@ def _run(
     attn_impl: str = "xla",
     layer_loop: str = "scan",
     head_rows=None,
+    causal_start=None,
 ):
     """Embeds, runs the dense then the MoE layers, returns (logits f32, tapped [B, T, F*D], cache).
     head_rows int32 [B] (or None): the LM head runs only at that position of each row (logits [B, 1, V]).
+    causal_start int32 [B] (or None): mask is causal at that offset (a prefill; `mla_absorbed`).
 
     layer_loop "scan": `lax.scan` over each stack of layers (the stacked parameters as scanned inputs, the
     stacked caches in the carry, each layer's new rows scattered into them in place): the program holds
@@ -364,6 +391,7 @@ def _run(
                 mask,
                 attn_impl,
                 layer=layer,
+                causal_start=causal_start,
             )
             h = h + attn
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
@@ -440,7 +468,18 @@ def prefill(
     positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
     logits, features, cache = _run(
-        config, params, input_ids, positions, mask, cache, start, moe_impl, attn_impl, layer_loop, head_rows
+        config,
+        params,
+        input_ids,
+        positions,
+        mask,
+        cache,
+        start,
+        moe_impl,
+        attn_impl,
+        layer_loop,
+        head_rows,
+        causal_start=start,
     )
     return logits, features, KVCache(cache.k, cache.v, start + num_new)
 

@@ -57,10 +57,6 @@ _BLOCK = 512  # row elements per load in a pass ([block, 16] comparisons)
 # 10.4 / 19.4 / 37.6 us at k = 16 / 32 / 64 (~0.6 us a token), resident 13.9 / 13.9 / 14.2 us, the
 # streamed search 68.4 / 68.2 / 68.8 us (kept for rows the registers cannot hold).
 EXTRACT_MAX_K = 16
-# The selection's pop: 2 dependent reduction stages (the best key; then its fields), measured; 1: the fields
-# and the next best key below it in one stage, the next pop's best from scalars (tested, lowered, not yet
-# measured on a GPU; `tree_select(pop_stages=)`, `bench_small_kernels`)
-POP_STAGES = 2
 TOPK_METHODS = ("auto", "extract", "search", "resident")  # `tree_topk(method=)`, `resolve_topk_method`
 _EMPTY = np.int32(np.iinfo(np.int32).min)  # below the key of every float, -inf included
 
@@ -407,7 +403,7 @@ def _meta_bits(budget: int, k: int, depth_limit: int) -> tuple[int, int, int]:
     return bits
 
 
-def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, pop_stages: int = 2):
+def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int):
     """The heap of one row, popped `budget` times (the body of both selection kernels). lp(depth_index,
     rank) -> f32 scalar reads the per-depth top-K log-probabilities (-inf: no such token); each pop calls
     emit(slot, valid, depth, rank, parent, logw) -> int32 count with slot 1..budget in pop order (valid
@@ -487,29 +483,23 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, pop_stages:
         # the parent's logw as reductions) 20.6 against 24.5 us at budget 64 for a three-stage pop (max;
         # first and last position; fields); an argmax over the keys plus a reversed copy was slower still
         # (29.8 us): small_kernels_98535cc.json, small_kernels_a9a0d5d.json.
-        f_key, f_plogw, f_meta, t_meta, n_used, counted, best = carry
-        if pop_stages == 2:
-            best = jnp.max(f_key)
+        # A one-stage pop (argmax-style, one reduction pass carrying the packed fields, the next pop's best
+        # key from scalars) was measured slower and removed: 5.5 against 4.8 us at budget 16, 19.5 against
+        # 18.4 at 64 (tree_slots, small_kernels_25753af.json).
+        f_key, f_plogw, f_meta, t_meta, n_used, counted = carry
+        best = jnp.max(f_key)
         valid = best != _EMPTY
         tied = (f_key == best).astype(jnp.int32)
         num_tied = jnp.sum(tied)
         alone_meta = jnp.sum(tied * f_meta)  # the fields of a lone best entry, as a sum over it
-        if pop_stages == 1:  # in the same stage: its parent's logw and the best key below it
-            alone_plogw = jnp.sum(jnp.where(tied > 0, f_plogw, 0.0))
-            below = jnp.max(jnp.where(tied > 0, _EMPTY, f_key))
 
         def tie_walk():
             at = jnp.min(jnp.where(tied > 0, fpos, f_pad))
             won = tie_break(tied, at, f_meta, t_meta)
-            return (fpos == won).astype(jnp.int32), pick(f_meta, won), pick(f_plogw, won)
+            return (fpos == won).astype(jnp.int32), pick(f_meta, won)
 
         # `here`: the popped entry's position as a mask (a lone best entry: `tied` itself, no position needed)
-        lone = (tied, alone_meta, alone_plogw if pop_stages == 1 else jnp.float32(0.0))
-        if pop_stages == 2:
-            here, meta = lax.cond(num_tied > 1, lambda: tie_walk()[:2], lambda: lone[:2])
-        else:
-            here, meta, parent_logw = lax.cond(num_tied > 1, tie_walk, lambda: lone)
-            rest = jnp.where(num_tied > 1, best, below)  # the frontier's best once this entry is gone
+        here, meta = lax.cond(num_tied > 1, tie_walk, lambda: (tied, alone_meta))
         here = here > 0
         logw = key_float(best)
         parent, rank, depth = unpack(meta)
@@ -521,22 +511,16 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, pop_stages:
         sib_rank = rank + 1
         lp_sib = lp(jnp.maximum(depth - 1, 0), jnp.minimum(sib_rank, k - 1))
         push_sib = valid & (sib_rank < k) & (lp_sib > -jnp.inf)
-        sib_key = float_key((f_plogw if pop_stages == 2 else parent_logw) + lp_sib)
-        f_key = jnp.where(here, jnp.where(push_sib, sib_key, _EMPTY), f_key)
+        f_key = jnp.where(here, jnp.where(push_sib, float_key(f_plogw + lp_sib), _EMPTY), f_key)
         f_meta = jnp.where(here, pack(parent, sib_rank, depth), f_meta)
         # first child: this node's logw plus the next depth's best log-prob, at the next unused position
         lp_child = lp(jnp.minimum(depth, depth_limit - 1), 0)
         push_child = valid & (depth < depth_limit) & (lp_child > -jnp.inf)
         there = (fpos == n_used) & push_child
-        child_key = float_key(logw + lp_child)
-        f_key = jnp.where(there, child_key, f_key)
+        f_key = jnp.where(there, float_key(logw + lp_child), f_key)
         f_plogw = jnp.where(there, logw, f_plogw)
         f_meta = jnp.where(there, pack(slot, 0, depth + 1), f_meta)
-        if pop_stages == 1:  # the next pop's best key from scalars: no reduction of its own
-            best = jnp.maximum(
-                rest, jnp.maximum(jnp.where(push_sib, sib_key, _EMPTY), jnp.where(push_child, child_key, _EMPTY))
-            )
-        return f_key, f_plogw, f_meta, t_meta, n_used + push_child.astype(jnp.int32), counted, best
+        return f_key, f_plogw, f_meta, t_meta, n_used + push_child.astype(jnp.int32), counted
 
     lp_first = lp(0, 0)
     root_push = (fpos == 0) & (lp_first > -jnp.inf)
@@ -544,14 +528,10 @@ def _select_heap(lp, emit, *, budget: int, k: int, depth_limit: int, pop_stages:
     f_plogw = jnp.zeros((f_pad,), jnp.float32)
     f_meta = jnp.where(fpos == 0, pack(0, 0, 1), 0)
     t_meta = jnp.zeros((f_pad,), jnp.int32)  # slot 0: the root (never read: walks stop at depth 1)
-    best = jnp.where(lp_first > -jnp.inf, float_key(lp_first), _EMPTY)  # the frontier's best key (root push)
-    init = (f_key, f_plogw, f_meta, t_meta, jnp.int32(1), jnp.int32(0), best)
-    return lax.fori_loop(1, budget + 1, pop, init)[-2]
+    return lax.fori_loop(1, budget + 1, pop, (f_key, f_plogw, f_meta, t_meta, jnp.int32(1), jnp.int32(0)))[-1]
 
 
-def _select_kernel(
-    lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget: int, k: int, depth_limit: int, pop_stages: int
-):
+def _select_kernel(lp_ref, level_ref, rank_ref, parent_ref, logw_ref, *, budget: int, k: int, depth_limit: int):
     # lp_ref:     f32 [L, K]       per-depth top-K log-probabilities, descending (-inf: no such token)
     # level_ref:  i32 [budget]     out: depth - 1 of each slot 1..budget, in pop order
     # rank_ref:   i32 [budget]     out: its rank at its depth
@@ -564,7 +544,7 @@ def _select_kernel(
         logw_ref[slot - 1] = jnp.where(valid, logw, -jnp.inf)
         return jnp.int32(0)
 
-    _select_heap(lambda d, r: lp_ref[d, r], emit, budget=budget, k=k, depth_limit=depth_limit, pop_stages=pop_stages)
+    _select_heap(lambda d, r: lp_ref[d, r], emit, budget=budget, k=k, depth_limit=depth_limit)
 
 
 def _slots_kernel(
@@ -584,7 +564,6 @@ def _slots_kernel(
     k: int,
     depth_limit: int,
     pads: tuple[int, int, int, int],
-    pop_stages: int,
 ):
     pad_token, pad_parent, pad_depth, pad_rank = pads
     row_ok = row_ok_ref[...] != 0
@@ -607,7 +586,7 @@ def _slots_kernel(
         logw_ref[slot] = jnp.where(real, logw, -jnp.inf)
         return real.astype(jnp.int32)
 
-    num_nodes_ref[...] = 1 + _select_heap(lp, emit, budget=budget, k=k, depth_limit=depth_limit, pop_stages=pop_stages)
+    num_nodes_ref[...] = 1 + _select_heap(lp, emit, budget=budget, k=k, depth_limit=depth_limit)
 
 
 def _select_warps(budget: int) -> int:
@@ -616,14 +595,12 @@ def _select_warps(budget: int) -> int:
     return 1 if budget < 128 else 4
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps", "pop_stages"))
-def _tree_select_jit(
-    top_lp, *, budget: int, interpret: bool, num_warps: int | None = None, pop_stages: int = POP_STAGES
-):
+@functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps"))
+def _tree_select_jit(top_lp, *, budget: int, interpret: bool, num_warps: int | None = None):
     batch, depth_limit, k = top_lp.shape
     out_spec = pl.BlockSpec((None, budget), lambda b: (b, 0))
     return pl.pallas_call(
-        functools.partial(_select_kernel, budget=budget, k=k, depth_limit=depth_limit, pop_stages=pop_stages),
+        functools.partial(_select_kernel, budget=budget, k=k, depth_limit=depth_limit),
         grid=(batch,),
         in_specs=[pl.BlockSpec((None, depth_limit, k), lambda b: (b, 0, 0))],
         out_specs=[out_spec] * 4,
@@ -635,17 +612,15 @@ def _tree_select_jit(
     )(top_lp.astype(jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "pads", "interpret", "pop_stages"))
-def _tree_slots_jit(
-    top_lp, top_ids, live, root_tokens, row_ok, *, budget: int, pads, interpret: bool, pop_stages: int = POP_STAGES
-):
+@functools.partial(jax.jit, static_argnames=("budget", "pads", "interpret"))
+def _tree_slots_jit(top_lp, top_ids, live, root_tokens, row_ok, *, budget: int, pads, interpret: bool):
     batch, depth_limit, k = top_lp.shape
     slots = budget + 1
     row_spec = pl.BlockSpec((None, slots), lambda b: (b, 0))
     scalar = pl.BlockSpec((None,), lambda b: (b,))
     table = pl.BlockSpec((None, depth_limit, k), lambda b: (b, 0, 0))
     return pl.pallas_call(
-        functools.partial(_slots_kernel, budget=budget, k=k, depth_limit=depth_limit, pads=pads, pop_stages=pop_stages),
+        functools.partial(_slots_kernel, budget=budget, k=k, depth_limit=depth_limit, pads=pads),
         grid=(batch,),
         in_specs=[table, table, pl.BlockSpec((None, depth_limit), lambda b: (b, 0)), scalar, scalar],
         out_specs=[row_spec] * 5 + [scalar],
@@ -673,37 +648,17 @@ def _check_select(top_lp, budget) -> None:
     _meta_bits(budget, top_lp.shape[2], top_lp.shape[1])
 
 
-def _check_pop_stages(pop_stages) -> int:
-    if pop_stages is None:
-        return POP_STAGES
-    if pop_stages not in (1, 2):
-        raise ValueError(f"pop_stages must be 1 or 2, got {pop_stages!r}")
-    return int(pop_stages)
-
-
 def tree_select(
-    top_lp: jax.Array,
-    budget: int,
-    *,
-    interpret: bool | None = None,
-    num_warps: int | None = None,
-    pop_stages: int | None = None,
+    top_lp: jax.Array, budget: int, *, interpret: bool | None = None, num_warps: int | None = None
 ) -> tuple[jax.Array, ...]:
     """The best-first selection of `budget` slots per row (module docstring).
 
     top_lp: float32 [B, L, K], each depth's top-K log-probabilities descending (-inf: no such token),
     K = min(budget, V). Returns (level, rank, parent) int32 [B, budget] and logw float32 [B, budget], the
     slots 1..budget in pop order; padding slots have logw -inf. num_warps: the program's warps (None: the
-    default for the budget; `benchmarks.bench_tree --select-warps` sweeps it). pop_stages: 2 or 1 (None:
-    POP_STAGES), the same slots either way."""
+    default for the budget; `benchmarks.bench_tree --select-warps` sweeps it)."""
     _check_select(top_lp, budget)
-    return _tree_select_jit(
-        top_lp,
-        budget=int(budget),
-        interpret=default_interpret(interpret),
-        num_warps=num_warps,
-        pop_stages=_check_pop_stages(pop_stages),
-    )
+    return _tree_select_jit(top_lp, budget=int(budget), interpret=default_interpret(interpret), num_warps=num_warps)
 
 
 def tree_slots(
@@ -716,7 +671,6 @@ def tree_slots(
     *,
     pads: tuple[int, int, int, int] = (0, -1, 0, -1),
     interpret: bool | None = None,
-    pop_stages: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """`tree_select` with the tree laid out in the same kernel: the slots as a draft tree's fields.
 
@@ -725,8 +679,7 @@ def tree_slots(
     row_ok: bool [B] (False: a root-only tree). pads: the (token, parent, depth, rank) of padding slots.
     Returns tokens, parents, depths, ranks int32 [B, N] and logw float32 [B, N] (N = budget + 1: slot 0 the
     root, token root_tokens, parent pads[1], depth 0, rank -1, logw 0; then the slots in pop order, padding
-    after the real ones) and num_nodes int32 [B]. Equal to `tree_slots_reference`. pop_stages: as for
-    `tree_select`."""
+    after the real ones) and num_nodes int32 [B]. Equal to `tree_slots_reference`."""
     _check_select(top_lp, budget)
     batch, depth_limit, k = top_lp.shape
     if top_ids.shape != top_lp.shape:
@@ -745,7 +698,6 @@ def tree_slots(
         budget=int(budget),
         pads=tuple(int(p) for p in pads),
         interpret=default_interpret(interpret),
-        pop_stages=_check_pop_stages(pop_stages),
     )
 
 

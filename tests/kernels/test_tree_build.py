@@ -127,8 +127,7 @@ def test_topk_logits_matches_its_twin(rows, count, k, dtype):
         (1, 15, 300, 256, "ties"),
     ],
 )
-@pytest.mark.parametrize("pop_stages", [2, 1])  # the measured pop; the one-stage pop (POP_STAGES)
-def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kind, pop_stages):
+def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kind):
     rng = np.random.default_rng(depth * 1000 + vocab + budget)
     if kind == "normal":
         logits = rng.standard_normal((batch, depth, vocab)) * 3
@@ -140,7 +139,7 @@ def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kin
     k = min(budget, vocab)
     top, _ = tree_topk_reference(_log_probs(logits).reshape(batch * depth, vocab), k)
     top = top.reshape(batch, depth, k)
-    got = tree_select(top, budget, pop_stages=pop_stages)
+    got = tree_select(top, budget)
     want = tree_select_reference(top, budget)
     _assert_same_slots(got, want)
     if kind == "ties":  # the tie walk ran: some popped log-weights repeat
@@ -152,8 +151,7 @@ def test_select_matches_the_level_by_level_twin(batch, depth, vocab, budget, kin
     "batch,depth,vocab,budget,kind",
     [(3, 6, 40, 16, "ties"), (2, 15, 512, 64, "normal"), (2, 4, 8, 64, "ties"), (3, 6, 16, 24, "dead")],
 )
-@pytest.mark.parametrize("pop_stages", [2, 1])
-def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kind, pop_stages):
+def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kind):
     """`tree_slots` (selection + layout in one kernel) against `tree_slots_reference`: every field equal,
     padding included, with dead depths (passed as `live`, not masked in the log-probs), a root-only row and
     more budget than prefixes."""
@@ -174,7 +172,7 @@ def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kin
     roots = jnp.asarray(rng.integers(0, vocab, size=batch), jnp.int32)
     args = (top, jnp.asarray(ids, jnp.int32), jnp.asarray(live), roots, jnp.asarray(row_ok), budget)
     pads = (5, -1, 0, -1)
-    got = tree_slots(*args, pads=pads, pop_stages=pop_stages)
+    got = tree_slots(*args, pads=pads)
     want = tree_slots_reference(*args, pads=pads)
     for name, a, b in zip(("tokens", "parents", "depths", "ranks", "logw", "num_nodes"), got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
@@ -187,8 +185,6 @@ def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kin
 
 
 def test_select_and_topk_reject_bad_input_by_name():
-    with pytest.raises(ValueError, match="pop_stages must be 1 or 2, got 3"):
-        tree_select(jnp.zeros((1, 2, 4)), 4, pop_stages=3)
     with pytest.raises(ValueError, match="k must be an integer in"):
         tree_topk(jnp.zeros((2, 8)), 9)
     with pytest.raises(ValueError, match="method must be one of .* got 'sort'"):

@@ -120,6 +120,41 @@ def test_qwen3_prefill_on_the_causal_kernel_equals_the_xla_path_on_gpu():
         assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the Mosaic GPU kernels compile for Hopper only; interpret-mode tests: tests/kernels/test_*_mgpu.py",
+)
+def test_mla_prefill_on_the_kernels_equals_the_xla_path_on_gpu():
+    """A bf16 DeepSeek-V3 prefill with attn_impl="pallas": a 100-token chunk in the expanded MLA form on the
+    causal Mosaic kernel (Dk = 48 + 16, Dv = 64; the form is expanded past 63 queries at kv_lora 512), then a
+    20-token chunk in the absorbed form on the MLA tree kernel; logits and features equal the XLA path's."""
+    import dataclasses
+
+    from ddtree_jax import dispatch
+
+    config = dataclasses.replace(DSV3, kv_lora_rank=512, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64)
+    shape = dict(kv_lora_rank=512, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64)
+    assert dispatch.mla_form("auto", queries=100, **shape) == "expanded"
+    params = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        deepseek_v3.init_params(config, jax.random.key(8)),
+    )
+    rng = np.random.default_rng(9)
+    first = jnp.asarray(rng.integers(0, 50, (2, 100)), jnp.int32)
+    second = jnp.asarray(rng.integers(0, 50, (2, 20)), jnp.int32)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        cache = deepseek_v3.create_cache(config, 2, 128, jnp.bfloat16)
+        logits_1, feats_1, cache = deepseek_v3.prefill(
+            config, params, cache, first, jnp.asarray([100, 61]), attn_impl=impl
+        )
+        logits_2, feats_2, _ = deepseek_v3.prefill(config, params, cache, second, jnp.asarray([20, 20]), attn_impl=impl)
+        outs[impl] = (logits_1, feats_1, logits_2, feats_2)
+    for got, want in zip(outs["pallas"], outs["xla"]):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
+
+
 def test_causal_start_off_gpu_is_the_masked_path():
     """On CPU `attention(..., causal_start=...)` takes the masked path: equal to it exactly."""
     rng = np.random.default_rng(7)
