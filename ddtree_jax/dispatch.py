@@ -108,6 +108,10 @@ PREFILL_KERNEL_VALUE_DIMS = (64, 128)
 AUTO_PALLAS_MAX_F32_ROWS = 32  # ... and, for float32 inputs, up to this many query rows (group x N) per KV head
 BLOCKWISE_MIN_SCORES = 1 << 24  # attention: blockwise (online softmax) from this many scores per row and head
 BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
+# KV caches hold whole blocks of this many rows (the engine's `cache_capacity`, the memory planner): the Mosaic GPU
+# attention kernels' TMA reads whole key blocks (64 keys for MLA, 128 for the causal prefill), so a ragged capacity
+# would make the MLA kernel pad, i.e. copy, the cache on every call and keep the prefill kernel off
+CACHE_ROW_MULTIPLE = 128
 PREFILL_CHUNK = 2048  # "auto" prefills prompts longer than this in chunks of this many tokens
 AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are prefiltered first

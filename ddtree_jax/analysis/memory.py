@@ -83,7 +83,9 @@ CACHE_DTYPES = {"bf16": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "f32": 4, "floa
 INT4_SCALE_BYTES = 2  # compressed-tensors pack-quantized: a bf16 scale per INT4_GROUP weights (ddtree_kernels/quant.py)
 FP8_SCALE_BYTES = 4  # block FP8: a float32 scale_inv per FP8_BLOCK x FP8_BLOCK block (ddtree_kernels/quant.py)
 ACT_BUFFERS = 8  # live float32 [tokens, hidden] buffers assumed in a layer (residual, norms, outputs, temporaries)
-PALLAS_PARTIALS = TARGET_PROGRAMS * MAX_BLOCK_M  # tree_attention: programs x query rows of partial outputs
+# the attention kernels' split partials: programs x query rows of partial outputs (tree_attention; the Mosaic MLA
+# kernel's ~132 CTAs x 64 rows stay under it)
+PALLAS_PARTIALS = TARGET_PROGRAMS * MAX_BLOCK_M
 PLANNED_BACKEND = "gpu"  # what attention_impl="auto" resolves for: the planner models H200s
 
 # logical axes split over the "model" mesh axis, per layout (sharding/rules.py; every other axis is replicated)
@@ -499,7 +501,8 @@ def plan_memory(
     slots = budget + 1
     rows = -(-batch // layout.data)
     tokens = rows * slots
-    kv = rows * (context + slots) * cache_bytes_per_token(c, layout, cache_dtype)
+    cache_rows = -(-(context + slots) // dispatch.CACHE_ROW_MULTIPLE) * dispatch.CACHE_ROW_MULTIPLE  # whole blocks
+    kv = rows * cache_rows * cache_bytes_per_token(c, layout, cache_dtype)
 
     drafter_weights = drafter_cache = 0
     if drafter is not None:

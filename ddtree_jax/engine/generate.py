@@ -45,17 +45,13 @@ jax.tree_util.register_dataclass(
 )
 
 
-CACHE_ROW_MULTIPLE = 128  # cache capacities are whole 128-row blocks (see `cache_capacity`)
-
-
 def cache_capacity(prompt_len: int, max_new_tokens: int, method: str, budget: int, block_size: int) -> int:
     """Rows a KV cache needs: prompt + generated tokens + one step's scratch slots, rounded up to a multiple
-    of CACHE_ROW_MULTIPLE (the Mosaic GPU attention kernels' key blocks, 64 keys for MLA, 128 for the causal
-    prefill: their TMA reads whole blocks, and a ragged capacity would make the MLA kernel pad, i.e. copy, the
-    cache on every call and keep the prefill kernel off; the extra rows are never visible)."""
+    of `dispatch.CACHE_ROW_MULTIPLE` (the Mosaic GPU attention kernels read whole key blocks; the extra rows
+    are never visible)."""
     slots = {"ddtree": budget + 1, "chain": block_size, "ar": 1}[method]
     rows = prompt_len + max_new_tokens + max(slots, block_size) + 1
-    return -(-rows // CACHE_ROW_MULTIPLE) * CACHE_ROW_MULTIPLE
+    return -(-rows // dispatch.CACHE_ROW_MULTIPLE) * dispatch.CACHE_ROW_MULTIPLE
 
 
 def prefill(

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from ddtree_jax import presets
+from ddtree_jax import dispatch, presets
 from ddtree_jax.analysis import memory
 from ddtree_jax.analysis.memory import (
     MeshLayout,
@@ -160,7 +160,8 @@ def test_k2_6_int4_fits_on_8_h200_and_bf16_experts_do_not():
     assert ep["norms_router"] < tp["norms_router"]
     # the MLA latent cache is replicated over the model axis and split by batch over the data axis
     one = plan_memory(k2, layout="tp8", batch=8, context=1000, budget=0)
-    assert one.kv_cache == 8 * 1001 * 61 * 576 * 2
+    # 1,000 tokens + 1 slot = 1,001 rows, allocated in whole 128-row blocks (dispatch.CACHE_ROW_MULTIPLE): 1,024
+    assert one.kv_cache == 8 * 1024 * 61 * 576 * 2
     assert plan_memory(k2, layout="tp4-dp2", batch=8, context=1000, budget=0).kv_cache == one.kv_cache // 2
 
 
@@ -213,10 +214,14 @@ def test_the_planner_splits_the_axes_the_rule_table_splits():
 
 
 def test_auto_attention_is_resolved_as_on_a_gpu():
-    # MLA: "auto" is XLA (models.attention.resolve_attention_impl); Qwen3's GQA at N <= 65: the kernel; at
-    # N = 129 only against a short cache (dispatch.AUTO_PALLAS_GQA_SHORT_KEYS)
+    # MLA: "auto" is the Mosaic kernel from dispatch.AUTO_PALLAS_MLA_MIN_KEYS cache rows, XLA below; Qwen3's GQA
+    # at N <= 65: the kernel; at N = 129 only against a short cache (dispatch.AUTO_PALLAS_GQA_SHORT_KEYS)
     k2, q = presets.kimi_k2_6(), presets.qwen3_8b()
-    assert plan_memory(k2, attention_impl="auto").activations == plan_memory(k2, attention_impl="xla").activations
+    for context, impl in ((4096, "pallas"), (dispatch.AUTO_PALLAS_MLA_MIN_KEYS - 200, "xla")):
+        assert (
+            plan_memory(k2, context=context, attention_impl="auto").activations
+            == plan_memory(k2, context=context, attention_impl=impl).activations
+        ), context
     assert (
         plan_memory(q, layout="single", budget=16, attention_impl="auto").activations
         == plan_memory(q, layout="single", budget=16, attention_impl="pallas").activations
