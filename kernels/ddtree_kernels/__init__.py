@@ -4,7 +4,10 @@ its own.
 
   decode_matmul        weight-streaming matmul (bf16 / f32 / INT4 / block-FP8 weights) and its grouped (MoE) form
   tree_attention       tree-verify attention (GQA and absorbed MLA), flash-decoding over the cache
-  mla_attention_mgpu   absorbed-MLA tree-verify attention on Mosaic GPU (Hopper TMA + wgmma; not wired in yet)
+  mla_attention_mgpu   absorbed-MLA tree-verify attention on Mosaic GPU (Hopper TMA + wgmma)
+  gqa_attention_mgpu   GQA tree-verify attention on Mosaic GPU (not yet run on a GPU; not wired in)
+  prefill_attention_mgpu  causal prefill-chunk attention on Mosaic GPU (FlashAttention-3 style, per-row offset)
+  moe_decode           INT4 MoE decode: the chosen experts read in place (not yet run on a GPU; not wired in)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits
   sampling_reference   the pure-jnp definitions tree_sampling computes (processed probabilities, the walk)
@@ -17,7 +20,10 @@ path with float32 accumulation (`tiling`).
 
 from ddtree_kernels import (
     decode_matmul,
+    gqa_attention_mgpu,
     mla_attention_mgpu,
+    moe_decode,
+    prefill_attention_mgpu,
     quant,
     sampling_reference,
     tiling,
@@ -25,11 +31,20 @@ from ddtree_kernels import (
     tree_build,
     tree_sampling,
 )
+from ddtree_kernels.gqa_attention_mgpu import gqa_tree_attention, gqa_tree_attention_reference
 from ddtree_kernels.mla_attention_mgpu import mla_tree_attention, mla_tree_attention_reference
+from ddtree_kernels.prefill_attention_mgpu import causal_prefill_attention, causal_prefill_attention_reference
 
 __all__ = [
+    "causal_prefill_attention",
+    "causal_prefill_attention_reference",
     "decode_matmul",
+    "gqa_attention_mgpu",
+    "gqa_tree_attention",
+    "gqa_tree_attention_reference",
     "mla_attention_mgpu",
+    "moe_decode",
+    "prefill_attention_mgpu",
     "mla_tree_attention",
     "mla_tree_attention_reference",
     "quant",

@@ -1,0 +1,269 @@
+"""GQA tree-verify attention: the Mosaic GPU kernel (kernels/ddtree_kernels/gqa_attention_mgpu.py) vs the Triton
+kernel (`tree_attention`, the current GPU default for GQA) vs the models' XLA path (`tree_attention_reference`)
+vs the roofline.
+
+Cases: Qwen3-8B (Hq 32, Hkv 8, D 128) at N = 17 and 65 tree queries, contexts 1k, 8k and 32k, B = 1 (and
+B = 8 at N = 17); the embedded pair's shape (Hq 4, Hkv 2, D 64) at context 512, N = 17 and 65, B = 1. The
+cache holds context + N keys, its capacity rounded up to whole 64-key blocks (as an engine allocates it: the
+Mosaic kernel's TMA reads whole key blocks, a ragged capacity would make its wrapper copy the cache); every
+row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
+
+Counted first, per call (S = context + N, the keys a row sees; G = Hq / Hkv):
+  FLOPs = 4 * B * N * Hq * S * D  (QK^T and PV);
+  bytes = K + V read once (4 * B * S * Hkv * D) + the queries and the bf16 output (4 * B * N * Hq * D) + the
+          bool mask (B * N * S);
+  roofline = max(bytes / 4.3 TB/s (read + write copy bandwidth measured on this H200), FLOPs / 790 TFLOP/s).
+Timing (`in_jit_seconds`, as bench_mla_mgpu): one jitted program calls the variant once on each of >= 4
+input sets (queries, cache and mask; together larger than twice the 50 MB L2, so no call reads the previous
+call's data from L2, up to MAX_SETS calls: the embedded pair's 0.3 MB sets stay L2-resident, flagged
+`l2_resident` in its rows) and returns a few elements of each output; time per call = the program's median
+wall time over 7 runs (`common.time_calls`, block_until_ready) / the number of sets. Inside one program the
+calls run back to back on the device: no host dispatch per call (a host-queued loop measures ~75-120 us a
+call: the dispatch, not the kernel). Correctness: ||out - ref|| / ||ref|| against the XLA path on input
+set 0 (bf16: expect ~3e-3). A variant that fails to compile or run records its error string and the rest
+go on.
+
+Usage: PYTHONPATH=.:kernels python -m benchmarks.bench_gqa_mgpu --commit $(git rev-parse --short HEAD) [--quick]
+  [--splits 4,8,16,32] [--block-kv 64]
+Writes gqa_mgpu_<commit>.json to --out (default $OUT, else benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_attention import random_tree_mask
+from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from ddtree_kernels.gqa_attention_mgpu import BLOCK_M, gqa_tree_attention, row_plan, smem_plan, split_plan
+from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s read + write, XLA copy on this H200 (BENCHMARKS.md)
+PEAK_FLOPS = 790e12  # bf16 matmul rate measured on this H200
+L2_BYTES = 50 << 20
+MIN_SETS = 4
+MAX_SETS = 32  # calls in one timed program (the embedded pair would ask for ~340: it stays L2-resident)
+CAPACITY_BLOCK = 64
+SHAPES = {"qwen3_8b": (32, 8, 128), "embedded": (4, 2, 64)}  # (Hq, Hkv, D)
+VARIANT_NAMES = ("mgpu", "triton", "xla")
+
+
+def counts(shape: str, batch: int, steps: int, context: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one call."""
+    q_heads, kv_heads, head_dim = SHAPES[shape]
+    keys = context + steps
+    flops = 4 * batch * steps * q_heads * keys * head_dim
+    nbytes = 4 * batch * keys * kv_heads * head_dim + 4 * batch * steps * q_heads * head_dim + batch * steps * keys
+    return float(flops), float(nbytes)
+
+
+def num_sets(nbytes: float) -> int:
+    return min(MAX_SETS, max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes)))
+
+
+def input_sets(shape: str, batch: int, steps: int, context: int, key) -> list[tuple]:
+    """num_sets (q, k, v, mask) sets: fresh queries and cache each, the mask shared."""
+    q_heads, kv_heads, head_dim = SHAPES[shape]
+    _, nbytes = counts(shape, batch, steps, context)
+    capacity = -(-(context + steps) // CAPACITY_BLOCK) * CAPACITY_BLOCK
+    mask = random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context)
+    mask = jnp.asarray(np.pad(mask, ((0, 0), (0, 0), (0, capacity - context - steps))))
+    out = []
+    for i in range(num_sets(nbytes)):
+        k = jax.random.split(jax.random.fold_in(key, i), 3)
+        out.append(
+            (
+                jax.random.normal(k[0], (batch, steps, q_heads, head_dim), jnp.bfloat16),
+                jax.random.normal(k[1], (batch, capacity, kv_heads, head_dim), jnp.bfloat16),
+                jax.random.normal(k[2], (batch, capacity, kv_heads, head_dim), jnp.bfloat16),
+                mask,
+            )
+        )
+    return out
+
+
+def variants(block_kv: int) -> dict:
+    return {
+        "mgpu": jax.jit(lambda q, k, v, mask: gqa_tree_attention(q, k, v, mask, block_kv=block_kv)),
+        "triton": jax.jit(lambda q, k, v, mask: tree_attention((q,), (k,), v, mask)),
+        "xla": jax.jit(lambda q, k, v, mask: tree_attention_reference((q,), (k,), v, mask)),
+    }
+
+
+def mgpu_with_splits(num_splits: int, block_kv: int):
+    """The Mosaic kernel at a fixed number of key splits (the `--splits` sweep)."""
+    return jax.jit(lambda q, k, v, mask: gqa_tree_attention(q, k, v, mask, block_kv=block_kv, num_splits=num_splits))
+
+
+def in_jit_seconds(attend, sets: list[tuple]) -> float:
+    """Seconds per call of `attend`: one jit calling it on every input set in turn (module docstring)."""
+
+    @jax.jit
+    def run(sets):
+        return [attend(*args)[:, :, 0, :8].astype(jnp.float32).sum() for args in sets]
+
+    return time_calls(run, [(sets,)], runs=7, warmup=2).median / len(sets)
+
+
+def relative_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err)[:300]}"
+
+
+def run_case(shape: str, batch: int, steps: int, context: int, key, block_kv: int, split_sweep=()) -> dict:
+    q_heads, kv_heads, head_dim = SHAPES[shape]
+    flops, nbytes = counts(shape, batch, steps, context)
+    roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
+    rows = steps * (q_heads // kv_heads)
+    capacity = -(-(context + steps) // CAPACITY_BLOCK) * CAPACITY_BLOCK
+    compute_wgs, row_blocks = row_plan(rows)
+    splits, per_split = split_plan(batch, kv_heads, rows, capacity, block_kv, None)
+    stages, smem = smem_plan(head_dim, block_kv, compute_wgs, -(-steps // 32), interpret=False)
+    sets_count = num_sets(nbytes)
+    row = {
+        "shape": shape,
+        "Hq": q_heads,
+        "Hkv": kv_heads,
+        "D": head_dim,
+        "B": batch,
+        "N": steps,
+        "context": context,
+        "GFLOP": flops / 1e9,
+        "MB": nbytes / 1e6,
+        "roofline_us": roof_s * 1e6,
+        "bound": "compute" if flops / PEAK_FLOPS > nbytes / COPY_BANDWIDTH else "memory",
+        "sets": sets_count,
+        "l2_resident": sets_count * nbytes < 2 * L2_BYTES,
+        "mgpu_block_kv": block_kv,
+        "mgpu_grid": [row_blocks, splits, batch * kv_heads],
+        "mgpu_rows_per_cta": compute_wgs * BLOCK_M,
+        "mgpu_blocks_per_split": per_split,
+        "mgpu_stages": stages,
+        "mgpu_smem_bytes": smem,
+    }
+    attend = variants(block_kv)
+    sets = input_sets(shape, batch, steps, context, key)
+    ref = None
+    try:
+        ref = attend["xla"](*sets[0])
+    except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
+        row["xla_error"] = _error(err)
+    for name in VARIANT_NAMES:
+        try:
+            out = attend[name](*sets[0])
+            if ref is not None:
+                row[f"{name}_rel_err"] = relative_error(out, ref)
+            seconds = in_jit_seconds(attend[name], sets)
+            row[f"{name}_us"] = seconds * 1e6
+            row[f"{name}_TFLOPs"] = flops / seconds / 1e12
+            row[f"{name}_GBps"] = nbytes / seconds / 1e9
+            row[f"{name}_of_roofline"] = seconds / roof_s
+        except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
+            row[f"{name}_us"] = float("nan")
+            row[f"{name}_error"] = _error(err)
+    for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
+        try:
+            seconds = in_jit_seconds(mgpu_with_splits(num_splits, block_kv), sets)
+            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
+        except Exception as err:  # noqa: BLE001
+            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = _error(err)
+    row["rel_err"] = row.get("mgpu_rel_err", float("nan"))
+    for name in VARIANT_NAMES:
+        for metric in ("TFLOPs", "GBps", "of_roofline"):
+            row.setdefault(f"{name}_{metric}", float("nan"))
+    del sets
+    return row
+
+
+def cases(quick: bool, contexts: list[int], shapes: list[str]) -> list[tuple[str, int, int, int]]:
+    """(shape, B, N, context): Qwen3-8B at N 17 / 65 (B 1, and 8 at N 17) over `contexts`; the embedded pair
+    at context 512. --quick: N = 17, B = 1."""
+    out = []
+    for shape in shapes:
+        if shape not in SHAPES:
+            raise SystemExit(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
+        steps_list = [17] if quick else [17, 65]
+        shape_contexts = contexts if shape == "qwen3_8b" else [512]
+        for steps in steps_list:
+            batches = [1, 8] if shape == "qwen3_8b" and steps == 17 and not quick else [1]
+            out += [(shape, batch, steps, context) for batch in batches for context in shape_contexts]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--out", help="directory for the JSON (default $OUT, else benchmarks/results)")
+    parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
+    parser.add_argument("--shapes", default="qwen3_8b,embedded", help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--contexts", default="1024,8192,32768", help="Qwen3-8B contexts (embedded: 512)")
+    parser.add_argument("--block-kv", type=int, default=64, help="the Mosaic kernel's key block (64 or 128)")
+    parser.add_argument(
+        "--splits", default="", help="also time the Mosaic kernel at these key-split counts (e.g. 4,8,16,32)"
+    )
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    sweep = tuple(int(n) for n in args.splits.split(",") if n)
+    print(
+        f"device: {device_description()}; commit {args.commit}; roofline {COPY_BANDWIDTH / 1e12:.1f} TB/s, "
+        f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    results = []
+    key = jax.random.key(0)
+    for shape, batch, steps, context in cases(args.quick, contexts, args.shapes.split(",")):
+        case_key = jax.random.fold_in(key, context + steps + batch)
+        row = run_case(shape, batch, steps, context, case_key, args.block_kv, sweep)
+        results.append(row)
+        errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
+        print(
+            f"{shape:8s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
+            f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
+            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  triton {row['triton_us']:8.1f} us  "
+            f"xla {row['xla_us']:8.1f} us"
+            + (f"  [{errors}]" if errors else "")
+            + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
+            flush=True,
+        )
+        write_result(
+            f"gqa_mgpu_{args.commit}",
+            {"rows": results, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS},
+            args.commit,
+            args.out,
+        )
+    header = ["shape", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "GB/s", "x roof", "rel err"]
+    header += ["triton us", "xla us", "vs triton", "vs xla", "L2"]
+    table = [
+        [
+            r["shape"],
+            r["B"],
+            r["N"],
+            r["context"],
+            r["bound"],
+            r["roofline_us"],
+            r["mgpu_us"],
+            f"{r['mgpu_TFLOPs']:.0f}",
+            f"{r['mgpu_GBps']:.0f}",
+            f"{r['mgpu_of_roofline']:.2f}",
+            f"{r['rel_err']:.1e}",
+            r["triton_us"],
+            r["xla_us"],
+            f"{r['triton_us'] / r['mgpu_us']:.2f}",
+            f"{r['xla_us'] / r['mgpu_us']:.2f}",
+            "resident" if r["l2_resident"] else "cold",
+        ]
+        for r in results
+    ]
+    print("\n" + markdown_table(header, table))
+
+
+if __name__ == "__main__":
+    main()
