@@ -72,7 +72,7 @@ from ddtree_kernels.tree_build import MAX_ROW
 SPLIT_K_MAX_HIDDEN = 1024  # targets up to this hidden size compile `generate` without split-K (module docstring)
 ATTENTION_IMPLS = ("xla", "blockwise", "pallas", "auto")
 MATMUL_IMPLS = ("xla", "pallas", "auto")
-MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "ep", "reference")
+MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "decode", "ep", "reference")
 VERIFY_IMPLS = ("xla", "pallas", "auto")
 TOPK_IMPLS = ("auto", "xla", "prefilter")
 TREE_IMPLS = ("xla", "pallas", "auto")

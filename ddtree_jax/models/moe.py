@@ -13,6 +13,11 @@ and k experts per token there are N = M * k (token, expert) assignments:
   dequantised (N slots, spare ones empty); else all E are dequantised in XLA. This is the interface the
   Pallas INT4 grouped kernel fills in: XLA on GPU expands ragged_dot into a dense product over every
   group (G * N rows), k times the reference's work once N >= E.
+- "decode": `ddtree_kernels.moe_decode`, two kernels that read the chosen experts' INT4 codes in place
+  (the expert id read inside the kernel; a LayerOf's layer too): gate / up + SiLU, then the weighted
+  down projection summed per token. For INT4 experts and at most `moe_decode.MAX_ASSIGNMENTS`
+  assignments (decode and small trees); other weights or more assignments take "gather". Explicit only
+  until measured on the GPU (not an "auto" choice yet).
 - "auto" (prefill / tree-forward default), static from the shapes (`dispatch.moe_impl`): off GPU "gather" while
   N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 16, else "pallas" (the grouped
   kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep").
@@ -30,8 +35,8 @@ On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
   weigh 0; a psum over "model" combines. Inside (`dispatch.local_expert_impl`), "gather" while the step's
   assignments are at most the device's experts (GPU: at most 16), else the grouped kernel on GPU and
   the dense product over its experts elsewhere. Without a mesh "ep" is "gather".
-- "pallas": the grouped kernel cannot be partitioned by XLA, so under a mesh it runs in a region too,
-  on the TP table's split (each expert's FFN columns over "model"), partial sums psum-ed.
+- "pallas" / "decode": kernels XLA cannot partition, so under a mesh they run in a region too, on the TP
+  table's split (each expert's FFN columns over "model"), partial sums psum-ed.
 - "gather" / "ragged" / "reference" are left to the XLA partitioner (right for TP, where each device
   reads its column slice of the chosen experts; under the EP table it would gather expert weights
   across devices: use "ep").
@@ -55,6 +60,7 @@ from ddtree_jax.models.layers import contract, linear, swiglu
 from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
 from ddtree_kernels.decode_matmul import grouped_matmul
+from ddtree_kernels.moe_decode import MAX_ASSIGNMENTS, flat_assignments, moe_decode
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
 from ddtree_kernels.tiling import dot_precision
 
@@ -171,6 +177,18 @@ def routed_gather(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 
+def routed_decode(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """x [M, D], experts / weights [M, k] -> [M, D] on the `moe_decode` kernels (module docstring, "decode");
+    "gather" where they do not apply (non-INT4 experts, more than MAX_ASSIGNMENTS assignments)."""
+    names = ("expert_gate", "expert_up", "expert_down")
+    stored = [p[name].stack if isinstance(p[name], LayerOf) else p[name] for name in names]
+    if experts.size > MAX_ASSIGNMENTS or not all(isinstance(w, Int4Weight) for w in stored):
+        return routed_gather(p, x, experts, weights)
+    layer = p["expert_gate"].layer if isinstance(p["expert_gate"], LayerOf) else None
+    flat_experts, tokens, flat_weights = flat_assignments(experts, weights)
+    return moe_decode(x, *stored, flat_experts, tokens, flat_weights, layer)
+
+
 # lhs [N, in] ragged over N, rhs [G, out, in] (the stored [out, in] layout) -> [N, out]
 _RAGGED_DIMS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
@@ -249,7 +267,7 @@ def _routed_tensor_parallel(impl: str, p: dict, x: jax.Array, experts: jax.Array
     return lax.psum(_ROUTED[impl](p, x, experts, weights), MODEL)
 
 
-_ROUTED = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas}
+_ROUTED = {"gather": routed_gather, "ragged": routed_ragged, "pallas": routed_pallas, "decode": routed_decode}
 
 
 def _routed_on_mesh(
@@ -257,7 +275,7 @@ def _routed_on_mesh(
 ) -> jax.Array:
     """ "ep", and "pallas" under a mesh: the routed experts as a manual region (`sharding.regions`). Tokens
     (replicated over "model", split by batch over "data") meet the experts where they live, results are
-    summed over "model"; without a mesh "ep" is "gather" and "pallas" runs as is."""
+    summed over "model"; without a mesh "ep" is "gather" and "pallas" / "decode" run as they are."""
     if context_mesh() is None:
         return _ROUTED["gather" if impl == "ep" else impl](p, x, experts, weights)
     # the experts' specs from the rule tables: "ep" splits "experts", "tp" each expert's "expert_mlp"
@@ -288,7 +306,7 @@ def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") 
     if impl == "reference":
         return moe_reference(config, p, x)
     experts, weights = route(config, p["router"], p["router_bias"], flat)
-    if impl in ("ep", "pallas"):
+    if impl in ("ep", "pallas", "decode"):
         routed = _routed_on_mesh(impl, p, flat, experts, weights)
     else:
         routed = _ROUTED[impl](p, flat, experts, weights)

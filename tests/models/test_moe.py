@@ -66,7 +66,8 @@ def _reference(p, x):
 
 
 _DISPATCH = {
-    impl: jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl)) for impl in ("gather", "ragged", "pallas")
+    impl: jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl))
+    for impl in ("gather", "ragged", "pallas", "decode")  # decode: the moe_decode kernels for INT4 at <= 32
 }
 
 
@@ -111,6 +112,22 @@ def test_bfloat16_activations(fmt):
         assert got.dtype == jnp.bfloat16 and relerr(got.astype(jnp.float32), want) < 2e-2, impl
 
 
+def test_decode_kernels_read_a_stacked_layer_in_place():
+    """moe_impl="decode" on INT4 experts handed over as LayerOf(stack, layer) (what the layer loops pass):
+    the kernels read layer 1 of a 2-layer stack in place and equal "gather" and the reference on it; 2 x 4
+    tokens x 3 = 24 assignments (<= moe_decode.MAX_ASSIGNMENTS)."""
+    first, second = _layer("int4", seed=1), _layer("int4", seed=2)
+    stacked = dict(second)
+    for name in EXPERTS:
+        stack = jax.tree.map(lambda a, b: jnp.stack([a, b]), first[name], second[name])
+        stacked[name] = moe.LayerOf(stack, jnp.asarray(1, jnp.int32))
+    x = jax.random.normal(jax.random.key(4), (2, 4, CONFIG.hidden_size))
+    want = _reference(second, x)
+    got = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="decode"))(stacked, x)
+    assert relerr(got, want) < 1e-5
+    assert relerr(got, _reference(first, x)) > 1e-2  # the other layer would differ
+
+
 def test_auto_rule_and_unknown_impl():
     k, experts = CONFIG.num_experts_per_tok, CONFIG.n_routed_experts
     assert dispatch.moe_impl(5 * k, experts, backend_name="cpu") == "gather"  # 15 assignments <= 16 experts
@@ -143,7 +160,7 @@ def test_prefill_and_verify_take_each_impl():
         pre, _, cache = deepseek_v3.prefill(CONFIG, params, cache, ids, jnp.array([6, 4], jnp.int32), moe_impl=impl)
         ver, _, _ = deepseek_v3.tree_forward(CONFIG, params, cache, ids[:, :4], depths, tree_mask, moe_impl=impl)
         outs[impl] = (pre, ver)
-    for impl in ("auto", "gather", "ragged", "pallas"):
+    for impl in ("auto", "gather", "ragged", "pallas", "decode"):
         for got, want in zip(outs[impl], outs["reference"]):
             assert relerr(got, want) < 1e-5, impl
 
