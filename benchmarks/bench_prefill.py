@@ -2,20 +2,27 @@
 
 For each context (prompt length) and chunk setting it compiles `engine.generate.start_state` (the target's
 prefill, the first token, and for a pair with a drafter the drafter's context append) on one random prompt
-(B = 1, random-weight Qwen3-shaped target in bf16, `--shape qwen3-8b` or `tiny`) and times it (median of
-`--repeats` runs, each on a fresh random prompt, `block_until_ready`; compilation timed apart). Counted
-per prefill of T tokens (the target only; the drafter's append is a few matmuls per token, not counted):
+(B = 1, a random-weight target in bf16: `--shape qwen3-8b` or `tiny` (Qwen3), `k2.6` (the Kimi K2.6 width,
+4 layers unless --layers: MLA, 384 random INT4 experts) or `k2-tiny`) and times it (median of `--repeats`
+runs, each on a fresh random prompt, `block_until_ready`; compilation timed apart). Counted per prefill of
+T tokens in chunks of C (the target only; the drafter's append is a few matmuls per token, not counted):
 
-  matmul FLOPs     2 x T x (the parameters every token multiplies: attention and MLP projections, the LM
-                   head over all T positions, as the engine computes it)
-  attention FLOPs  layers x 2 x 2 x Hq x head_dim x T^2 / 2  (scores and values, causal: half the square)
+  matmul FLOPs     2 x T x (the parameters every token multiplies: attention projections, the MLP / the
+                   router, the k routed and the shared experts) + 2 x (T / C) x the LM head (the engine
+                   computes the logits of one row per chunk); MLA also expands every key once
+                   (W_UK, W_UV: 2 x T x H x kv_lora x (nope + v))
+  attention FLOPs  layers x 2 x Hq x (Dk + Dv) x T^2 / 2  (scores and values, causal: half the square;
+                   Qwen3 Dk = Dv = head_dim; MLA's expanded form Dk = nope + rope, Dv = v)
+Counted are the FLOPs the problem needs, not what a path spends beyond them (the blockwise path's scores
+above the diagonal, the expanded MLA form's re-expansion of the cache per chunk).
   TFLOP/s          (matmul + attention FLOPs) / seconds, and its share of the bf16 peak (790 TFLOP/s, the
                    rate measured on an H200: BENCHMARKS.md)
 
 plus the compiled program's temporary memory (`memory_analysis().temp_size_in_bytes`): chunked, it grows
 with the chunk; whole, with T x context (the score matrix) unless attention goes blockwise.
 
-Targets (#24, one H200): the Qwen3-8B shape prefills 32k tokens in <= 3 s (>= 35% of the peak); 128k runs.
+Targets (#24, one H200): the Qwen3-8B shape prefills 32k tokens in <= 3 s (>= 35% of the peak); 128k runs;
+the K2.6 width (4 layers) prefills 32k and 128k tokens, at 32k >= 35% of the peak.
 
 Usage: python -m benchmarks.bench_prefill --commit $(git rev-parse --short HEAD) [--shape qwen3-8b]
        [--contexts 2048,8192,32768] [--chunks 0,2048] [--layers N] [--out DIR]
@@ -34,23 +41,51 @@ import numpy as np
 
 from benchmarks.bench_engine import SHAPES
 from benchmarks.common import device_description, markdown_table, write_result
+from benchmarks.k26_model import k26_config, random_int4_target
+from ddtree_jax import dispatch
+from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.engine.generate import start_state
 from ddtree_jax.models import qwen3
 from ddtree_jax.options import DecodeOptions
 from ddtree_jax.sampling import SamplingParams, row_keys
 
+K2_SHAPES = {"k2.6": False, "k2-tiny": True}  # --shape -> k26_config's tiny flag (MLA + INT4 MoE targets)
 PEAK_FLOPS = 790e12  # measured bf16 matmul rate of one H200 here (BENCHMARKS.md)
 
 
-def prefill_flops(config, tokens: int) -> dict[str, float]:
-    """{"matmul", "attention"} FLOPs of one T-token prefill of a Qwen3-shaped target (module docstring)."""
+def prefill_flops(config, tokens: int, head_rows: int = 1) -> dict[str, float]:
+    """{"matmul", "attention"} FLOPs of one T-token prefill whose LM head runs on `head_rows` rows (one per
+    chunk), for a Qwen3 or a DeepSeek-V3 / K2 target (module docstring)."""
     c = config
-    q = c.num_heads * c.head_dim
-    kv = c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
-    attention = c.num_layers * 2 * 2 * q * tokens * tokens / 2
-    return {"matmul": 2.0 * tokens * weights, "attention": float(attention)}
+    if isinstance(c, DeepSeekV3Config):
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        heads = c.num_heads
+        q_proj = (
+            c.hidden_size * c.q_lora_rank + c.q_lora_rank * heads * qk if c.q_lora_rank else c.hidden_size * heads * qk
+        )
+        attn_proj = (
+            q_proj
+            + c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim)
+            + heads * c.v_head_dim * c.hidden_size
+            + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)  # every key expanded once
+        )
+        dense_mlp = 3 * c.hidden_size * c.intermediate_size
+        moe_mlp = c.hidden_size * c.n_routed_experts + 3 * c.hidden_size * c.moe_intermediate_size * (
+            c.num_experts_per_tok + c.n_shared_experts
+        )
+        dense_layers = min(c.first_k_dense_replace, c.num_layers)
+        per_token = c.num_layers * attn_proj + dense_layers * dense_mlp + (c.num_layers - dense_layers) * moe_mlp
+        pair = heads * (qk + c.v_head_dim)
+    else:
+        q = c.num_heads * c.head_dim
+        kv = c.num_kv_heads * c.head_dim
+        per_token = c.num_layers * (
+            c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+        )
+        pair = 2 * q
+    matmul = 2.0 * tokens * per_token + 2.0 * head_rows * c.vocab_size * c.hidden_size
+    attention = c.num_layers * 2 * pair * tokens * tokens / 2
+    return {"matmul": matmul, "attention": float(attention)}
 
 
 def bench_prefill(
@@ -93,7 +128,8 @@ def bench_prefill(
         if i:
             times.append(time.perf_counter() - begin)
     seconds = float(np.median(times))
-    flops = prefill_flops(config, context)
+    chunk_len = dispatch.prefill_chunk(chunk, context)
+    flops = prefill_flops(config, context, head_rows=1 if chunk_len is None else -(-context // chunk_len))
     total = flops["matmul"] + flops["attention"]
     return {
         "context": context,
@@ -113,7 +149,7 @@ def bench_prefill(
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown", help="the commit measured (recorded in the JSON)")
-    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES) + sorted(K2_SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="target layers (default: the shape's)")
     parser.add_argument("--contexts", default="2048,8192,32768", help="prompt lengths (default 2048,8192,32768)")
     parser.add_argument(
@@ -133,11 +169,17 @@ def main(argv=None) -> int:
         raise SystemExit(
             f"error: contexts >= 1, chunks >= 0, --repeats >= 1 (got {contexts}, {chunks}, {args.repeats})"
         )
-    config = SHAPES[args.shape][0]
-    if args.layers is not None:
-        config = dataclasses.replace(config, num_layers=args.layers, tapped_layers=())
+    if args.shape in K2_SHAPES:
+        config = k26_config(args.layers or 4, tiny=K2_SHAPES[args.shape])
+    else:
+        config = SHAPES[args.shape][0]
+        if args.layers is not None:
+            config = dataclasses.replace(config, num_layers=args.layers, tapped_layers=())
     config = dataclasses.replace(config, max_position_embeddings=max(config.max_position_embeddings, 2 * max(contexts)))
-    params = qwen3.init_params(config, jax.random.key(0), jnp.bfloat16)
+    if args.shape in K2_SHAPES:  # random INT4 experts made on the device, one layer at a time
+        params = jax.jit(lambda key: random_int4_target(config, key, jnp.bfloat16))(jax.random.key(0))
+    else:
+        params = qwen3.init_params(config, jax.random.key(0), jnp.bfloat16)
     print(f"device: {device_description()}; commit {args.commit}; {args.shape}, {config.num_layers} layers", flush=True)
     rows = []
     for context, chunk, attn_impl in itertools.product(contexts, chunks, args.attn_impls.split(",")):
