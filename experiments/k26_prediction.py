@@ -1,0 +1,190 @@
+"""Predicted Kimi K2.6 tokens/s on 8 GPUs (TP8) from the measured one-GPU shard step + modelled collectives.
+
+A **prediction**, not a measurement (issue #26, item 4): the 8-GPU kind is not lent. Inputs:
+
+1. The TP8 shard's fused decode step measured on one H200 (`experiments/tp_shard_step.py` JSON: rows with
+   B, context, method, budget, attn_impl, step_ms, collectives_ms = the real 8-GPU step's all-reduces and
+   gathers priced by `analysis.roofline.step_cost(layout="tp8")`). Predicted TP8 step = step_ms +
+   collectives_ms (what one GPU computes plus what the other seven add by communication, no overlap).
+   Where a (B, context, method, budget) was measured more than once, the fastest attention column is used.
+2. Acceptance, tokens per step (the bonus token included): the chain's tau from the public
+   Kimi-K2.5-DFlash numbers at block 8 (3.7-5.5: `--chain-taus`), and DDTree's as the chain's times the
+   embedded pair's measured DDTree / chain tokens-per-step ratio at the same budget and temperature
+   (`bench_e2e` JSONs: tokens over decode steps, all 16 prompts pooled), capped at `--max-tau` (8: a block-8
+   drafter proposes 7 tokens, + the bonus). That the ratio transfers from the embedded pair (block 16) to
+   K2.6's block-8 drafter is an assumption; the ratio is printed with its source.
+
+Per (B, context, temperature, chain tau) and column: predicted step ms, tokens/s of the batch
+(B x tau / step), speedup over AR at the same B and context, and the break-even tau (step / AR step: the
+tokens per step a method needs to match AR).
+
+  python -m experiments.k26_prediction --shard benchmarks/results_archive/k26_tp8_shard_003b11c.json \\
+      --e2e benchmarks/results_archive/e2e_embedded_T0_25753af.json,benchmarks/results_archive/e2e_embedded_T1_25753af.json
+
+Writes k26_prediction.json (and a plot with --plot) under --out; prints one markdown table per temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+PUBLIC_CHAIN_TAUS = (3.7, 4.6, 5.5)  # Kimi-K2.5-DFlash, block 8: the published range and its middle
+
+
+def tokens_per_step(e2e: dict) -> dict[tuple[str, int | None], float]:
+    """(method, budget) -> decoded tokens over decode steps, pooled over the prompts of a `bench_e2e` JSON."""
+    out = {}
+    for row in e2e["results"]:
+        prompts = row["per_prompt"]
+        steps = sum(p["steps"] for p in prompts)
+        if steps <= 0:
+            raise ValueError(f"{row['method']} {row.get('budget')}: no decode steps in the e2e JSON")
+        out[row["method"], row.get("budget")] = sum(p["num_tokens"] - 1 for p in prompts) / steps
+    return out
+
+
+def acceptance_ratios(e2e: dict) -> dict[int, float]:
+    """budget -> DDTree's tokens per step over the chain's (the embedded pair, one temperature)."""
+    tps = tokens_per_step(e2e)
+    if ("chain", None) not in tps:
+        raise ValueError("the e2e JSON has no chain row")
+    chain = tps["chain", None]
+    return {budget: value / chain for (method, budget), value in tps.items() if method == "ddtree"}
+
+
+def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict]:
+    """(B, context, method, budget) -> the fastest measured row (over attention columns)."""
+    best = {}
+    for row in rows:
+        key = (row["B"], row["context"], row["method"], row.get("budget"))
+        if key not in best or row["step_ms"] < best[key]["step_ms"]:
+            best[key] = row
+    return best
+
+
+def predict(shard_rows: list[dict], ratios: dict[int, float], chain_taus, max_tau: float = 8.0) -> list[dict]:
+    """One row per (B, context, chain tau, measured column) with a DDTree ratio or a chain / AR column."""
+    steps = shard_steps(shard_rows)
+    out = []
+    for (batch, context, method, budget), row in sorted(steps.items(), key=lambda kv: str(kv[0])):
+        ar = steps.get((batch, context, "ar", None))
+        if ar is None:
+            continue  # no AR step at this (B, context): nothing to compare with
+        ar_ms = ar["step_ms"] + ar["collectives_ms"]
+        step_ms = row["step_ms"] + row["collectives_ms"]
+        for chain_tau in chain_taus:
+            if method == "ar":
+                tau = 1.0
+            elif method == "chain":
+                tau = chain_tau
+            elif budget in ratios:
+                tau = min(chain_tau * ratios[budget], max_tau)
+            else:
+                continue  # a budget the e2e run did not measure
+            out.append(
+                {
+                    "B": batch,
+                    "context": context,
+                    "method": method,
+                    "budget": budget,
+                    "chain_tau": chain_tau,
+                    "tau": tau,
+                    "acceptance_ratio": ratios.get(budget) if method == "ddtree" else None,
+                    "shard_step_ms": row["step_ms"],
+                    "collectives_ms": row["collectives_ms"],
+                    "predicted_step_ms": step_ms,
+                    "tokens_per_s": batch * tau / step_ms * 1e3,
+                    "x_ar": tau / step_ms * ar_ms,
+                    "break_even_tau": step_ms / ar_ms,
+                    "attn_impl": row.get("attn_impl"),
+                }
+            )
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| B | context | method | budget | chain tau | tau | predicted step ms | tokens/s | x AR | break-even tau |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['B']} | {r['context']:,} | {r['method']} | {r['budget'] or ''} | {r['chain_tau']:.1f} | "
+            f"{r['tau']:.2f} | {r['predicted_step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['x_ar']:.2f} | "
+            f"{r['break_even_tau']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """tokens/s against the chain's tau, one line per column, one panel per (temperature, context)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["temperature"], r["context"]) for r in rows if r["B"] == 1})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (temperature, context) in zip(axes[0], panels):
+        mine = [r for r in rows if r["B"] == 1 and r["temperature"] == temperature and r["context"] == context]
+        for column in sorted({(r["method"], r["budget"] or 0) for r in mine}):
+            points = [r for r in mine if (r["method"], r["budget"] or 0) == column]
+            label = column[0] if column[0] != "ddtree" else f"DDTree {column[1]}"
+            ax.plot([r["chain_tau"] for r in points], [r["tokens_per_s"] for r in points], marker="o", label=label)
+        ax.set_title(f"T = {temperature:g}, context {context:,} (prediction)")
+        ax.set_xlabel("chain tau (Kimi-K2.5-DFlash, block 8)")
+        ax.set_ylabel("tokens/s, B = 1, TP8")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shard", required=True, help="comma-separated tp_shard_step JSONs")
+    parser.add_argument("--e2e", required=True, help="comma-separated bench_e2e JSONs (one per temperature)")
+    parser.add_argument("--chain-taus", default=",".join(str(t) for t in PUBLIC_CHAIN_TAUS))
+    parser.add_argument("--max-tau", type=float, default=8.0, help="tokens a step at most (block 8: 7 drafted + bonus)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
+    parser.add_argument("--plot", action="store_true", help="also write k26_prediction.png")
+    args = parser.parse_args(argv)
+    chain_taus = [float(t) for t in args.chain_taus.split(",")]
+    if any(t < 1 for t in chain_taus) or any(t > args.max_tau for t in chain_taus):
+        raise SystemExit(f"error: chain taus are tokens per step in [1, --max-tau {args.max_tau}]; got {chain_taus}")
+    shard_rows, sources = [], []
+    for path in args.shard.split(","):
+        with open(path) as f:
+            data = json.load(f)
+        shard_rows += data["rows"]
+        sources.append({"file": path, "commit": data.get("commit")})
+    rows = []
+    for path in args.e2e.split(","):
+        with open(path) as f:
+            e2e = json.load(f)
+        temperature = e2e["settings"]["temperature"]
+        ratios = acceptance_ratios(e2e)
+        print(
+            f"T = {temperature:g}: DDTree / chain tokens per step on the embedded pair ({path}): "
+            + ", ".join(f"{b}: {r:.2f}" for b, r in sorted(ratios.items()))
+        )
+        mine = predict(shard_rows, ratios, chain_taus, args.max_tau)
+        for r in mine:
+            r["temperature"] = temperature
+            r["e2e_source"] = path
+        rows += mine
+        print(f"\nT = {temperature:g} (prediction: measured one-GPU shard step + modelled collectives)\n")
+        print(table(mine))
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, "k26_prediction.json")
+    with open(out, "w") as f:
+        json.dump({"kind": "prediction", "shard_sources": sources, "chain_taus": chain_taus, "rows": rows}, f, indent=1)
+    print(f"\nwritten: {out}")
+    if args.plot:
+        plot(rows, os.path.join(args.out, "k26_prediction.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
