@@ -7,7 +7,7 @@ its own.
   mla_attention_mgpu   absorbed-MLA tree-verify attention on Mosaic GPU (Hopper TMA + wgmma)
   gqa_attention_mgpu   GQA tree-verify attention on Mosaic GPU (not yet run on a GPU; not wired in)
   prefill_attention_mgpu  causal prefill-chunk attention on Mosaic GPU (FlashAttention-3 style, per-row offset)
-  moe_decode           INT4 MoE decode: the chosen experts read in place (not yet run on a GPU; not wired in)
+  moe_decode           INT4 MoE decode: the chosen experts read in place (moe_impl "decode"; not yet run on a GPU)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits
   sampling_reference   the pure-jnp definitions tree_sampling computes (processed probabilities, the walk)
