@@ -11,7 +11,8 @@ Counted first, per call (S = context + N):
   roofline = max(bytes / 4.3 TB/s (read + write copy bandwidth measured on this H200), FLOPs / 790 TFLOP/s).
 Timing (`in_jit_seconds`): one jitted program calls the variant once on each of >= 4 input sets (queries
 and cache; together larger than twice the 50 MB L2, so no call reads the previous call's data from L2) and
-returns a few elements of each output; time per call = the program's median wall time over 7 runs
+returns a few elements of each output (at most MAX_SETS sets: a case whose sets stay below twice the L2 is
+marked `l2_resident`); time per call = the program's median wall time over 7 runs
 (`common.time_calls`, block_until_ready) / the number of sets. Inside one program the calls run back to
 back on the device: no host dispatch per call (a host-queued loop measured ~75-120 us a call for every
 variant at the small cases: the dispatch, not the kernel). Correctness: ||out - ref|| / ||ref|| against the XLA path on input set 0, per case
@@ -39,7 +40,7 @@ COPY_BANDWIDTH = 4.3e12  # bytes/s read + write, XLA copy on this H200 (BENCHMAR
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on this H200
 L2_BYTES = 50 << 20
 MIN_SETS = 4
-MAX_SETS = 32  # calls in one timed program (tiny CPU smoke shapes would otherwise ask for hundreds)
+MAX_SETS = 72  # calls in one timed program (tiny CPU smoke shapes would otherwise ask for hundreds)
 VARIANTS = {"mla8": 8, "mla64": 64}  # query heads
 
 
@@ -121,6 +122,7 @@ def run_case(variant: str, batch: int, steps: int, context: int, key, split_swee
         "mgpu_blocks_per_split": per_split,
     }
     sets = input_sets(batch, steps, heads, context, key)
+    row["l2_resident"] = len(sets) * nbytes < 2 * L2_BYTES  # MAX_SETS reached before twice the L2
     ref = None
     try:
         ref = ATTEND["xla"](*sets[0])

@@ -555,7 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--block-size", type=int, default=16, help="drafter block size (chain slots; default 16)")
     plan.add_argument("--batch", type=int, default=1)
     plan.add_argument(
-        "--context", type=int, default=None, help="cache rows a step attends (default unknown: no short-cache rule)"
+        "--context",
+        type=int,
+        default=None,
+        help="committed tokens before the step (the cache's rows: these + the step's slots, in whole 128-row blocks; default unknown: no short-cache rule)",
     )
     plan.add_argument(
         "--dtype",

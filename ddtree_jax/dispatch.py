@@ -67,6 +67,7 @@ import os
 
 import jax
 
+from ddtree_kernels import mla_attention_mgpu, prefill_attention_mgpu
 from ddtree_kernels.tree_build import MAX_ROW
 
 SPLIT_K_MAX_HIDDEN = 1024  # targets up to this hidden size compile `generate` without split-K (module docstring)
@@ -142,11 +143,13 @@ def attention_impl(
     mla: bool = False,
     group: int = 1,
     float32: bool = False,
+    mla_dims: tuple[int, int] | None = None,
     backend_name: str | None = None,
 ) -> str:
     """ "xla", "blockwise" or "pallas" for a call with `queries` query positions per row (None: a decode /
     verify step) against `keys` cache rows (None: unknown) of a GQA (mla=False) or absorbed-MLA layer with
-    `group` query heads per KV head, its inputs float32 (float32=True) or bf16."""
+    `group` query heads per KV head, its inputs float32 (float32=True) or bf16; mla_dims: the MLA layer's
+    (latent, rope) dims (None: K2's 512, 64): "auto" takes the kernel only where the Mosaic one runs."""
     _check("attention", impl, ATTENTION_IMPLS)
     if impl != "auto":
         return impl
@@ -158,7 +161,8 @@ def attention_impl(
     if mla:
         decode = queries is None or queries <= AUTO_PALLAS_MLA_QUERIES
         enough_keys = keys is None or keys >= AUTO_PALLAS_MLA_MIN_KEYS
-        return "pallas" if decode and enough_keys and not float32 else "xla"
+        mosaic = mla_attention_kernel(bfloat16=not float32, dims=mla_dims, backend_name=backend_name) == "mosaic"
+        return "pallas" if decode and enough_keys and mosaic else "xla"
     if float32 and group * (queries or 1) > AUTO_PALLAS_MAX_F32_ROWS:
         return "xla"
     if queries is None or queries <= AUTO_PALLAS_GQA_QUERIES:
@@ -187,17 +191,26 @@ def prefill_attention_kernel(
     fits = key_dim in PREFILL_KERNEL_KEY_DIMS and value_dim in PREFILL_KERNEL_VALUE_DIMS and keys % 64 == 0
     if impl in ("xla", "blockwise") or not (_on_gpu(backend_name) and bfloat16 and fits):
         return "none"
+    if not prefill_attention_mgpu.causal_masking_safe():
+        return "none"  # a CUDA runtime whose ptxas miscompiles this causal masking (the kernel's docstring)
     enabled = AUTO_PREFILL_KERNEL_MLA if mla else AUTO_PREFILL_KERNEL
     if impl == "auto" and (queries <= AUTO_PALLAS_MAX_QUERIES or not enabled):
         return "none"
     return "mosaic"
 
 
-def mla_attention_kernel(*, bfloat16: bool, backend_name: str | None = None) -> str:
+MOSAIC_MLA_DIMS = (mla_attention_mgpu.LATENT_DIM, mla_attention_mgpu.ROPE_DIM)  # (latent, rope) it takes
+
+
+def mla_attention_kernel(
+    *, bfloat16: bool, dims: tuple[int, int] | None = None, backend_name: str | None = None
+) -> str:
     """The kernel behind attn_impl "pallas" for absorbed MLA: "mosaic" (`mla_attention_mgpu`: TMA + wgmma,
-    bf16 only) on GPU for bf16 inputs, else "triton" (`tree_attention`; in interpret mode off GPU, where
-    Mosaic GPU's interpreter runs a CTA's warpgroups as host threads that starve on a 2-core machine)."""
-    return "mosaic" if _on_gpu(backend_name) and bfloat16 else "triton"
+    bf16, latent 512 and rope 64 (`dims`, None: those) only) on GPU, else "triton" (`tree_attention`; in
+    interpret mode off GPU, where Mosaic GPU's interpreter runs a CTA's warpgroups as host threads that
+    starve on a 2-core machine)."""
+    fits = dims is None or tuple(dims) == MOSAIC_MLA_DIMS
+    return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits else "triton"
 
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
@@ -357,8 +370,10 @@ def decode_plan(
     backend_name: str | None = None,
 ) -> list[StageChoice]:
     """What one decode step runs with these `options` (an `options.DecodeOptions`) on a target of
-    `target_config` with float32 (float32=True) or bf16 weights and caches, attending `keys` cache rows
-    (None: unknown): one StageChoice per decision, after the "auto" rules above."""
+    `target_config` with float32 (float32=True) or bf16 weights and caches, after `keys` committed tokens
+    (None: unknown; the attention rules see the cache's rows: those + the step's slots, in whole
+    CACHE_ROW_MULTIPLE blocks as the engine allocates them): one StageChoice per decision, after the "auto"
+    rules above."""
     backend_name = backend_name or backend()
     slots = 1 if method == "ar" else (budget + 1 if method == "ddtree" else block_size)
     rows = batch * slots
@@ -377,17 +392,27 @@ def decode_plan(
             else:
                 topk = topk_impl(options.topk_impl, vocab=vocab, k=k)
             plan.append(StageChoice("tree top-k", topk, f"V = {vocab}, K = {k}"))
+    mla_dims = (target_config.kv_lora_rank, target_config.qk_rope_head_dim) if mla else None
+    if keys is not None:  # the committed tokens -> the cache's rows, whole blocks as the engine allocates them
+        keys = -(-(keys + slots) // CACHE_ROW_MULTIPLE) * CACHE_ROW_MULTIPLE
     attention = attention_impl(
-        options.attn_impl, queries=slots, keys=keys, mla=mla, group=group, float32=float32, backend_name=backend_name
+        options.attn_impl,
+        queries=slots,
+        keys=keys,
+        mla=mla,
+        group=group,
+        float32=float32,
+        mla_dims=mla_dims,
+        backend_name=backend_name,
     )
-    kernel = mla_attention_kernel(bfloat16=not float32, backend_name=backend_name)
+    kernel = mla_attention_kernel(bfloat16=not float32, dims=mla_dims, backend_name=backend_name)
     plan.append(
         StageChoice(
             "tree-forward attention",
             attention,
             f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row"
             + (f" (the {kernel} kernel)" if mla and attention == "pallas" else "")
-            + ("" if keys is None else f" against {keys} keys")
+            + ("" if keys is None else f" against {keys} cache rows")
             + (f" x {group} heads per KV head, float32" if float32 else ""),
         )
     )

@@ -36,6 +36,11 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.mla_attention_kernel(bfloat16=True, **gpu) == "mosaic"
     assert dispatch.mla_attention_kernel(bfloat16=False, **gpu) == "triton"
     assert dispatch.mla_attention_kernel(bfloat16=True, backend_name="cpu") == "triton"
+    # the Mosaic kernel takes latent 512 / rope 64 only: other MLA shapes keep XLA ("auto") / Triton ("pallas")
+    assert dispatch.mla_attention_kernel(bfloat16=True, dims=(512, 64), **gpu) == "mosaic"
+    assert dispatch.mla_attention_kernel(bfloat16=True, dims=(16, 4), **gpu) == "triton"
+    assert dispatch.attention_impl("auto", queries=9, keys=mla_keys, mla=True, mla_dims=(16, 4), **gpu) == "xla"
+    assert dispatch.attention_impl("auto", queries=9, keys=mla_keys, mla=True, mla_dims=(512, 64), **gpu) == "pallas"
     # causal prefill chunks: the Mosaic kernel on GPU for bf16, fitting head dims, whole 64-key blocks
     prefill = dict(queries=2048, keys=8192, key_dim=128, value_dim=128, bfloat16=True)
     assert dispatch.prefill_attention_kernel("auto", **prefill, **gpu) == "mosaic"
@@ -212,5 +217,8 @@ def test_the_plan_takes_the_short_cache_rule_only_when_told_the_context():
         return next(row for row in plan if row.stage == "tree-forward attention")
 
     assert attention(None).choice == "xla"
-    assert attention(500).choice == "pallas" and "against 500 keys" in attention(500).why
-    assert attention(dispatch.AUTO_PALLAS_GQA_SHORT_KEYS + 1).choice == "xla"
+    # 500 committed tokens + 129 slots = 629 rows, in whole 128-row blocks: 640
+    assert attention(500).choice == "pallas" and "against 640 cache rows" in attention(500).why
+    short, slots = dispatch.AUTO_PALLAS_GQA_SHORT_KEYS, 129
+    assert attention(short - slots).choice == "pallas"  # exactly 2,048 rows
+    assert attention(short - slots + 1).choice == "xla"  # 2,049 rows -> 2,176

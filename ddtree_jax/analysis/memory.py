@@ -523,7 +523,12 @@ def plan_memory(
         ffn = c.intermediate_size // layout.split("mlp")
     keys = context + slots
     attention = dispatch.attention_impl(
-        attention_impl, queries=slots, keys=keys, mla=isinstance(c, DeepSeekV3Config), backend_name=PLANNED_BACKEND
+        attention_impl,
+        queries=slots,
+        keys=cache_rows,
+        mla=isinstance(c, DeepSeekV3Config),
+        mla_dims=(c.kv_lora_rank, c.qk_rope_head_dim) if isinstance(c, DeepSeekV3Config) else None,
+        backend_name=PLANNED_BACKEND,
     )
     act = {
         "logits": tokens * c.vocab_size * 4 + tokens * vocab_local * 2,

@@ -176,10 +176,11 @@ def sharded_mla_attention(
     """Absorbed-MLA attention on a kernel (attn_impl "pallas"), per shard when a mesh is set: queries
     q_latent [B, T, H, R], q_rope [B, T, H, P] against the shared latent cache [B, S, 1, R] and rope keys
     [B, S, 1, P], values the latent; mask bool [B, T, S] -> [B, T, H, R] in q_latent's dtype. The kernel is
-    `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16, the Triton kernel otherwise."""
+    `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512, P = 64, the Triton
+    kernel otherwise."""
     dtype = q_latent.dtype
     bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
-    if dispatch.mla_attention_kernel(bfloat16=bfloat16) == "triton":
+    if dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rope.shape[-1])) == "triton":
         return sharded_tree_attention(
             (q_latent, q_rope.astype(dtype)), (latent.astype(dtype), rope_key.astype(dtype)), None, mask, scale=scale
         )

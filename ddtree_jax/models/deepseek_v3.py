@@ -284,7 +284,14 @@ def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_imp
         return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
     q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
     float32 = q_latent.dtype == jnp.float32 or latent_cache.dtype == jnp.float32
-    impl = dispatch.attention_impl(attn_impl, queries=steps, keys=latent_cache.shape[1], mla=True, float32=float32)
+    impl = dispatch.attention_impl(
+        attn_impl,
+        queries=steps,
+        keys=latent_cache.shape[1],
+        mla=True,
+        float32=float32,
+        mla_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
+    )
     if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
         out_latent = sharded_mla_attention(
             q_latent, q_rot.astype(q_latent.dtype), latent_cache, rope_cache, mask, scale=softmax_scale(c)

@@ -181,6 +181,9 @@ def routed_decode(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     """x [M, D], experts / weights [M, k] -> [M, D] on the `moe_decode` kernels (module docstring, "decode");
     "gather" where they do not apply (non-INT4 experts, more than MAX_ASSIGNMENTS assignments)."""
     names = ("expert_gate", "expert_up", "expert_down")
+    stacked = [isinstance(p[name], LayerOf) for name in names]
+    if any(stacked) and not all(stacked):
+        raise ValueError(f"the routed experts must be all LayerOf or none, got LayerOf for {stacked} of {names}")
     stored = [p[name].stack if isinstance(p[name], LayerOf) else p[name] for name in names]
     if experts.size > MAX_ASSIGNMENTS or not all(isinstance(w, Int4Weight) for w in stored):
         return routed_gather(p, x, experts, weights)

@@ -22,7 +22,9 @@ i, so a key block costs 4 bytes a key per 32 tree queries against 1,152 bytes of
 dense mask is exact (prefix, tree ancestors, ragged lengths).
 
 Constraints (ValueError otherwise): head dims 512 (latent) and 64 (rope), one KV head, bf16 inputs,
-block_kv in (32, 64). S and T * H are free (T * H is padded to a multiple of 8 for TMA's tiling; TMA
+block_kv 64 (the value product contracts over the block's keys, and wgmma at the 128-byte swizzle needs a
+multiple of 64: block_kv 32 runs in interpret mode but does not lower for the GPU, "K must be a multiple of
+64"); T up to ~600 (its mask words share the pipeline's shared memory: a ValueError beyond). S and T * H are free (T * H is padded to a multiple of 8 for TMA's tiling; TMA
 fills the rows past it with zeros and drops out-of-bounds stores); keys in the last block past kv_lengths are read (with weight exactly 0), so the
 cache must hold finite values there (zero-initialised caches do).
 
@@ -66,10 +68,11 @@ LOG2E = math.log2(math.e)
 _INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 
 
-def _stages(block_kv: int) -> int:
-    """Key-block slots in shared memory: as many as fit beside the query tile (at most MAX_STAGES)."""
+def _stages(block_kv: int, num_words: int = 1) -> int:
+    """Key-block slots in shared memory: as many as fit beside the query tile (at most MAX_STAGES); a stage
+    holds the block's latent + rope keys and its `num_words` mask words (T / 32 of them)."""
     resident = 2 * BLOCK_M * (LATENT_DIM + ROPE_DIM)
-    per_stage = 2 * block_kv * (LATENT_DIM + ROPE_DIM) + 4 * 3 * block_kv
+    per_stage = 2 * block_kv * (LATENT_DIM + ROPE_DIM) + 4 * num_words * block_kv
     return min(MAX_STAGES, (SMEM_BUDGET - resident) // per_stage)
 
 
@@ -293,7 +296,7 @@ def _mla_tree_attention(
     rows_pad = row_blocks * BLOCK_M
     splits, per_split = split_plan(batch, rows, capacity, block_kv, num_splits)
     num_words = pl.cdiv(steps, 32)
-    stages = _stages(block_kv)
+    stages = _stages(block_kv, num_words)
     dtype = q_latent.dtype
 
     kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, capacity)
@@ -378,7 +381,7 @@ def mla_tree_attention(
       mask: bool [B, T, S], True where tree query t may attend key s.
       scale: softmax scale (default (512 + 64) ** -0.5); kv_lengths: int32 [B], keys >= it are never
         seen (default `visible_lengths(mask)`).
-      block_kv: keys per pipelined block (32 or 64); num_splits: key splits per row (default: fill the SMs).
+      block_kv: keys per pipelined block (64); num_splits: key splits per row (default: fill the SMs).
       interpret: Mosaic GPU interpret mode (default: on the CPU backend).
     Returns:
       bf16 [B, T, H, 512] (softmax and sums in float32); rows with no visible key are 0.
@@ -402,10 +405,17 @@ def mla_tree_attention(
     for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("latent", latent), ("rope_key", rope_key)):
         if x.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {x.dtype}")
-    if block_kv not in (32, 64):
-        raise ValueError(f"block_kv must be 32 or 64, got {block_kv}")
+    if block_kv != 64:
+        raise ValueError(
+            f"block_kv must be 64 (wgmma contracts the value product over whole 64-key tiles), got {block_kv}"
+        )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if _stages(block_kv, -(-steps // 32)) < 2:
+        raise ValueError(
+            f"T = {steps} tree queries need {-(-steps // 32)} mask words a key: fewer than 2 pipeline stages of "
+            f"{block_kv} keys fit in shared memory (the kernel is for decode / verify steps: T <= ~600)"
+        )
     if kv_lengths is not None and kv_lengths.shape != (batch,):
         raise ValueError(f"kv_lengths must be [B] = ({batch},), got {kv_lengths.shape}")
     scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else float(scale)

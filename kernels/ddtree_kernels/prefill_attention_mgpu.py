@@ -37,9 +37,8 @@ V must be finite there (a zero-initialised or previously written cache is); the 
 read and may hold anything (NaN included).
 
 CUDA: jax's own causal kernel refuses CUDA runtimes 12.8.0 - 12.9.0 (a ptxas miscompilation of its
-causal masking); this kernel masks the same way, so check the GPU machine's runtime at the first run
-(`jax._src.lib.cuda_versions.cuda_runtime_get_version()`, the benchmark records it) and compare against
-the reference there.
+causal masking); this kernel masks the same way, so `causal_masking_safe()` reports such a runtime and the
+library's dispatch keeps the XLA path there. Measured correct on the H200 with CUDA runtime 13.0.
 
 Interpret mode (CPU; `interpret=None` picks it there): the same kernel, except that P reaches the value
 wgmma through shared memory and that product is added instead of accumulated in place (`_accumulate`,
@@ -350,6 +349,22 @@ def _check(q, k, v, start, scale, block_q: int, block_kv: int) -> None:
     stages, _ = smem_plan(key_dim, v.shape[3], block_kv, interpret=False)
     if stages < 2:
         raise ValueError(f"Dk = {key_dim}, Dv = {v.shape[3]} leave {stages} K/V stage(s) at block_kv = {block_kv}")
+
+
+# CUDA runtimes whose ptxas miscompiles causal masking of this kind (jax's own FA3 kernel refuses them)
+BAD_CUDA_RUNTIMES = (12080, 12091)  # [first, end)
+
+
+def causal_masking_safe() -> bool:
+    """False on a CUDA runtime in BAD_CUDA_RUNTIMES (the dispatch then keeps the XLA path); True where the
+    runtime cannot be read (CPU, interpret mode)."""
+    try:
+        from jax._src.lib import cuda_versions  # jax's own check reads the same
+
+        version = cuda_versions.cuda_runtime_get_version() if cuda_versions is not None else None
+    except Exception:  # noqa: BLE001 - no CUDA plugin: nothing to guard
+        return True
+    return version is None or not BAD_CUDA_RUNTIMES[0] <= version < BAD_CUDA_RUNTIMES[1]
 
 
 def causal_prefill_attention(

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # state (5 blocks, 2 stages); T = 33: two mask words.
 CASES = {
     "t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3)),
-    "t9_h8_empty_row": (2, 9, 8, 200, (0, 190), dict(num_splits=2, block_kv=32)),
+    "t9_h8_empty_row": (2, 9, 8, 200, (0, 190), dict(num_splits=2)),
     "t17_h4_scale": (2, 17, 4, 192, (150, 40), dict(num_splits=2, scale=0.05)),
     "t9_h16_one_split": (1, 9, 16, 300, (297,), dict(num_splits=1)),
     "t33_h2_two_words": (1, 33, 2, 130, (128,), dict(num_splits=2)),
@@ -119,7 +119,9 @@ def test_cases_cover_empty_and_single_key_rows():
         (dict(rope_key=(1, 41, 1, 64)), "rope_key must be"),
         (dict(mask=(1, 3, 39)), "mask must be"),
         (dict(dtype=jnp.float32), "must be bfloat16"),
-        (dict(block_kv=128), "block_kv must be 32 or 64, got 128"),
+        (dict(block_kv=128), "block_kv must be 64 .* got 128"),
+        (dict(block_kv=32), "block_kv must be 64 .* got 32"),  # interprets, but does not lower for the GPU
+        (dict(q_latent=(1, 700, 2, 512), q_rope=(1, 700, 2, 64), mask=(1, 700, 40)), "T = 700 tree queries"),
         (dict(num_splits=0), "num_splits must be >= 1, got 0"),
         (dict(kv_lengths=(2,)), "kv_lengths must be"),
     ],
