@@ -507,7 +507,7 @@ def plan_memory(
     drafter_weights = drafter_cache = 0
     if drafter is not None:
         drafter_weights = sum(tensor_bytes(t, layout) for t in drafter_inventory(drafter, c.hidden_size))
-        drafter_cache = rows * context * drafter_cache_bytes_per_token(drafter, layout, cache_dtype)
+        drafter_cache = rows * cache_rows * drafter_cache_bytes_per_token(drafter, layout, cache_dtype)  # same rows
 
     vocab_local = c.vocab_size // layout.split("vocab")
     heads_local = c.num_heads // layout.split("q_heads")
