@@ -7,6 +7,7 @@ its own.
   mla_attention_mgpu   absorbed-MLA tree-verify attention on Mosaic GPU (Hopper TMA + wgmma)
   gqa_attention_mgpu   GQA tree-verify attention on Mosaic GPU (not yet run on a GPU; not wired in)
   prefill_attention_mgpu  causal prefill-chunk attention on Mosaic GPU (FlashAttention-3 style, per-row offset)
+  mosaic_common        what the Mosaic GPU attention kernels share (P @ V accumulation, mask bits, split merge)
   moe_decode           INT4 MoE decode: the chosen experts read in place (moe_impl "decode"; not yet run on a GPU)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits
@@ -23,6 +24,7 @@ from ddtree_kernels import (
     gqa_attention_mgpu,
     mla_attention_mgpu,
     moe_decode,
+    mosaic_common,
     prefill_attention_mgpu,
     quant,
     sampling_reference,
@@ -44,6 +46,7 @@ __all__ = [
     "gqa_tree_attention_reference",
     "mla_attention_mgpu",
     "moe_decode",
+    "mosaic_common",
     "prefill_attention_mgpu",
     "mla_tree_attention",
     "mla_tree_attention_reference",

@@ -53,7 +53,7 @@ b reads are read with weight exactly 0, so V must be finite there (a zero-initia
 cache is); the blocks after it are never read and may hold anything.
 
 Interpret mode (CPU; `interpret=None` picks it there) runs the same kernel with the departure jax 0.11's
-interpreter needs (`_accumulate`, as in `mla_attention_mgpu`): the probabilities reach the value wgmma
+interpreter needs (`mosaic_common.accumulate`, as in `mla_attention_mgpu`): the probabilities reach the value wgmma
 through shared memory (p_smem [WGs, 64, block_kv]), not registers, and that product is added instead of
 accumulated in place. The interpreter runs a CTA's warpgroups as threads blocked inside host callbacks: on a
 machine with fewer than 4 cores, start the process with NPROC=8 (XLA's CPU pool size), or waiting
@@ -69,11 +69,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, accumulate, merge_splits, pack_mask, row_bits
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 from ddtree_kernels.tree_attention import tree_attention_reference, visible_lengths
 
@@ -86,7 +86,6 @@ MAX_STAGES = 4
 MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than this pays its query load and merge for too few keys
 SMEM_BUDGET = SMEM_LIMIT_BYTES - 4 * 1024  # leave room for the barriers
 LOG2E = math.log2(math.e)
-_INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 _TILED = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
@@ -120,28 +119,6 @@ def split_plan(
         num_splits = min(num_splits, max(1, total // MIN_BLOCKS_PER_SPLIT))
     per_split = pl.cdiv(total, max(1, min(num_splits, total)))
     return pl.cdiv(total, per_split), per_split
-
-
-def _accumulate(acc, p, values_ref, p_smem):
-    """acc + p @ values on the tensor cores. Compiled (p_smem None): the FA3 idiom, a wgmma from the
-    registers into the carried accumulator (`pl.run_state`, which waits for it). Interpret mode (jax
-    0.11) runs neither `run_state` nor a wgmma operand held in registers, so there p is staged through
-    shared memory and the product goes to a fresh accumulator that is added: the same value."""
-    if p_smem is None:
-
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, p, values_ref)
-
-        return pl.run_state(product)(plgpu.ACC.init(acc))
-
-    p_smem[...] = p
-    plgpu.commit_smem()
-
-    def staged(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, values_ref)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
 
 
 def _kernel(
@@ -184,7 +161,7 @@ def _kernel(
     # SMEM: q_smem [WGs, 64, D] each compute WG's queries, then its output; rows_smem i32 [2, WGs, 64] the
     #   CTA's row table; lse_smem f32 [WGs, 64]; per slot: k_smem [stages, block_kv, D],
     #   v_smem [stages, block_kv, D], words_smem i32 [stages, W, block_kv]; interpret mode only:
-    #   p_smem [WGs, 64, block_kv] each compute WG's probabilities (see `_accumulate`).
+    #   p_smem [WGs, 64, block_kv] each compute WG's probabilities (see `mosaic_common.accumulate`).
     row_block, split, bh = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("heads")
     b, kv = lax.div(bh, kv_heads), lax.rem(bh, kv_heads)
     wg = lax.axis_index("wg")
@@ -263,7 +240,7 @@ def _kernel(
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_barriers.at[slot])
-            acc = _accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], p_stage)
+            acc = accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], p_stage)
             plgpu.barrier_arrive(consumed_barriers.at[slot])
             return acc, m_new, l
 
@@ -293,24 +270,6 @@ def _kernel(
         plgpu.copy_smem_to_gmem(queries, o_ref.at[b, kv, split, pl.ds(r0, BLOCK_M)])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, kv, split, pl.ds(r0, BLOCK_M)])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _row_table(steps: int, group: int, rows_pad: int) -> np.ndarray:
-    """i32 [2, rows_pad / 64, 64]: per row t * G + g, the bit 1 << (t % 32) and the word t // 32; 0 past G * T."""
-    t = np.arange(rows_pad) // group
-    bit = np.where(t < steps, np.left_shift(np.uint32(1), (t % 32).astype(np.uint32)), 0).astype(np.uint32)
-    table = np.stack([bit.view(np.int32), (t // 32).astype(np.int32)])
-    return table.reshape(2, rows_pad // BLOCK_M, BLOCK_M)
-
-
-def _pack_mask(mask: jax.Array, kv_lengths: jax.Array, num_words: int) -> jax.Array:
-    """i32 [B, W, S]: bit i of word w is mask[b, 32 w + i, s] and s < kv_lengths[b]."""
-    batch, steps, capacity = mask.shape
-    live = mask & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])
-    live = jnp.pad(live, ((0, 0), (0, 32 * num_words - steps), (0, 0))).reshape(batch, num_words, 32, capacity)
-    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))[None, None, :, None]
-    words = jnp.sum(jnp.where(live, bits, jnp.uint32(0)), axis=2, dtype=jnp.uint32)
-    return lax.bitcast_convert_type(words, jnp.int32)
 
 
 def _split_range(length, split, *, splits: int, block_kv: int, key_blocks: int):
@@ -349,8 +308,8 @@ def _gqa_tree_attention(q, k, v, mask, kv_lengths, *, scale, block_kv, num_split
     # [B, T, Hq, D] -> [B, Hkv, T * G, D] (row = t * G + g), zero rows to whole CTAs (every TMA box in bounds)
     q_rows = q.reshape(batch, steps, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q_rows = jnp.pad(q_rows.reshape(batch, kv_heads, rows, head_dim), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-    words = _pack_mask(mask, kv_lengths, num_words)
-    row_table = jnp.asarray(_row_table(steps, group, rows_pad))
+    words = pack_mask(mask, kv_lengths, num_words)
+    row_table = jnp.asarray(row_bits(steps, group, rows_pad).reshape(2, rows_pad // BLOCK_M, BLOCK_M))
 
     scratch = dict(
         q_smem=plgpu.SMEM((compute_wgs, BLOCK_M, head_dim), dtype, **_TILED),
@@ -391,19 +350,13 @@ def _gqa_tree_attention(q, k, v, mask, kv_lengths, *, scale, block_kv, num_split
         num_threads=compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_INTERPRET_PARAMS if interpret else None,
+        interpret=INTERPRET_PARAMS if interpret else None,
     )(kv_lengths, row_table, q_rows, k, v, words)
     partial = partial[:, :, :, :rows]
     if splits == 1:  # already normalised; rows that saw no key are 0
         out = partial[:, :, 0].astype(jnp.float32)
     else:  # log-sum-exp merge of the splits (base 2); rows that saw no key come out zero
-        lse = lse[:, :, :, :rows]
-        top = jnp.max(lse, axis=2, keepdims=True)
-        weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for -inf
-        total = jnp.sum(weight, axis=2)
-        # a multiply and a sum over the few splits (one fusion; an einsum would be a batched dot)
-        out = jnp.sum(weight[..., None] * partial.astype(jnp.float32), axis=2)
-        out = out / jnp.maximum(total, 1e-30)[..., None]
+        out = merge_splits(partial, lse[:, :, :, :rows], axis=2)
     out = out.reshape(batch, kv_heads, steps, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(batch, steps, q_heads, head_dim).astype(dtype)
 

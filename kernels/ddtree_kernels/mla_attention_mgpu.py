@@ -34,7 +34,7 @@ warpgroups' register budget (232 each, as FlashAttention-3). The row blocks of a
 (grid axis 0 varies fastest), so their reads of the same key blocks meet in L2.
 
 Interpret mode (CPU; `interpret=None` picks it there) runs the same kernel with two departures that jax
-0.11's interpreter needs (`_accumulate`): the probabilities reach the value wgmma through shared memory,
+0.11's interpreter needs (`mosaic_common.accumulate`): the probabilities reach the value wgmma through shared memory,
 not registers, and that product is added instead of accumulated in place. The interpreter runs a CTA's
 three warpgroups as threads blocked inside host callbacks: on a machine with fewer than 4 cores, start
 the process with NPROC=8 (XLA's CPU pool size), or two waiting warpgroups can starve the third (a hang).
@@ -49,11 +49,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, accumulate, merge_splits, pack_mask, row_bits
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 from ddtree_kernels.tree_attention import tree_attention_reference, visible_lengths
 
@@ -65,7 +65,6 @@ NUM_SMS = 132  # H200
 MAX_STAGES = 4
 SMEM_BUDGET = SMEM_LIMIT_BYTES - 4 * 1024  # leave room for barriers and the small tiles
 LOG2E = math.log2(math.e)
-_INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 
 
 def _stages(block_kv: int, num_words: int = 1) -> int:
@@ -74,28 +73,6 @@ def _stages(block_kv: int, num_words: int = 1) -> int:
     resident = 2 * BLOCK_M * (LATENT_DIM + ROPE_DIM)
     per_stage = 2 * block_kv * (LATENT_DIM + ROPE_DIM) + 4 * num_words * block_kv
     return min(MAX_STAGES, (SMEM_BUDGET - resident) // per_stage)
-
-
-def _accumulate(acc, p, values_ref, p_smem):
-    """acc + p @ values on the tensor cores. Compiled (p_smem None): the FA3 idiom, a wgmma from the
-    registers into the carried accumulator (`pl.run_state`, which waits for it). Interpret mode (jax
-    0.11) runs neither `run_state` nor a wgmma operand held in registers, so there p is staged through
-    shared memory and the product goes to a fresh accumulator that is added: the same value."""
-    if p_smem is None:
-
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, p, values_ref)
-
-        return pl.run_state(product)(plgpu.ACC.init(acc))
-
-    p_smem[...] = p
-    plgpu.commit_smem()
-
-    def staged(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, values_ref)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
 
 
 def _kernel(
@@ -136,7 +113,7 @@ def _kernel(
     # SMEM: ql_smem [2, 64, 256] (the two column halves), qr_smem [64, 64], rows_smem i32 [2, 64];
     #   per slot: lat_smem [stages, 2, block_kv, 256], rope_smem [stages, block_kv, 64],
     #   words_smem i32 [stages, W, block_kv]; lse_smem f32 [64]; interpret mode only: p_smem [2, 64, block_kv]
-    #   each compute warpgroup's probabilities (see `_accumulate`).
+    #   each compute warpgroup's probabilities (see `mosaic_common.accumulate`).
     row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     r0 = row_block * BLOCK_M
@@ -215,7 +192,7 @@ def _kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
             p_stage = None if p_smem is None else p_smem.at[wg]
-            acc = _accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg], p_stage)
+            acc = accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg], p_stage)
             plgpu.barrier_arrive(consumed_barriers.at[slot])
             return acc, m_new, l
 
@@ -243,23 +220,6 @@ def _kernel(
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(r0, BLOCK_M)])
 
         plgpu.wait_smem_to_gmem(0)
-
-
-def _row_table(steps: int, heads: int, rows_pad: int) -> np.ndarray:
-    """i32 [2, rows_pad]: per row t * H + h, the bit 1 << (t % 32) and the word t // 32; 0 past T * H."""
-    t = np.arange(rows_pad) // heads
-    bit = np.where(t < steps, np.left_shift(np.uint32(1), (t % 32).astype(np.uint32)), 0).astype(np.uint32)
-    return np.stack([bit.view(np.int32), (t // 32).astype(np.int32)])
-
-
-def _pack_mask(mask: jax.Array, kv_lengths: jax.Array, num_words: int) -> jax.Array:
-    """i32 [B, W, S]: bit i of word w is mask[b, 32 w + i, s] and s < kv_lengths[b]."""
-    batch, steps, capacity = mask.shape
-    live = mask & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])
-    live = jnp.pad(live, ((0, 0), (0, 32 * num_words - steps), (0, 0))).reshape(batch, num_words, 32, capacity)
-    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))[None, None, :, None]
-    words = jnp.sum(jnp.where(live, bits, jnp.uint32(0)), axis=2, dtype=jnp.uint32)
-    return lax.bitcast_convert_type(words, jnp.int32)
 
 
 def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: int | None) -> tuple[int, int]:
@@ -303,8 +263,8 @@ def _mla_tree_attention(
     starts = jnp.arange(splits, dtype=jnp.int32) * (per_split * block_kv)
     counts = jnp.clip(pl.cdiv(kv_lengths[:, None] - starts[None, :], block_kv), 0, per_split).astype(jnp.int32)
     # TMA needs 16-byte row strides: the capacity is whole key blocks by now (padded above), so are the words
-    words = _pack_mask(mask, kv_lengths, num_words)
-    row_table = jnp.asarray(_row_table(steps, heads, rows_pad))
+    words = pack_mask(mask, kv_lengths, num_words)
+    row_table = jnp.asarray(row_bits(steps, heads, rows_pad))
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     p_transforms = (plgpu.TilingTransform((8, block_kv)), plgpu.SwizzleTransform(2 * block_kv))
@@ -341,7 +301,7 @@ def _mla_tree_attention(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_INTERPRET_PARAMS if interpret else None,
+        interpret=INTERPRET_PARAMS if interpret else None,
     )(
         counts,
         row_table,
@@ -351,12 +311,7 @@ def _mla_tree_attention(
         rope_key.reshape(batch, capacity, ROPE_DIM),
         words,
     )
-    # log-sum-exp merge of the splits (base 2); rows that saw no key come out zero
-    lse, partial = lse[:, :, :rows], partial[:, :, :rows]
-    top = jnp.max(lse, axis=1, keepdims=True)
-    weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for -inf
-    total = jnp.sum(weight, axis=1)
-    out = jnp.einsum("bjr,bjrd->brd", weight, partial.astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
+    out = merge_splits(partial[:, :, :rows], lse[:, :, :rows], axis=1)  # rows that saw no key: zero
     return out.reshape(batch, steps, heads, LATENT_DIM).astype(dtype)
 
 

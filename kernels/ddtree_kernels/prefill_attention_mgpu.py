@@ -41,7 +41,7 @@ causal masking); this kernel masks the same way, so `causal_masking_safe()` repo
 library's dispatch keeps the XLA path there. Measured correct on the H200 with CUDA runtime 13.0.
 
 Interpret mode (CPU; `interpret=None` picks it there): the same kernel, except that P reaches the value
-wgmma through shared memory and that product is added instead of accumulated in place (`_accumulate`,
+wgmma through shared memory and that product is added instead of accumulated in place (`mosaic_common.accumulate`,
 as in `mla_attention_mgpu`). The interpreter runs a CTA's three warpgroups as threads blocked in host
 callbacks: on a machine with fewer than 4 cores, start the process with NPROC=8 or they can starve.
 """
@@ -57,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, accumulate
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 from ddtree_kernels.tree_attention import attention_reference
 
@@ -67,7 +68,6 @@ BLOCK_KVS = (64, 128)
 MAX_STAGES = 4
 SMEM_BUDGET = SMEM_LIMIT_BYTES - 4 * 1024  # room for the barriers
 LOG2E = math.log2(math.e)
-_INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 _TILED = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
@@ -81,31 +81,6 @@ def smem_plan(key_dim: int, value_dim: int, block_kv: int, interpret: bool) -> t
     per_stage = block_kv * (key_dim + value_dim) * 2
     stages = min(MAX_STAGES, (SMEM_BUDGET - resident) // per_stage)
     return stages, resident + stages * per_stage
-
-
-def _accumulate(acc, p, values_ref, p_smem, while_running):
-    """acc + p @ values on the tensor cores, calling `while_running()` once the product is issued.
-    Compiled (p_smem None): the FA3 idiom, a wgmma from registers into the carried accumulator
-    (`pl.run_state` waits for it after `while_running`). Interpret mode (jax 0.11) runs neither
-    `run_state` nor a register operand, so p goes through shared memory into a fresh accumulator."""
-    if p_smem is None:
-
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, p, values_ref)
-            while_running()
-
-        return pl.run_state(product)(plgpu.ACC.init(acc))
-
-    p_smem[...] = p
-    plgpu.commit_smem()
-
-    def staged(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, values_ref)
-        return acc_ref[...]
-
-    acc = acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
-    while_running()
-    return acc
 
 
 def _kernel(
@@ -137,7 +112,7 @@ def _kernel(
     #   v_ref bf16 [B, S, Hkv, Dv]; o_ref bf16 [B, T_pad, Hq, Dv].
     # SMEM: q_smem [2, 64, Dk] each compute WG's queries (its output too when Dk == Dv; else o_smem
     #   [2, 64, Dv]); k_smem [stages, block_kv, Dk], v_smem [stages, block_kv, Dv] the key ring;
-    #   interpret mode only: p_smem [2, 64, block_kv] each compute WG's probabilities (`_accumulate`).
+    #   interpret mode only: p_smem [2, 64, block_kv] each compute WG's probabilities (`mosaic_common.accumulate`).
     head, b = lax.axis_index("heads"), lax.axis_index("batch")
     tile = num_tiles - 1 - lax.axis_index("tiles")  # last tile first
     wg = lax.axis_index("wg")
@@ -239,7 +214,7 @@ def _kernel(
                 def _():
                     plgpu.barrier_wait(k_barriers.at[lax.rem(i + 1, stages)])
 
-            acc = _accumulate(acc, p, v_smem.at[slot], p_stage, wait_next_keys)
+            acc = accumulate(acc, p, v_smem.at[slot], p_stage, wait_next_keys)
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l
 
@@ -313,7 +288,7 @@ def _causal_prefill_attention(q, k, v, start, *, scale, block_kv, interpret):
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_INTERPRET_PARAMS if interpret else None,
+        interpret=INTERPRET_PARAMS if interpret else None,
     )(start.astype(jnp.int32), q, k, v)
     return out[:, :steps]
 

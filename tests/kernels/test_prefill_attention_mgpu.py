@@ -91,7 +91,7 @@ def _main(names: str):  # the subprocess: the named cases under the race detecto
 
     from ddtree_kernels import prefill_attention_mgpu
 
-    prefill_attention_mgpu._INTERPRET_PARAMS = plgpu.InterpretGPUParams(detect_races=True)
+    prefill_attention_mgpu.INTERPRET_PARAMS = plgpu.InterpretGPUParams(detect_races=True)
     results = {name: run_case(name) for name in names.split(",")}
     results["races_found"] = bool(get_races().races_found)
     print(json.dumps(results))

@@ -1,0 +1,72 @@
+"""What the Mosaic GPU attention kernels (`mla_attention_mgpu`, `gqa_attention_mgpu`, `prefill_attention_mgpu`)
+share: the P @ V accumulation with its interpret-mode form, the tree mask as bit words, each query row's bit,
+and the log-sum-exp merge of flash-decoding splits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+INTERPRET_PARAMS = plgpu.InterpretGPUParams()
+
+
+def accumulate(acc, p, values_ref, p_smem, while_running=None):
+    """acc + p @ values on the tensor cores, calling `while_running()` (if given) once the product is issued.
+    Compiled (p_smem None): the FA3 idiom, a wgmma from the registers into the carried accumulator
+    (`pl.run_state`, which waits for it after `while_running`). Interpret mode (jax 0.11) runs neither
+    `run_state` nor a wgmma operand held in registers, so there p is staged through shared memory and the
+    product goes to a fresh accumulator that is added: the same value."""
+    if p_smem is None:
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, p, values_ref)
+            if while_running is not None:
+                while_running()
+
+        return pl.run_state(product)(plgpu.ACC.init(acc))
+
+    p_smem[...] = p
+    plgpu.commit_smem()
+
+    def staged(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, values_ref)
+        return acc_ref[...]
+
+    acc = acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+    if while_running is not None:
+        while_running()
+    return acc
+
+
+def pack_mask(mask: jax.Array, kv_lengths: jax.Array, num_words: int) -> jax.Array:
+    """mask bool [B, T, S], kv_lengths int32 [B] -> i32 [B, W, S]: bit i of word w is mask[b, 32 w + i, s] and
+    s < kv_lengths[b] (4 bytes a key per 32 tree queries; any dense mask is exact)."""
+    batch, steps, capacity = mask.shape
+    live = mask & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])
+    live = jnp.pad(live, ((0, 0), (0, 32 * num_words - steps), (0, 0))).reshape(batch, num_words, 32, capacity)
+    bits = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))[None, None, :, None]
+    words = jnp.sum(jnp.where(live, bits, jnp.uint32(0)), axis=2, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(words, jnp.int32)
+
+
+def row_bits(steps: int, heads_per_step: int, rows_pad: int) -> np.ndarray:
+    """i32 [2, rows_pad]: for query row r = t * heads_per_step + h, the bit 1 << (t % 32) of its tree query t
+    in a `pack_mask` word and that word's index t // 32; bit 0 (never visible) past T * heads_per_step."""
+    t = np.arange(rows_pad) // heads_per_step
+    bit = np.where(t < steps, np.left_shift(np.uint32(1), (t % 32).astype(np.uint32)), 0).astype(np.uint32)
+    return np.stack([bit.view(np.int32), (t // 32).astype(np.int32)])
+
+
+def merge_splits(partial: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
+    """The splits' normalised outputs partial [..., splits, rows, D] and their base-2 log-sum-exp lse
+    [..., splits, rows] (splits at `axis` of both) -> float32 [..., rows, D]; rows that saw no key (lse -inf
+    in every split) come out zero. A multiply and a sum over the few splits (one fusion, not a batched dot)."""
+    top = jnp.max(lse, axis=axis, keepdims=True)
+    weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for -inf
+    total = jnp.sum(weight, axis=axis)
+    out = jnp.sum(jnp.expand_dims(weight, -1) * partial.astype(jnp.float32), axis=axis)
+    return out / jnp.maximum(total, 1e-30)[..., None]
