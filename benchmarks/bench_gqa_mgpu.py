@@ -16,7 +16,7 @@ Counted first, per call (S = context + N, the keys a row sees; G = Hq / Hkv):
 Timing (`in_jit_seconds`, as bench_mla_mgpu): one jitted program calls the variant once on each of >= 4
 input sets (queries, cache and mask; together larger than twice the 50 MB L2, so no call reads the previous
 call's data from L2, up to MAX_SETS calls: the embedded pair's 0.3 MB sets stay L2-resident, flagged
-`l2_resident` in its rows) and returns a few elements of each output; time per call = the program's median
+`l2_resident` in its rows) and returns every output whole (`common.in_jit_seconds`); time per call = the program's median
 wall time over 7 runs (`common.time_calls`, block_until_ready) / the number of sets. Inside one program the
 calls run back to back on the device: no host dispatch per call (a host-queued loop measures ~75-120 us a
 call: the dispatch, not the kernel). Correctness: ||out - ref|| / ||ref|| against the XLA path on input
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
-from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
 from ddtree_kernels.gqa_attention_mgpu import BLOCK_M, gqa_tree_attention, row_plan, smem_plan, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -97,21 +97,6 @@ def variants(block_kv: int) -> dict:
 def mgpu_with_splits(num_splits: int, block_kv: int):
     """The Mosaic kernel at a fixed number of key splits (the `--splits` sweep)."""
     return jax.jit(lambda q, k, v, mask: gqa_tree_attention(q, k, v, mask, block_kv=block_kv, num_splits=num_splits))
-
-
-def in_jit_seconds(attend, sets: list[tuple]) -> float:
-    """Seconds per call of `attend`: one jit calling it on every input set in turn (module docstring)."""
-
-    @jax.jit
-    def run(sets):
-        return [attend(*args)[:, :, 0, :8].astype(jnp.float32).sum() for args in sets]
-
-    return time_calls(run, [(sets,)], runs=7, warmup=2).median / len(sets)
-
-
-def relative_error(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def _error(err: Exception) -> str:

@@ -11,7 +11,7 @@ Counted first, per call (S = context + N):
   roofline = max(bytes / 4.3 TB/s (read + write copy bandwidth measured on this H200), FLOPs / 790 TFLOP/s).
 Timing (`in_jit_seconds`): one jitted program calls the variant once on each of >= 4 input sets (queries
 and cache; together larger than twice the 50 MB L2, so no call reads the previous call's data from L2) and
-returns a few elements of each output (at most MAX_SETS sets: a case whose sets stay below twice the L2 is
+returns every output whole (`common.in_jit_seconds`; at most MAX_SETS sets: a case whose sets stay below twice the L2 is
 marked `l2_resident`); time per call = the program's median wall time over 7 runs
 (`common.time_calls`, block_until_ready) / the number of sets. Inside one program the calls run back to
 back on the device: no host dispatch per call (a host-queued loop measured ~75-120 us a call for every
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
-from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
 from ddtree_kernels.mla_attention_mgpu import BLOCK_M, mla_tree_attention, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -81,21 +81,6 @@ ATTEND = {
     "pallas": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention((ql, qr), (lat, rk), None, mask)),
     "xla": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention_reference((ql, qr), (lat, rk), None, mask)),
 }
-
-
-def in_jit_seconds(attend, sets: list[tuple]) -> float:
-    """Seconds per call of `attend`: one jit calling it on every input set in turn (module docstring)."""
-
-    @jax.jit
-    def run(sets):
-        return [attend(*args)[:, :, 0, :8].astype(jnp.float32).sum() for args in sets]
-
-    return time_calls(run, [(sets,)], runs=7, warmup=2).median / len(sets)
-
-
-def relative_error(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def mgpu_with_splits(num_splits: int):

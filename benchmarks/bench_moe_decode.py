@@ -35,7 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import copy_bandwidth, device_description, markdown_table, time_calls, write_result
+from benchmarks.common import (
+    copy_bandwidth,
+    device_description,
+    in_jit_seconds,
+    markdown_table,
+    max_relative_error,
+    write_result,
+)
 from ddtree_jax.models.moe import routed_gather, routed_pallas
 from ddtree_kernels.moe_decode import (
     DOWN_TILES,
@@ -168,22 +175,6 @@ def reference(name: str, p, x, chosen, weights, act):
     return moe_decode_reference(x, gate, up, down, experts, tokens, w)
 
 
-def in_jit_seconds(fn, params, sets: list[tuple], runs: int) -> float:
-    """Seconds per call of fn: one jit calling it on every input set in turn (module docstring). The whole
-    outputs are returned (a few KB), so no call can be trimmed to the part a reduction would read."""
-
-    @jax.jit
-    def run(params, sets):
-        return [fn(params, *args) for args in sets]
-
-    return time_calls(run, [(params, sets)], runs=runs, warmup=2).median / len(sets)
-
-
-def relative_error(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
-
-
 def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key, runs: int, sweep: bool) -> dict:
     experts, hidden = shapes["experts"], shapes["hidden"]
     count = tokens * TOP_K
@@ -219,8 +210,8 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
         try:
             ref_name = name if name in ("gate_up", "down") else "kernels"
             out = jax.jit(fn)(params, *sets[0])
-            row[f"{name}_rel_err"] = relative_error(out, refs[ref_name]) if ref_name in refs else float("nan")
-            seconds = in_jit_seconds(fn, params, sets, runs)
+            row[f"{name}_rel_err"] = max_relative_error(out, refs[ref_name]) if ref_name in refs else float("nan")
+            seconds = in_jit_seconds(fn, sets, shared=(params,), runs=runs)
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_GBps"] = nbytes[name] / seconds / 1e9
             row[f"{name}_of_roofline"] = seconds / (nbytes[name] / copy_bw)
@@ -240,8 +231,10 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
             for tiles in tile_list:
                 fn = variant(name, **{key_name: tiles})
                 try:
-                    err = relative_error(jax.jit(fn)(params, *sets[0]), refs[name]) if name in refs else float("nan")
-                    seconds = in_jit_seconds(fn, params, sets, runs)
+                    err = (
+                        max_relative_error(jax.jit(fn)(params, *sets[0]), refs[name]) if name in refs else float("nan")
+                    )
+                    seconds = in_jit_seconds(fn, sets, shared=(params,), runs=runs)
                     results[tiles_name(tiles)] = {"us": seconds * 1e6, "rel_err": err}
                 except Exception as err:  # noqa: BLE001
                     results[tiles_name(tiles)] = f"{type(err).__name__}: {str(err)[:200]}"

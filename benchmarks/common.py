@@ -76,6 +76,36 @@ def median_seconds(fn, *args, runs: int = 7, warmup: int = 1) -> float:
     return time_calls(fn, [args], runs=runs, warmup=warmup).median
 
 
+def in_jit_seconds(fn, sets: Sequence[tuple], *, shared: tuple = (), runs: int = 7) -> float:
+    """Seconds per call of fn(*shared, *set): one jitted program calls it once on each input set in turn and
+    returns every output whole (so XLA cannot trim a call to the part a reduction would read), timed by
+    `time_calls` (`runs` samples after 2 warm-ups) and divided by the number of sets. Inside one program the
+    calls run back to back on the device: no host dispatch per call, which a host-queued loop of small
+    kernels measures instead."""
+
+    @jax.jit
+    def run(shared, sets):
+        return [fn(*shared, *args) for args in sets]
+
+    return time_calls(run, [(tuple(shared), list(sets))], runs=runs, warmup=2).median / len(sets)
+
+
+def relative_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| (Frobenius, float32)."""
+    import numpy as np
+
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def max_relative_error(out, ref) -> float:
+    """max |out - ref| / max |ref| (float32)."""
+    import numpy as np
+
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
 def copy_bandwidth(reps: int = 20) -> float:
     """bytes/s (read + write) of an XLA elementwise copy of 1 GiB of bf16, `reps` copies inside one jit
     (the achievable-bandwidth roof the kernels are compared with, measured in the same run)."""
