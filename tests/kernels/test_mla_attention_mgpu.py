@@ -8,9 +8,6 @@ pool (NPROC=8, read when the CPU client starts), and each test checks its case's
 """
 
 import json
-import os
-import subprocess
-import sys
 import zlib
 
 import jax
@@ -18,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.mosaic_interpret import compare, run_in_subprocess, tree_mask
 
 # name: (B, T, H, S, kv_lengths, kwargs). Rows T * H = 136, 72, 68, 144, 66: partial row blocks; S not a
 # multiple of the key block in two; ragged lengths with 0 and 1; one split with the pipeline in its steady
@@ -31,27 +28,6 @@ CASES = {
     "t33_h2_two_words": (1, 33, 2, 130, (128,), dict(num_splits=2)),
 }
 TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities
-
-
-def tree_mask(rng, steps: int, capacity: int, kv_lengths) -> np.ndarray:
-    """bool [B, T, S]: the prefix (keys < kv_length - T) visible to every query, the last T keys the tree's
-    slots under a random ancestor mask (slot j's parent uniform in 0 .. j - 1), nothing from kv_length on."""
-    masks = []
-    for length in kv_lengths:
-        parent = [-1] + [int(rng.integers(0, j)) for j in range(1, steps)]
-        ancestor = np.zeros((steps, steps), bool)
-        for t in range(steps):
-            j = t
-            while j >= 0:
-                ancestor[t, j] = True
-                j = parent[j]
-        prefix = max(length - steps, 0)
-        mask = np.zeros((steps, capacity), bool)
-        mask[:, :prefix] = True
-        slots = length - prefix  # < T when the row is shorter than the tree
-        mask[:, prefix:length] = ancestor[:, steps - slots :]
-        masks.append(mask)
-    return np.stack(masks)
 
 
 def run_case(name: str) -> dict:
@@ -69,15 +45,7 @@ def run_case(name: str) -> dict:
     out = mla_tree_attention(q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
     scale = kwargs.get("scale")
     ref = mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale, kv_lengths=kv_lengths)
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    empty = ~np.asarray(mask).any(-1)  # [B, T] rows that see no key
-    return {
-        "shape": list(out.shape),
-        "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
-        "finite": bool(np.isfinite(out).all()),
-        "empty_rows_zero": bool((out[empty] == 0).all()),
-        "empty_rows": int(empty.sum()),
-    }
+    return compare(out, ref, mask)
 
 
 def _main():  # the subprocess: every case, one JSON line
@@ -86,13 +54,7 @@ def _main():  # the subprocess: every case, one JSON line
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, NPROC="8", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "kernels"), env.get("PYTHONPATH", "")])
-    code = "from tests.kernels.test_mla_attention_mgpu import _main; _main()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"interpret-mode run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_subprocess("from tests.kernels.test_mla_attention_mgpu import _main; _main()")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -14,16 +14,13 @@ bit for bit to its output on the clean cache, and within TOLERANCE of the refere
 """
 
 import json
-import os
-import subprocess
-import sys
 import zlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.mosaic_interpret import run_in_subprocess
 
 # name: (B, T, Hq, Hkv, Dk, Dv, S, starts, kwargs)
 CASES = {
@@ -98,13 +95,7 @@ def _main(names: str):  # the subprocess: the named cases under the race detecto
 
 
 def _run_subprocess(names) -> dict:
-    env = dict(os.environ, NPROC="8", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "kernels"), env.get("PYTHONPATH", "")])
-    code = f"from tests.kernels.test_prefill_attention_mgpu import _main; _main({','.join(names)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"interpret-mode run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_subprocess(f"from tests.kernels.test_prefill_attention_mgpu import _main; _main({','.join(names)!r})")
 
 
 @pytest.fixture(scope="module")

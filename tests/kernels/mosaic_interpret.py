@@ -1,0 +1,61 @@
+"""Shared by the Mosaic GPU kernels' interpret-mode tests (test_{mla,gqa,prefill}_attention_mgpu.py).
+
+Interpret mode runs a CTA's warpgroups as threads that block inside host callbacks (barrier waits); with
+XLA's CPU thread pool at its default size (the core count) two blocked warpgroups can starve the third on a
+2-core machine and the kernel hangs. The cases therefore run in one subprocess with a larger pool (NPROC=8,
+read when the CPU client starts), which prints one JSON line of results."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_in_subprocess(code: str) -> dict:
+    """Run `code` (Python that prints a JSON line last) in a CPU subprocess with an 8-thread XLA pool."""
+    env = dict(os.environ, NPROC="8", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "kernels"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"interpret-mode run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tree_mask(rng, steps: int, capacity: int, kv_lengths) -> np.ndarray:
+    """bool [B, T, S]: the prefix (keys < kv_length - T) visible to every query, the last T keys the tree's
+    slots under a random ancestor mask (slot j's parent uniform in 0 .. j - 1), nothing from kv_length on."""
+    masks = []
+    for length in kv_lengths:
+        parent = [-1] + [int(rng.integers(0, j)) for j in range(1, steps)]
+        ancestor = np.zeros((steps, steps), bool)
+        for t in range(steps):
+            j = t
+            while j >= 0:
+                ancestor[t, j] = True
+                j = parent[j]
+        prefix = max(length - steps, 0)
+        mask = np.zeros((steps, capacity), bool)
+        mask[:, :prefix] = True
+        slots = length - prefix  # < T when the row is shorter than the tree
+        mask[:, prefix:length] = ancestor[:, steps - slots :]
+        masks.append(mask)
+    return np.stack(masks)
+
+
+def compare(out, ref, mask) -> dict:
+    """A case's result against its twin: shape, ||out - ref|| / ||ref||, finiteness, and whether the rows
+    that see no key (mask [B, T, S]) are exactly zero."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    empty = ~np.asarray(mask).any(-1)  # [B, T] rows that see no key
+    return {
+        "shape": list(out.shape),
+        "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+        "finite": bool(np.isfinite(out).all()),
+        "empty_rows_zero": bool((out[empty] == 0).all()),
+        "empty_rows": int(empty.sum()),
+    }
