@@ -8,8 +8,6 @@ form at a traced layer, the models' "gather" path, the errors; and the Triton lo
 Tolerances (max |err| / max |ref|): float32 1e-5 (float32 sums in another order); bf16 8e-3 (the outputs'
 bf16 rounding, 2^-8 of an element at most; the inputs and dequantised weights are exact in float32 in both)."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,19 +213,9 @@ def test_bad_inputs_are_named():
 
 # --- the Triton lowering, on CPU (as tests/kernels/test_gpu_lowering.py) -------------------------------------
 
-registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-
 
 def spec(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
-
-
-@pytest.fixture
-def hopper(monkeypatch):
-    if not hasattr(registration, "gpu_info_lib"):
-        pytest.skip("jax moved the GPU query of the Triton lowering")
-    info = types.SimpleNamespace(compute_capability=90)
-    monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(get_gpu_info=lambda: info))
 
 
 @pytest.mark.parametrize(
