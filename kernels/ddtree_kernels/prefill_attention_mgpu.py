@@ -330,6 +330,7 @@ def _check(q, k, v, start, scale, block_q: int, block_kv: int) -> None:
 BAD_CUDA_RUNTIMES = (12080, 12091)  # [first, end)
 
 
+@functools.cache  # the runtime does not change within a process; asked at every traced prefill layer
 def causal_masking_safe() -> bool:
     """False on a CUDA runtime in BAD_CUDA_RUNTIMES (the dispatch then keeps the XLA path); True where the
     runtime cannot be read (CPU, interpret mode)."""
