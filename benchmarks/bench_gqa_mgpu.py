@@ -39,6 +39,7 @@ import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
 from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
+from benchmarks.op_profile import format_op_table, op_times
 from ddtree_kernels.gqa_attention_mgpu import BLOCK_M, gqa_tree_attention, row_plan, smem_plan, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -103,7 +104,9 @@ def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err)[:300]}"
 
 
-def run_case(shape: str, batch: int, steps: int, context: int, key, block_kv: int, split_sweep=()) -> dict:
+def run_case(
+    shape: str, batch: int, steps: int, context: int, key, block_kv: int, split_sweep=(), profile_top: int = 0
+) -> dict:
     q_heads, kv_heads, head_dim = SHAPES[shape]
     flops, nbytes = counts(shape, batch, steps, context)
     roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
@@ -154,6 +157,15 @@ def run_case(shape: str, batch: int, steps: int, context: int, key, block_kv: in
         except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = _error(err)
+    if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
+        for name in ("mgpu", "xla"):
+            try:
+                ops = op_times(attend[name], *sets[0])
+                row[f"{name}_profile"] = ops[:profile_top]
+                row[f"{name}_device_us"] = sum(op["us_per_run"] for op in ops)
+                print(f"  {name} ops:\n" + format_op_table(ops, profile_top), flush=True)
+            except Exception as err:  # noqa: BLE001 - a profile that fails is noted, the timings stand
+                row[f"{name}_profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
         try:
             seconds = in_jit_seconds(mgpu_with_splits(num_splits, block_kv), sets)
@@ -190,6 +202,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
     parser.add_argument("--shapes", default="qwen3_8b,embedded", help=f"of {sorted(SHAPES)}")
     parser.add_argument("--contexts", default="1024,8192,32768", help="Qwen3-8B contexts (embedded: 512)")
+    parser.add_argument(
+        "--profile-top", type=int, default=0, help="also print the N largest device ops of one mgpu / xla call"
+    )
     parser.add_argument("--block-kv", type=int, default=64, help="the Mosaic kernel's key block (64 or 128)")
     parser.add_argument(
         "--splits", default="", help="also time the Mosaic kernel at these key-split counts (e.g. 4,8,16,32)"
@@ -206,7 +221,7 @@ def main() -> None:
     key = jax.random.key(0)
     for shape, batch, steps, context in cases(args.quick, contexts, args.shapes.split(",")):
         case_key = jax.random.fold_in(key, context + steps + batch)
-        row = run_case(shape, batch, steps, context, case_key, args.block_kv, sweep)
+        row = run_case(shape, batch, steps, context, case_key, args.block_kv, sweep, args.profile_top)
         results.append(row)
         errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
         print(

@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
 from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
+from benchmarks.op_profile import format_op_table, op_times
 from ddtree_kernels.mla_attention_mgpu import BLOCK_M, mla_tree_attention, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -88,7 +89,9 @@ def mgpu_with_splits(num_splits: int):
     return jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, num_splits=num_splits))
 
 
-def run_case(variant: str, batch: int, steps: int, context: int, key, split_sweep: tuple[int, ...] = ()) -> dict:
+def run_case(
+    variant: str, batch: int, steps: int, context: int, key, split_sweep: tuple[int, ...] = (), profile_top: int = 0
+) -> dict:
     heads = VARIANTS[variant]
     flops, nbytes = counts(batch, steps, heads, context)
     roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
@@ -126,6 +129,15 @@ def run_case(variant: str, batch: int, steps: int, context: int, key, split_swee
         except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
+        for name in ("mgpu", "xla"):
+            try:
+                ops = op_times(ATTEND[name], *sets[0])
+                row[f"{name}_profile"] = ops[:profile_top]
+                row[f"{name}_device_us"] = sum(op["us_per_run"] for op in ops)
+                print(f"  {name} ops:\n" + format_op_table(ops, profile_top), flush=True)
+            except Exception as err:  # noqa: BLE001 - a profile that fails is noted, the timings stand
+                row[f"{name}_profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
         try:
             seconds = in_jit_seconds(mgpu_with_splits(num_splits), sets)
@@ -150,6 +162,9 @@ def main() -> None:
     )
     parser.add_argument("--batches", default="", help="override the batch sizes (default: 1, and 8 for mla8)")
     parser.add_argument("--steps", default="", help="override the tree sizes N (default: 17 and 65; 17 with --quick)")
+    parser.add_argument(
+        "--profile-top", type=int, default=0, help="also print the N largest device ops of one mgpu / xla call"
+    )
     parser.add_argument("--out", help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -175,7 +190,9 @@ def main() -> None:
     key = jax.random.key(0)
     for variant, batch, steps, context in cases:
         sweep = tuple(int(n) for n in args.splits.split(",") if n)
-        row = run_case(variant, batch, steps, context, jax.random.fold_in(key, context + steps + batch), sweep)
+        row = run_case(
+            variant, batch, steps, context, jax.random.fold_in(key, context + steps + batch), sweep, args.profile_top
+        )
         results.append(row)
         errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
         print(
