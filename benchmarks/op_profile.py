@@ -144,3 +144,20 @@ def timeline_gaps(events: list[dict], *, min_gap_ns: int = 0, max_gap_ns: int | 
         "events": len(events),
         "gaps": sorted(gaps, key=lambda g: -g["total_ns"]),
     }
+
+
+def per_call_timeline(fn, sets: list[tuple]) -> dict:
+    """fn called once on each input set inside one jitted program (as `common.in_jit_seconds` times it), read
+    as a device timeline: {"calls", "events_per_call", "busy_us_per_call", "idle_us_per_call", "span_us_per_call"}.
+    Busy is what the device spent in kernels, idle the gaps between them inside the program (launch latency,
+    host work of a custom call): busy + idle is what a call costs back to back."""
+    program = jax.jit(lambda sets: [fn(*args) for args in sets])
+    summary = timeline_gaps(device_timeline(program, list(sets)))
+    calls = len(sets)
+    return {
+        "calls": calls,
+        "events_per_call": summary["events"] / calls,
+        "busy_us_per_call": summary["busy_ns"] / 1e3 / calls,
+        "idle_us_per_call": summary["idle_ns"] / 1e3 / calls,
+        "span_us_per_call": summary["span_ns"] / 1e3 / calls,
+    }
