@@ -67,7 +67,7 @@ import os
 
 import jax
 
-from ddtree_kernels import mla_attention_mgpu, prefill_attention_mgpu
+from ddtree_kernels import gqa_attention_mgpu, mla_attention_mgpu, prefill_attention_mgpu
 from ddtree_kernels.tree_build import MAX_ROW
 
 SPLIT_K_MAX_HIDDEN = 1024  # targets up to this hidden size compile `generate` without split-K (module docstring)
@@ -96,6 +96,13 @@ AUTO_PALLAS_GQA_SHORT_KEYS = 2048
 # us per call, kernel / XLA (attention_mgpu_003b11c.json): 64 heads, N = 65, 1k keys 109 / 80 (XLA ahead), N = 17,
 # 4k 88 / 86 (a tie); from 8k the kernel leads everywhere (8 heads 32k: 121 / 165; 64 heads 32k: 277 / 471).
 AUTO_PALLAS_MLA_QUERIES = 65
+# GQA decode / verify calls that take the tree-attention kernel ("pallas", or "auto" above): on GPU, bf16, head dims
+# in MOSAIC_GQA_HEAD_DIMS and at least AUTO_MOSAIC_GQA_MIN_KEYS cache rows, the Mosaic GPU kernel
+# (`ddtree_kernels.gqa_attention_mgpu`: every key block read once per KV head for all its query heads x tree rows),
+# else the Triton one. H200, Qwen3-8B shape, B = 1, N = 17, us per call Mosaic / Triton / XLA (gqa_mgpu_c95440b.json):
+# 1k keys 54 / 52 / 65 (a tie), 8k 90 / 128 / 216, 32k 147 / 226 / 404.
+AUTO_MOSAIC_GQA_MIN_KEYS = 8192
+MOSAIC_GQA_HEAD_DIMS = gqa_attention_mgpu.HEAD_DIMS
 AUTO_PALLAS_MLA_MIN_KEYS = 2048
 # Causal prefill chunks (queries > AUTO_PALLAS_MAX_QUERIES) on GPU in bf16: the Mosaic GPU flash-attention kernel
 # (`ddtree_kernels.prefill_attention_mgpu`) where its head dims fit, instead of the blockwise / dense XLA path.
@@ -211,6 +218,18 @@ def mla_attention_kernel(
     starve on a 2-core machine)."""
     fits = dims is None or tuple(dims) == MOSAIC_MLA_DIMS
     return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits else "triton"
+
+
+def gqa_attention_kernel(
+    *, keys: int, head_dim: int, value_dim: int, bfloat16: bool, backend_name: str | None = None
+) -> str:
+    """The kernel behind attn_impl "pallas" (or "auto"'s "pallas") for a GQA decode / verify call against `keys`
+    cache rows: "mosaic" (`gqa_attention_mgpu`: TMA + wgmma) on GPU for bf16 at head dims it takes (keys and
+    values alike) from AUTO_MOSAIC_GQA_MIN_KEYS keys, where it measured faster than the Triton kernel, else
+    "triton" (`tree_attention`)."""
+    fits = head_dim == value_dim and head_dim in MOSAIC_GQA_HEAD_DIMS
+    long = keys >= AUTO_MOSAIC_GQA_MIN_KEYS
+    return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits and long else "triton"
 
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
@@ -405,13 +424,19 @@ def decode_plan(
         mla_dims=mla_dims,
         backend_name=backend_name,
     )
-    kernel = mla_attention_kernel(bfloat16=not float32, dims=mla_dims, backend_name=backend_name)
+    if mla:
+        kernel = mla_attention_kernel(bfloat16=not float32, dims=mla_dims, backend_name=backend_name)
+    else:
+        head_dim = target_config.head_dim
+        kernel = gqa_attention_kernel(
+            keys=keys or 0, head_dim=head_dim, value_dim=head_dim, bfloat16=not float32, backend_name=backend_name
+        )
     plan.append(
         StageChoice(
             "tree-forward attention",
             attention,
             f"{'absorbed MLA' if mla else 'GQA'}, {slots} queries per row"
-            + (f" (the {kernel} kernel)" if mla and attention == "pallas" else "")
+            + (f" (the {kernel} kernel)" if attention == "pallas" else "")
             + ("" if keys is None else f" against {keys} cache rows")
             + (f" x {group} heads per KV head, float32" if float32 else ""),
         )

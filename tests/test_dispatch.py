@@ -34,6 +34,14 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.attention_impl("auto", queries=9, keys=mla_keys, mla=True, **gpu) == "pallas"
     assert dispatch.attention_impl("auto", queries=9, keys=mla_keys, mla=True, float32=True, **gpu) == "xla"
     assert dispatch.mla_attention_kernel(bfloat16=True, **gpu) == "mosaic"
+    # GQA: the Mosaic kernel from AUTO_MOSAIC_GQA_MIN_KEYS keys (bf16, head dims 64 / 128), the Triton one below
+    long_keys = dispatch.AUTO_MOSAIC_GQA_MIN_KEYS
+    gqa = dict(head_dim=128, value_dim=128, bfloat16=True)
+    assert dispatch.gqa_attention_kernel(keys=long_keys, **gqa, **gpu) == "mosaic"
+    assert dispatch.gqa_attention_kernel(keys=long_keys - 1, **gqa, **gpu) == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys, **gqa, backend_name="cpu") == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys, head_dim=128, value_dim=128, bfloat16=False, **gpu) == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys, head_dim=32, value_dim=32, bfloat16=True, **gpu) == "triton"
     assert dispatch.mla_attention_kernel(bfloat16=False, **gpu) == "triton"
     assert dispatch.mla_attention_kernel(bfloat16=True, backend_name="cpu") == "triton"
     # the Mosaic kernel takes latent 512 / rope 64 only: other MLA shapes keep XLA ("auto") / Triton ("pallas")

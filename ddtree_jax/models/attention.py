@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from ddtree_jax import dispatch
 from ddtree_jax.dispatch import ATTENTION_IMPLS, BLOCKWISE_KEYS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
+from ddtree_kernels.gqa_attention_mgpu import gqa_tree_attention
 from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
 from ddtree_kernels.prefill_attention_mgpu import causal_prefill_attention
 from ddtree_kernels.tiling import dot_precision
@@ -146,6 +147,12 @@ def attention(
         float32=q.dtype == jnp.float32 or k.dtype == jnp.float32,
     )
     if choice == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
+        bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q, k, v))
+        kernel = dispatch.gqa_attention_kernel(
+            keys=k.shape[1], head_dim=q.shape[-1], value_dim=v.shape[-1], bfloat16=bfloat16
+        )
+        if kernel == "mosaic":
+            return sharded_gqa_attention(q, k, v, mask, scale=scale)
         return sharded_tree_attention((q,), (k,), v, mask, scale=scale)
     if choice == "blockwise":
         return blockwise_attention(q, k, v, mask, scale=scale)
@@ -168,6 +175,20 @@ def sharded_tree_attention(q_parts, k_parts, v: jax.Array | None, mask: jax.Arra
         )
     specs = (tuple(heads(4) for _ in q_parts), tuple(kv for _ in k_parts), kv, rows(3))
     return shard_call(partial(tree_attention, scale=scale), (tuple(q_parts), tuple(k_parts), v, mask), specs, heads(4))
+
+
+def sharded_gqa_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None
+) -> jax.Array:
+    """`gqa_attention_mgpu.gqa_tree_attention` (q [B, T, Hq, D], k / v [B, S, Hkv, D] bf16, mask bool [B, T, S]
+    -> [B, T, Hq, D]), per shard when a mesh is set: batch over "data", query heads over "model" with their KV
+    heads (`dispatch.gqa_attention_kernel` says when it runs)."""
+    return shard_call(
+        lambda q, k, v, m: gqa_tree_attention(q, k, v, m, scale=scale),
+        (q, k, v, mask),
+        (heads(4), heads(4), heads(4), rows(3)),
+        heads(4),
+    )
 
 
 def sharded_mla_attention(

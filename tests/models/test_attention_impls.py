@@ -155,6 +155,70 @@ def test_mla_prefill_on_the_kernels_equals_the_xla_path_on_gpu():
         assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
 
 
+def test_gqa_calls_the_kernel_dispatch_names(monkeypatch):
+    """attention(impl="pallas") routes a GQA call to the kernel `dispatch.gqa_attention_kernel` names, with the
+    caller's q, k, v, mask and scale: "mosaic" -> gqa_attention_mgpu (a spy here: on CPU the Mosaic kernel
+    runs only in interpret mode, tested in tests/kernels/test_gqa_attention_mgpu.py), "triton" -> tree_attention."""
+    import importlib
+
+    from ddtree_jax import dispatch
+    from ddtree_kernels.tree_attention import tree_attention_reference
+
+    attention_module = importlib.import_module("ddtree_jax.models.attention")  # the package re-exports the function
+
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((2, 5, 4, 16)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((2, 24, 2, 16)), jnp.bfloat16) for _ in range(2))
+    mask = jnp.asarray(rng.random((2, 5, 24)) < 0.6)
+    calls = []
+
+    def spy(q_, k_, v_, mask_, *, scale):
+        calls.append((q_.shape, k_.shape, v_.shape, mask_.shape, scale))
+        return tree_attention_reference((q_,), (k_,), v_, mask_, scale=scale)
+
+    monkeypatch.setattr(attention_module, "gqa_tree_attention", spy)
+    monkeypatch.setattr(dispatch, "gqa_attention_kernel", lambda **kw: "mosaic")
+    got = attention(q, k, v, mask, impl="pallas", scale=0.3)
+    assert calls == [((2, 5, 4, 16), (2, 24, 2, 16), (2, 24, 2, 16), (2, 5, 24), 0.3)]
+    want = attention(q, k, v, mask, impl="xla", scale=0.3)
+    assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
+    monkeypatch.setattr(dispatch, "gqa_attention_kernel", lambda **kw: "triton")
+    attention(q, k, v, mask, impl="pallas", scale=0.3)
+    assert len(calls) == 1  # the Triton kernel: the spy is not called
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the Mosaic GPU kernel compiles for Hopper only; its interpret-mode tests: tests/kernels/test_gqa_attention_mgpu.py",
+)
+def test_qwen3_tree_verify_on_the_mosaic_gqa_kernel_equals_the_xla_path_on_gpu():
+    """A bf16 Qwen3 tree verify against a cache of AUTO_MOSAIC_GQA_MIN_KEYS rows with attn_impl="pallas" runs
+    the Mosaic GPU GQA kernel (head dim 64) and equals the XLA path to bf16 rounding."""
+    import dataclasses
+
+    from ddtree_jax import dispatch
+    from ddtree_jax.tree import ancestor_mask, build_tree
+
+    capacity = dispatch.AUTO_MOSAIC_GQA_MIN_KEYS
+    assert dispatch.gqa_attention_kernel(keys=capacity, head_dim=64, value_dim=64, bfloat16=True) == "mosaic"
+    config = dataclasses.replace(QWEN, head_dim=64)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), qwen3.init_params(config, jax.random.key(8)))
+    rng = np.random.default_rng(9)
+    prefix = jnp.asarray(rng.integers(0, 61, (2, 300)), jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, 61)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
+    cache = qwen3.create_cache(config, 2, capacity, jnp.bfloat16)
+    _, _, cache = qwen3.prefill(config, params, cache, prefix, jnp.asarray([300, 41]), attn_impl="xla")
+    outs = {
+        impl: qwen3.tree_forward(config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl=impl)[
+            :2
+        ]
+        for impl in ("xla", "pallas")
+    }
+    for got, want in zip(outs["pallas"], outs["xla"]):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
+
+
 def test_causal_start_off_gpu_is_the_masked_path():
     """On CPU `attention(..., causal_start=...)` takes the masked path: equal to it exactly."""
     rng = np.random.default_rng(7)
