@@ -214,6 +214,12 @@ def main() -> None:
         action="store_true",
         help="time the fused step alone (no per-stage breakdown: about half the compilations)",
     )
+    parser.add_argument(
+        "--profile-top",
+        type=int,
+        default=0,
+        help="also profile each step (3 traced steps): device us, launches and the N largest ops",
+    )
     args = parser.parse_args()
     if args.quick:
         args.batches, args.budgets, args.methods = "1", "16,64", "ar,ddtree"
@@ -245,10 +251,16 @@ def main() -> None:
             top_p=args.top_p,
             repeats=args.repeats,
             step_only=args.step_only,
+            profile_top=args.profile_top,
             options=DecodeOptions(attn_impl=attn_impl, matmul_impl=args.matmul_impl, layer_loop=args.layer_loop),
         )
         rows.append(row)
         head = f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms"
+        if "op_profile" in row:
+            from benchmarks.op_profile import format_op_table
+
+            head += f"  [device {row['device_us'] / 1e3:.2f} ms in {row['launches']:.0f} launches]"
+            print(format_op_table(row["op_profile"], args.profile_top), flush=True)
         if args.step_only:
             print(f"{head}  (compile step {row['step_compile_s']:.0f} s)", flush=True)
         else:
