@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, time_calls, write_result
+from benchmarks.op_profile import op_times
 from ddtree_jax.sampling import SamplingParams, draw_coins
 from ddtree_jax.tree import build_tree, verification_order
 from ddtree_jax.verify import VerifyResult, verify_step
@@ -112,7 +113,19 @@ def column(layout: str) -> str:
     return "pallas" if layout == "auto" else "pallas_" + layout.replace(":", "_")
 
 
-def run_case(batch, slots, vocab, top_p, copy_bw, seed=0, skip_with_cond=True, runs=7, layouts=("auto",), dtype=None):
+def run_case(
+    batch,
+    slots,
+    vocab,
+    top_p,
+    copy_bw,
+    seed=0,
+    skip_with_cond=True,
+    runs=7,
+    layouts=("auto",),
+    dtype=None,
+    profile=False,
+):
     """xla and pallas (per kernel layout: `pallas_us` for "auto", `pallas_<layout>_us` otherwise) on the same
     rotating input sets; speedup and x_roofline are the first layout's."""
     dtype = dtype or jnp.bfloat16
@@ -131,6 +144,11 @@ def run_case(batch, slots, vocab, top_p, copy_bw, seed=0, skip_with_cond=True, r
         timing = time_calls(run, sets, runs=runs, warmup=len(sets), pipeline=pipeline)
         out[f"{name}_us"] = timing.median * 1e6
         out[f"{name}_timing"] = timing.summary_us()
+        if profile:  # the device's own time (kernels summed from a trace): no host dispatch in it
+            ops = op_times(run, *sets[0], runs=3)
+            out[f"{name}_device_us"] = sum(op["us_per_run"] for op in ops)
+            out[f"{name}_launches"] = sum(op["events_per_run"] for op in ops)
+            out[f"{name}_top_ops"] = ops[:8]
     first = columns[1][0]
     a = verify_once(*sets[0], impl="xla")
     b = verify_once(*sets[0], impl="pallas", skip_with_cond=skip_with_cond, layout=layouts[0])
@@ -161,6 +179,12 @@ def main() -> None:
         "single:WxB (W warps, B-element search loads; e.g. single:8x1024)",
     )
     parser.add_argument("--logit-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also the device time and launches of one verification per path (op_profile; the timed "
+        "columns queue calls from the host, which small cases can be bound by)",
+    )
     args = parser.parse_args()
     vocabs = [int(v) for v in args.vocabs.split(",")]
     layouts = tuple(args.layouts.split(","))
@@ -185,6 +209,7 @@ def main() -> None:
                     skip_with_cond=not args.no_cond,
                     layouts=layouts,
                     dtype=jnp.dtype(args.logit_dtype),
+                    profile=args.profile,
                 )
                 rows.append(r)
                 extra = "".join(f"  {layout} {r[f'{column(layout)}_us']:8.1f} us" for layout in layouts[1:])
@@ -194,6 +219,15 @@ def main() -> None:
                     f"speedup {r['speedup']:6.1f}x  x_roofline {r['x_roofline']:5.1f}  agree {r['agree']:.3f}",
                     flush=True,
                 )
+                if args.profile:
+                    print(
+                        "    device: "
+                        + "  ".join(
+                            f"{name} {r[name + '_device_us']:.1f} us in {r[name + '_launches']:.0f} launches"
+                            for name in ["xla"] + [column(layout) for layout in layouts]
+                        ),
+                        flush=True,
+                    )
     header = ["B", "N", "V", "top_p", "xla us", "pallas us", "roofline us", "speedup", "pallas/roofline", "agree"]
     table = [
         [
