@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.common import device_description, markdown_table, time_calls, write_result
 from ddtree_jax.tree import build_tree, build_tree_reference, top_k_log_probs
-from ddtree_jax.tree.build import build_tree_unchecked, kernel_top_k
+from ddtree_jax.tree.build import build_tree_unchecked, kernel_top_k, kernel_top_k_logits, kernel_top_k_logits_fits
 from ddtree_jax.tree.compare import compare_to_reference
 from ddtree_jax.tree.synthetic import synthetic_draft_logits
 from ddtree_kernels.tree_build import tree_select
@@ -55,8 +55,8 @@ def _builder_args(impl: str) -> dict:
 
 
 def _topk_stage(x, k, impl):
-    if impl == "pallas":
-        return kernel_top_k(x, k)[1]
+    if impl == "pallas":  # the builder's own top-K stage (one kernel, or the chunked pair past MAX_ROW)
+        return kernel_top_k_logits(x, k)[1] if kernel_top_k_logits_fits(x.shape[-1], k) else kernel_top_k(x, k)[1]
     return top_k_log_probs(x, k, impl=impl)[1]
 
 

@@ -68,6 +68,7 @@ import os
 import jax
 
 from ddtree_kernels import gqa_attention_mgpu, mla_attention_mgpu, prefill_attention_mgpu
+from ddtree_kernels.tree_build import CHUNK as TOPK_CHUNK
 from ddtree_kernels.tree_build import MAX_ROW
 
 SPLIT_K_MAX_HIDDEN = 1024  # targets up to this hidden size compile `generate` without split-K (module docstring)
@@ -122,7 +123,8 @@ BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
 CACHE_ROW_MULTIPLE = 128
 PREFILL_CHUNK = 2048  # "auto" prefills prompts longer than this in chunks of this many tokens
 AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
-TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are prefiltered first
+TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
+TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
@@ -349,6 +351,22 @@ def tree_impl(impl: str, backend_name: str | None = None) -> str:
     return "pallas" if _on_gpu(backend_name) else "xla"
 
 
+def tree_topk_chunk(vocab: int, k: int) -> int | None:
+    """The tree builder's top-K chunk for rows longer than the kernel's (V > TREE_TOPK_MAX_ROW): the smallest power
+    of two from tree_build.CHUNK whose ceil(V / chunk) x min(k, chunk) candidates fit one kernel row
+    (`tree_topk_logits_chunked`: rows x chunks programs, then one over the candidates); None where no chunk does
+    (the builder then prefilters in XLA). V <= TREE_TOPK_MAX_ROW: None (one program a row)."""
+    if vocab <= TREE_TOPK_MAX_ROW:
+        return None
+    chunk = TREE_TOPK_CHUNK
+    while chunk <= TREE_TOPK_MAX_ROW:
+        candidates = -(-vocab // chunk) * min(k, chunk)
+        if 1 << max(candidates - 1, 0).bit_length() <= TREE_TOPK_MAX_ROW:
+            return chunk
+        chunk *= 2
+    return None
+
+
 def prefilter_chunk(vocab: int, k: int) -> int:
     """The prefilter's chunk: a power of two near sqrt(V / K), balancing its two top_k sizes V / chunk and
     K * chunk."""
@@ -407,7 +425,11 @@ def decode_plan(
             if options.topk_impl == "vocab_parallel":
                 topk = "vocab_parallel"
             elif builder == "pallas" and options.topk_impl == "auto":
-                topk = "pallas" + (" after the prefilter" if vocab > TREE_TOPK_MAX_ROW else "")
+                chunk = tree_topk_chunk(vocab, k)
+                if vocab <= TREE_TOPK_MAX_ROW:
+                    topk = "pallas"
+                else:
+                    topk = "pallas after the prefilter" if chunk is None else f"pallas in chunks of {chunk}"
             else:
                 topk = topk_impl(options.topk_impl, vocab=vocab, k=k)
             plan.append(StageChoice("tree top-k", topk, f"V = {vocab}, K = {k}"))

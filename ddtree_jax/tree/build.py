@@ -33,7 +33,13 @@ from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKE
 from ddtree_jax.tree.select import prefilter_candidates, top_k_log_probs
 from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
 from ddtree_kernels import tree_build
-from ddtree_kernels.tree_build import tree_slots, tree_slots_reference, tree_topk, tree_topk_logits
+from ddtree_kernels.tree_build import (
+    tree_slots,
+    tree_slots_reference,
+    tree_topk,
+    tree_topk_logits,
+    tree_topk_logits_chunked,
+)
 
 
 def _as_array(draft_logits):
@@ -109,6 +115,23 @@ def kernel_top_k(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
     return values.reshape(batch, depth_limit, k), ids.reshape(batch, depth_limit, k)
 
 
+def kernel_top_k_logits_fits(vocab: int, k: int) -> bool:
+    """Whether `kernel_top_k_logits` takes rows of `vocab` logits at this k (else: XLA log-softmax + prefilter)."""
+    return vocab <= tree_build.MAX_ROW or dispatch.tree_topk_chunk(vocab, k) is not None
+
+
+def kernel_top_k_logits(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The Pallas builder's top-K stage from the raw logits [B, L, V]: the log-softmax, the dead-depth /
+    invalid-row flags and the top-K in one kernel (`tree_topk_logits`), or for rows longer than the kernel's a
+    top-K of every chunk then one of their candidates (`tree_topk_logits_chunked`, `dispatch.tree_topk_chunk`).
+    Returns (log-probs f32 [B, L, K], token ids int32 [B, L, K], flags int32 [B, L])."""
+    batch, depth_limit, vocab = draft_logits.shape
+    rows = draft_logits.reshape(batch * depth_limit, vocab)
+    chunk = dispatch.tree_topk_chunk(vocab, k)
+    lp, ids, flags = tree_topk_logits(rows, k) if chunk is None else tree_topk_logits_chunked(rows, k, chunk=chunk)
+    return tuple(x.reshape((batch, depth_limit) + x.shape[1:]) for x in (lp, ids, flags))
+
+
 @functools.partial(jax.jit, static_argnames=("budget", "topk_impl", "impl"))
 def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: str, impl: str = "xla") -> DraftTree:
     """`build_tree` without its eager input checks: the jitted builder itself (draft_logits [B, L, V],
@@ -118,10 +141,8 @@ def build_tree_unchecked(draft_logits, root_tokens, *, budget: int, topk_impl: s
     entries are all -inf has no candidates (the row's tree stops above it)."""
     batch, depth_limit, vocab = draft_logits.shape
     k = min(budget, vocab)
-    if impl == "pallas" and topk_impl == "auto" and vocab <= tree_build.MAX_ROW:
-        # one kernel from the raw logits: the log-softmax, the dead-depth / invalid-row flags and the top-K
-        lp, ids, flags = tree_topk_logits(draft_logits.reshape(batch * depth_limit, vocab), k)
-        lp, ids, flags = (x.reshape((batch, depth_limit) + x.shape[1:]) for x in (lp, ids, flags))
+    if impl == "pallas" and topk_impl == "auto" and kernel_top_k_logits_fits(vocab, k):
+        lp, ids, flags = kernel_top_k_logits(draft_logits, k)
         dead = (flags & tree_build.DEAD_DEPTH) != 0
         row_finite = ~((flags & tree_build.INVALID_ROW) != 0).any(axis=1)
     else:

@@ -306,7 +306,8 @@ def _tree_topk_jit(values, *, k: int, interpret: bool, method: str = "auto", log
     # the searches' compaction needs a scratch tail: a block (streamed); the row (resident, in interpret mode
     # only: on the GPU its lanes that store nothing are masked)
     width = {"extract": k_pad, "search": k_pad + block, "resident": k_pad + (c_pad if interpret else 0)}[method]
-    padded = values if log_softmax else values.astype(jnp.float32)
+    # the resident and extract kernels read any float dtype as float32 (`_row_values`): no converted copy of the row
+    padded = values if log_softmax or method != "search" else values.astype(jnp.float32)
     padded = jnp.pad(padded, ((0, 0), (0, c_pad - count))) if c_pad != count else padded
     out_shape = [jax.ShapeDtypeStruct((rows, width), jnp.float32), jax.ShapeDtypeStruct((rows, width), jnp.int32)]
     out_specs = [pl.BlockSpec((None, width), lambda r: (r, 0))] * 2
@@ -366,6 +367,74 @@ def tree_topk_logits(
     if resolve_topk_method(method, k) == "search":
         raise ValueError("tree_topk_logits: method must be 'auto', 'extract' or 'resident', got 'search'")
     return _tree_topk_jit(logits, k=int(k), interpret=default_interpret(interpret), method=method, log_softmax=True)
+
+
+CHUNK = 8192  # `tree_topk_logits_chunked`'s default chunk: rows longer than MAX_ROW are cut into chunks of this
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "interpret", "method"))
+def _tree_topk_logits_chunked_jit(logits, *, k: int, chunk: int, interpret: bool, method: str):
+    rows, vocab = logits.shape
+    num_chunks = -(-vocab // chunk)
+    k1 = min(k, chunk)
+    x = logits.astype(jnp.float32)
+    # the row flags and the log-softmax's normaliser over the whole row (XLA reductions: two reads of the row)
+    dead = jnp.all(x == -jnp.inf, axis=-1)
+    invalid = jnp.any((x != x) | (x == jnp.inf), axis=-1)  # x != x: NaN
+    flags = (jnp.where(dead, DEAD_DEPTH, 0) | jnp.where(invalid, INVALID_ROW, 0)).astype(jnp.int32)
+    ok = flags == 0
+    row_max = jnp.where(ok, jnp.max(x, axis=-1), 0.0)  # flagged rows are ranked as zeros
+    total = jnp.sum(jnp.exp(jnp.where(ok[:, None], x, 0.0) - row_max[:, None]), axis=-1)
+    log_total = jnp.log(total)
+    # stage 1: the k1 largest raw logits of every chunk, rows x chunks programs (padding -inf: never above a
+    # real logit, so a chunk's top-k1 holds every real entry of the row's top-k that lies in it)
+    padded = jnp.pad(logits, ((0, 0), (0, num_chunks * chunk - vocab)), constant_values=-jnp.inf)
+    padded = jnp.where(ok[:, None], padded, jnp.zeros((), padded.dtype))
+    values, positions = _tree_topk_jit(
+        padded.reshape(rows * num_chunks, chunk), k=k1, interpret=interpret, method=method
+    )
+    ids = positions.reshape(rows, num_chunks, k1) + chunk * jnp.arange(num_chunks, dtype=jnp.int32)[:, None]
+    ids = ids.reshape(rows, num_chunks * k1)
+    # stage 2: the candidates as log-probs (jax.nn.log_softmax's formula, (x - max) - log(sum exp(x - max))),
+    # in chunk order: equal values keep the lower token id first, the order of a top-K over the whole row
+    candidates = (values.reshape(rows, num_chunks * k1) - row_max[:, None]) - log_total[:, None]
+    top, picked = _tree_topk_jit(candidates, k=k, interpret=interpret, method=method)
+    top_ids = jnp.minimum(jnp.take_along_axis(ids, picked, axis=-1), vocab - 1)  # padding ids: only at -inf
+    return top, top_ids, flags
+
+
+def tree_topk_logits_chunked(
+    logits: jax.Array, k: int, *, chunk: int = CHUNK, interpret: bool | None = None, method: str = "auto"
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`tree_topk_logits` for rows of any length (a drafter's full vocabulary, V = 151,936 or 163,840), in
+    two top-K launches that fill the GPU instead of one program per row: each row cut into ceil(V / chunk)
+    chunks, the k largest logits of every chunk (rows x chunks programs), then the k largest of those
+    candidates as log-probs; the flags and the log-softmax's normaliser come from XLA reductions over the row.
+
+    logits: float [R, V] (bf16 or f32); k <= V; chunk a power of two <= MAX_ROW with ceil(V / chunk) x
+    min(k, chunk) <= MAX_ROW. Returns what `tree_topk_logits` returns: (log-probs float32 [R, k]
+    descending, token ids int32 [R, k], flags int32 [R]); entries that are -inf (fewer than k finite
+    logits) may carry other ids than a whole-row top-K would (any id of a -inf logit: they never enter a
+    tree). Twin: `tree_topk_logits_reference`."""
+    if logits.ndim != 2 or 0 in logits.shape:
+        raise ValueError(f"logits must have shape [R, V] with R, V >= 1, got {tuple(logits.shape)}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits must be float, got {logits.dtype}")
+    vocab = logits.shape[1]
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= vocab:
+        raise ValueError(f"k must be an integer in [1, V={vocab}], got {k!r}")
+    if chunk < 1 or chunk & (chunk - 1) or chunk > MAX_ROW:
+        raise ValueError(f"chunk must be a power of two <= MAX_ROW={MAX_ROW}, got {chunk}")
+    if _next_pow2(-(-vocab // chunk) * min(k, chunk)) > MAX_ROW:
+        raise ValueError(
+            f"V={vocab} in chunks of {chunk} gives {-(-vocab // chunk)} x {min(k, chunk)} candidates, more than "
+            f"MAX_ROW={MAX_ROW}: use a larger chunk"
+        )
+    if resolve_topk_method(method, k) == "search":
+        raise ValueError("tree_topk_logits_chunked: method must be 'auto', 'extract' or 'resident', got 'search'")
+    return _tree_topk_logits_chunked_jit(
+        logits, k=int(k), chunk=int(chunk), interpret=default_interpret(interpret), method=method
+    )
 
 
 def tree_topk_logits_reference(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -184,6 +184,54 @@ def test_slots_lay_the_tree_out_like_their_twin(batch, depth, vocab, budget, kin
         tree_slots(top, jnp.asarray(ids)[:, :, :1], *args[2:])
 
 
+@pytest.mark.parametrize(
+    "count,k,chunk,dtype",
+    [
+        (1000, 16, 128, jnp.float32),  # extraction per chunk; V not a multiple of the chunk (-inf padding)
+        (3000, 64, 256, jnp.bfloat16),  # the resident search per chunk, bf16: exact ties across chunks
+        (777, 100, 64, jnp.float32),  # k > chunk: every chunk's whole content is a candidate
+        (512, 7, 512, jnp.bfloat16),  # one chunk
+    ],
+)
+def test_chunked_topk_logits_matches_its_twin(count, k, chunk, dtype):
+    """Rows longer than one kernel program holds, cut into chunks: the same flags, token ids and log-probs (within
+    ulps of the log-normaliser) as the twin's top-K over the whole row, on fresh random logits with a dead row,
+    NaN and +inf rows, a row with fewer than k finite logits and values repeated across chunks (equal values:
+    the lower token id first)."""
+    rng = np.random.default_rng(count + k + chunk)
+    logits = rng.standard_normal((7, count)) * 3
+    logits[1] = -np.inf  # dead
+    logits[2, rng.integers(0, count)] = np.nan
+    logits[3, rng.integers(0, count)] = np.inf
+    logits[4, : count - 3] = -np.inf  # 3 finite logits, in the last chunk
+    logits[5, rng.integers(0, count, 40)] = logits[5].max() + 1.0  # ties at the top, spread over chunks
+    logits = jnp.asarray(logits, dtype)
+    got = tree_build.tree_topk_logits_chunked(logits, k, chunk=chunk)
+    want = tree_topk_logits_reference(logits, k)
+    flags = np.asarray(want[2])
+    np.testing.assert_array_equal(np.asarray(got[2]), flags)
+    assert list(flags) == [0, tree_build.DEAD_DEPTH, tree_build.INVALID_ROW, tree_build.INVALID_ROW, 0, 0, 0]
+    ok = flags == 0
+    finite = np.isfinite(np.asarray(want[0])) & ok[:, None]
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got[0]))[ok], finite[ok])
+    np.testing.assert_array_equal(np.where(finite, np.asarray(got[1]), 0), np.where(finite, np.asarray(want[1]), 0))
+    assert ((np.asarray(got[1]) >= 0) & (np.asarray(got[1]) < count)).all()  # -inf entries: still real token ids
+    ulp = np.spacing(np.float32(np.log(count) + 10.0))
+    np.testing.assert_allclose(
+        np.where(finite, np.asarray(got[0]), 0), np.where(finite, np.asarray(want[0]), 0), rtol=0, atol=2 * ulp
+    )
+
+
+def test_chunked_topk_rejects_bad_chunks_by_name():
+    x = jnp.zeros((2, 1000))
+    with pytest.raises(ValueError, match="chunk must be a power of two <= MAX_ROW"):
+        tree_build.tree_topk_logits_chunked(x, 4, chunk=100)
+    with pytest.raises(ValueError, match="use a larger chunk"):
+        tree_build.tree_topk_logits_chunked(jnp.zeros((1, 40000)), 512, chunk=8)
+    with pytest.raises(ValueError, match=r"k must be an integer in \[1, V=1000\]"):
+        tree_build.tree_topk_logits_chunked(x, 1001)
+
+
 def test_select_and_topk_reject_bad_input_by_name():
     with pytest.raises(ValueError, match="k must be an integer in"):
         tree_topk(jnp.zeros((2, 8)), 9)

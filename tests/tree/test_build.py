@@ -195,7 +195,9 @@ def test_non_finite_row_under_jit_gives_root_only_tree():
         ((4, 6, 300, 256), 256, "normal"),
         ((6, 2, 64, 40), 40, "bf16_ties"),
         ((4, 5, 40, 33), 33, "dead"),
-        ((2, 2, 20000, 8), 8, "normal"),  # V > MAX_ROW: the prefilter's candidates go through the kernel
+        ((2, 2, 20000, 8), 8, "normal"),  # V > MAX_ROW: the chunked top-K (tree_topk_logits_chunked)
+        ((2, 3, 20000, 64), 64, "dead"),  # ... with dead depths and half -inf rows
+        ((1, 2, 20000, 16), 16, "bf16_ties"),  # ... with exact ties across chunks
     ],
 )
 def test_pallas_builder_matches_the_heap_and_the_xla_builder(shape, budget, kind):
