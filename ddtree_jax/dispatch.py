@@ -125,6 +125,10 @@ PREFILL_CHUNK = 2048  # "auto" prefills prompts longer than this in chunks of th
 AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
 TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)
+# ... but only when AUTO_TREE_TOPK_CHUNKED: on the H200 (V = 151,936, L = 15, bf16, bench_tree_V151936_7ba6e57.json)
+# the chunked top-K stage measured slower than the XLA prefilter + one kernel a row: 102 against 85 us at budget 64,
+# 143 against 113 at 256 (its 285 programs each run the latency-bound bisection; more programs add waves, not speed)
+AUTO_TREE_TOPK_CHUNKED = False
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
@@ -355,8 +359,9 @@ def tree_topk_chunk(vocab: int, k: int) -> int | None:
     """The tree builder's top-K chunk for rows longer than the kernel's (V > TREE_TOPK_MAX_ROW): the smallest power
     of two from tree_build.CHUNK whose ceil(V / chunk) x min(k, chunk) candidates fit one kernel row
     (`tree_topk_logits_chunked`: rows x chunks programs, then one over the candidates); None where no chunk does
-    (the builder then prefilters in XLA). V <= TREE_TOPK_MAX_ROW: None (one program a row)."""
-    if vocab <= TREE_TOPK_MAX_ROW:
+    (the builder then prefilters in XLA). V <= TREE_TOPK_MAX_ROW, or AUTO_TREE_TOPK_CHUNKED off: None (one program
+    a row, or the prefilter)."""
+    if vocab <= TREE_TOPK_MAX_ROW or not AUTO_TREE_TOPK_CHUNKED:
         return None
     chunk = TREE_TOPK_CHUNK
     while chunk <= TREE_TOPK_MAX_ROW:

@@ -110,7 +110,9 @@ def test_the_prefilter_pays_on_large_vocabularies_only():
     assert dispatch.prefilter_chunk(151936, 64) & (dispatch.prefilter_chunk(151936, 64) - 1) == 0
 
 
-def test_tree_topk_chunk_fits_the_candidates_in_one_kernel_row():
+def test_tree_topk_chunk_fits_the_candidates_in_one_kernel_row(monkeypatch):
+    assert dispatch.tree_topk_chunk(151936, 64) is None  # off in "auto" (measured slower on the H200)
+    monkeypatch.setattr(dispatch, "AUTO_TREE_TOPK_CHUNKED", True)
     assert dispatch.tree_topk_chunk(8192, 64) is None  # one program a row
     assert dispatch.tree_topk_chunk(151936, 64) == 8192  # 19 chunks x 64 candidates
     assert dispatch.tree_topk_chunk(151936, 1024) == 16384  # 19 x 1024 would not fit; 10 x 1024 does
@@ -155,7 +157,7 @@ def test_decode_plan_answers_what_runs_where():
         )
     }
     assert plan["tree builder"] == "pallas"  # the tree_build kernels on GPU
-    assert plan["tree top-k"] == "pallas in chunks of 8192"  # V = 163840 > the kernel's 16384-long rows
+    assert plan["tree top-k"] == "pallas after the prefilter"  # V = 163840 > the kernel's 16384-long rows
     assert plan["tree-forward attention"] == "pallas"  # absorbed MLA on the Mosaic GPU kernel (bf16)
     assert plan["tree-forward MoE"] == "pallas"  # 33 rows x 8 experts > 16 assignments
     assert plan["rejection walk"] == "pallas"

@@ -195,17 +195,23 @@ def test_non_finite_row_under_jit_gives_root_only_tree():
         ((4, 6, 300, 256), 256, "normal"),
         ((6, 2, 64, 40), 40, "bf16_ties"),
         ((4, 5, 40, 33), 33, "dead"),
-        ((2, 2, 20000, 8), 8, "normal"),  # V > MAX_ROW: the chunked top-K (tree_topk_logits_chunked)
+        ((2, 2, 20000, 8), 8, "normal"),  # V > MAX_ROW: the prefilter, or the chunked top-K (tree_topk_logits_chunked)
         ((2, 3, 20000, 64), 64, "dead"),  # ... with dead depths and half -inf rows
         ((1, 2, 20000, 16), 16, "bf16_ties"),  # ... with exact ties across chunks
     ],
 )
-def test_pallas_builder_matches_the_heap_and_the_xla_builder(shape, budget, kind):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_pallas_builder_matches_the_heap_and_the_xla_builder(shape, budget, kind, chunked, monkeypatch):
     """impl="pallas" (the tree_build kernels; interpreted on CPU): the heap's tree, and the XLA builder's
     slots bit for bit. The kernel computes its own log-softmax (`tree_topk_logits`), whose log-normaliser
     may differ from XLA's by an ulp: the tree's structure must be identical, its log-weights equal up to
     those ulps (one per depth on the path)."""
     batch, depth, vocab, _ = shape
+    if chunked and vocab <= 16384:
+        pytest.skip("the chunked top-K is for rows longer than the kernel's")
+    from ddtree_jax import dispatch
+
+    monkeypatch.setattr(dispatch, "AUTO_TREE_TOPK_CHUNKED", chunked)  # V > MAX_ROW: chunked top-K or the prefilter
     rng = np.random.default_rng(vocab + budget)
     if kind == "bf16_ties":
         logits = jnp.asarray(rng.choice(SIDON, size=(batch, depth, vocab)) * 0.5, jnp.bfloat16)
