@@ -13,13 +13,12 @@ Counted first, per call (S = context + N, the keys a row sees; G = Hq / Hkv):
   bytes = K + V read once (4 * B * S * Hkv * D) + the queries and the bf16 output (4 * B * N * Hq * D) + the
           bool mask (B * N * S);
   roofline = max(bytes / 4.3 TB/s (read + write copy bandwidth measured on this H200), FLOPs / 790 TFLOP/s).
-Timing (`in_jit_seconds`, as bench_mla_mgpu): one jitted program calls the variant once on each of >= 4
-input sets (queries, cache and mask; together larger than twice the 50 MB L2, so no call reads the previous
-call's data from L2, up to MAX_SETS calls: the embedded pair's 0.3 MB sets stay L2-resident, flagged
-`l2_resident` in its rows) and returns every output whole (`common.in_jit_seconds`); time per call = the program's median
-wall time over 7 runs (`common.time_calls`, block_until_ready) / the number of sets. Inside one program the
-calls run back to back on the device: no host dispatch per call (a host-queued loop measures ~75-120 us a
-call: the dispatch, not the kernel). Correctness: ||out - ref|| / ||ref|| against the XLA path on input
+Timing (`op_profile.device_seconds`, as bench_mla_mgpu): one jitted program calls the variant once on each
+of >= 4 input sets (queries, cache and mask; together larger than twice the 50 MB L2, so no call reads the
+previous call's data from L2, up to MAX_SETS calls: the embedded pair's 0.3 MB sets stay L2-resident, flagged
+`l2_resident` in its rows) and returns every output whole; `*_us` = the program's span on the device / the
+sets (no host dispatch); `*_wall_us` = its wall time / the sets (`common.in_jit_seconds`; the rows archived
+before `7ba6e57` are wall times). Correctness: ||out - ref|| / ||ref|| against the XLA path on input
 set 0 (bf16: expect ~3e-3). A variant that fails to compile or run records its error string and the rest
 go on.
 
@@ -39,7 +38,7 @@ import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
 from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
-from benchmarks.op_profile import format_op_table, op_times, per_call_timeline
+from benchmarks.op_profile import device_seconds, format_op_table, op_times, per_call_timeline
 from ddtree_kernels.gqa_attention_mgpu import BLOCK_M, gqa_tree_attention, row_plan, smem_plan, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -149,7 +148,8 @@ def run_case(
             out = attend[name](*sets[0])
             if ref is not None:
                 row[f"{name}_rel_err"] = relative_error(out, ref)
-            seconds = in_jit_seconds(attend[name], sets)
+            row[f"{name}_wall_us"] = in_jit_seconds(attend[name], sets) * 1e6
+            seconds = device_seconds(attend[name], sets)
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_TFLOPs"] = flops / seconds / 1e12
             row[f"{name}_GBps"] = nbytes / seconds / 1e9
@@ -175,7 +175,7 @@ def run_case(
                 row[f"{name}_profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
         try:
-            seconds = in_jit_seconds(mgpu_with_splits(num_splits, block_kv), sets)
+            seconds = device_seconds(mgpu_with_splits(num_splits, block_kv), sets)
             row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
         except Exception as err:  # noqa: BLE001
             row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = _error(err)

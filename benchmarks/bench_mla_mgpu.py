@@ -9,13 +9,14 @@ Counted first, per call (S = context + N):
   FLOPs = 2 * B * N * H * S * (576 + 512)  (scores over latent + rope, values the latent);
   bytes = the latent + rope cache read once (1,152 B a key) + the queries + the bf16 output;
   roofline = max(bytes / 4.3 TB/s (read + write copy bandwidth measured on this H200), FLOPs / 790 TFLOP/s).
-Timing (`in_jit_seconds`): one jitted program calls the variant once on each of >= 4 input sets (queries
-and cache; together larger than twice the 50 MB L2, so no call reads the previous call's data from L2) and
-returns every output whole (`common.in_jit_seconds`; at most MAX_SETS sets: a case whose sets stay below twice the L2 is
-marked `l2_resident`); time per call = the program's median wall time over 7 runs
-(`common.time_calls`, block_until_ready) / the number of sets. Inside one program the calls run back to
-back on the device: no host dispatch per call (a host-queued loop measured ~75-120 us a call for every
-variant at the small cases: the dispatch, not the kernel). Correctness: ||out - ref|| / ||ref|| against the XLA path on input set 0, per case
+Timing (`op_profile.device_seconds`): one jitted program calls the variant once on each of >= 4 input sets
+(queries and cache; together larger than twice the 50 MB L2, so no call reads the previous call's data from L2;
+at most MAX_SETS sets: a case whose sets stay below twice the L2 is marked `l2_resident`) and returns every
+output whole; `*_us` = the program's span on the device (first kernel to last, from a profiler trace; median of
+3 programs) / the number of sets: what a call costs back to back, without host dispatch. `*_wall_us` = the
+program's median wall time over 7 runs / the sets (`common.in_jit_seconds`): it adds the program's dispatch and
+synchronisation, ~100 us a call at 4 sets on the H200 (mla8 at 32k: 149 us wall, 53 on the device; the rows
+archived before `7ba6e57` are wall times). Correctness: ||out - ref|| / ||ref|| against the XLA path on input set 0, per case
 (bf16: expect ~3e-3). A variant that fails to compile or run records its error string and the rest go on.
 
 Usage: PYTHONPATH=.:kernels python -m benchmarks.bench_mla_mgpu --commit $(git rev-parse --short HEAD) [--quick]
@@ -33,7 +34,7 @@ import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
 from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
-from benchmarks.op_profile import format_op_table, op_times, per_call_timeline
+from benchmarks.op_profile import device_seconds, format_op_table, op_times, per_call_timeline
 from ddtree_kernels.mla_attention_mgpu import BLOCK_M, mla_tree_attention, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -121,7 +122,8 @@ def run_case(
             out = ATTEND[name](*sets[0])
             if ref is not None:
                 row[f"{name}_rel_err"] = relative_error(out, ref)
-            seconds = in_jit_seconds(ATTEND[name], sets)
+            row[f"{name}_wall_us"] = in_jit_seconds(ATTEND[name], sets) * 1e6
+            seconds = device_seconds(ATTEND[name], sets)
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_TFLOPs"] = flops / seconds / 1e12
             row[f"{name}_GBps"] = nbytes / seconds / 1e9
@@ -147,7 +149,7 @@ def run_case(
                 row[f"{name}_profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
         try:
-            seconds = in_jit_seconds(mgpu_with_splits(num_splits), sets)
+            seconds = device_seconds(mgpu_with_splits(num_splits), sets)
             row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
         except Exception as err:  # noqa: BLE001
             row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = f"{type(err).__name__}: {str(err)[:200]}"

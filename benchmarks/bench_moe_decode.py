@@ -9,10 +9,11 @@ width (I = 256 columns of gate / up per expert) and full width (I = 2048); T = 1
 Counted per call: the chosen experts' weight bytes (codes + scales; every assignment a distinct expert, so
 A experts are read): gate_up A x 2 x I x (H / 2 + H / 32 x 2), down A x H x (I / 2 + I / 32 x 2);
 roofline = bytes / the XLA copy bandwidth (read + write) measured in this run (`common.copy_bandwidth`).
-Timing (`in_jit_seconds`, as benchmarks/bench_mla_mgpu.py): one jitted program runs the variant on each of
+Timing (`op_profile.device_seconds`, as benchmarks/bench_mla_mgpu.py): one jitted program runs the variant on each of
 >= 4 input sets (x, the [T, 8] expert choice, routing weights, and an act for the down kernel alone); the
 sets take disjoint experts from one random permutation, so no call finds the previous call's experts in
-the 50 MB L2 (together >= 2 x L2). Time per call = the program's median wall time over the runs / sets.
+the 50 MB L2 (together >= 2 x L2). Time per call = the program's span on the device / sets (no host
+dispatch; the rows archived before `7ba6e57` are wall times / sets).
 Variants: "kernels" (moe_decode: gate_up + down), "gate_up", "down" (the kernels alone), "gather",
 "pallas" (the models' paths, same weights). Correctness: max |out - ref| / max |ref| on set 0 against the
 float32 twin (`moe_decode_reference`; the "gather" / "pallas" paths round gate / up to bf16, ~1e-2).
@@ -38,11 +39,11 @@ import numpy as np
 from benchmarks.common import (
     copy_bandwidth,
     device_description,
-    in_jit_seconds,
     markdown_table,
     max_relative_error,
     write_result,
 )
+from benchmarks.op_profile import device_seconds
 from ddtree_jax.models.moe import routed_gather, routed_pallas
 from ddtree_kernels.moe_decode import (
     DOWN_TILES,
@@ -211,7 +212,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
             ref_name = name if name in ("gate_up", "down") else "kernels"
             out = jax.jit(fn)(params, *sets[0])
             row[f"{name}_rel_err"] = max_relative_error(out, refs[ref_name]) if ref_name in refs else float("nan")
-            seconds = in_jit_seconds(fn, sets, shared=(params,), runs=runs)
+            seconds = device_seconds(fn, sets, shared=(params,))
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_GBps"] = nbytes[name] / seconds / 1e9
             row[f"{name}_of_roofline"] = seconds / (nbytes[name] / copy_bw)
@@ -234,7 +235,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
                     err = (
                         max_relative_error(jax.jit(fn)(params, *sets[0]), refs[name]) if name in refs else float("nan")
                     )
-                    seconds = in_jit_seconds(fn, sets, shared=(params,), runs=runs)
+                    seconds = device_seconds(fn, sets, shared=(params,))
                     results[tiles_name(tiles)] = {"us": seconds * 1e6, "rel_err": err}
                 except Exception as err:  # noqa: BLE001
                     results[tiles_name(tiles)] = f"{type(err).__name__}: {str(err)[:200]}"

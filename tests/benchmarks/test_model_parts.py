@@ -31,3 +31,20 @@ def test_op_times_sums_each_op_of_the_program():
     assert "total device time" in format_op_table(rows, top=3)
     with pytest.raises(ValueError, match="runs must be >= 1, got 0"):
         op_times(fn, jnp.ones((4, 4)), runs=0)
+
+
+def test_device_seconds_counts_each_call_of_the_program_once():
+    """A program that calls fn on 4 sets: per_call_timeline sees fn's kernels once a call (the events a call
+    are those of one call, whatever the set count), and device_seconds is the program's device span per call:
+    positive, and no more than the busy + idle time the timeline found."""
+    from benchmarks.op_profile import device_seconds, per_call_timeline
+
+    fn = lambda a, b: jnp.tanh(a @ b).sum(axis=0)  # noqa: E731
+    sets = [tuple(jax.random.normal(jax.random.key(2 * i + j), (128, 128)) for j in range(2)) for i in range(4)]
+    one = per_call_timeline(fn, sets[:1])
+    four = per_call_timeline(fn, sets)
+    assert four["calls"] == 4 and four["events_per_call"] == pytest.approx(one["events_per_call"])
+    assert four["busy_us_per_call"] > 0 and four["span_us_per_call"] >= four["busy_us_per_call"]
+    assert 0 < device_seconds(fn, sets, runs=1) * 1e6
+    shared = (jnp.ones((128, 128)),)
+    assert per_call_timeline(lambda s, a, b: fn(a + s, b), sets, shared)["calls"] == 4
