@@ -129,12 +129,17 @@ def bench_case(
         with open(hlo_path, "w") as f:
             f.write(step.as_text())
     if profile_top > 0:
-        from benchmarks.op_profile import op_times
+        from benchmarks.op_profile import device_timeline, op_times, timeline_gaps
 
         ops = op_times(step, *step_args, runs=3)
         row["device_us"] = sum(r["us_per_run"] for r in ops)
         row["launches"] = sum(r["events_per_run"] for r in ops)
         row["op_profile"] = ops[:profile_top]
+        # one step as a timeline: its span on the device and the idle gaps between launches inside it (what
+        # the wall clock adds beyond them is the host's dispatch of the step)
+        gaps = timeline_gaps(device_timeline(step, *step_args))
+        row["device_span_us"] = gaps["span_ns"] / 1e3
+        row["device_idle_us"] = gaps["idle_ns"] / 1e3
     if step_only:
         row["slots"] = {"ar": 1, "chain": block}.get(method, budget + 1)
         return row
@@ -259,7 +264,10 @@ def main() -> None:
         if "op_profile" in row:
             from benchmarks.op_profile import format_op_table
 
-            head += f"  [device {row['device_us'] / 1e3:.2f} ms in {row['launches']:.0f} launches]"
+            head += (
+                f"  [device {row['device_us'] / 1e3:.2f} ms in {row['launches']:.0f} launches; span "
+                f"{row['device_span_us'] / 1e3:.2f} ms, idle {row['device_idle_us'] / 1e3:.2f} ms]"
+            )
             print(format_op_table(row["op_profile"], args.profile_top), flush=True)
         if args.step_only:
             print(f"{head}  (compile step {row['step_compile_s']:.0f} s)", flush=True)
