@@ -135,8 +135,9 @@ def bench_case(
         row["device_us"] = sum(r["us_per_run"] for r in ops)
         row["launches"] = sum(r["events_per_run"] for r in ops)
         row["op_profile"] = ops[:profile_top]
-        # one step as a timeline: its span on the device and the idle gaps between launches inside it (what
-        # the wall clock adds beyond them is the host's dispatch of the step)
+        # one step as a timeline: its span on the device and the idle gaps between launches inside it. Traced, the
+        # step runs without command buffers (XLA turns them off under the profiler): the gaps are those of kernels
+        # launched one by one, an upper bound on a CUDA graph's
         gaps = timeline_gaps(device_timeline(step, *step_args))
         row["device_span_us"] = gaps["span_ns"] / 1e3
         row["device_idle_us"] = gaps["idle_ns"] / 1e3

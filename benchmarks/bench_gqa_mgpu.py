@@ -210,7 +210,11 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3_8b,embedded", help=f"of {sorted(SHAPES)}")
     parser.add_argument("--contexts", default="1024,8192,32768", help="Qwen3-8B contexts (embedded: 512)")
     parser.add_argument(
-        "--profile-top", type=int, default=0, help="also print the N largest device ops of one mgpu / xla call"
+        "--profile-top",
+        type=int,
+        default=0,
+        help="also print the N largest device ops of one mgpu / xla call (input set 0 repeated: L2-warm at small "
+        "sizes, unlike the rotated sets of the *_us columns) and the in-jit timeline",
     )
     parser.add_argument("--block-kv", type=int, default=64, help="the Mosaic kernel's key block (64 or 128)")
     parser.add_argument(

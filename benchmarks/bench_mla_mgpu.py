@@ -172,7 +172,11 @@ def main() -> None:
     parser.add_argument("--batches", default="", help="override the batch sizes (default: 1, and 8 for mla8)")
     parser.add_argument("--steps", default="", help="override the tree sizes N (default: 17 and 65; 17 with --quick)")
     parser.add_argument(
-        "--profile-top", type=int, default=0, help="also print the N largest device ops of one mgpu / xla call"
+        "--profile-top",
+        type=int,
+        default=0,
+        help="also print the N largest device ops of one mgpu / xla call (input set 0 repeated: L2-warm at small "
+        "sizes, unlike the rotated sets of the *_us columns) and the in-jit timeline",
     )
     parser.add_argument("--out", help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args()

@@ -212,7 +212,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
             ref_name = name if name in ("gate_up", "down") else "kernels"
             out = jax.jit(fn)(params, *sets[0])
             row[f"{name}_rel_err"] = max_relative_error(out, refs[ref_name]) if ref_name in refs else float("nan")
-            seconds = device_seconds(fn, sets, shared=(params,))
+            seconds = device_seconds(fn, sets, shared=(params,), runs=runs)
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_GBps"] = nbytes[name] / seconds / 1e9
             row[f"{name}_of_roofline"] = seconds / (nbytes[name] / copy_bw)
@@ -235,7 +235,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
                     err = (
                         max_relative_error(jax.jit(fn)(params, *sets[0]), refs[name]) if name in refs else float("nan")
                     )
-                    seconds = device_seconds(fn, sets, shared=(params,))
+                    seconds = device_seconds(fn, sets, shared=(params,), runs=runs)
                     results[tiles_name(tiles)] = {"us": seconds * 1e6, "rel_err": err}
                 except Exception as err:  # noqa: BLE001
                     results[tiles_name(tiles)] = f"{type(err).__name__}: {str(err)[:200]}"
@@ -251,7 +251,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tilings of each kernel")
     parser.add_argument("--widths", default="", help="override the expert widths I (default 256,2048)")
     parser.add_argument("--tokens", default="1,4", help="tokens per step (top-8 each; A = 8 T <= 32)")
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=3, help="traced programs per timing (median)")
     parser.add_argument("--small", action="store_true", help="CPU smoke: tiny shapes, interpret mode")
     args = parser.parse_args()
     shapes = SMALL if args.small else FULL

@@ -150,7 +150,9 @@ def per_call_timeline(fn, sets: list[tuple], shared: tuple = ()) -> dict:
     """fn(*shared, *set) called once on each input set inside one jitted program (as `common.in_jit_seconds` times
     it), read as a device timeline: {"calls", "events_per_call", "busy_us_per_call", "idle_us_per_call",
     "span_us_per_call"}. Busy is what the device spent in kernels, idle the gaps between them inside the program
-    (launch latency, host work of a custom call): busy + idle (the span) is what a call costs back to back."""
+    (launch latency, host work of a custom call): busy + idle (the span) is what a call costs back to back. Under
+    the profiler XLA runs without command buffers (CUDA graphs; `xla_enable_command_buffers_during_profiling` is
+    off by default): kernels launch one by one, so the idle part can exceed a graph's."""
     program = jax.jit(lambda shared, sets: [fn(*shared, *args) for args in sets])
     summary = timeline_gaps(device_timeline(program, tuple(shared), list(sets)))
     calls = len(sets)
@@ -166,8 +168,9 @@ def per_call_timeline(fn, sets: list[tuple], shared: tuple = ()) -> dict:
 def device_seconds(fn, sets: list[tuple], *, shared: tuple = (), runs: int = 3) -> float:
     """Seconds of device time a call of fn(*shared, *set) costs back to back: the median over `runs` traced
     programs (each calls fn once on every set, `per_call_timeline`) of the span from the program's first kernel
-    to its last, per call. Unlike a wall-clock time of the program (`common.in_jit_seconds`), it holds no host
-    dispatch or synchronisation: at a few sets per program those add ~100 us a call on the H200 (mla8 at 32k
+    to its last, per call, with kernels launched one by one (`per_call_timeline`: no command buffers under the
+    profiler). Unlike a wall-clock time of the program (`common.in_jit_seconds`), it holds no host dispatch or
+    synchronisation of the program: at a few sets per program those add ~100 us a call on the H200 (mla8 at 32k
     keys: 149 us wall against 53 on the device, attention_mgpu_7ba6e57_profile.json)."""
     spans = sorted(per_call_timeline(fn, sets, shared)["span_us_per_call"] for _ in range(runs))
     return spans[len(spans) // 2] * 1e-6

@@ -13,7 +13,10 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               queries, >= AUTO_PALLAS_MLA_MIN_KEYS cache rows, bf16): the Mosaic GPU kernel
               (`mla_attention_mgpu`; `mla_attention_kernel`): 1.2-1.7x XLA from 8k keys, a tie or a loss
               at 1k-4k with 64 heads (attention_mgpu_003b11c.json); the K2.6 TP8 shard's whole step 8-11%
-              faster with it (k26_tp8_shard_003b11c.json). Causal prefill chunks (> AUTO_PALLAS_MAX_QUERIES
+              faster with it (k26_tp8_shard_003b11c.json). GQA decode / verify calls that take the kernel
+              against >= AUTO_MOSAIC_GQA_MIN_KEYS cache rows (bf16, head dims 64 / 128): the Mosaic GPU GQA
+              kernel (`gqa_attention_mgpu`; `gqa_attention_kernel`): 1.42-1.54x the Triton kernel at 8k-32k
+              keys, a tie at 1k (gqa_mgpu_c95440b.json). Causal prefill chunks (> AUTO_PALLAS_MAX_QUERIES
               queries, GQA, bf16, head dims the kernel takes): the Mosaic GPU flash-attention kernel
               (`prefill_attention_mgpu`; `prefill_attention_kernel`): 550-650 TFLOP/s at a 2,048-query chunk
               against 69-78 for the blockwise XLA path (prefill_attention_a7d24fc.json); the Qwen3-8B 32k
@@ -97,11 +100,13 @@ AUTO_PALLAS_GQA_SHORT_KEYS = 2048
 # us per call, kernel / XLA (attention_mgpu_003b11c.json): 64 heads, N = 65, 1k keys 109 / 80 (XLA ahead), N = 17,
 # 4k 88 / 86 (a tie); from 8k the kernel leads everywhere (8 heads 32k: 121 / 165; 64 heads 32k: 277 / 471).
 AUTO_PALLAS_MLA_QUERIES = 65
-# GQA decode / verify calls that take the tree-attention kernel ("pallas", or "auto" above): on GPU, bf16, head dims
-# in MOSAIC_GQA_HEAD_DIMS and at least AUTO_MOSAIC_GQA_MIN_KEYS cache rows, the Mosaic GPU kernel
-# (`ddtree_kernels.gqa_attention_mgpu`: every key block read once per KV head for all its query heads x tree rows),
-# else the Triton one. H200, Qwen3-8B shape, B = 1, N = 17, us per call Mosaic / Triton / XLA (gqa_mgpu_c95440b.json):
-# 1k keys 54 / 52 / 65 (a tie), 8k 90 / 128 / 216, 32k 147 / 226 / 404.
+# GQA decode / verify calls (<= AUTO_PALLAS_GQA_QUERIES queries) that take the tree-attention kernel ("pallas", or
+# "auto" above): on GPU, bf16, head dims in MOSAIC_GQA_HEAD_DIMS and at least AUTO_MOSAIC_GQA_MIN_KEYS cache rows in
+# whole 64-key blocks, the Mosaic GPU kernel (`ddtree_kernels.gqa_attention_mgpu`: every key block read once per KV
+# head for all its query heads x tree rows), else the Triton one. H200, Qwen3-8B shape, B = 1, N = 17, us per call by
+# the wall clock of a timed program (which holds its dispatch; device times not yet measured), Mosaic / Triton / XLA
+# (gqa_mgpu_c95440b.json): 1k keys 54 / 52 / 65 (a tie), 8k 90 / 128 / 216, 32k 147 / 226 / 404. Not measured: N = 65,
+# B > 1, head dim 64 at >= 8k keys (the rule takes them on the B = 1, N = 17 evidence).
 AUTO_MOSAIC_GQA_MIN_KEYS = 8192
 MOSAIC_GQA_HEAD_DIMS = gqa_attention_mgpu.HEAD_DIMS
 AUTO_PALLAS_MLA_MIN_KEYS = 2048
@@ -227,15 +232,23 @@ def mla_attention_kernel(
 
 
 def gqa_attention_kernel(
-    *, keys: int, head_dim: int, value_dim: int, bfloat16: bool, backend_name: str | None = None
+    *,
+    queries: int | None,
+    keys: int,
+    head_dim: int,
+    value_dim: int,
+    bfloat16: bool,
+    backend_name: str | None = None,
 ) -> str:
-    """The kernel behind attn_impl "pallas" (or "auto"'s "pallas") for a GQA decode / verify call against `keys`
-    cache rows: "mosaic" (`gqa_attention_mgpu`: TMA + wgmma) on GPU for bf16 at head dims it takes (keys and
-    values alike) from AUTO_MOSAIC_GQA_MIN_KEYS keys, where it measured faster than the Triton kernel, else
-    "triton" (`tree_attention`)."""
+    """The kernel behind attn_impl "pallas" (or "auto"'s "pallas") for a GQA call of `queries` query positions
+    per row (None: a decode / verify step) against `keys` cache rows: "mosaic" (`gqa_attention_mgpu`: TMA +
+    wgmma) on GPU for bf16 decode / verify calls (<= AUTO_PALLAS_GQA_QUERIES queries) at head dims it takes
+    (keys and values alike) from AUTO_MOSAIC_GQA_MIN_KEYS keys in whole 64-key blocks (no padded copy of the
+    cache), where it measured faster than the Triton kernel; else "triton" (`tree_attention`)."""
     fits = head_dim == value_dim and head_dim in MOSAIC_GQA_HEAD_DIMS
-    long = keys >= AUTO_MOSAIC_GQA_MIN_KEYS
-    return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits and long else "triton"
+    decode = queries is None or queries <= AUTO_PALLAS_GQA_QUERIES
+    long = keys >= AUTO_MOSAIC_GQA_MIN_KEYS and keys % 64 == 0
+    return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits and decode and long else "triton"
 
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
@@ -414,8 +427,9 @@ def decode_plan(
     """What one decode step runs with these `options` (an `options.DecodeOptions`) on a target of
     `target_config` with float32 (float32=True) or bf16 weights and caches, after `keys` committed tokens
     (None: unknown; the attention rules see the cache's rows: those + the step's slots, in whole
-    CACHE_ROW_MULTIPLE blocks as the engine allocates them): one StageChoice per decision, after the "auto"
-    rules above."""
+    CACHE_ROW_MULTIPLE blocks): one StageChoice per decision, after the "auto" rules above. The engine allocates
+    the cache for the whole request (prompt + max_new_tokens + slots), so a run's attention kernel follows that
+    capacity: pass it as `keys` (less the slots) to see what a given request runs."""
     backend_name = backend_name or backend()
     slots = 1 if method == "ar" else (budget + 1 if method == "ddtree" else block_size)
     rows = batch * slots
@@ -454,10 +468,17 @@ def decode_plan(
     if mla:
         kernel = mla_attention_kernel(bfloat16=not float32, dims=mla_dims, backend_name=backend_name)
     else:
-        head_dim = target_config.head_dim
-        kernel = gqa_attention_kernel(
-            keys=keys or 0, head_dim=head_dim, value_dim=head_dim, bfloat16=not float32, backend_name=backend_name
-        )
+        gqa = dict(queries=slots, head_dim=target_config.head_dim, value_dim=target_config.head_dim)
+        gqa.update(bfloat16=not float32, backend_name=backend_name)
+        if keys is None:  # the kernel depends on the cache's rows
+            long_kernel = gqa_attention_kernel(keys=AUTO_MOSAIC_GQA_MIN_KEYS, **gqa)
+            kernel = (
+                "triton"
+                if long_kernel == "triton"
+                else f"{long_kernel} from {AUTO_MOSAIC_GQA_MIN_KEYS} cache rows, else triton"
+            )
+        else:
+            kernel = gqa_attention_kernel(keys=keys, **gqa)
     plan.append(
         StageChoice(
             "tree-forward attention",

@@ -36,12 +36,16 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.mla_attention_kernel(bfloat16=True, **gpu) == "mosaic"
     # GQA: the Mosaic kernel from AUTO_MOSAIC_GQA_MIN_KEYS keys (bf16, head dims 64 / 128), the Triton one below
     long_keys = dispatch.AUTO_MOSAIC_GQA_MIN_KEYS
-    gqa = dict(head_dim=128, value_dim=128, bfloat16=True)
+    gqa = dict(queries=17, head_dim=128, value_dim=128, bfloat16=True)
     assert dispatch.gqa_attention_kernel(keys=long_keys, **gqa, **gpu) == "mosaic"
-    assert dispatch.gqa_attention_kernel(keys=long_keys - 1, **gqa, **gpu) == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys - 64, **gqa, **gpu) == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys + 1, **gqa, **gpu) == "triton"  # not whole 64-key blocks
     assert dispatch.gqa_attention_kernel(keys=long_keys, **gqa, backend_name="cpu") == "triton"
-    assert dispatch.gqa_attention_kernel(keys=long_keys, head_dim=128, value_dim=128, bfloat16=False, **gpu) == "triton"
-    assert dispatch.gqa_attention_kernel(keys=long_keys, head_dim=32, value_dim=32, bfloat16=True, **gpu) == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys, **{**gqa, "bfloat16": False}, **gpu) == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys, **{**gqa, "head_dim": 32, "value_dim": 32}, **gpu) == "triton"
+    assert dispatch.gqa_attention_kernel(keys=long_keys, **{**gqa, "queries": None}, **gpu) == "mosaic"  # decode
+    prefill_sized = {**gqa, "queries": dispatch.AUTO_PALLAS_GQA_QUERIES + 1}
+    assert dispatch.gqa_attention_kernel(keys=long_keys, **prefill_sized, **gpu) == "triton"
     assert dispatch.mla_attention_kernel(bfloat16=False, **gpu) == "triton"
     assert dispatch.mla_attention_kernel(bfloat16=True, backend_name="cpu") == "triton"
     # the Mosaic kernel takes latent 512 / rope 64 only: other MLA shapes keep XLA ("auto") / Triton ("pallas")
@@ -102,6 +106,23 @@ def test_unknown_choices_are_named():
         DecodeOptions(threshold_acc=1.5)
     with pytest.raises(ValueError, match="sample-then-walk verifier has no lossy thresholds"):
         DecodeOptions(verifier="sample_then_walk", threshold_single=0.5)
+
+
+def test_decode_plan_names_the_gqa_kernel_by_cache_rows():
+    from ddtree_jax.presets import preset_pair
+
+    target, _ = preset_pair("qwen3-8b")
+    rows = dispatch.AUTO_MOSAIC_GQA_MIN_KEYS
+
+    def attention_detail(keys):
+        plan = dispatch.decode_plan(
+            DecodeOptions(), target, method="ddtree", budget=16, block_size=16, keys=keys, backend_name="gpu"
+        )
+        return next(row.why for row in plan if row.stage == "tree-forward attention")
+
+    assert "(the triton kernel)" in attention_detail(1000)
+    assert "(the mosaic kernel)" in attention_detail(rows)
+    assert f"mosaic from {rows} cache rows, else triton" in attention_detail(None)
 
 
 def test_the_prefilter_pays_on_large_vocabularies_only():

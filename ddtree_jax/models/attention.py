@@ -149,7 +149,7 @@ def attention(
     if choice == "pallas" and all(d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1])):
         bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q, k, v))
         kernel = dispatch.gqa_attention_kernel(
-            keys=k.shape[1], head_dim=q.shape[-1], value_dim=v.shape[-1], bfloat16=bfloat16
+            queries=q.shape[1], keys=k.shape[1], head_dim=q.shape[-1], value_dim=v.shape[-1], bfloat16=bfloat16
         )
         if kernel == "mosaic":
             return sharded_gqa_attention(q, k, v, mask, scale=scale)
@@ -182,11 +182,12 @@ def sharded_gqa_attention(
 ) -> jax.Array:
     """`gqa_attention_mgpu.gqa_tree_attention` (q [B, T, Hq, D], k / v [B, S, Hkv, D] bf16, mask bool [B, T, S]
     -> [B, T, Hq, D]), per shard when a mesh is set: batch over "data", query heads over "model" with their KV
-    heads (`dispatch.gqa_attention_kernel` says when it runs)."""
+    heads (a single KV head, MQA, is replicated; `dispatch.gqa_attention_kernel` says when it runs)."""
+    kv = heads(4) if k.shape[2] > 1 else rows(4)
     return shard_call(
         lambda q, k, v, m: gqa_tree_attention(q, k, v, m, scale=scale),
         (q, k, v, mask),
-        (heads(4), heads(4), heads(4), rows(3)),
+        (heads(4), kv, kv, rows(3)),
         heads(4),
     )
 

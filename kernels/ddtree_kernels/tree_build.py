@@ -383,22 +383,22 @@ def _tree_topk_logits_chunked_jit(logits, *, k: int, chunk: int, interpret: bool
     invalid = jnp.any((x != x) | (x == jnp.inf), axis=-1)  # x != x: NaN
     flags = (jnp.where(dead, DEAD_DEPTH, 0) | jnp.where(invalid, INVALID_ROW, 0)).astype(jnp.int32)
     ok = flags == 0
-    row_max = jnp.where(ok, jnp.max(x, axis=-1), 0.0)  # flagged rows are ranked as zeros
-    total = jnp.sum(jnp.exp(jnp.where(ok[:, None], x, 0.0) - row_max[:, None]), axis=-1)
-    log_total = jnp.log(total)
-    # stage 1: the k1 largest raw logits of every chunk, rows x chunks programs (padding -inf: never above a
-    # real logit, so a chunk's top-k1 holds every real entry of the row's top-k that lies in it)
-    padded = jnp.pad(logits, ((0, 0), (0, num_chunks * chunk - vocab)), constant_values=-jnp.inf)
-    padded = jnp.where(ok[:, None], padded, jnp.zeros((), padded.dtype))
+    x = jnp.where(ok[:, None], x, 0.0)  # flagged rows are ranked as zeros (as `tree_topk_logits` ranks them)
+    row_max = jnp.max(x, axis=-1)
+    log_total = jnp.log(jnp.sum(jnp.exp(x - row_max[:, None]), axis=-1))
+    # stage 1: the k1 largest log-probs of every chunk, rows x chunks programs. Ranked as log-probs (not raw logits:
+    # two logits may round to one log-prob, which the whole-row order breaks by the lower token id); padding -inf,
+    # never above a real entry, so a chunk's top-k1 holds every entry of the row's top-k that lies in it
+    log_probs = (x - row_max[:, None]) - log_total[:, None]
+    padded = jnp.pad(log_probs, ((0, 0), (0, num_chunks * chunk - vocab)), constant_values=-jnp.inf)
     values, positions = _tree_topk_jit(
         padded.reshape(rows * num_chunks, chunk), k=k1, interpret=interpret, method=method
     )
     ids = positions.reshape(rows, num_chunks, k1) + chunk * jnp.arange(num_chunks, dtype=jnp.int32)[:, None]
     ids = ids.reshape(rows, num_chunks * k1)
-    # stage 2: the candidates as log-probs (jax.nn.log_softmax's formula, (x - max) - log(sum exp(x - max))),
-    # in chunk order: equal values keep the lower token id first, the order of a top-K over the whole row
-    candidates = (values.reshape(rows, num_chunks * k1) - row_max[:, None]) - log_total[:, None]
-    top, picked = _tree_topk_jit(candidates, k=k, interpret=interpret, method=method)
+    # stage 2: the k largest candidates, in chunk order: equal values keep the lower token id first, the order of
+    # a top-K over the whole row
+    top, picked = _tree_topk_jit(values.reshape(rows, num_chunks * k1), k=k, interpret=interpret, method=method)
     top_ids = jnp.minimum(jnp.take_along_axis(ids, picked, axis=-1), vocab - 1)  # padding ids: only at -inf
     return top, top_ids, flags
 
@@ -407,9 +407,10 @@ def tree_topk_logits_chunked(
     logits: jax.Array, k: int, *, chunk: int = CHUNK, interpret: bool | None = None, method: str = "auto"
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`tree_topk_logits` for rows of any length (a drafter's full vocabulary, V = 151,936 or 163,840), in
-    two top-K launches that fill the GPU instead of one program per row: each row cut into ceil(V / chunk)
-    chunks, the k largest logits of every chunk (rows x chunks programs), then the k largest of those
-    candidates as log-probs; the flags and the log-softmax's normaliser come from XLA reductions over the row.
+    two top-K launches that fill the GPU instead of one program per row: the row's float32 log-softmax, flags
+    and normaliser by XLA reductions (jax.nn.log_softmax's formula), then the k largest log-probs of every chunk
+    of ceil(V / chunk) (rows x chunks programs), then the k largest of those candidates. Not the default: on the
+    H200 it measured slower than the prefilter path at V = 151,936 (`dispatch.AUTO_TREE_TOPK_CHUNKED`).
 
     logits: float [R, V] (bf16 or f32); k <= V; chunk a power of two <= MAX_ROW with ceil(V / chunk) x
     min(k, chunk) <= MAX_ROW. Returns what `tree_topk_logits` returns: (log-probs float32 [R, k]

@@ -40,11 +40,13 @@ def test_device_seconds_counts_each_call_of_the_program_once():
     from benchmarks.op_profile import device_seconds, per_call_timeline
 
     fn = lambda a, b: jnp.tanh(a @ b).sum(axis=0)  # noqa: E731
-    sets = [tuple(jax.random.normal(jax.random.key(2 * i + j), (128, 128)) for j in range(2)) for i in range(4)]
+    sets = [tuple(jax.random.normal(jax.random.key(2 * i + j), (384, 384)) for j in range(2)) for i in range(4)]
     one = per_call_timeline(fn, sets[:1])
     four = per_call_timeline(fn, sets)
     assert four["calls"] == 4 and four["events_per_call"] == pytest.approx(one["events_per_call"])
-    assert four["busy_us_per_call"] > 0 and four["span_us_per_call"] >= four["busy_us_per_call"]
-    assert 0 < device_seconds(fn, sets, runs=1) * 1e6
-    shared = (jnp.ones((128, 128)),)
+    assert four["span_us_per_call"] == pytest.approx(four["busy_us_per_call"] + four["idle_us_per_call"])
+    # per call, not per program: four calls' span per call is near one call's, far from four times it
+    assert four["span_us_per_call"] < 3 * one["span_us_per_call"]
+    assert 0 < device_seconds(fn, sets, runs=1) * 1e6 < 3 * one["span_us_per_call"]
+    shared = (jnp.ones((384, 384)),)
     assert per_call_timeline(lambda s, a, b: fn(a + s, b), sets, shared)["calls"] == 4

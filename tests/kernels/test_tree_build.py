@@ -222,6 +222,20 @@ def test_chunked_topk_logits_matches_its_twin(count, k, chunk, dtype):
     )
 
 
+def test_chunked_topk_breaks_log_prob_ties_by_token_id_as_the_whole_row_does():
+    """Two different logits that round to one float32 log-prob (a review's counterexample): the whole-row order
+    takes the lower token id first, so the chunked top-K must rank by log-probs, not by raw logits."""
+    x = np.full((1, 16384), 0.5, np.float32)
+    x[0, 100] = np.nextafter(np.float32(1.0), np.float32(0.0))
+    x[0, 200] = 1.0
+    x = jnp.asarray(x)
+    for k in (1, 2):
+        want = tree_topk_logits_reference(x, k)
+        got = tree_build.tree_topk_logits_chunked(x, k, chunk=8192)  # both ids in chunk 0
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
 def test_chunked_topk_rejects_bad_chunks_by_name():
     x = jnp.zeros((2, 1000))
     with pytest.raises(ValueError, match="chunk must be a power of two <= MAX_ROW"):

@@ -200,7 +200,7 @@ def test_qwen3_tree_verify_on_the_mosaic_gqa_kernel_equals_the_xla_path_on_gpu()
     from ddtree_jax.tree import ancestor_mask, build_tree
 
     capacity = dispatch.AUTO_MOSAIC_GQA_MIN_KEYS
-    assert dispatch.gqa_attention_kernel(keys=capacity, head_dim=64, value_dim=64, bfloat16=True) == "mosaic"
+    assert dispatch.gqa_attention_kernel(queries=7, keys=capacity, head_dim=64, value_dim=64, bfloat16=True) == "mosaic"
     config = dataclasses.replace(QWEN, head_dim=64)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), qwen3.init_params(config, jax.random.key(8)))
     rng = np.random.default_rng(9)
@@ -217,6 +217,12 @@ def test_qwen3_tree_verify_on_the_mosaic_gqa_kernel_equals_the_xla_path_on_gpu()
     for got, want in zip(outs["pallas"], outs["xla"]):
         assert np.all(np.isfinite(np.asarray(got, np.float32)))
         assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
+    verify = jax.jit(
+        lambda c: qwen3.tree_forward(
+            config, params, c, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="pallas"
+        )[0]
+    )
+    assert "mosaic_gpu" in verify.lower(cache).as_text()  # the Mosaic GPU kernel's custom call ran, not Triton's
 
 
 def test_causal_start_off_gpu_is_the_masked_path():

@@ -210,8 +210,19 @@ def test_pallas_builder_matches_the_heap_and_the_xla_builder(shape, budget, kind
     if chunked and vocab <= 16384:
         pytest.skip("the chunked top-K is for rows longer than the kernel's")
     from ddtree_jax import dispatch
+    from ddtree_jax.tree import build as build_module
 
-    monkeypatch.setattr(dispatch, "AUTO_TREE_TOPK_CHUNKED", chunked)  # V > MAX_ROW: chunked top-K or the prefilter
+    # V > MAX_ROW: the chunked top-K or the prefilter. The flag is read while tracing, so compiled builders of the
+    # other setting are dropped, and a spy checks which path ran
+    monkeypatch.setattr(dispatch, "AUTO_TREE_TOPK_CHUNKED", chunked)
+    jax.clear_caches()
+    chunked_calls = []
+    real_chunked = build_module.tree_topk_logits_chunked
+    monkeypatch.setattr(
+        build_module,
+        "tree_topk_logits_chunked",
+        lambda *a, **kw: chunked_calls.append(1) or real_chunked(*a, **kw),
+    )
     rng = np.random.default_rng(vocab + budget)
     if kind == "bf16_ties":
         logits = jnp.asarray(rng.choice(SIDON, size=(batch, depth, vocab)) * 0.5, jnp.bfloat16)
@@ -221,6 +232,7 @@ def test_pallas_builder_matches_the_heap_and_the_xla_builder(shape, budget, kind
             logits[0, 2] = -np.inf
             logits[1, 0, : vocab // 2] = -np.inf
     tree, _ = _check_batch(logits, budget, impl="pallas", allow_near_ties=kind != "bf16_ties")
+    assert bool(chunked_calls) == (chunked and vocab > 16384)
     xla = build_tree(logits, budget, impl="xla")
     if vocab > 16384:  # different top-K code paths: the same trees up to near-ties (checked above)
         return
