@@ -38,7 +38,7 @@ import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
 from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
-from benchmarks.op_profile import device_seconds, format_op_table, op_times, per_call_timeline
+from benchmarks.op_profile import device_seconds, profile_into
 from ddtree_kernels.gqa_attention_mgpu import BLOCK_M, gqa_tree_attention, row_plan, smem_plan, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -159,20 +159,7 @@ def run_case(
             row[f"{name}_error"] = _error(err)
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
         for name in ("mgpu", "xla"):
-            try:
-                ops = op_times(attend[name], *sets[0])
-                row[f"{name}_profile"] = ops[:profile_top]
-                row[f"{name}_device_us"] = sum(op["us_per_run"] for op in ops)
-                print(f"  {name} ops:\n" + format_op_table(ops, profile_top), flush=True)
-                timeline = per_call_timeline(attend[name], sets[:4])
-                row[f"{name}_timeline"] = timeline
-                print(
-                    f"  {name} in-jit timeline: busy {timeline['busy_us_per_call']:.1f} us + idle "
-                    f"{timeline['idle_us_per_call']:.1f} us a call, {timeline['events_per_call']:.1f} kernels a call",
-                    flush=True,
-                )
-            except Exception as err:  # noqa: BLE001 - a profile that fails is noted, the timings stand
-                row[f"{name}_profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            profile_into(row, name, attend[name], sets, profile_top)
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
         try:
             seconds = device_seconds(mgpu_with_splits(num_splits, block_kv), sets)

@@ -174,3 +174,24 @@ def device_seconds(fn, sets: list[tuple], *, shared: tuple = (), runs: int = 3) 
     keys: 149 us wall against 53 on the device, attention_mgpu_7ba6e57_profile.json)."""
     spans = sorted(per_call_timeline(fn, sets, shared)["span_us_per_call"] for _ in range(runs))
     return spans[len(spans) // 2] * 1e-6
+
+
+def profile_into(row: dict, name: str, fn, sets: list[tuple], top: int) -> None:
+    """The kernel benchmarks' `--profile-top` for one variant `name`: fn's device time per op on the first set
+    (`op_times`; its `top` largest ops in row[name_profile], their sum in row[name_device_us]) and the in-jit
+    timeline of fn on up to 4 sets (row[name_timeline]), both printed; a profile that fails is recorded in
+    row[name_profile_error] and the row's timings stand."""
+    try:
+        ops = op_times(fn, *sets[0])
+        row[f"{name}_profile"] = ops[:top]
+        row[f"{name}_device_us"] = sum(op["us_per_run"] for op in ops)
+        print(f"  {name} ops:\n" + format_op_table(ops, top), flush=True)
+        timeline = per_call_timeline(fn, sets[:4])
+        row[f"{name}_timeline"] = timeline
+        print(
+            f"  {name} in-jit timeline: busy {timeline['busy_us_per_call']:.1f} us + idle "
+            f"{timeline['idle_us_per_call']:.1f} us a call, {timeline['events_per_call']:.1f} kernels a call",
+            flush=True,
+        )
+    except Exception as err:  # noqa: BLE001 - a profile that fails is noted, the timings stand
+        row[f"{name}_profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"

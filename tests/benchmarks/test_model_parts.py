@@ -50,3 +50,14 @@ def test_device_seconds_counts_each_call_of_the_program_once():
     assert 0 < device_seconds(fn, sets, runs=1) * 1e6 < 3 * one["span_us_per_call"]
     shared = (jnp.ones((384, 384)),)
     assert per_call_timeline(lambda s, a, b: fn(a + s, b), sets, shared)["calls"] == 4
+
+
+def test_profile_into_records_ops_and_timeline_or_the_error():
+    from benchmarks.op_profile import profile_into
+
+    sets = [(jax.random.normal(jax.random.key(i), (64, 64)),) for i in range(3)]
+    row = {}
+    profile_into(row, "good", lambda x: jnp.tanh(x @ x), sets, top=2)
+    assert len(row["good_profile"]) <= 2 and row["good_device_us"] > 0 and row["good_timeline"]["calls"] == 3
+    profile_into(row, "bad", lambda x: x @ jnp.ones((3, 3)), sets, top=2)  # shapes do not match: recorded
+    assert "bad_profile_error" in row and "bad_profile" not in row
