@@ -7,6 +7,7 @@ Reported: ms per decode step and tokens/s. With random weights the steps accept 
 loops run the same steps.
 
 Usage: python -m benchmarks.bench_loop --commit $(git rev-parse --short HEAD) [--shape tiny|qwen3-8b]
+       [--methods ar,ddtree --budget 64 --sync-every none]   # the on-device loop only
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--methods", default="ar,ddtree")
     parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--sync-every", default="1,8")
+    parser.add_argument(
+        "--sync-every", default="1,8", help='host loops to time, syncing every k steps ("" or "none": while_loop only)'
+    )
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     dtype = jnp.bfloat16 if args.shape != "tiny" else jnp.float32
@@ -50,7 +53,7 @@ def main() -> None:
             max_new_tokens=args.max_new, method=method, budget=args.budget, block_size=block, cache_dtype=dtype
         )
         loops = {"while_loop": lambda: generate(*request, **static)}
-        for k in (int(v) for v in args.sync_every.split(",")):
+        for k in (int(v) for v in args.sync_every.split(",") if v not in ("", "none")):
             loops[f"host, sync every {k}"] = lambda k=k: generate_host_loop(*request, **static, sync_every=k)
         reference = None
         for name, run in loops.items():
