@@ -4,7 +4,9 @@ with a Qwen3-8B-DFlash-b16-shaped drafter (bf16, one GPU), and where its time go
 For each batch size B and method (AR; the DFlash chain at block 16; DDTree at each budget), after a
 prefill of --context random tokens and one warm-up step, it times (medians, `block_until_ready`):
 
-  step            the fused decode step (`engine.step.decode_step`, as `generate` runs it)
+  step            the fused decode step (`engine.step.decode_step`, as `generate` runs it), called from the host
+  loop step       the same step inside an on-device `fori_loop` (as `generate`'s while_loop runs it): the
+                  marginal cost of a step, no host dispatch (`bench_case`)
   draft           the drafter's forward alone (`draft_stage`)
   tree_forward    the target's forward over the tree alone (`tree_forward_stage`, N = budget + 1 slots)
   plain_forward   a plain causal forward of the same N tokens on the same cache (`target.prefill`)
@@ -27,6 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from benchmarks.common import device_description, markdown_table, median_seconds, write_result
 from ddtree_jax.engine.drafters import DFlashDrafter
@@ -75,13 +78,19 @@ def bench_case(
     step_only: bool = False,
     profile_top: int = 0,
     hlo_path: str | None = None,
+    loop_steps: int = 16,
 ) -> dict:
     """One row (module docstring); options: how the step runs (default XLA attention and matmuls);
     step_only: the fused step alone, without the per-stage breakdown (each stage is one more compilation
     of the model: 30-75 s per case for the Qwen3-8B shape on the H200); profile_top > 0: the step's
     `profile_top` largest ops by device time (`benchmarks.op_profile.op_times`, 3 traced steps) in
     row["op_profile"], with the launches and device time of the whole step; hlo_path: the compiled step's
-    HLO text written there (to name the profile's fusions)."""
+    HLO text written there (to name the profile's fusions).
+
+    row["step_ms"] is one step called from the host (its dispatch included: for a model of many parameter
+    arrays, milliseconds); row["loop_step_ms"] (loop_steps > 0) is a step as the engine's on-device loop runs
+    it: one compiled `fori_loop` of decode steps, each fed the last one's state, timed at 1 + loop_steps and
+    at 1 step, the difference divided by loop_steps (the program's dispatch and the first step cancel)."""
     config, block = pair.target_config, pair.drafter.config.block_size
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, config.vocab_size - 1, context).tolist() for _ in range(batch)]
@@ -125,6 +134,18 @@ def bench_case(
     state = step(*step_args)  # warm-up step: the drafter now has context features to append
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     row["step_ms"] = median_seconds(step, *step_args, runs=repeats) * 1e3
+    if loop_steps > 0:
+
+        def loop_fn(params, drafter, state, sampling, keys, stop, max_new_arr, count):
+            return lax.fori_loop(
+                0, count, lambda _, s: step_fn(params, drafter, s, sampling, keys, stop, max_new_arr), state
+            )
+
+        loop, _ = _compile(loop_fn, (*step_args, jnp.int32(1)))
+        one = median_seconds(loop, *step_args, jnp.int32(1), runs=repeats)
+        many = median_seconds(loop, *step_args, jnp.int32(1 + loop_steps), runs=repeats)
+        row["loop_step_ms"] = (many - one) / loop_steps * 1e3
+        row["loop_steps"] = loop_steps
     if hlo_path:
         with open(hlo_path, "w") as f:
             f.write(step.as_text())
@@ -221,6 +242,12 @@ def main() -> None:
         help="time the fused step alone (no per-stage breakdown: about half the compilations)",
     )
     parser.add_argument(
+        "--loop-steps",
+        type=int,
+        default=16,
+        help="steps in the on-device loop timing (loop step ms; 0: off)",
+    )
+    parser.add_argument(
         "--profile-top",
         type=int,
         default=0,
@@ -258,10 +285,14 @@ def main() -> None:
             repeats=args.repeats,
             step_only=args.step_only,
             profile_top=args.profile_top,
+            loop_steps=args.loop_steps,
             options=DecodeOptions(attn_impl=attn_impl, matmul_impl=args.matmul_impl, layer_loop=args.layer_loop),
         )
         rows.append(row)
-        head = f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f} ms"
+        head = (
+            f"B={batch} {method:6s} budget={budget:4d} N={row['slots']:3d} attn={attn_impl}: step {row['step_ms']:8.2f}"
+            f" ms, in the loop {row.get('loop_step_ms', float('nan')):8.2f} ms"
+        )
         if "op_profile" in row:
             from benchmarks.op_profile import format_op_table
 
@@ -289,7 +320,7 @@ def main() -> None:
         print(
             "\n"
             + markdown_table(
-                ["B", "method", "budget", "N", "attention", "step ms", "step compile s"],
+                ["B", "method", "budget", "N", "attention", "step ms", "loop step ms", "step compile s"],
                 [
                     [
                         r["B"],
@@ -298,6 +329,7 @@ def main() -> None:
                         r["slots"],
                         r["attn_impl"],
                         r["step_ms"],
+                        r.get("loop_step_ms", ""),
                         r["step_compile_s"],
                     ]
                     for r in rows

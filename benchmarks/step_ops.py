@@ -26,6 +26,7 @@ per-stage table (a per-kernel launch then adds its own gaps: read device time, n
     PYTHONPATH=.:kernels python -m benchmarks.step_ops --methods ar chain ddtree --budgets 16 64 \\
         --temperature 0 --out $OUT --commit $(git rev-parse --short HEAD)
     PYTHONPATH=.:kernels python -m benchmarks.step_ops --loop --max-new 128 ...
+    PYTHONPATH=.:kernels python -m benchmarks.step_ops --shape qwen3-8b --methods ar ddtree ...  # random weights
 """
 
 from __future__ import annotations
@@ -217,14 +218,30 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="auto", help="weights and KV caches (default auto: on GPU bf16)"
     )
+    parser.add_argument(
+        "--shape",
+        default=None,
+        help="a random-weight pair of this `bench_engine` shape (e.g. qwen3-8b, bf16) and a random prompt of "
+        "--prompt-len tokens, instead of --target / --drafter / --prompts",
+    )
+    parser.add_argument("--prompt-len", type=int, default=128, help="with --shape: the random prompt's length")
     parser.add_argument("--loop", action="store_true", help="profile the whole generation (its while_loop)")
     parser.add_argument("--hlo-dir", default=None, help="with --loop: write each program's optimized HLO here")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args(argv)
 
-    pair = load_pair(args.target, args.drafter, load_dtype(args.dtype))
-    prompt = load_prompt_ids(args.prompts)[0]
+    if args.shape:
+        from benchmarks.bench_engine import SHAPES, random_pair
+
+        if args.shape not in SHAPES:
+            raise SystemExit(f"error: --shape {args.shape!r} is not one of {sorted(SHAPES)}")
+        pair = random_pair(args.shape, jnp.float32 if args.shape == "tiny" else jnp.bfloat16)
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(0, pair.target_config.vocab_size - 1, args.prompt_len).tolist()
+    else:
+        pair = load_pair(args.target, args.drafter, load_dtype(args.dtype))
+        prompt = load_prompt_ids(args.prompts)[0]
     request = dict(max_new_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p)
     results = []
     for method in args.methods:

@@ -6,13 +6,15 @@ replicated q_a / kv_a projections and latent cache, 1/8 of the dense, shared and
 of the vocabulary, the whole router (checked parameter by parameter against what the rule table gives each
 device). The shard is initialised on the device (`benchmarks.k26_model.random_int4_target`: no dense
 expert copy, one layer's codes at a time) and its fused decode step timed (`benchmarks.bench_engine.
-bench_case`, step only) for AR, the chain and DDTree budgets, per (batch, context).
+bench_case`, step only: `loop_step_ms`, a step inside an on-device loop as `generate` runs it, and `step_ms`, one
+step called from the host, whose dispatch of the shard's ~1,000 parameter arrays adds milliseconds) for AR, the
+chain and DDTree budgets, per (batch, context).
 
 Collectives are not run (one GPU): each row carries the modelled collective time of the real 8-GPU step
 (`analysis.roofline.step_cost(..., layout="tp8")`: two all-reduces per layer, the embedding's and the
 logits' gathers, the drafter's; latency + ring bytes at the assumed NVLink bandwidth), the shard's own
 roofline (the same model's memory and compute time of one device) and the predicted TP step
-(`predicted_tp_step_ms`) = measured shard step + modelled collectives. JSON: `$OUT/k26_tp<n>_shard.json`. The shard's numerics are one device's partial sums (no all-reduce),
+(`predicted_tp_step_ms`) = measured shard step in the loop + modelled collectives. JSON: `$OUT/k26_tp<n>_shard.json`. The shard's numerics are one device's partial sums (no all-reduce),
 so its tokens are meaningless; its work is the real one's.
 
 Usage (one H200): python -m experiments.tp_shard_step --commit C [--layers 61] [--contexts 4096,32768]
@@ -147,9 +149,9 @@ def main() -> None:
                     init_s=init_s,
                     collectives_ms=cost.collectives_s * 1e3,
                     shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,
-                    predicted_tp_step_ms=row["step_ms"] + cost.collectives_s * 1e3,
+                    predicted_tp_step_ms=row["loop_step_ms"] + cost.collectives_s * 1e3,
                 )
-                row["x_shard_roofline"] = row["step_ms"] / row["shard_roofline_ms"]
+                row["x_shard_roofline"] = row["loop_step_ms"] / row["shard_roofline_ms"]
                 rows.append(row)
                 if args.profile_top:
                     print(
@@ -158,7 +160,8 @@ def main() -> None:
                         flush=True,
                     )
                 print(
-                    f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s}: shard step {row['step_ms']:8.2f} ms "
+                    f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s}: shard step {row['loop_step_ms']:8.2f} ms "
+                    f"in the loop ({row['step_ms']:.2f} called from the host) "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
                     f"collectives {row['collectives_ms']:.2f} ms = {row['predicted_tp_step_ms']:.2f} ms "
                     f"(compile {row['step_compile_s']:.0f} s)",
@@ -175,7 +178,8 @@ def main() -> None:
         "method",
         "budget",
         "attention",
-        "shard step ms",
+        "shard step ms (loop)",
+        "called from host ms",
         "shard roofline ms",
         "x roofline",
         "collectives ms",
@@ -187,6 +191,7 @@ def main() -> None:
             r["method"],
             r["budget"] or "",
             r["attn_impl"],
+            r["loop_step_ms"],
             r["step_ms"],
             r["shard_roofline_ms"],
             f"{r['x_shard_roofline']:.2f}",
