@@ -24,6 +24,7 @@ from benchmarks.common import device_description, markdown_table, median_seconds
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.host_loop import generate_host_loop
 from ddtree_jax.engine.run import request_args
+from ddtree_jax.options import DecodeOptions
 
 
 def main() -> None:
@@ -39,6 +40,8 @@ def main() -> None:
         "--sync-every", default="1,8", help='host loops to time, syncing every k steps ("" or "none": while_loop only)'
     )
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--matmul-impl", default="auto", help="DecodeOptions.matmul_impl (e.g. xla, mosaic)")
+    parser.add_argument("--attn-impl", default="auto", help="DecodeOptions.attn_impl")
     args = parser.parse_args()
     dtype = jnp.bfloat16 if args.shape != "tiny" else jnp.float32
     pair = random_pair(args.shape, dtype)
@@ -50,7 +53,12 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         static = dict(
-            max_new_tokens=args.max_new, method=method, budget=args.budget, block_size=block, cache_dtype=dtype
+            max_new_tokens=args.max_new,
+            method=method,
+            budget=args.budget,
+            block_size=block,
+            cache_dtype=dtype,
+            options=DecodeOptions(matmul_impl=args.matmul_impl, attn_impl=args.attn_impl),
         )
         loops = {"while_loop": lambda: generate(*request, **static)}
         for k in (int(v) for v in args.sync_every.split(",") if v not in ("", "none")):
@@ -70,6 +78,8 @@ def main() -> None:
             row = {
                 "method": method,
                 "loop": name,
+                "matmul_impl": args.matmul_impl,
+                "attn_impl": args.attn_impl,
                 "steps": steps,
                 "tokens": generated,
                 "ms_per_step": seconds * 1e3 / max(steps, 1),
@@ -84,7 +94,9 @@ def main() -> None:
                 flush=True,
             )
             write_result(
-                f"loop_{args.shape}", {"rows": rows, "batch": args.batch, "max_new": args.max_new}, args.commit
+                f"loop_{args.shape}_matmul-{args.matmul_impl}",
+                {"rows": rows, "batch": args.batch, "max_new": args.max_new},
+                args.commit,
             )
     print(
         "\n"

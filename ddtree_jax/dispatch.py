@@ -70,13 +70,13 @@ import os
 
 import jax
 
-from ddtree_kernels import gqa_attention_mgpu, mla_attention_mgpu, prefill_attention_mgpu
+from ddtree_kernels import gqa_attention_mgpu, mla_attention_mgpu, prefill_attention_mgpu, skinny_matmul_mgpu
 from ddtree_kernels.tree_build import CHUNK as TOPK_CHUNK
 from ddtree_kernels.tree_build import MAX_ROW
 
 SPLIT_K_MAX_HIDDEN = 1024  # targets up to this hidden size compile `generate` without split-K (module docstring)
 ATTENTION_IMPLS = ("xla", "blockwise", "pallas", "auto")
-MATMUL_IMPLS = ("xla", "pallas", "auto")
+MATMUL_IMPLS = ("xla", "pallas", "mosaic", "auto")
 MOE_IMPLS = ("auto", "gather", "ragged", "pallas", "decode", "ep", "reference")
 VERIFY_IMPLS = ("xla", "pallas", "auto")
 TOPK_IMPLS = ("auto", "xla", "prefilter")
@@ -128,6 +128,13 @@ BLOCKWISE_KEYS = 1024  # keys per block of blockwise attention
 CACHE_ROW_MULTIPLE = 128
 PREFILL_CHUNK = 2048  # "auto" prefills prompts longer than this in chunks of this many tokens
 AUTO_PALLAS_MAX_ROWS = 32  # matmul: the weight-streaming kernel up to this many rows (quantised weights)
+# dense bf16 weights on GPU: the Mosaic GPU weight-streaming kernel (`skinny_matmul_mgpu`) under matmul_impl="mosaic";
+# "auto" takes it only once AUTO_MOSAIC_MATMUL (not yet measured inside a whole forward on the H200)
+AUTO_MOSAIC_MATMUL = False
+# ... and only for weights of at least this many output rows: on the H200 (device time, M = 1-128, skinny_mgpu JSON
+# of session 16) the kernel led XLA by 4-25% on Qwen3-8B's q / o, gate / up and down, and lost on the 1,024-row
+# k / v projections (0.52-0.96x): too few 64-row stripes to stream the weight without a split-K sum after it
+MOSAIC_MATMUL_MIN_OUT = 2048
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
 TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)
 # ... but only when AUTO_TREE_TOPK_CHUNKED: on the H200 (V = 151,936, L = 15, bf16, bench_tree_V151936_7ba6e57.json)
@@ -292,13 +299,38 @@ def weights_dtype(requested: str, backend_name: str | None = None) -> str:
     return "checkpoint" if _on_gpu(backend_name) else "float32"
 
 
-def matmul_impl(impl: str, *, rows: int, quantized: bool, backend_name: str | None = None) -> str:
-    """ "xla" or "pallas" for x [rows, in] @ weight^T, the weight quantised (INT4 / block FP8) or not."""
+def mosaic_matmul_fits(rows: int, weight_shape: tuple[int, ...] | None) -> bool:
+    """Whether `skinny_matmul_mgpu.skinny_matmul` takes x [rows, K] @ W[N, K]^T as it is (1..MAX_ROWS rows, N and
+    K whole 64-element tiles: the weight is never padded) and N >= MOSAIC_MATMUL_MIN_OUT (where it measured faster)."""
+    if weight_shape is None or len(weight_shape) != 2:
+        return False
+    n, k = weight_shape
+    return 1 <= rows <= skinny_matmul_mgpu.MAX_ROWS and n % 64 == 0 and k % 64 == 0 and n >= MOSAIC_MATMUL_MIN_OUT
+
+
+def matmul_impl(
+    impl: str,
+    *,
+    rows: int,
+    quantized: bool,
+    backend_name: str | None = None,
+    weight_shape: tuple[int, ...] | None = None,
+    bfloat16: bool = False,
+) -> str:
+    """ "xla", "pallas" (`decode_matmul`, Triton) or "mosaic" (`skinny_matmul_mgpu`) for x [rows, in] @ weight^T,
+    the weight quantised (INT4 / block FP8) or not. "mosaic" is taken on GPU for a dense bf16 weight
+    (weight_shape [out, in], bfloat16: x and the weight both bf16) that `mosaic_matmul_fits`, and falls back to
+    "xla" anywhere else; "auto" gives it those calls only once AUTO_MOSAIC_MATMUL."""
     _check("matmul", impl, MATMUL_IMPLS)
+    mosaic = _on_gpu(backend_name) and not quantized and bfloat16 and mosaic_matmul_fits(rows, weight_shape)
+    if impl == "mosaic":
+        return "mosaic" if mosaic else "xla"
     if impl != "auto":
         return impl
-    if not _on_gpu(backend_name) or not quantized:
+    if not _on_gpu(backend_name):
         return "xla"
+    if not quantized:
+        return "mosaic" if AUTO_MOSAIC_MATMUL and mosaic else "xla"
     return "pallas" if rows <= AUTO_PALLAS_MAX_ROWS else "xla"
 
 
@@ -492,7 +524,14 @@ def decode_plan(
     plan.append(
         StageChoice(
             "tree-forward matmul",
-            matmul_impl(options.matmul_impl, rows=rows, quantized=False, backend_name=backend_name),
+            matmul_impl(
+                options.matmul_impl,
+                rows=rows,
+                quantized=False,
+                backend_name=backend_name,
+                weight_shape=(target_config.hidden_size, target_config.hidden_size),  # the o_proj shape, for "mosaic"
+                bfloat16=not float32,
+            ),
             f"{rows} rows, bf16 / float weights (INT4 and FP8 weights: the kernel up to {AUTO_PALLAS_MAX_ROWS} rows)",
         )
     )

@@ -80,6 +80,21 @@ def test_gpu_rules_and_their_thresholds():
     assert dispatch.matmul_impl("auto", rows=dispatch.AUTO_PALLAS_MAX_ROWS, quantized=True, **gpu) == "pallas"
     assert dispatch.matmul_impl("auto", rows=dispatch.AUTO_PALLAS_MAX_ROWS + 1, quantized=True, **gpu) == "xla"
     assert dispatch.matmul_impl("auto", rows=1, quantized=False, **gpu) == "xla"
+    # the Mosaic GPU weight-streaming kernel: dense bf16 weights in whole 64-element tiles, <= MAX_ROWS rows, on GPU
+    dense = dict(quantized=False, weight_shape=(4096, 4096), bfloat16=True)
+    assert dispatch.matmul_impl("mosaic", rows=65, **dense, **gpu) == "mosaic"
+    expected = "mosaic" if dispatch.AUTO_MOSAIC_MATMUL else "xla"
+    assert dispatch.matmul_impl("auto", rows=65, **dense, **gpu) == expected
+    for change in (
+        dict(rows=257),
+        dict(weight_shape=(4096, 4100)),
+        dict(weight_shape=(4100, 4096)),
+        dict(weight_shape=(dispatch.MOSAIC_MATMUL_MIN_OUT - 64, 4096)),
+        dict(bfloat16=False),
+        dict(quantized=True),
+        dict(backend_name="cpu"),
+    ):
+        assert dispatch.matmul_impl("mosaic", **{"rows": 65, **dense, **gpu, **change}) == "xla", change
     assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS, 384, **gpu) == "gather"
     assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS + 1, 384, **gpu) == "pallas"
     assert dispatch.verify_impl("auto", **gpu) == "pallas"

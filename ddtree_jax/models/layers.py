@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from ddtree_jax import dispatch
 from ddtree_kernels.decode_matmul import matmul, matmul_reference
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
+from ddtree_kernels.skinny_matmul_mgpu import skinny_matmul
 from ddtree_kernels.tiling import dot_precision
 
 
@@ -34,10 +35,21 @@ def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:
     """x [..., in] @ weight[out, in].T -> [..., out]; a quantised weight (`ddtree_kernels.quant`) is
     dequantised to x's dtype first in "xla" (`ddtree_kernels.decode_matmul.matmul_reference`); "pallas"
     streams it through `ddtree_kernels.decode_matmul.matmul` (dequantised in registers; interpret mode
-    off GPU); "auto": `dispatch.matmul_impl`. float32 inputs are computed at float32."""
+    off GPU); "mosaic" a dense bf16 weight through `ddtree_kernels.skinny_matmul_mgpu.skinny_matmul` on GPU
+    (else XLA); "auto": `dispatch.matmul_impl`. float32 inputs are computed at float32."""
     quantized = isinstance(weight, (Int4Weight, Fp8BlockWeight))
-    if dispatch.matmul_impl(impl, rows=math.prod(x.shape[:-1]), quantized=quantized) == "pallas":
+    rows = math.prod(x.shape[:-1])
+    choice = dispatch.matmul_impl(
+        impl,
+        rows=rows,
+        quantized=quantized,
+        weight_shape=None if quantized else weight.shape,
+        bfloat16=x.dtype == jnp.bfloat16 and not quantized and weight.dtype == jnp.bfloat16,
+    )
+    if choice == "pallas":
         return matmul(x, weight)
+    if choice == "mosaic":
+        return skinny_matmul(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return matmul_reference(x, weight)
 
 

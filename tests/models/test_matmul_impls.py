@@ -88,3 +88,48 @@ def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatc
     assert resolve("auto", 17, True) == "pallas" and resolve("auto", 65, True) == "xla"
     assert resolve("auto", dispatch.AUTO_PALLAS_MAX_ROWS, True) == "pallas"
     assert resolve("xla", 1, True) == "xla" and resolve("pallas", 65, False) == "pallas"
+
+
+def test_mosaic_off_gpu_is_the_xla_path():
+    """matmul_impl="mosaic" is the Mosaic GPU kernel on GPU only; elsewhere (and for weights it does not take) the
+    XLA product, exactly."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(linear(x, w, "mosaic"), np.float32), np.asarray(linear(x, w), np.float32))
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the Mosaic GPU kernel compiles for Hopper only; its interpret-mode tests: tests/kernels/test_skinny_matmul_mgpu.py",
+)
+def test_qwen3_tree_verify_on_the_mosaic_matmul_equals_the_xla_path_on_gpu():
+    """A bf16 Qwen3 (q / o, gate / up, down and the LM head >= MOSAIC_MATMUL_MIN_OUT wide) prefill + tree verify with matmul_impl="mosaic" runs the Mosaic
+    GPU weight-streaming kernel and equals the XLA path to bf16 rounding."""
+    import dataclasses
+
+    from ddtree_jax.tree import ancestor_mask, build_tree
+
+    config = dataclasses.replace(
+        CONFIG, vocab_size=4096, hidden_size=2048, intermediate_size=2048, num_heads=32, num_kv_heads=2, head_dim=64
+    )
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), qwen3.init_params(config, jax.random.key(4)))
+    rng = np.random.default_rng(5)
+    prefix = jnp.asarray(rng.integers(0, 4096, (2, 40)), jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 4, 4096)) * 2).astype(np.float32), 16, jnp.asarray([4, 7], jnp.int32))
+    outs = {}
+    for impl in ("xla", "mosaic"):
+        cache = qwen3.create_cache(config, 2, 128, jnp.bfloat16)
+        _, _, cache = qwen3.prefill(config, params, cache, prefix, jnp.asarray([40, 23]), matmul_impl=impl)
+        outs[impl] = qwen3.tree_forward(
+            config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), matmul_impl=impl
+        )[:2]
+    for got, want in zip(outs["mosaic"], outs["xla"]):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
+    verify = jax.jit(
+        lambda c: qwen3.tree_forward(
+            config, params, c, tree.tokens, tree.depths, ancestor_mask(tree), matmul_impl="mosaic"
+        )[0]
+    )
+    assert "mosaic_gpu" in verify.lower(cache).as_text()  # the Mosaic GPU kernel's custom call, not XLA's dot
