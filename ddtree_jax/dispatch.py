@@ -27,7 +27,10 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               queries at K2's shape, by FLOP count; not measured on the GPU yet).
   matmul      quantised weights (INT4, block FP8) at <= AUTO_PALLAS_MAX_ROWS rows: the weight-streaming
               kernel (1.2-3.4x dequantise + XLA at M = 1-17; 0.25-0.64x at M = 65-257 on INT4); bf16
-              weights: XLA (the kernel slowed the whole Qwen3-8B forward: 15.9 against 10.0 ms at T = 1).
+              weights: XLA (the kernel slowed the whole Qwen3-8B forward: 15.9 against 10.0 ms at T = 1);
+              "mosaic" takes the Mosaic GPU weight-streaming kernel (`skinny_matmul_mgpu`) for bf16 weights of
+              >= MOSAIC_MATMUL_MIN_OUT rows (1.04-1.25x XLA per product at 65 rows on the H200), "auto" not yet
+              (AUTO_MOSAIC_MATMUL: not measured inside a whole forward).
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
               "gather" while assignments <= experts, else the dense "reference".
