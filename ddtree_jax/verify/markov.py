@@ -18,6 +18,7 @@ from ddtree_jax.sampling.coins import row_keys
 from ddtree_jax.sampling.params import SamplingParams
 from ddtree_jax.sampling.probs import processed_probs
 from ddtree_jax.tree.build import build_tree
+from ddtree_jax.tree.conditional import build_conditional_tree, table_child_logits
 from ddtree_jax.tree.draft_tree import DraftTree
 from ddtree_jax.verify.step import verify_step
 
@@ -66,12 +67,16 @@ def simulate(
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     impl: str = "xla",
+    conditional_table: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs `num_steps` DDTree steps for every row (one independent chain per row).
 
     Args:
       transition_logits: [V, V]; draft_table: [V, L, V]; params: [S]; roots: int32 [S]; key: typed key.
       impl: verification implementation, passed to `verify_step` ("xla", "pallas", "auto").
+      conditional_table: None (DDTree's marginal trees: depth d's children from draft_table[root, d - 1]), or
+        float [L - 1, V, V] for path-conditioned trees (`tree.conditional`): the root's children from
+        draft_table[root, 0], a depth-d node holding t gets its children from conditional_table[d - 1, t].
     Returns:
       (emitted int32 [S, num_steps * (L + 1)]: each row's tokens in order, -1-padded at the end;
        num_accepted int32 [S, num_steps]).
@@ -84,7 +89,12 @@ def simulate(
     accepted = []
     cursor = jnp.arange(width)[None, :]
     for step in range(num_steps):
-        tree = build_tree(draft_table[roots], budget, roots, check_finite=False)
+        if conditional_table is None:
+            tree = build_tree(draft_table[roots], budget, roots, check_finite=False)
+        else:
+            tree = build_conditional_tree(
+                draft_table[roots, 0], table_child_logits, conditional_table, budget, depth, roots
+            )
         keys = row_keys(jax.random.fold_in(key, step), jnp.arange(samples))
         result = verify_step(
             tree,

@@ -860,6 +860,20 @@ def _select_row_reference(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
             lax.optimization_barrier((logw, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order))
         )
 
+    slot_level, slot_rank, slot_parent, slot_logw, _ = preorder_select(levels, budget)
+    return slot_level, slot_rank, slot_parent, slot_logw
+
+
+def preorder_select(levels: list[tuple[jax.Array, ...]], budget: int) -> tuple[jax.Array, ...]:
+    """The `budget` best keys (-logw, ranks tuple) over a row's level-by-level candidates, in the heap's pop
+    order (`_select_row_reference`'s last part, and the library's path-conditioned builder's).
+
+    levels[l]: the kept entries of depth l + 1, `budget` each in key order: (logw f32, rank i32 (in its parent's
+    child list), parent i32 (position in levels[l - 1]; level 0: 0, the root), lexrank i32 (position in the
+    level's lexicographic order of ranks tuples), lex_order i32 (its inverse permutation)); -inf logw: padding.
+    Returns (slot_level, slot_rank, slot_parent (slot index, 0 = root), slot_logw, chosen (pool index
+    level * budget + position)), each [budget], slots 1..budget in pop order (-inf logw: padding).
+    """
     # Global lexicographic (DFS preorder) index of every entry, from subtree sizes: an entry's
     # preorder = its parent's + 1 + the sizes of the siblings before it (siblings are contiguous in
     # the level's lex order, by rank).
@@ -894,7 +908,7 @@ def _select_row_reference(lp: jax.Array, budget: int) -> tuple[jax.Array, ...]:
     parent_pool = jnp.concatenate([lv[2] + (lvl - 1) * budget for lvl, lv in enumerate(levels)])[chosen]
     slot_of_pool = jnp.zeros((pool_size,), jnp.int32).at[chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
     slot_parent = jnp.where(slot_level > 0, slot_of_pool[jnp.maximum(parent_pool, 0)], 0)
-    return slot_level, slot_rank, slot_parent, slot_logw
+    return slot_level, slot_rank, slot_parent, slot_logw, chosen
 
 
 @functools.partial(jax.jit, static_argnames=("budget",))

@@ -65,6 +65,35 @@ def test_emitted_law_is_the_target_law(setting):
     assert accepted.mean() > 0.3  # the trees are really used, not rejected at the root
 
 
+# a path-conditioned drafter for the same target: a depth-d node holding t proposes from its own row, correlated
+# with the target's transition out of t (so its trees follow the target more closely than the marginal ones)
+CONDITIONAL = jnp.asarray(
+    np.asarray(TRANSITION)[None] * 0.9 + _rng.standard_normal((DEPTH - 1, VOCAB, VOCAB)) * 0.5, jnp.float32
+)
+
+
+@pytest.mark.parametrize("setting", ["T1", "T1.5-topp0.8-minp0.05"])
+def test_emitted_law_on_path_conditioned_trees_is_the_target_law(setting):
+    """Verification is tree-agnostic: on path-conditioned trees (`tree.conditional`) the emitted law is the
+    target's too (chi-square at ALPHA), and the trees are used."""
+    params = SamplingParams.create(SAMPLES, **SETTINGS[setting])
+    emitted, accepted = simulate(
+        TRANSITION,
+        DRAFT,
+        params,
+        jnp.full((SAMPLES,), ROOT, jnp.int32),
+        jax.random.key(7),
+        budget=BUDGET,
+        num_steps=3,
+        conditional_table=CONDITIONAL,
+    )
+    probs = transition_probs(TRANSITION, SamplingParams.create(1, **SETTINGS[setting]))
+    emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+    assert (emitted[:, :3] >= 0).all()
+    assert _law_pvalue(emitted, probs) > ALPHA
+    assert accepted.mean() > 0.3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["reverse", "random"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
