@@ -101,6 +101,22 @@ class DFlashConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChildHeadConfig:
+    """A path-conditioned child head (issue #23; `models.child_head`): the distribution of a node's children
+    from the drafter's hidden state at the children's depth and the parent token's embedding, through the
+    target's LM head. hidden_size: the drafter's (= the target's); inner_size: the MLP's width."""
+
+    hidden_size: int
+    inner_size: int
+
+    def __post_init__(self):
+        for name in ("hidden_size", "inner_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ChildHeadConfig.{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class DeepSeekV3Config:
     """DeepSeek-V3 / Kimi K2.x text model: MLA attention, dense first layers then MoE (models.md).
 

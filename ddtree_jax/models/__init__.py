@@ -1,7 +1,8 @@
-"""Models: shared layers, attention, the Qwen3 and DeepSeek-V3 targets (MoE in moe), the DFlash drafter, KV caches."""
+"""Models: shared layers, attention, the Qwen3 and DeepSeek-V3 targets (MoE in moe), the DFlash drafter, the
+path-conditioned child head, KV caches."""
 
 from ddtree_jax.config import DeepSeekV3Config, Qwen3Config
-from ddtree_jax.models import deepseek_v3, dflash, moe, qwen3
+from ddtree_jax.models import child_head, deepseek_v3, dflash, moe, qwen3
 from ddtree_jax.models.attention import ATTENTION_IMPLS, attention
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 
@@ -21,6 +22,7 @@ __all__ = [
     "deepseek_v3",
     "moe",
     "dflash",
+    "child_head",
     "attention",
     "ATTENTION_IMPLS",
     "KVCache",

@@ -109,11 +109,14 @@ def draft(
     *,
     block_size: int | None = None,
     attn_impl: str = "xla",
-) -> jax.Array:
+    return_hidden: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """One draft pass: float32 draft logits [B, block_size - 1, V] for the tokens after `bonus` [B].
 
     embed [V, D] and lm_head [V, D] are the target's. `block_size` may be smaller than the drafter's
-    (fewer masks, a shallower tree); the context cache is read, not written.
+    (fewer masks, a shallower tree); the context cache is read, not written. return_hidden: also the
+    final-normed hidden states [B, block_size - 1, D] the logits are read from (depth j at index j - 1; what
+    a path-conditioned head, `models.child_head`, conditions on).
     """
     size = block_size or config.block_size
     if not 2 <= size <= config.block_size:
@@ -139,7 +142,8 @@ def draft(
         h = h + linear(out, p["o_proj"])
         h = h + swiglu(rms_norm(h, p["post_norm"], config.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     h = rms_norm(h[:, 1:], params["final_norm"], config.rms_norm_eps)
-    return linear(h, lm_head).astype(jnp.float32)
+    logits = linear(h, lm_head).astype(jnp.float32)
+    return (logits, h) if return_hidden else logits
 
 
 def train_logits(
@@ -150,7 +154,8 @@ def train_logits(
     features: jax.Array,
     tokens: jax.Array,
     anchors: jax.Array,
-) -> jax.Array:
+    return_hidden: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The training forward: many independent draft blocks per sequence in one pass (DFlash's recipe).
 
     Args:
@@ -161,7 +166,8 @@ def train_logits(
         token after it) and, bidirectionally, its own block; blocks do not see each other.
     Returns:
       float32 [B, N, block_size - 1, V]: block n's logits at block positions 1 .. block_size - 1, i.e.
-      what `draft` returns after `append_context` of features[:, :a] with bonus tokens[:, a].
+      what `draft` returns after `append_context` of features[:, :a] with bonus tokens[:, a]; with
+      return_hidden, also the final-normed hidden states [B, N, block_size - 1, D] they are read from.
     """
     c = config
     size = c.block_size
@@ -187,7 +193,8 @@ def train_logits(
         h = h + linear(out.reshape(batch, blocks * size, -1), p["o_proj"])
         h = h + swiglu(rms_norm(h, p["post_norm"], c.rms_norm_eps), p["gate_proj"], p["up_proj"], p["down_proj"])
     h = rms_norm(h.reshape(batch, blocks, size, -1)[:, :, 1:], params["final_norm"], c.rms_norm_eps)
-    return linear(h, lm_head).astype(jnp.float32)
+    logits = linear(h, lm_head).astype(jnp.float32)
+    return (logits, h) if return_hidden else logits
 
 
 def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, visible):
