@@ -1,4 +1,5 @@
-"""`python -m ddtree_jax.train {tokenizer,target,drafter,all} --config configs/train_tiny.json --out DIR`."""
+"""`python -m ddtree_jax.train {tokenizer,target,drafter,all,child_head} --config configs/train_tiny.json --out DIR`
+(child_head: the path-conditioned head of an `all` run's pair, from the recipe's "child_head" section)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     prov = run.run(args.stage)
     brief = {k: prov.get(k) for k in ("commit", "python_version", "total_size_mb", "wall_s")}
-    for part in ("target", "drafter"):
+    for part in ("target", "drafter", "child_head"):
         if part in prov:
             brief[part] = {
                 k: prov[part].get(k)
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                     "heldout_loss",
                     "heldout_ppl",
                     "heldout_accept_length",
+                    "heldout_marginal_loss",
                 )
                 if k in prov[part]
             }

@@ -5,6 +5,7 @@ Layout (OUT is `--out`, WORK is `--work`, default OUT/work):
 
     OUT/target/        config.json, model.safetensors, tokenizer.json, tokenizer_config.json
     OUT/drafter/       config.json (dflash_config), model.safetensors
+    OUT/child_head/    config.json, model.safetensors (the `child_head` stage: the path-conditioned head, issue #23)
     OUT/provenance.json
     WORK/corpus/manifest.json     the file list with its split (reproducible), hashes
     WORK/tokenizer/               tokenizer.json + tokenizer_config.json
@@ -13,7 +14,8 @@ Layout (OUT is `--out`, WORK is `--work`, default OUT/work):
     WORK/logs/{target,drafter}.jsonl            losses per logged step and evaluations
 
 Each stage reuses what the previous stages left in WORK / OUT (a `target` run without a tokenizer
-trains one first; `drafter` needs OUT/target).
+trains one first; `drafter` needs OUT/target; `child_head`, not part of `all`, needs OUT/target and OUT/drafter
+and the recipe's "child_head" section).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ import ml_dtypes
 import numpy as np
 
 from ddtree_jax.checkpoint import load_hf, save_hf, to_hf_dict
+from ddtree_jax.checkpoint.child_head import save_child_head
+from ddtree_jax.config import ChildHeadConfig
+from ddtree_jax.train import child_head as head_mod
 from ddtree_jax.train import corpus as corpus_mod
 from ddtree_jax.train import data as data_mod
 from ddtree_jax.train import drafter as drafter_mod
@@ -40,7 +45,7 @@ from ddtree_jax.train import target as target_mod
 from ddtree_jax.train import tokenizer as tok_mod
 from ddtree_jax.train.common import train_settings
 
-STAGES = ("tokenizer", "target", "drafter", "all")
+STAGES = ("tokenizer", "target", "drafter", "all", "child_head")
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
@@ -238,6 +243,47 @@ class Run:
         self.update_provenance(drafter=results, wall_s={"drafter": results["wall_s"]})
         return results
 
+    @property
+    def child_head_dir(self) -> str:
+        return os.path.join(self.out, "child_head")
+
+    def child_head(self) -> dict:
+        if "child_head" not in self.cfg:
+            raise ValueError("the recipe has no 'child_head' section (model.inner_size and train settings)")
+        for part in (self.target_dir, self.drafter_dir):
+            if not os.path.exists(os.path.join(part, "config.json")):
+                raise FileNotFoundError(f"no trained model in {part}: run the `all` stage first")
+        _, _, _, train, held = self._inputs()
+        target_config, target_params = load_hf(self.target_dir, jnp.float32)
+        drafter_config, drafter_params = load_hf(self.drafter_dir, jnp.float32)
+        section = self.cfg["child_head"]
+        unknown = set(section.get("model", {})) - {"inner_size"}
+        if unknown:
+            raise ValueError(f"unknown child_head model settings {sorted(unknown)}")
+        config = ChildHeadConfig(hidden_size=drafter_config.hidden_size, inner_size=int(section["model"]["inner_size"]))
+        settings = train_settings(section["train"])
+        params, results = head_mod.train(
+            config,
+            drafter_config,
+            drafter_params,
+            target_config,
+            target_params,
+            settings,
+            train,
+            held,
+            seed=self.seed,
+            checkpoint_dir=self.path("orbax", "child_head"),
+            log_path=self.path("logs", "child_head.jsonl"),
+            resume=self.resume,
+            show_progress=self.show_progress,
+        )
+        if os.path.exists(self.child_head_dir):
+            shutil.rmtree(self.child_head_dir)
+        save_child_head(self.child_head_dir, config, params, dtype=self.export_dtype)
+        results.update(size_mb=_dir_mb(self.child_head_dir), frozen=["target", "drafter"])
+        self.update_provenance(child_head=results, wall_s={"child_head": results["wall_s"]})
+        return results
+
     def run(self, stage: str) -> dict:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -248,6 +294,8 @@ class Run:
             self.target()
         if stage in ("drafter", "all"):
             self.drafter()
+        if stage == "child_head":
+            self.child_head()
         return self.update_provenance(wall_s={f"{stage}_total": round(time.perf_counter() - began, 2)})
 
     # -- provenance ------------------------------------------------------------------------------
@@ -300,6 +348,7 @@ _ORDER = (
     "data",
     "target",
     "drafter",
+    "child_head",
     "total_size_mb",
     "wall_s",
     "config",

@@ -1,4 +1,5 @@
-"""`python -m ddtree_jax.train all --config configs/train_tiny.json`: loadable HF dirs and provenance.json."""
+"""`python -m ddtree_jax.train all --config configs/train_tiny.json`: loadable HF dirs and provenance.json; then
+the `child_head` stage on that pair."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from ddtree_jax.checkpoint import load_hf, load_tokenizer
+from ddtree_jax.checkpoint.child_head import load_child_head
 from ddtree_jax.config import DFlashConfig, Qwen3Config
 from ddtree_jax.engine.run import load_pair
 from ddtree_jax.train.__main__ import main
@@ -53,6 +55,17 @@ def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path,
             assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
         with open(os.path.join(out, part, "config.json")) as f:
             assert json.load(f)["torch_dtype"] == "bfloat16"
+    # the child_head stage (not part of `all`) trains the path-conditioned head on this pair and exports it
+    assert main(["child_head", "--config", config, "--out", out, "--commit", "0123abc", "--no-progress"]) == 0
+    head_brief = json.loads(capsys.readouterr().out)["child_head"]
+    assert head_brief["steps"] == 8 and np.isfinite(head_brief["heldout_loss"])
+    assert np.isfinite(head_brief["heldout_marginal_loss"])
+    assert sorted(os.listdir(os.path.join(out, "child_head"))) == ["config.json", "model.safetensors"]
+    head_config, head_params = load_child_head(os.path.join(out, "child_head"))
+    assert head_config.inner_size == 64 and head_params["out_proj"].shape == (head_config.hidden_size, 64)
+    assert np.abs(np.asarray(head_params["out_proj"])).max() > 0  # trained away from the zero (marginal) start
+    with open(os.path.join(out, "provenance.json")) as f:
+        assert json.load(f)["child_head"]["frozen"] == ["target", "drafter"]
     target_config, target_params = load_hf(os.path.join(out, "target"), jnp.float32)
     drafter_config, drafter_params = load_hf(os.path.join(out, "drafter"), jnp.float32)
     assert isinstance(target_config, Qwen3Config) and isinstance(drafter_config, DFlashConfig)
