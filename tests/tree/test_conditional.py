@@ -126,7 +126,7 @@ def test_every_tree_is_the_best_prefix_set_by_brute_force():
                 logw += float(lp[token])
                 parent_token = token
             weights[path] = logw
-    for budget in (1, 5, 13, 39):
+    for budget in (5, 39):  # a cut inside the second level, and every prefix
         tree = build_conditional_tree(jnp.asarray(first)[None], table_child_logits, jnp.asarray(table), budget, depth)
         row = _row_fields(tree, 0)
         paths = []

@@ -72,7 +72,7 @@ CONDITIONAL = jnp.asarray(
 )
 
 
-@pytest.mark.parametrize("setting", ["T1", "T1.5-topp0.8-minp0.05"])
+@pytest.mark.parametrize("setting", ["T1.5-topp0.8-minp0.05"])
 def test_emitted_law_on_path_conditioned_trees_is_the_target_law(setting):
     """Verification is tree-agnostic: on path-conditioned trees (`tree.conditional`) the emitted law is the
     target's too (chi-square at ALPHA), and the trees are used."""
