@@ -115,8 +115,15 @@ def _load(args: argparse.Namespace):
     enable_compilation_cache(args.compilation_cache or None)
     if args.random_tiny:
         return random_tiny_pair(args.seed)
+    head = getattr(args, "child_head", None)
+    if head and args.random_tiny:
+        raise ValueError(
+            "--child-head needs a trained pair (--target/--drafter or the embedded one), not --random-tiny"
+        )
     if args.target:
-        return load_pair(args.target, args.drafter, dtype=load_dtype(args.dtype), check_finite=args.check_finite)
+        return load_pair(
+            args.target, args.drafter, dtype=load_dtype(args.dtype), check_finite=args.check_finite, child_head_dir=head
+        )
     if args.drafter:
         raise ValueError("--drafter needs --target (the drafter runs on the target's embedding and head)")
     if not (os.path.isdir(EMBEDDED_TARGET) and os.path.isdir(EMBEDDED_DRAFTER)):
@@ -125,7 +132,9 @@ def _load(args: argparse.Namespace):
             "give --target DIR [--drafter DIR], or --random-tiny"
         )
     args.target, args.drafter = EMBEDDED_TARGET, EMBEDDED_DRAFTER
-    return load_pair(args.target, args.drafter, dtype=load_dtype(args.dtype), check_finite=args.check_finite)
+    return load_pair(
+        args.target, args.drafter, dtype=load_dtype(args.dtype), check_finite=args.check_finite, child_head_dir=head
+    )
 
 
 def _encode(pair, texts: list[str], chat: bool, where: str) -> list[list[int]]:
@@ -408,6 +417,11 @@ def _add_pair_args(parser: argparse.ArgumentParser) -> None:
         "(default: the embedded pair, checkpoints/embedded/target with checkpoints/embedded/drafter)",
     )
     parser.add_argument("--drafter", help="HF directory of the DFlash drafter (default: none with --target: AR only)")
+    parser.add_argument(
+        "--child-head",
+        help="a path-conditioned child head for the drafter (`python -m ddtree_jax.train child_head` writes one): "
+        "DDTree then builds path-conditioned trees (default: none, DDTree's marginal trees)",
+    )
     parser.add_argument(
         "--random-tiny", action="store_true", help="a random tiny pair instead (smoke run; default: off)"
     )

@@ -372,9 +372,10 @@ def test_generate_and_bench_default_to_the_embedded_pair(monkeypatch, capsys):
     assert main(["bench", "--methods", "ar", *common[2:], "--prompt-ids", "1,2,3,4", "--no-progress"]) == 0
     assert "max_new_tokens = 6" in capsys.readouterr().out
     float32 = jax.numpy.float32  # --dtype's default
-    assert seen == [(cli.EMBEDDED_TARGET, cli.EMBEDDED_DRAFTER, {"dtype": float32, "check_finite": True})] * 2
+    defaults = {"dtype": float32, "check_finite": True, "child_head_dir": None}  # no --child-head: DDTree's own trees
+    assert seen == [(cli.EMBEDDED_TARGET, cli.EMBEDDED_DRAFTER, defaults)] * 2
     assert main(["generate", "--target", FIXTURE, "--no-check-finite", *common, "--prompt-ids", "1,2,3,4"]) == 0
-    assert seen[-1] == (FIXTURE, None, {"dtype": float32, "check_finite": False})
+    assert seen[-1] == (FIXTURE, None, {**defaults, "check_finite": False})
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):

@@ -16,6 +16,7 @@ import numpy as np
 
 from ddtree_jax import dispatch
 from ddtree_jax.checkpoint import Tokenizer, load_tokenizer
+from ddtree_jax.checkpoint.child_head import load_child_head
 from ddtree_jax.checkpoint.hf_config import parse_config, read_config
 from ddtree_jax.checkpoint.hf_weights import load_weights
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
@@ -185,13 +186,22 @@ def check_request(
     check_pair(pair)
 
 
-def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32, *, check_finite: bool = False) -> Pair:
+def load_pair(
+    target_dir: str,
+    drafter_dir: str | None,
+    dtype=jnp.float32,
+    *,
+    check_finite: bool = False,
+    child_head_dir: str | None = None,
+) -> Pair:
     """Target + DFlash drafter from HF directories; the target's tapped layers come from the drafter. The
     tokenizer is the target directory's (tokenizer.json or tiktoken.model; None without either).
     Both configs are read and checked against each other (`check_configs`) before any weight loads.
     check_finite: `load_weights`' check that every floating-point tensor of both checkpoints is finite
     (CheckpointError naming the tensor and file otherwise; the CLI turns it on). dtype "auto": the target
-    checkpoint's stored dtype, for both (`load_dtype`)."""
+    checkpoint's stored dtype, for both (`load_dtype`). child_head_dir: a path-conditioned child head
+    (`checkpoint.child_head`, the `child_head` training stage) attached to the drafter: DDTree steps then build
+    path-conditioned trees."""
     _check_directory(target_dir, "target")
     if drafter_dir:
         _check_directory(drafter_dir, "drafter")
@@ -216,6 +226,11 @@ def load_pair(target_dir: str, drafter_dir: str | None, dtype=jnp.float32, *, ch
         drafter = DFlashDrafter(
             drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params)
         )
+        if child_head_dir:
+            head_config, head_params = load_child_head(child_head_dir, dtype)
+            drafter = drafter.with_head(head_config, head_params)
+    elif child_head_dir:
+        raise ValueError("a child head needs a drafter (drafter_dir)")
     pair = Pair(target_config, target_params, drafter, tokenizer)
     check_pair(pair)
     return pair

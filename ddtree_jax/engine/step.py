@@ -3,7 +3,8 @@ emitted tokens.
 
 All shapes are static (budget, block size, batch); no host round trip. Methods share every stage after
 drafting:
-  "ddtree"  build_tree(draft_logits, budget)       N = budget + 1 slots
+  "ddtree"  build_tree(draft_logits, budget)       N = budget + 1 slots (with a drafter's child head:
+            the path-conditioned tree, `conditional_tree_stage`)
   "chain"   build_chain(draft_logits)             N = block_size slots (linear DFlash)
   "ar"      no draft: the root alone               N = 1 (plain autoregressive decoding)
 
@@ -25,7 +26,7 @@ from ddtree_jax.models import target_module
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 from ddtree_jax.options import METHODS, DecodeOptions
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams
-from ddtree_jax.tree import DraftTree, ancestor_mask, build_chain, build_tree
+from ddtree_jax.tree import DraftTree, ancestor_mask, build_chain, build_conditional_tree, build_tree
 from ddtree_jax.verify import VerifyResult, verify_step
 
 __all__ = [
@@ -141,6 +142,12 @@ def tree_stage(
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
+def conditional_tree_stage(draft_logits, child_logits_fn, inputs, bonus: jax.Array, *, budget: int) -> DraftTree:
+    """The path-conditioned DDTree tree (`tree.conditional.build_conditional_tree`, XLA): the root's children from
+    the draft pass's depth-1 logits, every deeper node's from the child head; the depth limit is the draft's."""
+    return build_conditional_tree(draft_logits[:, 0], child_logits_fn, inputs, budget, draft_logits.shape[1], bonus)
+
+
 def tree_forward_stage(
     target_config, target_params, cache: KVCache, tree: DraftTree, options: DecodeOptions = DecodeOptions()
 ):
@@ -253,17 +260,24 @@ def traced_decode_step(
     # optimized HLO's op_name metadata (benchmarks/step_ops.py)
     with jax.named_scope("ddtree_append"):
         draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
+    conditional = method == "ddtree" and getattr(drafter, "conditional", False)
     with jax.named_scope("ddtree_draft"):
-        draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
+        if conditional:  # a child head: the draft pass also gives what the head conditions on
+            draft_logits, child_fn, child_inputs = drafter.draft_children(draft_state, state.bonus, block_size)
+        else:
+            draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
     with jax.named_scope("ddtree_tree"):
-        tree = tree_stage(
-            draft_logits,
-            state.bonus,
-            method=method,
-            budget=budget,
-            topk_impl=options.topk_impl,
-            tree_impl=options.tree_impl,
-        )
+        if conditional:
+            tree = conditional_tree_stage(draft_logits, child_fn, child_inputs, state.bonus, budget=budget)
+        else:
+            tree = tree_stage(
+                draft_logits,
+                state.bonus,
+                method=method,
+                budget=budget,
+                topk_impl=options.topk_impl,
+                tree_impl=options.tree_impl,
+            )
     with jax.named_scope("ddtree_tree_forward"):
         logits, tapped, cache = tree_forward_stage(target_config, target_params, state.target_cache, tree, options)
     with jax.named_scope("ddtree_walk"):

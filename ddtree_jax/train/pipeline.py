@@ -253,6 +253,7 @@ class Run:
         for part in (self.target_dir, self.drafter_dir):
             if not os.path.exists(os.path.join(part, "config.json")):
                 raise FileNotFoundError(f"no trained model in {part}: run the `all` stage first")
+        self._pair_tokenizer()
         _, _, _, train, held = self._inputs()
         target_config, target_params = load_hf(self.target_dir, jnp.float32)
         drafter_config, drafter_params = load_hf(self.drafter_dir, jnp.float32)
@@ -283,6 +284,28 @@ class Run:
         results.update(size_mb=_dir_mb(self.child_head_dir), frozen=["target", "drafter"])
         self.update_provenance(child_head=results, wall_s={"child_head": results["wall_s"]})
         return results
+
+    def _pair_tokenizer(self) -> None:
+        """A pair trained elsewhere (e.g. the committed one) has no WORK here: its own tokenizer (OUT/target's) is
+        put in WORK and the corpus manifest rebuilt from the recipe, instead of training a tokenizer that could
+        differ; a tokenizer whose sha256 is not the one provenance.json records is refused."""
+        if os.path.exists(self.path("tokenizer", "tokenizer.json")):
+            return
+        os.makedirs(self.path("tokenizer"), exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(self.target_dir, name), self.path("tokenizer", name))
+        prov_path = os.path.join(self.out, "provenance.json")
+        if os.path.exists(prov_path):
+            with open(prov_path) as f:
+                want = json.load(f).get("tokenizer", {}).get("tokenizer_sha256")
+            got = tok_mod.file_hash(self.path("tokenizer"))
+            if want and got != want:
+                raise ValueError(
+                    f"{self.target_dir}/tokenizer.json has sha256 {got}, provenance.json records {want}: not this pair's"
+                )
+        if not os.path.exists(self.path("corpus", "manifest.json")):
+            manifest = corpus_mod.manifest_from_config(self.cfg["corpus"])
+            corpus_mod.write_manifest(manifest, self.path("corpus", "manifest.json"))
 
     def run(self, stage: str) -> dict:
         if stage not in STAGES:

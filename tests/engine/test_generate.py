@@ -504,3 +504,69 @@ def test_a_chunked_prefill_takes_memory_linear_in_the_prompt():
     whole = temp_bytes(2048, 4096) / temp_bytes(1024, 4096)
     assert chunked < 2.6, chunked
     assert whole > 3.0, whole  # what the check would see without chunking
+
+
+def _with_head(scale: float) -> DFlashDrafter:
+    """DFLASH with a path-conditioned child head (`models.child_head`): untrained (scale 0: the marginal) or with
+    a random output layer (scale > 0: each parent's children differ)."""
+    from ddtree_jax.config import ChildHeadConfig
+    from ddtree_jax.models import child_head
+
+    config = ChildHeadConfig(hidden_size=32, inner_size=16)
+    params = child_head.init_params(config, jax.random.key(4))
+    if scale:
+        params = {**params, "out_proj": jax.random.normal(jax.random.key(5), params["out_proj"].shape) * scale}
+    return DFLASH.with_head(config, params)
+
+
+def _tree_tokens(trace, sampling):
+    """Recorder: the step's tree tokens and parents [B, N]."""
+    return {"tokens": trace.tree.tokens, "parents": trace.tree.parents}
+
+
+def test_greedy_with_a_path_conditioned_head_equals_autoregressive_greedy(ar_greedy):
+    out = _run(_with_head(3.0), PROMPTS, LENGTHS, method="ddtree", max_new=12)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ar_greedy)
+
+
+def test_an_untrained_head_decodes_as_ddtree_and_a_trained_one_changes_the_trees():
+    from ddtree_jax.engine.generate import generate_recorded
+
+    def recorded(drafter):
+        batch = PROMPTS.shape[0]
+        return generate_recorded(
+            TARGET,
+            T_PARAMS,
+            drafter,
+            jnp.asarray(PROMPTS),
+            jnp.asarray(LENGTHS),
+            SamplingParams.create(batch, temperature=1.0),
+            row_keys(jax.random.key(5), jnp.arange(batch)),
+            jnp.full((batch, 1), -1, jnp.int32),
+            jnp.full((batch,), 10, jnp.int32),
+            recorder=_tree_tokens,
+            max_new_tokens=10,
+            method="ddtree",
+            budget=8,
+            block_size=5,
+        )
+
+    (marginal, marginal_trees), (untrained, untrained_trees), (_, trained_trees) = (
+        recorded(d) for d in (DFLASH, _with_head(0.0), _with_head(3.0))
+    )
+    np.testing.assert_array_equal(np.asarray(untrained.tokens), np.asarray(marginal.tokens))
+    for name in ("tokens", "parents"):
+        np.testing.assert_array_equal(np.asarray(untrained_trees[name]), np.asarray(marginal_trees[name]))
+    first = {name: np.asarray(trees["tokens"][0]) for name, trees in (("m", marginal_trees), ("t", trained_trees))}
+    assert not np.array_equal(first["m"], first["t"])  # the first step's trees: the head re-ranks the children
+
+
+def test_a_head_must_match_the_drafter():
+    from ddtree_jax.config import ChildHeadConfig
+    from ddtree_jax.models import child_head
+
+    config = ChildHeadConfig(hidden_size=16, inner_size=8)
+    with pytest.raises(ValueError, match=r"the child head's hidden_size \(16\) must equal the drafter's \(32\)"):
+        DFLASH.with_head(config, child_head.init_params(config, jax.random.key(0)))
+    with pytest.raises(ValueError, match="head_config and head_params go together"):
+        dataclasses.replace(DFLASH, head_config=config)
