@@ -6,6 +6,7 @@ import json
 import sys
 
 import jax
+import numpy as np
 
 from experiments import tp_shard_step
 
@@ -31,7 +32,9 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 4)]
     for r in rows:
-        assert r["step_ms"] > 0 and r["loop_step_ms"] > 0 and r["collectives_ms"] > 0
-        assert r["loop_steps"] == 16
+        assert r["step_ms"] > 0 and r["collectives_ms"] > 0
+        # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
+        # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
+        assert r["loop_steps"] == 16 and np.isfinite(r["loop_step_ms"])
         # the prediction rests on the step inside the on-device loop (no host dispatch)
         assert abs(r["predicted_tp_step_ms"] - r["loop_step_ms"] - r["collectives_ms"]) < 1e-9
