@@ -22,6 +22,56 @@ def check_method(method: str) -> str:
     return method
 
 
+def check_budgets(budgets) -> tuple[int, ...]:
+    """The budgets as a strictly increasing tuple of ints >= 1 (ValueError naming the bad value)."""
+    out = tuple(budgets)
+    if not out:
+        raise ValueError("a budget set needs at least one budget")
+    for b in out:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"budgets must be ints >= 1, got {b!r} in {out}")
+    if any(a >= b for a, b in zip(out, out[1:])):
+        raise ValueError(f"budgets must be strictly increasing, got {out}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPolicy:
+    """The cost-aware DDTree budget (issue #23): each decode step builds the tree at the largest budget of
+    `budgets`, predicts each budget's tokens per step from its sub-tree's surrogate (`tree.budget`), and runs
+    the verification of the budget with the most predicted tokens per millisecond (`tree.budget.
+    choose_budget_index`), all on device (a `lax.switch` over one compiled branch per budget).
+
+    Attributes:
+      budgets: strictly increasing ints >= 1 (the compiled set, e.g. (8, 16, 32, 64, 128)).
+      step_ms: the decode step's time per budget (measured at start-up: `engine.budget.fit_budget_policy`),
+        positive floats, one per budget.
+      scale: the surrogate's calibration per budget, positive floats: predicted tokens per step =
+        1 + scale * (surrogate - 1), fitted on the accepted lengths of a calibration run (1.0: uncalibrated).
+    """
+
+    budgets: tuple[int, ...]
+    step_ms: tuple[float, ...]
+    scale: tuple[float, ...]
+
+    def __post_init__(self):
+        budgets = check_budgets(self.budgets)
+        for name in ("step_ms", "scale"):
+            values = tuple(getattr(self, name))
+            if len(values) != len(budgets):
+                raise ValueError(f"BudgetPolicy.{name} needs one value per budget {budgets}, got {values}")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+                    raise ValueError(f"BudgetPolicy.{name} must hold finite numbers > 0, got {v!r} in {values}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))
+        object.__setattr__(self, "budgets", budgets)
+
+    @property
+    def max_budget(self) -> int:
+        """The budget every step's tree is built at (the `budget` argument of a run with this policy)."""
+        return self.budgets[-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
     """How a decode step runs (what it computes is fixed by method, budget, block size and sampling).
@@ -47,6 +97,8 @@ class DecodeOptions:
         k - 1 at the end) change nothing but cost time. Outputs are identical for every k.
       prefill_chunk: prompt tokens per prefill chunk (an int >= 0): prompts longer than it are prefilled
         chunk by chunk (memory of one chunk, not of the whole prompt); 0 ("auto"): `dispatch.prefill_chunk`.
+      budget_policy: None (the run's fixed budget) or a `BudgetPolicy`: DDTree's budget chosen per step on
+        device; the run's `budget` must then be the policy's largest.
     Every "auto" is resolved by `ddtree_jax.dispatch` (see `dispatch.decode_plan`).
     """
 
@@ -63,6 +115,7 @@ class DecodeOptions:
     threshold_single: float = 1.0
     steps_per_iteration: int = 1
     prefill_chunk: int = 0
+    budget_policy: BudgetPolicy | None = None
 
     def __post_init__(self):
         for name, allowed in (
@@ -87,6 +140,8 @@ class DecodeOptions:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"DecodeOptions.steps_per_iteration must be an int >= 1, got {steps!r}")
         dispatch.prefill_chunk(self.prefill_chunk, 0)  # validates (a ValueError naming the value)
+        if self.budget_policy is not None and not isinstance(self.budget_policy, BudgetPolicy):
+            raise ValueError(f"DecodeOptions.budget_policy must be a BudgetPolicy or None, got {self.budget_policy!r}")
         if self.verifier == "sample_then_walk" and (self.threshold_acc, self.threshold_single) != (1.0, 1.0):
             raise ValueError(
                 "DecodeOptions: the sample-then-walk verifier has no lossy thresholds; "

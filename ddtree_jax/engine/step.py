@@ -13,6 +13,11 @@ walk_stage, commit_stage, emit_stage): `traced_decode_step` composes them and al
 (the tree, the target's logits, the walk's result) for observers such as the studies; `decode_step` is
 its state alone; `engine.profile` times each stage alone on the inputs of a real step. How each stage
 runs (kernels, layer loop, verifier, sibling order) is one `DecodeOptions`.
+
+The cost-aware budget (`DecodeOptions.budget_policy`, a `BudgetPolicy`): the tree is built at the policy's
+largest budget, each budget's sub-tree (its first b + 1 slots, `tree.budget`) gets a predicted tokens per ms
+from its surrogate and the budget's measured step time, and a `lax.switch` runs the tree forward, walk and
+commit of the chosen sub-tree only: one compiled branch per budget, no host round trip.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ddtree_jax.models import target_module
 from ddtree_jax.models.cache import KVCache, commit, gather_accepted
 from ddtree_jax.options import METHODS, DecodeOptions
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams
 from ddtree_jax.tree import DraftTree, ancestor_mask, build_chain, build_conditional_tree, build_tree
+from ddtree_jax.tree.budget import choose_budget_index, mask_tree, prefix_surrogates, truncate_tree
 from ddtree_jax.verify import VerifyResult, verify_step
 
 __all__ = [
@@ -226,16 +233,21 @@ def emit_stage(state: DecodeState, result: VerifyResult, stop_tokens: jax.Array,
 
 @dataclasses.dataclass(frozen=True)
 class StepTrace:
-    """What one decode step computed, for observers (the studies): the tree [B, N], the target's logits at
-    its slots [B, N, V], the walk's result, and which rows were active (bool [B])."""
+    """What one decode step computed, for observers (the studies): the tree verified [B, N], the target's logits
+    at its slots [B, N, V], the walk's result, which rows were active (bool [B]) and the budget verified (int32
+    scalar: N - 1, or under a `BudgetPolicy` the step's choice, the tree's later slots then padding and their
+    logits 0)."""
 
     tree: DraftTree
     target_logits: jax.Array
     result: VerifyResult
     active: jax.Array
+    budget: jax.Array
 
 
-jax.tree_util.register_dataclass(StepTrace, data_fields=["tree", "target_logits", "result", "active"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    StepTrace, data_fields=["tree", "target_logits", "result", "active", "budget"], meta_fields=[]
+)
 
 
 def traced_decode_step(
@@ -278,12 +290,43 @@ def traced_decode_step(
                 topk_impl=options.topk_impl,
                 tree_impl=options.tree_impl,
             )
-    with jax.named_scope("ddtree_tree_forward"):
-        logits, tapped, cache = tree_forward_stage(target_config, target_params, state.target_cache, tree, options)
-    with jax.named_scope("ddtree_walk"):
-        result = walk_stage(tree, logits, sampling, keys, state.step, options)
-    with jax.named_scope("ddtree_commit"):
-        cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
+
+    def verify_stages(sub_tree: DraftTree, cache):
+        with jax.named_scope("ddtree_tree_forward"):
+            logits, tapped, cache = tree_forward_stage(target_config, target_params, cache, sub_tree, options)
+        with jax.named_scope("ddtree_walk"):
+            result = walk_stage(sub_tree, logits, sampling, keys, state.step, options)
+        with jax.named_scope("ddtree_commit"):
+            cache, ctx_features, ctx_count = commit_stage(cache, tapped, result, active)
+        return logits, result, cache, ctx_features, ctx_count
+
+    policy = options.budget_policy
+    if policy is None:
+        logits, result, cache, ctx_features, ctx_count = verify_stages(tree, state.target_cache)
+        verified_budget = jnp.int32(tree.num_slots - 1)
+    else:  # the cost-aware budget: verify the sub-tree of the budget with the most predicted tokens per ms
+        if method != "ddtree" or budget != policy.max_budget:
+            raise ValueError(
+                f"a budget policy needs method 'ddtree' at its largest budget {policy.max_budget}; "
+                f"got method {method!r}, budget {budget}"
+            )
+        with jax.named_scope("ddtree_budget"):
+            surrogates = prefix_surrogates(tree, policy.budgets)
+            index = choose_budget_index(surrogates, active, policy.scale, policy.step_ms)
+
+        def branch(sub_budget: int):
+            def run(cache):
+                logits, *rest = verify_stages(truncate_tree(tree, sub_budget), cache)
+                pad = tree.num_slots - logits.shape[1]  # the trace's logits keep the full tree's shape
+                return (jnp.pad(logits, ((0, 0), (0, pad), (0, 0))), *rest)
+
+            return run
+
+        logits, result, cache, ctx_features, ctx_count = lax.switch(
+            index, [branch(b) for b in policy.budgets], state.target_cache
+        )
+        verified_budget = jnp.asarray(policy.budgets, jnp.int32)[index]
+        tree = mask_tree(tree, verified_budget)
     with jax.named_scope("ddtree_emit"):
         output, num_generated, steps, accepted, done, bonus = emit_stage(state, result, stop_tokens, max_new)
     new_state = DecodeState(
@@ -299,7 +342,8 @@ def traced_decode_step(
         done=done,
         step=state.step + 1,
     )
-    return new_state, StepTrace(tree=tree, target_logits=logits, result=result, active=active)
+    trace = StepTrace(tree=tree, target_logits=logits, result=result, active=active, budget=verified_budget)
+    return new_state, trace
 
 
 def decode_step(

@@ -281,8 +281,15 @@ class Run:
         if os.path.exists(self.child_head_dir):
             shutil.rmtree(self.child_head_dir)
         save_child_head(self.child_head_dir, config, params, dtype=self.export_dtype)
-        results.update(size_mb=_dir_mb(self.child_head_dir), frozen=["target", "drafter"])
-        self.update_provenance(child_head=results, wall_s={"child_head": results["wall_s"]})
+        header = self._header()
+        run = {k: header[k] for k in ("commit", "updated", "python_version", "device")}
+        results.update(
+            size_mb=_dir_mb(self.child_head_dir),
+            frozen=["target", "drafter"],
+            run=run | {"recipe": header["recipe"], "config": copy.deepcopy(section)},
+        )
+        # the pair's header (commit, device, recipe) stays the pair's: the head records its own run
+        self.update_provenance(child_head=results, wall_s={"child_head": results["wall_s"]}, header=False)
         return results
 
     def _pair_tokenizer(self) -> None:
@@ -319,10 +326,15 @@ class Run:
             self.drafter()
         if stage == "child_head":
             self.child_head()
-        return self.update_provenance(wall_s={f"{stage}_total": round(time.perf_counter() - began, 2)})
+        return self.update_provenance(
+            wall_s={f"{stage}_total": round(time.perf_counter() - began, 2)}, header=stage != "child_head"
+        )
 
     # -- provenance ------------------------------------------------------------------------------
-    def update_provenance(self, **sections) -> dict:
+    def update_provenance(self, header: bool = True, **sections) -> dict:
+        """Merge `sections` into OUT/provenance.json; `header` (commit, date, recipe, device) describes the pair and
+        is rewritten by the pair's stages only (an add-on stage like `child_head` passes False and records its own
+        run inside its section)."""
         path = os.path.join(self.out, "provenance.json")
         prov = {}
         if os.path.exists(path):
@@ -333,7 +345,8 @@ class Run:
                 prov[key] = {**prov.get(key, {}), **value}
             else:
                 prov[key] = value
-        prov.update(self._header())
+        if header or "commit" not in prov:
+            prov.update(self._header())
         if "target" in prov and "drafter" in prov:
             prov["total_size_mb"] = round(prov["target"]["size_mb"] + prov["drafter"]["size_mb"], 3)
         os.makedirs(self.out, exist_ok=True)

@@ -1,0 +1,95 @@
+"""The cost-aware budget in the engine: a policy that must pick budget b generates exactly what the fixed
+budget b generates (same keys, T = 0 and T = 1); a real choice varies per step and stays greedy-exact; the
+start-up fit measures positive step times and a calibration on the tiny random pair."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.engine.budget import fit_budget_policy
+from ddtree_jax.engine.generate import generate_recorded
+from ddtree_jax.engine.run import random_tiny_pair
+from ddtree_jax.options import BudgetPolicy, DecodeOptions
+from ddtree_jax.sampling import SamplingParams, row_keys
+from tests.engine.test_generate import DFLASH, LENGTHS, PROMPTS, T_PARAMS, TARGET, _run
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_policy_forced_to_one_budget_generates_what_that_budget_generates(temperature):
+    budgets, forced = (2, 4, 8), 1
+    step_ms = tuple(0.01 if k == forced else 100.0 for k in range(len(budgets)))  # budget 4: far cheapest
+    policy = BudgetPolicy(budgets, step_ms, (1.0,) * len(budgets))
+    got = _run(
+        DFLASH,
+        PROMPTS,
+        LENGTHS,
+        method="ddtree",
+        temperature=temperature,
+        budget=8,
+        options=DecodeOptions(budget_policy=policy),
+    )
+    want = _run(DFLASH, PROMPTS, LENGTHS, method="ddtree", temperature=temperature, budget=budgets[forced])
+    for name in ("tokens", "num_generated", "steps", "accepted"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+
+
+def _budget_record(trace, sampling):
+    return {"budget": jnp.broadcast_to(trace.budget, trace.active.shape), "active": trace.active}
+
+
+def test_a_real_choice_varies_per_step_and_keeps_greedy_text(ar_greedy_tokens):
+    """Step times that make the large budget pay only when the surrogate is high: the chosen budget changes
+    between steps, and greedy text still equals AR's."""
+    batch = PROMPTS.shape[0]
+    policy = BudgetPolicy((1, 8), (1.0, 2.3), (1.0, 1.0))  # the batch's S_8 / S_1 runs 1.9 .. 2.5
+    result, records = generate_recorded(
+        TARGET,
+        T_PARAMS,
+        DFLASH,
+        jnp.asarray(PROMPTS),
+        jnp.asarray(LENGTHS),
+        SamplingParams.create(batch, temperature=0.0),
+        row_keys(jax.random.key(3), jnp.arange(batch)),
+        jnp.full((batch, 1), -1, jnp.int32),
+        jnp.full((batch,), 12, jnp.int32),
+        recorder=_budget_record,
+        max_new_tokens=12,
+        method="ddtree",
+        budget=8,
+        block_size=5,
+        options=DecodeOptions(budget_policy=policy),
+    )
+    chosen = np.asarray(records["budget"])[np.asarray(records["active"]).any(axis=1), 0]
+    assert set(chosen.tolist()) == {1, 8}, chosen
+    np.testing.assert_array_equal(np.asarray(result.tokens), ar_greedy_tokens)
+
+
+@pytest.fixture(scope="module")
+def ar_greedy_tokens():
+    return np.asarray(_run(None, PROMPTS, LENGTHS, method="ar", max_new=12).tokens)
+
+
+def test_a_policy_needs_ddtree_at_its_largest_budget():
+    policy = BudgetPolicy((2, 4), (1.0, 1.0), (1.0, 1.0))
+    with pytest.raises(ValueError, match="largest budget 4; got method 'ddtree', budget 8"):
+        _run(DFLASH, PROMPTS, LENGTHS, method="ddtree", budget=8, options=DecodeOptions(budget_policy=policy))
+
+
+def test_the_start_up_fit_measures_step_times_and_calibrates_the_surrogate():
+    pair = random_tiny_pair(seed=0, vocab=64)
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
+    policy, report = fit_budget_policy(pair, prompts, (2, 6), short=2, long=6, repeats=1, calibration_tokens=8)
+    assert policy.budgets == (2, 6) and policy.max_budget == 6
+    assert all(ms > 0 for ms in policy.step_ms) and all(s > 0 for s in policy.scale)
+    assert report["calibration"]["steps"] > 0
+    # the calibration is the ratio of what the sub-trees accepted to their surrogates' excess
+    for row in report["calibration"]["per_budget"]:
+        excess = row["surrogate_mean"] - 1.0
+        if excess > 0:
+            assert row["scale"] == pytest.approx((row["measured_mean"] - 1.0) / excess, rel=1e-6, abs=1e-3)
+    # at T = 0 a sub-tree accepts the greedy path's part inside it: never more than a larger sub-tree
+    measured = [row["measured_mean"] for row in report["calibration"]["per_budget"]]
+    assert measured == sorted(measured)
+    with pytest.raises(ValueError, match="short < long"):
+        fit_budget_policy(pair, prompts, (2, 6), short=6, long=6)
