@@ -39,7 +39,6 @@ __all__ = ["DEFAULT_PAIR_DIR", "PAIR_ENV", "pair_root"]  # re-exported: the stud
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXACT = (1.0, 1.0)  # (threshold_acc, threshold_single) of exact verification
-RECORD_KEYS = ("accepted", "surrogate", "expected", "active")  # per-step records [S, B]
 
 
 # --- the pair --------------------------------------------------------------------------------------------------------
@@ -135,6 +134,44 @@ def expected_tau_exact(tree: DraftTree, target_logits: jax.Array, sampling) -> j
 # --- the generation loop with records --------------------------------------------------------------------------------
 
 
+def spine_hits(tree: DraftTree, result, active: jax.Array) -> dict:
+    """int32 [B] each: how the walk fared on and off the tree's spine. The spine is the path of rank-0 children
+    from the root (each node its parent's most probable child: the chain inside the tree); a node is visited
+    when its parent was accepted (the walk tried its parent's children) and hit when it was accepted.
+    Returns spine_visited, spine_hit, off_visited, off_hit (0 for inactive rows)."""
+    batch, slots = tree.tokens.shape
+    width = result.accept_index.shape[1]
+    on_path = (jnp.arange(width)[None, :] >= 1) & (jnp.arange(width)[None, :] <= result.num_accepted[:, None])
+    where = jnp.where(on_path, result.accept_index, slots)  # slots: dropped
+    accepted = jnp.zeros((batch, slots), bool).at[jnp.arange(batch)[:, None], where].set(True, mode="drop")
+    accepted = accepted.at[:, 0].set(True)  # the root
+    real = tree.is_real & (jnp.arange(slots)[None, :] > 0)
+    parents = jnp.maximum(tree.parents, 0)
+    root = jnp.arange(slots)[None, :] == 0
+    spine = root | (real & (tree.ranks == 0))
+    for _ in range(tree.max_depth):  # parents precede children: max_depth rounds settle every path
+        spine = root | (real & (tree.ranks == 0) & jnp.take_along_axis(spine, parents, axis=1))
+    visited = real & jnp.take_along_axis(accepted, parents, axis=1) & active[:, None]
+    hit = visited & accepted
+    count = lambda m: m.sum(axis=1).astype(jnp.int32)  # noqa: E731
+    return {
+        "spine_visited": count(visited & spine),
+        "spine_hit": count(hit & spine),
+        "off_visited": count(visited & ~spine),
+        "off_hit": count(hit & ~spine),
+    }
+
+
+def spine_record(trace: StepTrace, sampling) -> dict:
+    """`step_record` and the step's `spine_hits`, plus the budget the step verified (the cost-aware budget's
+    choice; the fixed budget otherwise)."""
+    return {
+        **step_record(trace, sampling),
+        **spine_hits(trace.tree, trace.result, trace.active),
+        "budget": jnp.where(trace.active, trace.budget, -1),
+    }
+
+
 def step_record(trace: StepTrace, sampling) -> dict:
     """The observer of `generate_recorded`: per row, the step's accepted count (-1 when inactive), the
     drafter's surrogate and the exact-mode expectation for the tree built, and whether the row was active."""
@@ -168,6 +205,8 @@ def study_generate(
     batch_size: int | None = None,
     width: int | None = None,
     row_max_new: int | None = None,
+    recorder=step_record,
+    options: DecodeOptions | None = None,
 ) -> dict:
     """Generates for every prompt (one row each) and returns numpy arrays:
 
@@ -180,6 +219,9 @@ def study_generate(
     batch_size: rows per compiled call (the last chunk is padded with copies and trimmed), to bound memory.
     row_max_new: stop every row after this many tokens (<= max_new_tokens, which only sizes the buffers and the
     compiled program: runs that differ in row_max_new share one compilation).
+    recorder: the per-step observer (`step_record`, or `spine_record` for the spine statistics too); every
+    record it returns is [S, B]. options: the run's `DecodeOptions` (e.g. a budget policy) with the order,
+    thresholds and verify_impl given here put in.
     """
     if row_max_new is not None and not 1 <= row_max_new <= max_new_tokens:
         raise ValueError(f"row_max_new must be in [1, max_new_tokens = {max_new_tokens}], got {row_max_new}")
@@ -197,7 +239,7 @@ def study_generate(
     chunk = batch_size or total  # every call has `chunk` rows: runs of any size share one compilation
     if order not in ORDER_POLICIES:
         raise ValueError(f"order must be one of {ORDER_POLICIES}, got {order!r}")
-    options = DecodeOptions(
+    options = (options or DecodeOptions()).replace(
         order=order,
         threshold_acc=float(threshold_acc),
         threshold_single=float(threshold_single),
@@ -209,7 +251,7 @@ def study_generate(
         budget=budget,
         block_size=block,
         options=options,
-        recorder=step_record,
+        recorder=recorder,
     )
     parts = []
     for start in range(0, total, chunk):
@@ -240,8 +282,8 @@ def study_generate(
             **records,
         }
         out["accepted"] = np.where(out["active"], out["accepted"], -1)  # steps after the loop ended: inactive
-        parts.append({k: np.asarray(v)[:, :real] if k in RECORD_KEYS else np.asarray(v)[:real] for k, v in out.items()})
-    res = {k: np.concatenate([p[k] for p in parts], axis=1 if k in RECORD_KEYS else 0) for k in parts[0]}
+        parts.append({k: np.asarray(v)[:, :real] if k in records else np.asarray(v)[:real] for k, v in out.items()})
+    res = {k: np.concatenate([p[k] for p in parts], axis=1 if k in records else 0) for k in parts[0]}
     steps = res["steps"]
     with np.errstate(invalid="ignore", divide="ignore"):
         res["tau"] = np.where(steps > 0, (res["accepted_total"] + steps) / np.maximum(steps, 1), np.nan)

@@ -88,6 +88,7 @@ class Run:
         self.out = os.path.abspath(out)
         self.work = os.path.abspath(work or os.path.join(out, "work"))
         self.commit = commit
+        self._addon_stage = False  # True while an add-on stage (child_head) runs: the header stays the pair's
         self.resume = resume
         self.show_progress = show_progress
         self.config_path = config_path
@@ -289,7 +290,7 @@ class Run:
             run=run | {"recipe": header["recipe"], "config": copy.deepcopy(section)},
         )
         # the pair's header (commit, device, recipe) stays the pair's: the head records its own run
-        self.update_provenance(child_head=results, wall_s={"child_head": results["wall_s"]}, header=False)
+        self.update_provenance(child_head=results, wall_s={"child_head": results["wall_s"]})
         return results
 
     def _pair_tokenizer(self) -> None:
@@ -325,16 +326,22 @@ class Run:
         if stage in ("drafter", "all"):
             self.drafter()
         if stage == "child_head":
-            self.child_head()
+            self._addon_stage = True
+            try:
+                self.child_head()
+            finally:
+                self._addon_stage = False
         return self.update_provenance(
             wall_s={f"{stage}_total": round(time.perf_counter() - began, 2)}, header=stage != "child_head"
         )
 
     # -- provenance ------------------------------------------------------------------------------
-    def update_provenance(self, header: bool = True, **sections) -> dict:
-        """Merge `sections` into OUT/provenance.json; `header` (commit, date, recipe, device) describes the pair and
-        is rewritten by the pair's stages only (an add-on stage like `child_head` passes False and records its own
-        run inside its section)."""
+    def update_provenance(self, header: bool | None = None, **sections) -> dict:
+        """Merge `sections` into OUT/provenance.json; the header (commit, date, recipe, device) describes the pair and
+        is rewritten by the pair's stages only (default: unless an add-on stage like `child_head` is running, which
+        records its own run inside its section)."""
+        if header is None:
+            header = not self._addon_stage
         path = os.path.join(self.out, "provenance.json")
         prov = {}
         if os.path.exists(path):

@@ -60,7 +60,7 @@ def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path,
     # a pair trained elsewhere, without the run's tokenizer and manifest (it takes the pair's own tokenizer)
     shutil.rmtree(os.path.join(out, "work", "tokenizer"))
     shutil.rmtree(os.path.join(out, "work", "corpus"))
-    assert main(["child_head", "--config", config, "--out", out, "--commit", "0123abc", "--no-progress"]) == 0
+    assert main(["child_head", "--config", config, "--out", out, "--commit", "4567def", "--no-progress"]) == 0
     head_brief = json.loads(capsys.readouterr().out)["child_head"]
     assert head_brief["steps"] == 8 and np.isfinite(head_brief["heldout_loss"])
     assert np.isfinite(head_brief["heldout_marginal_loss"])
@@ -69,7 +69,10 @@ def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path,
     assert head_config.inner_size == 64 and head_params["out_proj"].shape == (head_config.hidden_size, 64)
     assert np.abs(np.asarray(head_params["out_proj"])).max() > 0  # trained away from the zero (marginal) start
     with open(os.path.join(out, "provenance.json")) as f:
-        assert json.load(f)["child_head"]["frozen"] == ["target", "drafter"]
+        prov = json.load(f)
+    assert prov["child_head"]["frozen"] == ["target", "drafter"]
+    # the pair's header is the pair's; the head's own run is recorded in its section
+    assert prov["commit"] == "0123abc" and prov["child_head"]["run"]["commit"] == "4567def"
     target_config, target_params = load_hf(os.path.join(out, "target"), jnp.float32)
     drafter_config, drafter_params = load_hf(os.path.join(out, "drafter"), jnp.float32)
     assert isinstance(target_config, Qwen3Config) and isinstance(drafter_config, DFlashConfig)

@@ -1,0 +1,597 @@
+"""Path-conditioned trees and the cost-aware budget (issue #23): the DFlash chain, marginal DDTree and
+path-conditioned DDTree (the drafter with its trained child head, `models.child_head`) at equal budgets, on
+held-out code prompts at T = 0 and T = 1.
+
+Per (method, budget, temperature), from the engine's own generation with per-step records
+(`studies.study_generate` with `studies.spine_record`): the mean tau (tokens per decode step of a generation)
+with its standard error, the pooled tau, the surrogate and the exact E[tau | tree] per step (as
+`budget_sweep`), and the walk's spine statistics: the spine is the path of rank-0 children from the root (the
+chain inside the tree); a node is visited when its parent was accepted; the spine hit rate and the off-spine hit
+rate are hits / visits on and off the spine, and the off-spine share is the fraction of accepted draft tokens
+that lie off the spine (what branching bought over the tree's own chain).
+
+With `timing` (run it on the GPU): tokens/s end to end per column (`engine.run.benchmark`: one prompt at a time,
+median of `repeats`, AR as the reference), ms per decode step, and the cost-aware budget (`BudgetPolicy`, fitted
+at start-up on `calibration_prompts` other held-out prompts: `engine.budget.fit_budget_policy`) for marginal and
+conditional trees against the best fixed budget of each.
+
+  python -m experiments.conditional_study --commit $(git rev-parse --short HEAD)        # the full study (GPU)
+  python -m experiments.conditional_study --small --pair DIR                            # seconds on CPU
+
+The pair directory (default checkpoints/embedded, or DDTREE_PAIR_DIR) holds target/, drafter/ and child_head/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+
+from ddtree_jax.checkpoint.child_head import load_child_head
+from ddtree_jax.engine.budget import fit_budget_policy
+from ddtree_jax.engine.run import Pair, benchmark, enable_compilation_cache, pair_dtype
+from ddtree_jax.options import DecodeOptions
+from experiments.budget_sweep import device_label, summarise
+from experiments.held_out_prompts import load_prompts
+from experiments.studies import (
+    eos_stop_tokens,
+    pair_dirs,
+    pair_root,
+    progress_bar,
+    setup,
+    spine_record,
+    study_generate,
+    write_json,
+)
+
+METHODS = ("chain", "marginal", "conditional")
+FULL = dict(
+    budgets=(16, 32, 64, 128, 256),
+    temperatures=(0.0, 1.0),
+    num_prompts=16,
+    prompt_len=128,
+    max_new=128,
+    samples=4,
+    auto_budgets=(16, 32, 64, 128, 256),
+    calibration_prompts=4,
+    repeats=3,
+)
+SMALL = dict(
+    budgets=(4, 16),
+    temperatures=(0.0, 1.0),
+    num_prompts=4,
+    prompt_len=24,
+    max_new=24,
+    samples=8,
+    auto_budgets=(4, 16),
+    calibration_prompts=2,
+    repeats=1,
+)
+SPINE_KEYS = ("spine_visited", "spine_hit", "off_visited", "off_hit")
+
+
+def head_pair(pair: Pair, root: str) -> Pair:
+    """The pair with root/child_head attached to its drafter (FileNotFoundError naming the directory)."""
+    directory = os.path.join(root, "child_head")
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(
+            f"no child head at {directory!r}: train one with `python -m ddtree_jax.train child_head --config "
+            "configs/train_default.json --out <pair dir>` (docs/training.md)"
+        )
+    config, params = load_child_head(directory, pair_dtype(pair))
+    return dataclasses.replace(pair, drafter=pair.drafter.with_head(config, params))
+
+
+def spine_stats(res: dict) -> dict:
+    """The spine statistics (module docstring) pooled over every active step of a `study_generate` result."""
+    active = res["active"]
+    total = {k: int(np.asarray(res[k])[active].sum()) for k in SPINE_KEYS}
+    hits = total["spine_hit"] + total["off_hit"]
+
+    def ratio(a, b):
+        return a / b if b else float("nan")
+
+    return {
+        **total,
+        "spine_hit_rate": ratio(total["spine_hit"], total["spine_visited"]),
+        "off_spine_hit_rate": ratio(total["off_hit"], total["off_visited"]),
+        "off_spine_share": ratio(total["off_hit"], hits),
+    }
+
+
+def tau_rows(pair, cond_pair, prompt_ids, *, budgets, temperatures, max_new, samples, seed, stop, progress) -> list:
+    """One row per (method, budget, temperature): `budget_sweep.summarise` and `spine_stats`."""
+    columns = [("chain", None)] + [(m, b) for m in ("marginal", "conditional") for b in budgets]
+    rows = []
+    bar = progress_bar(len(columns) * len(temperatures), "conditional study", progress)
+    try:
+        for method, budget in columns:  # temperature is a runtime input: one compilation per column
+            run_pair = cond_pair if method == "conditional" else pair
+            for temperature in temperatures:
+                bar.set_description(f"{method}{'' if budget is None else f' {budget}'} T={temperature:g}")
+                reps = 1 if temperature == 0 else samples
+                res = study_generate(
+                    run_pair,
+                    prompt_ids * reps,
+                    method="chain" if method == "chain" else "ddtree",
+                    budget=budget or 1,
+                    max_new_tokens=max_new,
+                    temperature=temperature,
+                    seed=seed,
+                    stop_tokens=stop,
+                    batch_size=len(prompt_ids) * max(samples, 1),
+                    recorder=spine_record,
+                )
+                row = summarise(res, method=method, budget=budget, temperature=temperature, keep_steps=False)
+                rows.append(row | spine_stats(res))
+                bar.update(1)
+    finally:
+        bar.close()
+    return rows
+
+
+def timing_rows(
+    pair, cond_pair, prompt_ids, calibration_ids, *, budgets, auto_budgets, temperatures, max_new, seed, stop, repeats
+) -> tuple[list, list]:
+    """(rows, policies): tokens/s end to end for AR, the chain, marginal and conditional DDTree per budget and
+    the cost-aware budget of each (fitted at start-up per temperature on `calibration_ids`)."""
+    rows, policies = [], []
+    common = dict(max_new_tokens=max_new, seed=seed, stop_tokens=stop, repeats=repeats)
+    for temperature in temperatures:
+        found = []
+        found += [
+            r | {"tree": r["method"] if r["method"] != "ddtree" else "marginal"}
+            for r in benchmark(pair, prompt_ids, budgets=budgets, temperature=temperature, **common)
+        ]
+        found += [
+            r | {"tree": "conditional"}
+            for r in benchmark(
+                cond_pair, prompt_ids, budgets=budgets, methods=("ddtree",), temperature=temperature, **common
+            )
+        ]
+        for tree, run_pair in (("marginal", pair), ("conditional", cond_pair)):
+            policy, report = fit_budget_policy(
+                run_pair,
+                calibration_ids[:1],  # batch 1: the timed runs' batch
+                auto_budgets,
+                temperature=temperature,
+                seed=seed + 1,
+                calibration_tokens=max_new,
+                stop_tokens=stop,
+                short=max(max_new // 8, 1),
+                long=max_new,
+                repeats=repeats,
+            )
+            # the calibration on every calibration prompt (the step times are batch-1's)
+            if len(calibration_ids) > 1:
+                from ddtree_jax.engine.budget import calibrate_scale
+
+                scale, details = calibrate_scale(
+                    run_pair,
+                    calibration_ids,
+                    auto_budgets,
+                    temperature=temperature,
+                    seed=seed + 1,
+                    max_new_tokens=max_new,
+                    stop_tokens=stop,
+                )
+                policy = dataclasses.replace(policy, scale=scale)
+                report.update(scale=list(scale), calibration=details)
+            policies.append(report | {"tree": tree})
+            auto = benchmark(
+                run_pair,
+                prompt_ids,
+                budgets=(policy.max_budget,),
+                methods=("ddtree",),
+                temperature=temperature,
+                options=DecodeOptions(budget_policy=policy),
+                **common,
+            )
+            found += [r | {"tree": tree, "budget": "auto", "method": "ddtree"} for r in auto]
+        ar = next(r for r in found if r["method"] == "ar")
+        for r in found:
+            steps = sum(p["steps"] for p in r["per_prompt"])
+            rows.append(
+                {
+                    "temperature": float(temperature),
+                    "tree": r["tree"],
+                    "method": r["method"],
+                    "budget": r["budget"],
+                    "tokens_per_s": r["tokens_per_s"],
+                    "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"],
+                    "mean_tau": r["mean_tau"],
+                    "ms_per_step": 1e3 * r["run_s"] / max(steps, 1),
+                    "run_s": r["run_s"],
+                    "num_tokens": r["num_tokens"],
+                    "compile_s": r["compile_s"],
+                }
+            )
+    return rows, policies
+
+
+def targets(rows: list[dict], timing: list[dict]) -> dict:
+    """Issue #23's targets: conditional tau >= 1.10x marginal at budget 64, T = 0, and above marginal at every
+    budget at both temperatures; the cost-aware budget's tokens/s >= the best fixed budget's (per tree and
+    temperature; within the run-to-run noise, stated with the numbers); the head's step-time cost at budget 64."""
+
+    def tau(method, budget, temperature):
+        row = next(
+            (r for r in rows if (r["method"], r["budget"], r["temperature"]) == (method, budget, temperature)), None
+        )
+        return None if row is None else row["mean_tau"]
+
+    out = {"conditional_over_marginal": {}, "auto_vs_best_fixed": {}, "head_step_cost_budget64": {}}
+    for temperature in sorted({r["temperature"] for r in rows}):
+        ratios = {}
+        for budget in sorted({r["budget"] for r in rows if r["method"] == "marginal"}):
+            m, c = tau("marginal", budget, temperature), tau("conditional", budget, temperature)
+            ratios[budget] = None if not m or c is None else c / m
+        out["conditional_over_marginal"][f"T={temperature:g}"] = ratios
+    r64 = out["conditional_over_marginal"].get("T=0", {}).get(64)
+    out["conditional_tau_1.10x_at_64_T0"] = None if r64 is None else r64 >= 1.10
+    out["conditional_above_marginal_everywhere"] = all(
+        v is not None and v > 1.0 for per in out["conditional_over_marginal"].values() for v in per.values()
+    )
+    for temperature in sorted({r["temperature"] for r in timing}):
+        key = f"T={temperature:g}"
+        for tree in ("marginal", "conditional"):
+            fixed = [
+                r
+                for r in timing
+                if (r["temperature"], r["tree"]) == (temperature, tree) and isinstance(r["budget"], int)
+            ]
+            auto = next(
+                (r for r in timing if (r["temperature"], r["tree"], r["budget"]) == (temperature, tree, "auto")), None
+            )
+            if fixed and auto:
+                best = max(fixed, key=lambda r: r["tokens_per_s"])
+                out["auto_vs_best_fixed"][f"{tree} {key}"] = {
+                    "auto_tokens_per_s": auto["tokens_per_s"],
+                    "best_fixed_budget": best["budget"],
+                    "best_fixed_tokens_per_s": best["tokens_per_s"],
+                    "ratio": auto["tokens_per_s"] / best["tokens_per_s"],
+                }
+        m = next(
+            (r for r in timing if (r["temperature"], r["tree"], r["budget"]) == (temperature, "marginal", 64)), None
+        )
+        c = next(
+            (r for r in timing if (r["temperature"], r["tree"], r["budget"]) == (temperature, "conditional", 64)), None
+        )
+        if m and c:
+            out["head_step_cost_budget64"][key] = c["ms_per_step"] / m["ms_per_step"] - 1.0
+    return out
+
+
+def study(
+    pair_dir: str | None = None,
+    *,
+    small: bool = False,
+    budgets=None,
+    temperatures=None,
+    num_prompts: int | None = None,
+    samples: int | None = None,
+    timing: bool = False,
+    seed: int = 0,
+    prompt_seed: int = 0,
+    progress: bool = True,
+    commit: str | None = None,
+) -> dict:
+    """The whole study on the pair at `pair_dir` (default `studies.pair_root()`); unset settings from FULL (or
+    SMALL). timing: also the end-to-end tokens/s and the cost-aware budget (GPU)."""
+    base = dict(SMALL if small else FULL)
+    budgets = tuple(budgets or base["budgets"])
+    temperatures = tuple(base["temperatures"] if temperatures is None else temperatures)
+    num_prompts, samples = num_prompts or base["num_prompts"], samples or base["samples"]
+    root = pair_dir or pair_root()
+    target_dir, drafter_dir = pair_dirs(root)
+    began = time.perf_counter()
+    enable_compilation_cache()
+    pair, prompts, summary = setup(
+        target_dir,
+        drafter_dir,
+        num_prompts=num_prompts,
+        prompt_len=base["prompt_len"],
+        max_new=base["max_new"],
+        prompt_seed=prompt_seed,
+    )
+    cond_pair = head_pair(pair, root)
+    stop = eos_stop_tokens(pair)
+    ids = [p["ids"] for p in prompts]
+    rows = tau_rows(
+        pair,
+        cond_pair,
+        ids,
+        budgets=budgets,
+        temperatures=temperatures,
+        max_new=base["max_new"],
+        samples=samples,
+        seed=seed,
+        stop=stop,
+        progress=progress,
+    )
+    timing_out, policies = [], []
+    if timing:
+        calibration = load_prompts(
+            root,
+            pair.tokenizer,
+            n=num_prompts + base["calibration_prompts"],
+            length=base["prompt_len"],
+            seed=prompt_seed,
+            min_continuation=base["max_new"],
+        )
+        calibration_ids = [p["ids"] for p in calibration if p["ids"] not in ids][: base["calibration_prompts"]]
+        timing_out, policies = timing_rows(
+            pair,
+            cond_pair,
+            ids,
+            calibration_ids,
+            budgets=budgets,
+            auto_budgets=base["auto_budgets"],
+            temperatures=temperatures,
+            max_new=base["max_new"],
+            seed=seed,
+            stop=stop,
+            repeats=base["repeats"],
+        )
+    return {
+        "study": "conditional_study",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device_label(),
+        "commit": commit,
+        "pair": summary | {"child_head": os.path.join(root, "child_head")},
+        "settings": {
+            **base,
+            "budgets": list(budgets),
+            "temperatures": list(temperatures),
+            "num_prompts": num_prompts,
+            "samples": samples,
+            "seed": seed,
+            "prompt_seed": prompt_seed,
+            "timing": timing,
+            "small": small,
+        },
+        "rows": rows,
+        "timing": timing_out,
+        "policies": policies,
+        "targets": targets(rows, timing_out),
+        "wall_s": round(time.perf_counter() - began, 2),
+    }
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from runs of the same pair and settings over different temperatures (e.g. one process per
+    temperature on the GPU): rows, timing and policies concatenated, targets recomputed."""
+    if not results:
+        raise ValueError("nothing to merge")
+    out = dict(results[0])
+    for key in ("rows", "timing", "policies"):
+        out[key] = [r for res in results for r in res[key]]
+    out["settings"] = dict(
+        out["settings"], temperatures=sorted({t for res in results for t in res["settings"]["temperatures"]})
+    )
+    out["wall_s"] = round(sum(res["wall_s"] for res in results), 2)
+    out["targets"] = targets(out["rows"], out["timing"])
+    return out
+
+
+def format_table(result: dict) -> str:
+    """Markdown: the tau table (with the spine statistics), then the timing table when there is one."""
+    head = [
+        "T",
+        "method",
+        "budget",
+        "mean tau",
+        "+- se",
+        "pooled tau",
+        "surrogate",
+        "spine hit",
+        "off-spine hit",
+        "off-spine share",
+        "steps",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = {m: i for i, m in enumerate(METHODS)}
+    for r in sorted(result["rows"], key=lambda r: (r["temperature"], r["budget"] or 0, order[r["method"]])):
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r['temperature']:g}",
+                    r["method"],
+                    "" if r["budget"] is None else str(r["budget"]),
+                    f"{r['mean_tau']:.3f}",
+                    f"{r['se_tau']:.3f}",
+                    f"{r['pooled_tau']:.3f}",
+                    f"{r['step_surrogate_mean']:.3f}",
+                    f"{r['spine_hit_rate']:.3f}",
+                    f"{r['off_spine_hit_rate']:.3f}",
+                    f"{r['off_spine_share']:.3f}",
+                    str(r["decode_steps"]),
+                ]
+            )
+            + " |"
+        )
+    if result["timing"]:
+        head = ["T", "tree", "budget", "tokens/s", "vs AR", "tau", "ms/step"]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in result["timing"]:
+            label = r["tree"] if r["method"] == "ddtree" else r["method"]
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"{r['temperature']:g}",
+                        label,
+                        "" if r["budget"] is None else str(r["budget"]),
+                        f"{r['tokens_per_s']:.1f}",
+                        f"{r['speedup_vs_ar']:.2f}x",
+                        f"{r['mean_tau']:.3f}",
+                        f"{r['ms_per_step']:.3f}",
+                    ]
+                )
+                + " |"
+            )
+    t = result["targets"]
+    lines.append("")
+    for key, ratios in t["conditional_over_marginal"].items():
+        shown = ", ".join(f"{b}: {v:.3f}" for b, v in ratios.items() if v is not None)
+        lines.append(f"conditional / marginal tau, {key}: {shown}")
+    lines.append(f"conditional tau >= 1.10x marginal at budget 64, T = 0: {t['conditional_tau_1.10x_at_64_T0']}")
+    lines.append(
+        f"conditional above marginal at every budget and temperature: {t['conditional_above_marginal_everywhere']}"
+    )
+    for key, v in t["auto_vs_best_fixed"].items():
+        lines.append(
+            f"cost-aware budget, {key}: {v['auto_tokens_per_s']:.1f} tokens/s vs best fixed (budget "
+            f"{v['best_fixed_budget']}) {v['best_fixed_tokens_per_s']:.1f}: {v['ratio']:.3f}x"
+        )
+    for key, v in t["head_step_cost_budget64"].items():
+        lines.append(f"the head's step-time cost at budget 64, {key}: {100 * v:+.1f}%")
+    return "\n".join(lines)
+
+
+def plot_study(result: dict, path: str | None = None):
+    """tau vs budget (chain dashed, marginal and conditional solid; a panel per temperature) and, with timing,
+    tokens/s vs budget with the cost-aware budget as a horizontal line per tree. Saves to `path`; returns it."""
+    import matplotlib
+
+    if path:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, timing = result["rows"], result["timing"]
+    temps = sorted({r["temperature"] for r in rows})
+    panels = 2 if timing else 1
+    fig, axes = plt.subplots(panels, len(temps), figsize=(6 * len(temps), 4.3 * panels), squeeze=False)
+    styles = {"marginal": ("C0", "o"), "conditional": ("C3", "s")}
+    for j, temperature in enumerate(temps):
+        ax = axes[0, j]
+        for method, (colour, marker) in styles.items():
+            sel = sorted(
+                (r for r in rows if (r["method"], r["temperature"]) == (method, temperature)), key=lambda r: r["budget"]
+            )
+            ax.errorbar(
+                [r["budget"] for r in sel],
+                [r["mean_tau"] for r in sel],
+                yerr=[r["se_tau"] for r in sel],
+                color=colour,
+                marker=marker,
+                capsize=3,
+                label=f"{method} DDTree",
+            )
+        chain = next((r for r in rows if (r["method"], r["temperature"]) == ("chain", temperature)), None)
+        if chain:
+            ax.axhline(chain["mean_tau"], color="k", linestyle="--", label="DFlash chain")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (draft nodes)")
+        ax.set_ylabel("tau (tokens per decode step)")
+        ax.set_title(f"acceptance length, T = {temperature:g}")
+        ax.legend(fontsize=8)
+        if timing:
+            ax = axes[1, j]
+            for tree, (colour, marker) in styles.items():
+                sel = sorted(
+                    (
+                        r
+                        for r in timing
+                        if (r["tree"], r["temperature"]) == (tree, temperature) and isinstance(r["budget"], int)
+                    ),
+                    key=lambda r: r["budget"],
+                )
+                ax.plot(
+                    [r["budget"] for r in sel],
+                    [r["tokens_per_s"] for r in sel],
+                    color=colour,
+                    marker=marker,
+                    label=f"{tree} DDTree",
+                )
+                auto = next(
+                    (r for r in timing if (r["tree"], r["temperature"], r["budget"]) == (tree, temperature, "auto")),
+                    None,
+                )
+                if auto:
+                    ax.axhline(auto["tokens_per_s"], color=colour, linestyle=":", label=f"{tree}, cost-aware budget")
+            for method, style in (("ar", "-."), ("chain", "--")):
+                r = next((r for r in timing if (r["method"], r["temperature"]) == (method, temperature)), None)
+                if r:
+                    ax.axhline(r["tokens_per_s"], color="k", linestyle=style, label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (draft nodes)")
+            ax.set_ylabel("tokens/s (batch 1, end to end)")
+            ax.set_title(f"throughput, T = {temperature:g}")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--pair",
+        default=None,
+        help="pair directory with target/, drafter/, child_head/ (default: $DDTREE_PAIR_DIR or checkpoints/embedded)",
+    )
+    parser.add_argument("--budgets", default=None, help="comma-separated (default 16,32,64,128,256)")
+    parser.add_argument("--temperatures", default=None, help="comma-separated (default 0,1)")
+    parser.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 16)")
+    parser.add_argument("--samples", type=int, default=None, help="generations per prompt at T > 0 (default 4)")
+    parser.add_argument("--timing", action="store_true", help="also tokens/s and the cost-aware budget (GPU)")
+    parser.add_argument("--small", action="store_true", help="the seconds-on-CPU settings (tiny pairs, tests)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-seed", type=int, default=0)
+    parser.add_argument("--commit", default=None, help="the code commit to record")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "conditional_study.json"))
+    parser.add_argument("--plot", default=None, help="PNG (default: the JSON path with .png)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--merge", nargs="+", default=None, help="JSON results to merge into --out (no run)")
+    args = parser.parse_args(argv)
+    if args.merge:
+        import json
+
+        results = []
+        for path in args.merge:
+            with open(path) as f:
+                results.append(json.load(f))
+        result = merge_results(results)
+        print(format_table(result))
+        write_json(result, args.out)
+        plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+        plot_study(result, plot)
+        print(f"wrote {args.out} and {plot}")
+        return 0
+    try:
+        result = study(
+            args.pair,
+            small=args.small,
+            budgets=tuple(int(b) for b in args.budgets.split(",")) if args.budgets else None,
+            temperatures=tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else None,
+            num_prompts=args.prompts,
+            samples=args.samples,
+            timing=args.timing,
+            seed=args.seed,
+            prompt_seed=args.prompt_seed,
+            progress=not args.no_progress,
+            commit=args.commit,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    write_json(result, args.out)
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    plot_study(result, plot)
+    print(f"wrote {args.out} and {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
