@@ -73,6 +73,12 @@ SMALL = dict(
     repeats=1,
 )
 SPINE_KEYS = ("spine_visited", "spine_hit", "off_visited", "off_hit")
+_STARTED = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """One line on stderr with the seconds since import: a long GPU run shows where it is even if cut short."""
+    print(f"[{time.perf_counter() - _STARTED:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def head_pair(pair: Pair, root: str) -> Pair:
@@ -129,6 +135,7 @@ def tau_rows(pair, cond_pair, prompt_ids, *, budgets, temperatures, max_new, sam
                 )
                 row = summarise(res, method=method, budget=budget, temperature=temperature, keep_steps=False)
                 rows.append(row | spine_stats(res))
+                log(f"tau {method}{'' if budget is None else f' {budget}'} T={temperature:g}: {row['mean_tau']:.3f}")
                 bar.update(1)
     finally:
         bar.close()
@@ -136,10 +143,23 @@ def tau_rows(pair, cond_pair, prompt_ids, *, budgets, temperatures, max_new, sam
 
 
 def timing_rows(
-    pair, cond_pair, prompt_ids, calibration_ids, *, budgets, auto_budgets, temperatures, max_new, seed, stop, repeats
+    pair,
+    cond_pair,
+    prompt_ids,
+    calibration_ids,
+    *,
+    budgets,
+    auto_budgets,
+    temperatures,
+    max_new,
+    seed,
+    stop,
+    repeats,
+    on_temperature=None,
 ) -> tuple[list, list]:
     """(rows, policies): tokens/s end to end for AR, the chain, marginal and conditional DDTree per budget and
-    the cost-aware budget of each (fitted at start-up per temperature on `calibration_ids`)."""
+    the cost-aware budget of each (fitted at start-up per temperature on `calibration_ids`).
+    on_temperature(rows, policies): called after each temperature with what is measured so far."""
     rows, policies = [], []
     common = dict(max_new_tokens=max_new, seed=seed, stop_tokens=stop, repeats=repeats)
     for temperature in temperatures:
@@ -154,6 +174,7 @@ def timing_rows(
                 cond_pair, prompt_ids, budgets=budgets, methods=("ddtree",), temperature=temperature, **common
             )
         ]
+        log(f"timing T={temperature:g}: conditional DDTree {list(budgets)} measured")
         for tree, run_pair in (("marginal", pair), ("conditional", cond_pair)):
             policy, report = fit_budget_policy(
                 run_pair,
@@ -193,6 +214,7 @@ def timing_rows(
                 **common,
             )
             found += [r | {"tree": tree, "budget": "auto", "method": "ddtree"} for r in auto]
+            log(f"timing T={temperature:g}: {tree} cost-aware budget fitted and measured")
         ar = next(r for r in found if r["method"] == "ar")
         for r in found:
             steps = sum(p["steps"] for p in r["per_prompt"])
@@ -211,6 +233,8 @@ def timing_rows(
                     "compile_s": r["compile_s"],
                 }
             )
+        if on_temperature is not None:
+            on_temperature(rows, policies)
     return rows, policies
 
 
@@ -275,18 +299,30 @@ def study(
     temperatures=None,
     num_prompts: int | None = None,
     samples: int | None = None,
+    tau: bool = True,
     timing: bool = False,
+    auto_budgets=None,
+    repeats: int | None = None,
     seed: int = 0,
     prompt_seed: int = 0,
     progress: bool = True,
     commit: str | None = None,
+    on_partial=None,
 ) -> dict:
     """The whole study on the pair at `pair_dir` (default `studies.pair_root()`); unset settings from FULL (or
-    SMALL). timing: also the end-to-end tokens/s and the cost-aware budget (GPU)."""
+    SMALL). tau: the acceptance part; timing: the end-to-end tokens/s and the cost-aware budget (GPU).
+    on_partial(result): called with the result so far after the tau part and after each timed temperature (the
+    CLI writes it, so a run cut short keeps what it measured)."""
     base = dict(SMALL if small else FULL)
+    if auto_budgets is not None:
+        base["auto_budgets"] = tuple(auto_budgets)
+    if repeats is not None:
+        base["repeats"] = int(repeats)
     budgets = tuple(budgets or base["budgets"])
     temperatures = tuple(base["temperatures"] if temperatures is None else temperatures)
     num_prompts, samples = num_prompts or base["num_prompts"], samples or base["samples"]
+    if not (tau or timing):
+        raise ValueError("nothing to run: tau and timing are both off")
     root = pair_dir or pair_root()
     target_dir, drafter_dir = pair_dirs(root)
     began = time.perf_counter()
@@ -302,18 +338,50 @@ def study(
     cond_pair = head_pair(pair, root)
     stop = eos_stop_tokens(pair)
     ids = [p["ids"] for p in prompts]
-    rows = tau_rows(
-        pair,
-        cond_pair,
-        ids,
-        budgets=budgets,
-        temperatures=temperatures,
-        max_new=base["max_new"],
-        samples=samples,
-        seed=seed,
-        stop=stop,
-        progress=progress,
-    )
+    log(f"pair loaded: {len(ids)} prompts")
+
+    def result(rows, timing_out, policies) -> dict:
+        return {
+            "study": "conditional_study",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": device_label(),
+            "commit": commit,
+            "pair": summary | {"child_head": os.path.join(root, "child_head")},
+            "settings": {
+                **base,
+                "budgets": list(budgets),
+                "temperatures": list(temperatures),
+                "num_prompts": num_prompts,
+                "samples": samples,
+                "seed": seed,
+                "prompt_seed": prompt_seed,
+                "tau": tau,
+                "timing": timing,
+                "small": small,
+            },
+            "rows": rows,
+            "timing": timing_out,
+            "policies": policies,
+            "targets": targets(rows, timing_out),
+            "wall_s": round(time.perf_counter() - began, 2),
+        }
+
+    rows = []
+    if tau:
+        rows = tau_rows(
+            pair,
+            cond_pair,
+            ids,
+            budgets=budgets,
+            temperatures=temperatures,
+            max_new=base["max_new"],
+            samples=samples,
+            seed=seed,
+            stop=stop,
+            progress=progress,
+        )
+        if on_partial is not None:
+            on_partial(result(rows, [], []))
     timing_out, policies = [], []
     if timing:
         calibration = load_prompts(
@@ -337,42 +405,28 @@ def study(
             seed=seed,
             stop=stop,
             repeats=base["repeats"],
+            on_temperature=None if on_partial is None else (lambda t, p: on_partial(result(rows, t, p))),
         )
-    return {
-        "study": "conditional_study",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": device_label(),
-        "commit": commit,
-        "pair": summary | {"child_head": os.path.join(root, "child_head")},
-        "settings": {
-            **base,
-            "budgets": list(budgets),
-            "temperatures": list(temperatures),
-            "num_prompts": num_prompts,
-            "samples": samples,
-            "seed": seed,
-            "prompt_seed": prompt_seed,
-            "timing": timing,
-            "small": small,
-        },
-        "rows": rows,
-        "timing": timing_out,
-        "policies": policies,
-        "targets": targets(rows, timing_out),
-        "wall_s": round(time.perf_counter() - began, 2),
-    }
+    return result(rows, timing_out, policies)
 
 
 def merge_results(results: list[dict]) -> dict:
-    """One result from runs of the same pair and settings over different temperatures (e.g. one process per
-    temperature on the GPU): rows, timing and policies concatenated, targets recomputed."""
+    """One result from runs of the same pair over different temperatures, budgets or parts (e.g. the tau part
+    and the timing part in separate GPU processes): rows, timing and policies concatenated, targets recomputed;
+    settings.parts keeps each run's own budgets, temperatures and parts."""
     if not results:
         raise ValueError("nothing to merge")
     out = dict(results[0])
     for key in ("rows", "timing", "policies"):
         out[key] = [r for res in results for r in res[key]]
+    settings = [res["settings"] for res in results]
     out["settings"] = dict(
-        out["settings"], temperatures=sorted({t for res in results for t in res["settings"]["temperatures"]})
+        out["settings"],
+        temperatures=sorted({t for s in settings for t in s["temperatures"]}),
+        budgets=sorted({b for s in settings for b in s["budgets"]}),
+        tau=any(s.get("tau", True) for s in settings),
+        timing=any(s["timing"] for s in settings),
+        parts=[{k: s[k] for k in ("budgets", "temperatures", "tau", "timing", "repeats") if k in s} for s in settings],
     )
     out["wall_s"] = round(sum(res["wall_s"] for res in results), 2)
     out["targets"] = targets(out["rows"], out["timing"])
@@ -465,7 +519,7 @@ def plot_study(result: dict, path: str | None = None):
     import matplotlib.pyplot as plt
 
     rows, timing = result["rows"], result["timing"]
-    temps = sorted({r["temperature"] for r in rows})
+    temps = sorted({r["temperature"] for r in rows} | {r["temperature"] for r in timing})
     panels = 2 if timing else 1
     fig, axes = plt.subplots(panels, len(temps), figsize=(6 * len(temps), 4.3 * panels), squeeze=False)
     styles = {"marginal": ("C0", "o"), "conditional": ("C3", "s")}
@@ -545,6 +599,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 16)")
     parser.add_argument("--samples", type=int, default=None, help="generations per prompt at T > 0 (default 4)")
     parser.add_argument("--timing", action="store_true", help="also tokens/s and the cost-aware budget (GPU)")
+    parser.add_argument("--no-tau", action="store_true", help="skip the acceptance part (with --timing)")
+    parser.add_argument("--auto-budgets", default=None, help="the cost-aware budget's set (default 16,32,64,128,256)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per column (default 3)")
     parser.add_argument("--small", action="store_true", help="the seconds-on-CPU settings (tiny pairs, tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-seed", type=int, default=0)
@@ -568,6 +625,7 @@ def main(argv=None) -> int:
         plot_study(result, plot)
         print(f"wrote {args.out} and {plot}")
         return 0
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     try:
         result = study(
             args.pair,
@@ -576,18 +634,21 @@ def main(argv=None) -> int:
             temperatures=tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else None,
             num_prompts=args.prompts,
             samples=args.samples,
+            tau=not args.no_tau,
             timing=args.timing,
+            auto_budgets=tuple(int(b) for b in args.auto_budgets.split(",")) if args.auto_budgets else None,
+            repeats=args.repeats,
             seed=args.seed,
             prompt_seed=args.prompt_seed,
             progress=not args.no_progress,
             commit=args.commit,
+            on_partial=lambda partial: write_json(partial, args.out),
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
     write_json(result, args.out)
-    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     plot_study(result, plot)
     print(f"wrote {args.out} and {plot}")
     return 0
