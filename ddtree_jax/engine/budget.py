@@ -9,6 +9,7 @@ measured on this device, and the surrogate's calibration measured on real prompt
                      each sub-tree would have accepted (`tree.budget.prefix_accepted`: exact at T = 0, coupled
                      to the same coins at T > 0) give scale_b = sum(accepted_b) / sum(surrogate_b - 1): the
                      surrogate's excess over one token is, on this pair and temperature, off by that factor.
+                     Times that fall with the budget (noise) are pooled into a non-decreasing fit.
   fit_budget_policy  both: the `BudgetPolicy` and a report of what was measured.
 
 The policy is fitted per (pair, device, temperature, batch size): step times depend on the device and the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +56,9 @@ def measure_step_ms(
 ) -> tuple[tuple[float, ...], list[dict]]:
     """(step_ms per budget, details per budget): the DDTree decode step's time at each budget for this batch of
     prompts (module docstring; no stop tokens, so the lengths are exactly `short` and `long`). The median of
-    `repeats` differences is kept."""
+    `repeats` differences is kept; where it is not positive (timer noise above the signal: tiny models, CPU) the
+    long run's mean step time stands in, with a warning and `estimate` in the details; the returned times are the
+    non-decreasing fit over the budgets (`monotone_fit`; each detail keeps its raw `step_ms` and `fitted_ms`)."""
     budgets = check_budgets(budgets)
     if not 1 <= short < long:
         raise ValueError(f"need 1 <= short < long, got short={short}, long={long}")
@@ -62,7 +66,7 @@ def measure_step_ms(
     args = _request(pair, prompt_ids, temperature=temperature, seed=seed, max_new_tokens=long)
     batch = len(prompt_ids)
     short_args = args[:-1] + (jnp.full((batch,), short, jnp.int32),)
-    step_ms, details = [], []
+    raw_ms, details = [], []
     for budget in budgets:
         static = generate_static(
             pair,
@@ -73,7 +77,7 @@ def measure_step_ms(
             options=options,
         )
         compiled = generate.lower(*args, **static).compile()
-        per_repeat = []
+        per_repeat, long_means = [], []
         for _ in range(max(repeats, 1)):
             runs = []
             for call_args in (short_args, args):
@@ -81,18 +85,49 @@ def measure_step_ms(
                 result = jax.block_until_ready(compiled(*call_args[1:]))
                 runs.append((time.perf_counter() - start, int(np.asarray(result.steps).max())))
             (t_short, n_short), (t_long, n_long) = runs
+            long_means.append(1e3 * t_long / max(n_long, 1))
             if n_long > n_short:
                 per_repeat.append(1e3 * (t_long - t_short) / (n_long - n_short))
         if not per_repeat:
             raise ValueError(
                 f"budget {budget}: the long run took no more decode steps than the short one; raise `long` ({long})"
             )
-        ms = float(np.median(per_repeat))
-        step_ms.append(max(ms, 1e-6))
-        details.append({"budget": budget, "step_ms": ms, "repeats_ms": [round(x, 4) for x in per_repeat]})
+        ms, estimate = float(np.median(per_repeat)), "difference"
+        if ms <= 0:  # the timer's noise exceeds the (long - short) steps' time: an upper bound instead, said so
+            ms, estimate = float(np.median(long_means)), "long_run_mean"
+            warnings.warn(
+                f"budget {budget}: the step time by difference was not positive ({np.median(per_repeat):.4f} ms: "
+                f"noise above the signal); using the long run's mean {ms:.4f} ms per step (prefill included). "
+                f"Raise `long` ({long}) or `repeats` ({repeats}) for a real measurement.",
+                stacklevel=2,
+            )
+        raw_ms.append(ms)
+        details.append(
+            {
+                "budget": budget,
+                "step_ms": ms,
+                "estimate": estimate,
+                "repeats_ms": [round(x, 4) for x in per_repeat],
+            }
+        )
         if progress is not None:
             progress(f"budget {budget}: {ms:.3f} ms/step")
+    step_ms = monotone_fit(raw_ms)
+    for detail, fitted in zip(details, step_ms):
+        detail["fitted_ms"] = fitted
     return tuple(step_ms), details
+
+
+def monotone_fit(values) -> tuple[float, ...]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators): a larger tree never costs less
+    per step, so timer noise that says otherwise is averaged out rather than trusted. Positive in, positive out."""
+    blocks = []  # [mean, count] per pooled block
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
+    return tuple(m for m, c in blocks for _ in range(c))
 
 
 def _calibration_record(trace: StepTrace, sampling, *, budgets: tuple[int, ...]) -> dict:

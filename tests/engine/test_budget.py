@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.engine.budget import fit_budget_policy
+from ddtree_jax.engine.budget import fit_budget_policy, monotone_fit
 from ddtree_jax.engine.generate import generate_recorded
 from ddtree_jax.engine.run import random_tiny_pair
 from ddtree_jax.options import BudgetPolicy, DecodeOptions
@@ -76,12 +76,24 @@ def test_a_policy_needs_ddtree_at_its_largest_budget():
         _run(DFLASH, PROMPTS, LENGTHS, method="ddtree", budget=8, options=DecodeOptions(budget_policy=policy))
 
 
+def test_monotone_fit_pools_what_falls_with_the_budget():
+    assert monotone_fit([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0)
+    assert monotone_fit([1.0, 3.0, 2.0, 4.0]) == pytest.approx((1.0, 2.5, 2.5, 4.0))
+    assert monotone_fit([5.0, 1.0, 0.5]) == pytest.approx((6.5 / 3,) * 3)
+    rng = np.random.default_rng(0)
+    values = rng.uniform(0.1, 2.0, size=9)
+    fitted = np.asarray(monotone_fit(values))
+    assert np.all(np.diff(fitted) >= 0) and fitted.sum() == pytest.approx(values.sum())  # blocks keep their mean
+
+
 def test_the_start_up_fit_measures_step_times_and_calibrates_the_surrogate():
     pair = random_tiny_pair(seed=0, vocab=64)
     prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
     policy, report = fit_budget_policy(pair, prompts, (2, 6), short=2, long=6, repeats=1, calibration_tokens=8)
     assert policy.budgets == (2, 6) and policy.max_budget == 6
     assert all(ms > 0 for ms in policy.step_ms) and all(s > 0 for s in policy.scale)
+    assert list(policy.step_ms) == sorted(policy.step_ms)  # the non-decreasing fit
+    assert all(d["estimate"] in ("difference", "long_run_mean") and d["step_ms"] > 0 for d in report["timing"])
     assert report["calibration"]["steps"] > 0
     # the calibration is the ratio of what the sub-trees accepted to their surrogates' excess
     for row in report["calibration"]["per_budget"]:
