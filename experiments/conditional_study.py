@@ -110,8 +110,11 @@ def spine_stats(res: dict) -> dict:
     }
 
 
-def tau_rows(pair, cond_pair, prompt_ids, *, budgets, temperatures, max_new, samples, seed, stop, progress) -> list:
-    """One row per (method, budget, temperature): `budget_sweep.summarise` and `spine_stats`."""
+def tau_rows(
+    pair, cond_pair, prompt_ids, *, budgets, temperatures, max_new, samples, seed, stop, progress, on_row=None
+) -> list:
+    """One row per (method, budget, temperature): `budget_sweep.summarise` and `spine_stats`.
+    on_row(rows): called after each row with the rows so far."""
     columns = [("chain", None)] + [(m, b) for m in ("marginal", "conditional") for b in budgets]
     rows = []
     bar = progress_bar(len(columns) * len(temperatures), "conditional study", progress)
@@ -135,6 +138,8 @@ def tau_rows(pair, cond_pair, prompt_ids, *, budgets, temperatures, max_new, sam
                 )
                 row = summarise(res, method=method, budget=budget, temperature=temperature, keep_steps=False)
                 rows.append(row | spine_stats(res))
+                if on_row is not None:
+                    on_row(rows)
                 log(f"tau {method}{'' if budget is None else f' {budget}'} T={temperature:g}: {row['mean_tau']:.3f}")
                 bar.update(1)
     finally:
@@ -311,7 +316,7 @@ def study(
 ) -> dict:
     """The whole study on the pair at `pair_dir` (default `studies.pair_root()`); unset settings from FULL (or
     SMALL). tau: the acceptance part; timing: the end-to-end tokens/s and the cost-aware budget (GPU).
-    on_partial(result): called with the result so far after the tau part and after each timed temperature (the
+    on_partial(result): called with the result so far after each tau row and after each timed temperature (the
     CLI writes it, so a run cut short keeps what it measured)."""
     base = dict(SMALL if small else FULL)
     if auto_budgets is not None:
@@ -379,9 +384,8 @@ def study(
             seed=seed,
             stop=stop,
             progress=progress,
+            on_row=None if on_partial is None else (lambda so_far: on_partial(result(so_far, [], []))),
         )
-        if on_partial is not None:
-            on_partial(result(rows, [], []))
     timing_out, policies = [], []
     if timing:
         calibration = load_prompts(
