@@ -129,3 +129,34 @@ def ordering_ablation_small(tiny_pair_dir, tmp_path_factory):
         "ordering_ablation_small",
         lambda: ordering_ablation.ablation(target, drafter, small=True, progress=False, commit="test"),
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_head_pair_dir(tiny_pair_dir, tmp_path_factory):
+    """A copy of the tiny pair with a path-conditioned child head trained on it (the `child_head` stage of
+    configs/train_tiny.json, a few steps: close to the marginal), once per test run: DIR/child_head beside the pair's
+    target/, drafter/, provenance.json and work/. The tiny pair itself stays untouched."""
+    from ddtree_jax.train.__main__ import main
+
+    def train(out):
+        for part in ("target", "drafter", "work"):
+            shutil.copytree(os.path.join(tiny_pair_dir, part), os.path.join(out, part))
+        shutil.copy(os.path.join(tiny_pair_dir, "provenance.json"), out)
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = ["child_head", "--config", os.path.join(ROOT, "configs", "train_tiny.json"), "--out", out]
+            assert main(args + ["--no-progress", "--commit", "tiny-test"]) == 0
+
+    return _once_per_run(tmp_path_factory, "tiny_head_pair", train)
+
+
+@pytest.fixture(scope="session")
+def conditional_study_small(tiny_head_pair_dir, tmp_path_factory):
+    """The conditional study's SMALL settings with the timing part on the tiny pair with its child head, run once per
+    test run: checked by tests/experiments/test_conditional_study.py and shown by notebooks/conditional_study.ipynb."""
+    from experiments import conditional_study
+
+    return _study_run(
+        tmp_path_factory,
+        "conditional_study_small",
+        lambda: conditional_study.study(tiny_head_pair_dir, small=True, timing=True, progress=False, commit="test"),
+    )

@@ -12,7 +12,13 @@ from nbclient import NotebookClient
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # need a trained pair (DDTREE_PAIR_DIR); each shows its study's small run (the session fixture named here)
-STUDIES = {"budget_sweep.ipynb": "budget_sweep_small", "ordering_ablation.ipynb": "ordering_ablation_small"}
+STUDIES = {
+    "budget_sweep.ipynb": "budget_sweep_small",
+    "ordering_ablation.ipynb": "ordering_ablation_small",
+    "conditional_study.ipynb": "conditional_study_small",
+}
+# the pair fixture each study notebook runs on, where it is not the tiny pair (tests/conftest.py)
+PAIRS = {"conditional_study.ipynb": "tiny_head_pair_dir"}
 
 
 def _execute(path):
@@ -36,11 +42,12 @@ def test_notebook_executes(path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name in STUDIES], ids=lambda p: p.name)
-def test_study_notebook_executes_on_the_tiny_pair(path, monkeypatch, tiny_pair_dir, request):
+def test_study_notebook_executes_on_the_tiny_pair(path, monkeypatch, request):
     """The notebook on the tiny pair, showing the run `<study>(target, drafter, small=True)` that the study's tests
     check (DDTREE_NB_RESULT: the same call the notebook makes with DDTREE_NB_SMALL=1, written as the study's CLI
     writes it): every later cell (tables, plots, the speed projection) runs on it, and its tables are the study's."""
     run = request.getfixturevalue(STUDIES[path.name])
+    tiny_pair_dir = request.getfixturevalue(PAIRS.get(path.name, "tiny_pair_dir"))
     study = importlib.import_module(f"experiments.{path.stem}")
     monkeypatch.setenv("DDTREE_PAIR_DIR", tiny_pair_dir)
     monkeypatch.setenv("DDTREE_NB_SMALL", "1")

@@ -1,0 +1,100 @@
+"""The conditional study (issue #23) on the tiny pair with its child head: the small run with the timing part
+(tests/conftest.py: conditional_study_small, run once per test run; the notebook shows the same run), its exactness
+at T = 0, the spine accounting, the cost-aware budget's report, and the merge of separately run parts."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import conditional_study as cs
+
+
+@pytest.fixture(scope="module")
+def result(conditional_study_small):
+    return conditional_study_small.result
+
+
+@pytest.mark.slow
+def test_every_column_ran_and_greedy_columns_emit_the_same_tokens(result):
+    budgets, temps = result["settings"]["budgets"], result["settings"]["temperatures"]
+    keys = {(r["method"], r["budget"], r["temperature"]) for r in result["rows"]}
+    expected = {("chain", None, t) for t in temps}
+    expected |= {(m, b, t) for m in ("marginal", "conditional") for b in budgets for t in temps}
+    assert keys == expected and len(result["rows"]) == len(expected)
+    # at T = 0 every method emits the target's greedy continuation: the same number of tokens per column
+    greedy = [r for r in result["rows"] if r["temperature"] == 0]
+    assert len({r["tokens"] for r in greedy}) == 1 and greedy[0]["tokens"] > 0
+    assert all(r["exact_z"] == 0 or not np.isfinite(r["exact_z"]) for r in greedy)
+
+
+@pytest.mark.slow
+def test_spine_accounting(result):
+    for r in result["rows"]:
+        assert 0 <= r["spine_hit"] <= r["spine_visited"] and 0 <= r["off_hit"] <= r["off_visited"]
+        # each step emits its accepted draft tokens and one more, each generation one token from its prefill (a stop
+        # or max_new can only cut it shorter)
+        assert r["tokens"] <= r["spine_hit"] + r["off_hit"] + r["decode_steps"] + r["generations"]
+        assert r["spine_hit"] + r["off_hit"] > 0
+        if r["method"] == "chain":  # the chain is all spine
+            assert r["off_visited"] == 0 and r["off_hit"] == 0
+        else:
+            share = r["off_hit"] / (r["spine_hit"] + r["off_hit"])
+            assert r["off_spine_share"] == pytest.approx(share)
+
+
+@pytest.mark.slow
+def test_timing_and_the_cost_aware_budget_report(result):
+    settings = result["settings"]
+    for t in settings["temperatures"]:
+        timed = [r for r in result["timing"] if r["temperature"] == t]
+        labels = {(r["tree"], r["budget"]) for r in timed}
+        expected = {("ar", None), ("chain", None)} | {("marginal", "auto"), ("conditional", "auto")}
+        expected |= {(tree, b) for tree in ("marginal", "conditional") for b in settings["budgets"]}
+        assert labels == expected
+        assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 for r in timed)
+        assert next(r for r in timed if r["method"] == "ar")["speedup_vs_ar"] == 1.0
+        policies = [p for p in result["policies"] if p["temperature"] == t]
+        assert sorted(p["tree"] for p in policies) == ["conditional", "marginal"]
+        for p in policies:
+            assert p["budgets"] == list(settings["auto_budgets"]) and len(p["scale"]) == len(p["budgets"])
+            assert all(ms > 0 for ms in p["step_ms"]) and list(p["step_ms"]) == sorted(p["step_ms"])
+    for key, v in result["targets"]["auto_vs_best_fixed"].items():
+        tree, temp = key.split(" T=")
+        fixed = [
+            r
+            for r in result["timing"]
+            if (r["tree"], r["temperature"]) == (tree, float(temp)) and isinstance(r["budget"], int)
+        ]
+        best = max(fixed, key=lambda r: r["tokens_per_s"])
+        assert (v["best_fixed_budget"], v["best_fixed_tokens_per_s"]) == (best["budget"], best["tokens_per_s"])
+        assert v["ratio"] == pytest.approx(v["auto_tokens_per_s"] / best["tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_separately_run_parts_merge_into_the_whole(result, tmp_path):
+    tau_part = dict(result, timing=[], policies=[], settings=dict(result["settings"], timing=False))
+    timing_part = dict(result, rows=[], settings=dict(result["settings"], tau=False))
+    paths = []
+    for name, part in (("tau", tau_part), ("timing", timing_part)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(part, f)
+    out = str(tmp_path / "merged.json")
+    assert cs.main(["--merge", *paths, "--out", out]) == 0
+    with open(out) as f:
+        merged = json.load(f)
+    assert merged["rows"] == json.loads(json.dumps(result["rows"]))
+    assert merged["timing"] == json.loads(json.dumps(result["timing"]))
+    assert merged["settings"]["tau"] and merged["settings"]["timing"] and len(merged["settings"]["parts"]) == 2
+    assert merged["targets"] == json.loads(json.dumps(result["targets"]))
+    assert (tmp_path / "merged.png").stat().st_size > 0
+    table = cs.format_table(result)
+    assert all(f"| {r['method']} |" in table for r in result["rows"])
+
+
+def test_the_cli_names_what_is_wrong(tmp_path, capsys):
+    assert cs.main(["--no-tau", "--pair", str(tmp_path)]) == 2
+    assert "nothing to run" in capsys.readouterr().err
+    assert cs.main(["--pair", str(tmp_path / "missing"), "--out", str(tmp_path / "x.json")]) == 2
+    assert "missing" in capsys.readouterr().err
