@@ -67,7 +67,7 @@ def test_gpu_rules_and_their_thresholds():
         dict(bfloat16=False),
     ):
         assert dispatch.prefill_attention_kernel("auto", **{**prefill, **change}, **gpu) == "none", change
-    # the expanded MLA form's chunks: only under "pallas" until measured (AUTO_PREFILL_KERNEL_MLA)
+    # the expanded MLA form's chunks: under "auto" since measured (AUTO_PREFILL_KERNEL_MLA)
     mla_prefill = dict(prefill, key_dim=192, mla=True)
     assert dispatch.prefill_attention_kernel("pallas", **mla_prefill, **gpu) == "mosaic"
     expected = "mosaic" if dispatch.AUTO_PREFILL_KERNEL_MLA else "none"

@@ -50,7 +50,10 @@ the local shard, the bool mask [rows, P, S], the residual / FFN buffers of P
 rows, the tapped features of P rows, and the attention core at the rule's choice for P queries against S
 keys (`dispatch.attention_impl`): "blockwise" holds one key block's float32 scores and probabilities
 [rows, H / model, P, 1024] and the accumulator [rows, H / model, P, Dv]; dense XLA the whole
-[rows, H / model, P, S]. The prefill runs before the decode loop, so the plan counts the larger of the two
+[rows, H / model, P, S]; where "auto" takes the causal flash-attention kernel (`dispatch.
+prefill_attention_kernel`: bf16 on the GPU) the scores stay on chip and only the float32 output
+[rows, H / model, P, Dv] counts, plus, for MLA's expanded form, the whole cache's per-head keys and values
+(bf16 [rows, S, H / model, Dk + Dv]; one key block's under blockwise). The prefill runs before the decode loop, so the plan counts the larger of the two
 workspaces (`workspace_total`), not their sum.
 
 Device memory: 141e9 B (the H200's 141 GB; nvidia-smi reports 143771 MiB = 150.8e9 B, so this is
@@ -589,13 +592,37 @@ def _prefill_workspace(c, drafter, rows, context, vocab_local, heads_local, valu
     )
     if expanded:  # per-head keys and values from the latent (models.deepseek_v3.mla_absorbed, expanded form)
         value_dim, key_dim = c.v_head_dim, c.qk_nope_head_dim + c.qk_rope_head_dim
-    core = (
-        rows * heads_local * chunk * (2 * key_block + value_dim) * 4
-        if attention == "blockwise"
-        else 2 * rows * heads_local * chunk * keys * 4
+    # the causal flash-attention kernel where "auto" takes it (bf16 on the GPU; the cache is whole row blocks)
+    capacity = -(-keys // dispatch.CACHE_ROW_MULTIPLE) * dispatch.CACHE_ROW_MULTIPLE
+    kernel = (
+        chunk > 1
+        and (expanded or not isinstance(c, DeepSeekV3Config))
+        and dispatch.prefill_attention_kernel(
+            "auto",
+            queries=chunk,
+            keys=capacity,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            bfloat16=True,
+            mla=expanded,
+            backend_name=PLANNED_BACKEND,
+        )
+        == "mosaic"
     )
-    if expanded:  # one key block's expanded keys and values (the whole cache's without blockwise), bf16
-        core += rows * (key_block if attention == "blockwise" else keys) * heads_local * (key_dim + value_dim) * 2
+    if kernel:  # scores stay on chip; the output per query row and head, f32
+        core = rows * heads_local * chunk * value_dim * 4
+    elif attention == "blockwise":
+        core = rows * heads_local * chunk * (2 * key_block + value_dim) * 4
+    else:
+        core = 2 * rows * heads_local * chunk * keys * 4
+    if expanded:  # the expanded keys and values of one key block (blockwise) or of the whole cache, bf16
+        core += (
+            rows
+            * (key_block if attention == "blockwise" and not kernel else keys)
+            * heads_local
+            * (key_dim + value_dim)
+            * 2
+        )
     if isinstance(c, DeepSeekV3Config):  # the chunk's queries and outputs, f32
         core += 2 * tokens * heads_local * key_dim * 4
     return {
