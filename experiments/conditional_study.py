@@ -164,7 +164,8 @@ def timing_rows(
 ) -> tuple[list, list]:
     """(rows, policies): tokens/s end to end for AR, the chain, marginal and conditional DDTree per budget and
     the cost-aware budget of each (fitted at start-up per temperature on `calibration_ids`).
-    on_temperature(rows, policies): called after each temperature with what is measured so far."""
+    on_temperature(rows, policies): called after each cost-aware fit and each temperature with what is measured
+    so far."""
     rows, policies = [], []
     common = dict(max_new_tokens=max_new, seed=seed, stop_tokens=stop, repeats=repeats)
     for temperature in temperatures:
@@ -173,6 +174,7 @@ def timing_rows(
             r | {"tree": r["method"] if r["method"] != "ddtree" else "marginal"}
             for r in benchmark(pair, prompt_ids, budgets=budgets, temperature=temperature, **common)
         ]
+        log(f"timing T={temperature:g}: AR, the chain and marginal DDTree {list(budgets)} measured")
         found += [
             r | {"tree": "conditional"}
             for r in benchmark(
@@ -180,10 +182,12 @@ def timing_rows(
             )
         ]
         log(f"timing T={temperature:g}: conditional DDTree {list(budgets)} measured")
+        if on_temperature is not None:
+            on_temperature(rows + _timing_table(found, temperature), policies)
         for tree, run_pair in (("marginal", pair), ("conditional", cond_pair)):
             policy, report = fit_budget_policy(
                 run_pair,
-                calibration_ids[:1],  # batch 1: the timed runs' batch
+                calibration_ids[:1],  # the step times at batch 1: the timed runs' batch
                 auto_budgets,
                 temperature=temperature,
                 seed=seed + 1,
@@ -192,22 +196,8 @@ def timing_rows(
                 short=max(max_new // 8, 1),
                 long=max_new,
                 repeats=repeats,
+                calibration_prompt_ids=calibration_ids,  # the surrogate's calibration on every calibration prompt
             )
-            # the calibration on every calibration prompt (the step times are batch-1's)
-            if len(calibration_ids) > 1:
-                from ddtree_jax.engine.budget import calibrate_scale
-
-                scale, details = calibrate_scale(
-                    run_pair,
-                    calibration_ids,
-                    auto_budgets,
-                    temperature=temperature,
-                    seed=seed + 1,
-                    max_new_tokens=max_new,
-                    stop_tokens=stop,
-                )
-                policy = dataclasses.replace(policy, scale=scale)
-                report.update(scale=list(scale), calibration=details)
             policies.append(report | {"tree": tree})
             auto = benchmark(
                 run_pair,
@@ -220,27 +210,36 @@ def timing_rows(
             )
             found += [r | {"tree": tree, "budget": "auto", "method": "ddtree"} for r in auto]
             log(f"timing T={temperature:g}: {tree} cost-aware budget fitted and measured")
-        ar = next(r for r in found if r["method"] == "ar")
-        for r in found:
-            steps = sum(p["steps"] for p in r["per_prompt"])
-            rows.append(
-                {
-                    "temperature": float(temperature),
-                    "tree": r["tree"],
-                    "method": r["method"],
-                    "budget": r["budget"],
-                    "tokens_per_s": r["tokens_per_s"],
-                    "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"],
-                    "mean_tau": r["mean_tau"],
-                    "ms_per_step": 1e3 * r["run_s"] / max(steps, 1),
-                    "run_s": r["run_s"],
-                    "num_tokens": r["num_tokens"],
-                    "compile_s": r["compile_s"],
-                }
-            )
+            if on_temperature is not None:  # what is measured so far, this temperature's rows included
+                on_temperature(rows + _timing_table(found, temperature), policies)
+        rows += _timing_table(found, temperature)
         if on_temperature is not None:
             on_temperature(rows, policies)
     return rows, policies
+
+
+def _timing_table(found: list[dict], temperature: float) -> list[dict]:
+    """The timing rows of one temperature from `engine.run.benchmark`'s rows (each tagged with its tree)."""
+    ar = next(r for r in found if r["method"] == "ar")
+    rows = []
+    for r in found:
+        steps = sum(p["steps"] for p in r["per_prompt"])
+        rows.append(
+            {
+                "temperature": float(temperature),
+                "tree": r["tree"],
+                "method": r["method"],
+                "budget": r["budget"],
+                "tokens_per_s": r["tokens_per_s"],
+                "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"],
+                "mean_tau": r["mean_tau"],
+                "ms_per_step": 1e3 * r["run_s"] / max(steps, 1),
+                "run_s": r["run_s"],
+                "num_tokens": r["num_tokens"],
+                "compile_s": r["compile_s"],
+            }
+        )
+    return rows
 
 
 def targets(rows: list[dict], timing: list[dict]) -> dict:

@@ -204,14 +204,16 @@ def fit_budget_policy(
     repeats: int = 3,
     options: DecodeOptions = DecodeOptions(),
     progress=None,
+    calibration_prompt_ids: list[list[int]] | None = None,
 ) -> tuple[BudgetPolicy, dict]:
     """(the `BudgetPolicy`, a report): step times per budget measured on this device for this batch, and the
-    surrogate's calibration on these prompts at this temperature. A run with the policy passes
-    `options.replace(budget_policy=policy)` and `budget=policy.max_budget`."""
+    surrogate's calibration on these prompts (or on `calibration_prompt_ids`, e.g. more prompts than the batch
+    the policy will serve) at this temperature. A run with the policy passes `options.replace(budget_policy=
+    policy)` and `budget=policy.max_budget`."""
     began = time.perf_counter()
     scale, calibration = calibrate_scale(
         pair,
-        prompt_ids,
+        prompt_ids if calibration_prompt_ids is None else calibration_prompt_ids,
         budgets,
         temperature=temperature,
         seed=seed,
