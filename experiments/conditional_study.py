@@ -71,6 +71,7 @@ SMALL = dict(
     auto_budgets=(4, 16),
     calibration_prompts=2,
     repeats=1,
+    timing_temperatures=(1.0,),  # the timing part's machinery at one temperature: its compiles dominate on a CPU
 )
 SPINE_KEYS = ("spine_visited", "spine_hit", "off_visited", "off_hit")
 _STARTED = time.perf_counter()
@@ -260,6 +261,27 @@ def targets(rows: list[dict], timing: list[dict]) -> dict:
             m, c = tau("marginal", budget, temperature), tau("conditional", budget, temperature)
             ratios[budget] = None if not m or c is None else c / m
         out["conditional_over_marginal"][f"T={temperature:g}"] = ratios
+    # paired: the same prompts and request keys in both columns, so the per-generation differences carry the
+    # comparison's own noise (the per-generation taus vary far more between prompts than between trees)
+    out["paired_difference"] = {}
+    for temperature in sorted({r["temperature"] for r in rows}):
+        per = {}
+        for budget in sorted({r["budget"] for r in rows if r["method"] == "marginal"}):
+            m, c = (
+                next(
+                    (r for r in rows if (r["method"], r["budget"], r["temperature"]) == (k, budget, temperature)), None
+                )
+                for k in ("marginal", "conditional")
+            )
+            if m and c and len(m["per_generation_tau"]) == len(c["per_generation_tau"]) > 1:
+                taus = [np.asarray([np.nan if t is None else t for t in r["per_generation_tau"]]) for r in (c, m)]
+                diff = taus[0] - taus[1]
+                diff = diff[np.isfinite(diff)]  # a generation without a decode step has no tau
+                if diff.size < 2:
+                    continue
+                se = float(diff.std(ddof=1) / np.sqrt(diff.size))
+                per[budget] = {"mean": float(diff.mean()), "se": se, "z": float(diff.mean() / se) if se > 0 else None}
+        out["paired_difference"][f"T={temperature:g}"] = per
     r64 = out["conditional_over_marginal"].get("T=0", {}).get(64)
     out["conditional_tau_1.10x_at_64_T0"] = None if r64 is None else r64 >= 1.10
     out["conditional_above_marginal_everywhere"] = all(
@@ -403,7 +425,8 @@ def study(
             calibration_ids,
             budgets=budgets,
             auto_budgets=base["auto_budgets"],
-            temperatures=temperatures,
+            temperatures=tuple(t for t in temperatures if t in base.get("timing_temperatures", temperatures))
+            or temperatures,
             max_new=base["max_new"],
             seed=seed,
             stop=stop,
@@ -498,6 +521,9 @@ def format_table(result: dict) -> str:
     for key, ratios in t["conditional_over_marginal"].items():
         shown = ", ".join(f"{b}: {v:.3f}" for b, v in ratios.items() if v is not None)
         lines.append(f"conditional / marginal tau, {key}: {shown}")
+    for key, per in t.get("paired_difference", {}).items():
+        shown = ", ".join(f"{b}: {v['mean']:+.3f} +- {v['se']:.3f}" for b, v in per.items())
+        lines.append(f"conditional - marginal tau per generation (paired), {key}: {shown}")
     lines.append(f"conditional tau >= 1.10x marginal at budget 64, T = 0: {t['conditional_tau_1.10x_at_64_T0']}")
     lines.append(
         f"conditional above marginal at every budget and temperature: {t['conditional_above_marginal_everywhere']}"

@@ -29,6 +29,24 @@ def test_every_column_ran_and_greedy_columns_emit_the_same_tokens(result):
 
 
 @pytest.mark.slow
+def test_the_paired_difference_is_the_difference_of_the_mean_taus(result):
+    for temperature in result["settings"]["temperatures"]:
+        per = result["targets"]["paired_difference"][f"T={temperature:g}"]
+        assert sorted(per) == sorted(result["settings"]["budgets"])
+        for budget, v in per.items():
+            m, c = (
+                next(
+                    r
+                    for r in result["rows"]
+                    if (r["method"], r["budget"], r["temperature"]) == (k, budget, temperature)
+                )
+                for k in ("marginal", "conditional")
+            )
+            assert v["mean"] == pytest.approx(c["mean_tau"] - m["mean_tau"], abs=1e-3)
+            assert v["se"] >= 0
+
+
+@pytest.mark.slow
 def test_spine_accounting(result):
     for r in result["rows"]:
         assert 0 <= r["spine_hit"] <= r["spine_visited"] and 0 <= r["off_hit"] <= r["off_visited"]
@@ -46,7 +64,8 @@ def test_spine_accounting(result):
 @pytest.mark.slow
 def test_timing_and_the_cost_aware_budget_report(result):
     settings = result["settings"]
-    for t in settings["temperatures"]:
+    assert sorted({r["temperature"] for r in result["timing"]}) == list(settings["timing_temperatures"])
+    for t in settings["timing_temperatures"]:
         timed = [r for r in result["timing"] if r["temperature"] == t]
         labels = {(r["tree"], r["budget"]) for r in timed}
         expected = {("ar", None), ("chain", None)} | {("marginal", "auto"), ("conditional", "auto")}
