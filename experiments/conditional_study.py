@@ -165,8 +165,8 @@ def timing_rows(
 ) -> tuple[list, list]:
     """(rows, policies): tokens/s end to end for AR, the chain, marginal and conditional DDTree per budget and
     the cost-aware budget of each (fitted at start-up per temperature on `calibration_ids`).
-    on_temperature(rows, policies): called after each cost-aware fit and each temperature with what is measured
-    so far."""
+    on_temperature(rows, policies): called after each temperature's fixed-budget columns and after each of its
+    cost-aware fits with what is measured so far."""
     rows, policies = [], []
     common = dict(max_new_tokens=max_new, seed=seed, stop_tokens=stop, repeats=repeats)
     for temperature in temperatures:
@@ -213,9 +213,7 @@ def timing_rows(
             log(f"timing T={temperature:g}: {tree} cost-aware budget fitted and measured")
             if on_temperature is not None:  # what is measured so far, this temperature's rows included
                 on_temperature(rows + _timing_table(found, temperature), policies)
-        rows += _timing_table(found, temperature)
-        if on_temperature is not None:
-            on_temperature(rows, policies)
+        rows += _timing_table(found, temperature)  # what the last fit's on_temperature call already showed
     return rows, policies
 
 
@@ -248,40 +246,36 @@ def targets(rows: list[dict], timing: list[dict]) -> dict:
     budget at both temperatures; the cost-aware budget's tokens/s >= the best fixed budget's (per tree and
     temperature; within the run-to-run noise, stated with the numbers); the head's step-time cost at budget 64."""
 
-    def tau(method, budget, temperature):
-        row = next(
+    def row(method, budget, temperature):
+        return next(
             (r for r in rows if (r["method"], r["budget"], r["temperature"]) == (method, budget, temperature)), None
         )
-        return None if row is None else row["mean_tau"]
 
-    out = {"conditional_over_marginal": {}, "auto_vs_best_fixed": {}, "head_step_cost_budget64": {}}
+    out = {
+        "conditional_over_marginal": {},
+        "paired_difference": {},
+        "auto_vs_best_fixed": {},
+        "head_step_cost_budget64": {},
+    }
     for temperature in sorted({r["temperature"] for r in rows}):
-        ratios = {}
+        ratios, paired = {}, {}
         for budget in sorted({r["budget"] for r in rows if r["method"] == "marginal"}):
-            m, c = tau("marginal", budget, temperature), tau("conditional", budget, temperature)
-            ratios[budget] = None if not m or c is None else c / m
-        out["conditional_over_marginal"][f"T={temperature:g}"] = ratios
-    # paired: the same prompts and request keys in both columns, so the per-generation differences carry the
-    # comparison's own noise (the per-generation taus vary far more between prompts than between trees)
-    out["paired_difference"] = {}
-    for temperature in sorted({r["temperature"] for r in rows}):
-        per = {}
-        for budget in sorted({r["budget"] for r in rows if r["method"] == "marginal"}):
-            m, c = (
-                next(
-                    (r for r in rows if (r["method"], r["budget"], r["temperature"]) == (k, budget, temperature)), None
+            m, c = row("marginal", budget, temperature), row("conditional", budget, temperature)
+            ratios[budget] = None if not (m and m["mean_tau"]) or c is None else c["mean_tau"] / m["mean_tau"]
+            # paired: the same prompts and request keys in both columns, so the per-generation differences carry
+            # the comparison's own noise (the per-generation taus vary far more between prompts than between trees)
+            if m and c and len(m["per_generation_tau"]) == len(c["per_generation_tau"]):
+                c_tau, m_tau = (
+                    np.asarray([np.nan if t is None else t for t in r["per_generation_tau"]]) for r in (c, m)
                 )
-                for k in ("marginal", "conditional")
-            )
-            if m and c and len(m["per_generation_tau"]) == len(c["per_generation_tau"]) > 1:
-                taus = [np.asarray([np.nan if t is None else t for t in r["per_generation_tau"]]) for r in (c, m)]
-                diff = taus[0] - taus[1]
+                diff = c_tau - m_tau
                 diff = diff[np.isfinite(diff)]  # a generation without a decode step has no tau
-                if diff.size < 2:
-                    continue
-                se = float(diff.std(ddof=1) / np.sqrt(diff.size))
-                per[budget] = {"mean": float(diff.mean()), "se": se, "z": float(diff.mean() / se) if se > 0 else None}
-        out["paired_difference"][f"T={temperature:g}"] = per
+                if diff.size >= 2:
+                    se = float(diff.std(ddof=1) / np.sqrt(diff.size))
+                    z = float(diff.mean() / se) if se > 0 else None
+                    paired[budget] = {"mean": float(diff.mean()), "se": se, "z": z}
+        out["conditional_over_marginal"][f"T={temperature:g}"] = ratios
+        out["paired_difference"][f"T={temperature:g}"] = paired
     r64 = out["conditional_over_marginal"].get("T=0", {}).get(64)
     out["conditional_tau_1.10x_at_64_T0"] = None if r64 is None else r64 >= 1.10
     out["conditional_above_marginal_everywhere"] = all(
@@ -337,8 +331,8 @@ def study(
 ) -> dict:
     """The whole study on the pair at `pair_dir` (default `studies.pair_root()`); unset settings from FULL (or
     SMALL). tau: the acceptance part; timing: the end-to-end tokens/s and the cost-aware budget (GPU).
-    on_partial(result): called with the result so far after each tau row and after each timed temperature (the
-    CLI writes it, so a run cut short keeps what it measured)."""
+    on_partial(result): called with the result so far after each tau row and each timing stage (the CLI writes
+    it, so a run cut short keeps what it measured)."""
     base = dict(SMALL if small else FULL)
     if auto_budgets is not None:
         base["auto_budgets"] = tuple(auto_budgets)
@@ -640,6 +634,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--merge", nargs="+", default=None, help="JSON results to merge into --out (no run)")
     args = parser.parse_args(argv)
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     if args.merge:
         import json
 
@@ -650,11 +645,9 @@ def main(argv=None) -> int:
         result = merge_results(results)
         print(format_table(result))
         write_json(result, args.out)
-        plot = args.plot or os.path.splitext(args.out)[0] + ".png"
         plot_study(result, plot)
         print(f"wrote {args.out} and {plot}")
         return 0
-    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     try:
         result = study(
             args.pair,
