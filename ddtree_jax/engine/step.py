@@ -149,10 +149,15 @@ def tree_stage(
     return build_chain(draft_logits, bonus, check_finite=False)
 
 
-def conditional_tree_stage(draft_logits, child_logits_fn, inputs, bonus: jax.Array, *, budget: int) -> DraftTree:
-    """The path-conditioned DDTree tree (`tree.conditional.build_conditional_tree`, XLA): the root's children from
-    the draft pass's depth-1 logits, every deeper node's from the child head; the depth limit is the draft's."""
-    return build_conditional_tree(draft_logits[:, 0], child_logits_fn, inputs, budget, draft_logits.shape[1], bonus)
+def conditional_tree_stage(
+    draft_logits, child_logits_fn, inputs, bonus: jax.Array, *, budget: int, tree_impl: str = "auto"
+) -> DraftTree:
+    """The path-conditioned DDTree tree (`tree.conditional.build_conditional_tree`; `tree_impl` picks the top-K
+    kernel or XLA for the parents' child lists): the root's children from the draft pass's depth-1 logits, every
+    deeper node's from the child head; the depth limit is the draft's."""
+    return build_conditional_tree(
+        draft_logits[:, 0], child_logits_fn, inputs, budget, draft_logits.shape[1], bonus, impl=tree_impl
+    )
 
 
 def tree_forward_stage(
@@ -280,7 +285,9 @@ def traced_decode_step(
             draft_logits = draft_stage(drafter, draft_state, state.bonus, method=method, block_size=block_size)
     with jax.named_scope("ddtree_tree"):
         if conditional:
-            tree = conditional_tree_stage(draft_logits, child_fn, child_inputs, state.bonus, budget=budget)
+            tree = conditional_tree_stage(
+                draft_logits, child_fn, child_inputs, state.bonus, budget=budget, tree_impl=options.tree_impl
+            )
         else:
             tree = tree_stage(
                 draft_logits,

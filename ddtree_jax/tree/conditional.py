@@ -40,8 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ddtree_jax import dispatch
+from ddtree_jax.tree.build import kernel_top_k_logits, kernel_top_k_logits_fits
 from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
 from ddtree_jax.tree.reference import log_softmax_f32, top_k_ranked
+from ddtree_kernels import tree_build
 from ddtree_kernels.tree_build import preorder_select
 
 #: (inputs, parent_depth, parent_tokens int32 [B, P]) -> child logits float [B, P, V]: the distribution of the
@@ -193,10 +196,16 @@ def build_conditional_tree_reference(
     )
 
 
-def _top_k_lists(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(log-probs f32 [..., k], ids int32 [..., k], invalid bool [...]) of logits [..., V]: the float32
+def _top_k_lists(logits: jax.Array, k: int, impl: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-probs f32 [B, P, k], ids int32 [B, P, k], invalid bool [B, P]) of logits [B, P, V]: the float32
     log-softmax's top-k (ties: lower id first), a distribution with no finite entry gives -inf log-probs,
-    one with NaN/+inf is flagged invalid."""
+    one with NaN/+inf is flagged invalid. impl "pallas": the marginal builder's top-K kernel (log-softmax, flags
+    and top-K in one launch, `build.kernel_top_k_logits`) where it takes rows of V at this k; "xla": lax.top_k."""
+    if impl == "pallas" and kernel_top_k_logits_fits(logits.shape[-1], k):
+        lp, ids, flags = kernel_top_k_logits(logits, k)
+        dead = (flags & tree_build.DEAD_DEPTH) != 0
+        invalid = (flags & tree_build.INVALID_ROW) != 0
+        return jnp.where(dead[..., None], -jnp.inf, lp), ids.astype(jnp.int32), invalid
     x = logits.astype(jnp.float32)
     invalid = (jnp.isnan(x) | (x == jnp.inf)).any(axis=-1)
     dead = (x == -jnp.inf).all(axis=-1)
@@ -205,32 +214,34 @@ def _top_k_lists(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.A
     return jnp.where(dead[..., None], -jnp.inf, lp), ids.astype(jnp.int32), invalid
 
 
-def _level_row(prev_logw, prev_lexrank, child_lp, budget: int):
-    """One row's next level: prev_logw / prev_lexrank [budget] (the kept parents), child_lp [budget, K] (each
-    parent's own top-K) -> the `budget` best children in key order (logw, rank, parent, lexrank, lex_order),
-    the entries `preorder_select` reads."""
+def _level_row(prev_logw, prev_lex_order, child_lp, budget: int):
+    """One row's next level: prev_logw [budget] (the kept parents, in key order), prev_lex_order [budget] (their
+    positions in lexicographic order), child_lp [budget, K] (each parent's own top-K) -> the `budget` best
+    children in key order (logw, rank, parent, lexrank, lex_order), the entries `preorder_select` reads.
+
+    The key is (logw descending, lexicographic rank ascending). The candidates are laid out in lexicographic
+    order, a child's flat index being its lexicographic rank (parent's lexrank x K + own rank), so one
+    lax.top_k (ties: lower index first) returns them in key order: no multi-key sort."""
     k = child_lp.shape[-1]
-    parent = jnp.repeat(jnp.arange(budget, dtype=jnp.int32), k)
-    rank = jnp.tile(jnp.arange(k, dtype=jnp.int32), budget)
-    parent_logw = prev_logw[parent]
-    cand_logw = jnp.where(jnp.isfinite(parent_logw), parent_logw + child_lp[parent, rank], -jnp.inf)
-    cand_lex = prev_lexrank[parent] * k + rank  # (parent's lexicographic rank, own rank): distinct
-    # ascending key for descending logw (`+ 0.0`: -0.0 and +0.0 compare equal); -inf (padding) sorts last
-    key_sorted, lex_sorted, parent_sorted, rank_sorted = lax.sort(
-        (-cand_logw + 0.0, cand_lex, parent, rank), num_keys=2
-    )
-    positions = jnp.arange(budget, dtype=jnp.int32)
-    lex_order = jnp.argsort(lex_sorted[:budget]).astype(jnp.int32)
-    lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(positions)
-    return -key_sorted[:budget] + 0.0, rank_sorted[:budget], parent_sorted[:budget], lexrank, lex_order
+    parent_logw = prev_logw[prev_lex_order]  # [budget] in lexicographic order
+    cand_logw = jnp.where(jnp.isfinite(parent_logw)[:, None], parent_logw[:, None] + child_lp[prev_lex_order], -jnp.inf)
+    # `+ 0.0`: -0.0 and +0.0 compare equal; -inf (padding) comes last, itself in lexicographic order
+    logw, lex = lax.top_k(cand_logw.reshape(budget * k) + 0.0, budget)
+    lex = lex.astype(jnp.int32)
+    parent, rank = prev_lex_order[lex // k], lex % k
+    lex_order = jnp.argsort(lex).astype(jnp.int32)
+    lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(jnp.arange(budget, dtype=jnp.int32))
+    return logw, rank, parent, lexrank, lex_order
 
 
-@functools.partial(jax.jit, static_argnames=("child_logits_fn", "budget", "depth_limit"))
-def _build_conditional(first_logits, inputs, root_tokens, *, child_logits_fn, budget: int, depth_limit: int):
+@functools.partial(jax.jit, static_argnames=("child_logits_fn", "budget", "depth_limit", "impl"))
+def _build_conditional(
+    first_logits, inputs, root_tokens, *, child_logits_fn, budget: int, depth_limit: int, impl: str = "xla"
+):
     batch, vocab = first_logits.shape
     k = min(budget, vocab)
     positions = jnp.arange(budget, dtype=jnp.int32)
-    lp, ids, invalid = _top_k_lists(first_logits, k)  # [B, K]
+    lp, ids, invalid = (x[:, 0] for x in _top_k_lists(first_logits[:, None], k, impl))  # [B, K]
     pad = budget - k
     logw = jnp.concatenate([lp, jnp.full((batch, pad), -jnp.inf, jnp.float32)], axis=1) + 0.0
     rank = jnp.broadcast_to(jnp.concatenate([jnp.arange(k), jnp.zeros((pad,), int)]).astype(jnp.int32), (batch, budget))
@@ -243,11 +254,12 @@ def _build_conditional(first_logits, inputs, root_tokens, *, child_logits_fn, bu
     )
     levels, level_tokens = [first_level], [tokens]
     for parent_depth in range(1, depth_limit):
-        prev_logw, _, _, prev_lexrank, _ = levels[-1]
-        child_lp, child_ids, child_invalid = _top_k_lists(child_logits_fn(inputs, parent_depth, level_tokens[-1]), k)
+        prev_logw, _, _, _, prev_lex_order = levels[-1]
+        child_logits = child_logits_fn(inputs, parent_depth, level_tokens[-1])  # [B, budget, V]
+        child_lp, child_ids, child_invalid = _top_k_lists(child_logits, k, impl)
         # a NaN/+inf distribution of a real parent makes the row invalid (a padding parent's is never read)
         invalid = invalid | (child_invalid & jnp.isfinite(prev_logw)).any(axis=1)
-        level = jax.vmap(functools.partial(_level_row, budget=budget))(prev_logw, prev_lexrank, child_lp)
+        level = jax.vmap(functools.partial(_level_row, budget=budget))(prev_logw, prev_lex_order, child_lp)
         _, level_rank, level_parent, _, _ = level
         flat = level_parent * k + level_rank
         level_tokens.append(jnp.take_along_axis(child_ids.reshape(batch, budget * k), flat, axis=1))
@@ -283,6 +295,7 @@ def build_conditional_tree(
     budget: int,
     depth_limit: int,
     root_tokens: jax.Array | None = None,
+    impl: str = "auto",
 ) -> DraftTree:
     """The path-conditioned best-first tree of N = budget + 1 slots for each row, jit-compiled.
 
@@ -295,6 +308,8 @@ def build_conditional_tree(
       budget: static number of draft nodes (root not counted), >= 1.
       depth_limit: static L, the deepest depth, >= 1.
       root_tokens: int32 [B] tokens for slot 0, or None for 0.
+      impl: the per-parent top-K: "pallas" (the marginal builder's top-K kernel), "xla" (lax.top_k) or "auto"
+        (`dispatch.tree_impl`: the kernel on GPU). The selection is XLA either way.
     Returns:
       DraftTree [B, budget + 1] in pop order (the heap's), as `build_tree` lays it out. A row whose first
       logits, or the child logits of one of its real parents, hold NaN/+inf gets a root-only tree (under jit
@@ -319,6 +334,7 @@ def build_conditional_tree(
         child_logits_fn=child_logits_fn,
         budget=int(budget),
         depth_limit=int(depth_limit),
+        impl=dispatch.tree_impl(impl),
     )
 
 

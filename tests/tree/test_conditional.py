@@ -72,11 +72,23 @@ def test_the_jit_builder_on_marginals_is_build_tree():
     [(6, 5, 50, 20, 2.0), (4, 8, 120, 64, 3.0), (3, 3, 7, 40, 1.0), (2, 15, 64, 96, 2.5)],
 )
 def test_the_jit_builder_equals_the_heap_on_conditional_tables(batch, depth, vocab, budget, scale):
+    _check_against_the_heap(batch, depth, vocab, budget, scale, impl="xla")
+
+
+@pytest.mark.parametrize("batch,depth,vocab,budget,scale", [(3, 5, 50, 20, 2.0), (2, 4, 120, 64, 3.0)])
+def test_the_kernel_top_k_builder_equals_the_heap(batch, depth, vocab, budget, scale):
+    """impl="pallas" (the top-K kernel per parent list, interpret mode on CPU) builds the heap's tree too."""
+    _check_against_the_heap(batch, depth, vocab, budget, scale, impl="pallas")
+
+
+def _check_against_the_heap(batch, depth, vocab, budget, scale, impl):
     rng = np.random.default_rng(batch * 1000 + budget)
     first = (rng.standard_normal((batch, vocab)) * scale).astype(np.float32)
     table = _random_table(rng, depth, vocab, scale, batch)  # each row its own conditional drafter
     roots = rng.integers(0, vocab, batch).astype(np.int32)
-    tree = build_conditional_tree(jnp.asarray(first), table_child_logits, jnp.asarray(table), budget, depth, roots)
+    tree = build_conditional_tree(
+        jnp.asarray(first), table_child_logits, jnp.asarray(table), budget, depth, roots, impl=impl
+    )
     exact = 0
     for b in range(batch):
         ref = build_conditional_tree_reference(
@@ -140,7 +152,8 @@ def test_every_tree_is_the_best_prefix_set_by_brute_force():
         np.testing.assert_allclose(sorted((weights[p] for p in paths), reverse=True), best, rtol=1e-5)
 
 
-def test_invalid_rows_are_root_only_under_jit_and_minus_inf_is_valid():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_invalid_rows_are_root_only_under_jit_and_minus_inf_is_valid(impl):
     rng = np.random.default_rng(3)
     depth, vocab, budget = 4, 20, 16
     first = rng.standard_normal((3, vocab)).astype(np.float32)
@@ -149,7 +162,7 @@ def test_invalid_rows_are_root_only_under_jit_and_minus_inf_is_valid():
     table[1, 2] = np.inf  # row 2: every depth-2 parent's children at depth 3 are invalid
     first[0, : vocab // 2] = -np.inf  # row 0: half the first tokens are impossible: valid
     tree = jax.jit(
-        lambda f, t: build_conditional_tree(f, table_child_logits, t, budget, depth, jnp.asarray([1, 2, 3]))
+        lambda f, t: build_conditional_tree(f, table_child_logits, t, budget, depth, jnp.asarray([1, 2, 3]), impl=impl)
     )(jnp.asarray(first), jnp.asarray(table))
     num_nodes = np.asarray(tree.num_nodes)
     assert num_nodes[1] == 1 and num_nodes[2] == 1  # marked: root-only, no plausible tokens
