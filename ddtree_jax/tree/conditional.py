@@ -214,24 +214,32 @@ def _top_k_lists(logits: jax.Array, k: int, impl: str = "xla") -> tuple[jax.Arra
     return jnp.where(dead[..., None], -jnp.inf, lp), ids.astype(jnp.int32), invalid
 
 
-def _level_row(prev_logw, prev_lex_order, child_lp, budget: int):
-    """One row's next level: prev_logw [budget] (the kept parents, in key order), prev_lex_order [budget] (their
-    positions in lexicographic order), child_lp [budget, K] (each parent's own top-K) -> the `budget` best
-    children in key order (logw, rank, parent, lexrank, lex_order), the entries `preorder_select` reads.
+def _next_level(prev_logw, prev_lex_order, child_lp, budget: int, impl: str):
+    """The next level of every row: prev_logw [B, budget] (the kept parents, in key order), prev_lex_order
+    [B, budget] (their positions in lexicographic order), child_lp [B, budget, K] (each parent's own top-K) ->
+    the `budget` best children in key order (logw, rank, parent, lexrank, lex_order; each [B, budget]), the
+    entries `preorder_select` reads.
 
     The key is (logw descending, lexicographic rank ascending). The candidates are laid out in lexicographic
-    order, a child's flat index being its lexicographic rank (parent's lexrank x K + own rank), so one
-    lax.top_k (ties: lower index first) returns them in key order: no multi-key sort."""
-    k = child_lp.shape[-1]
-    parent_logw = prev_logw[prev_lex_order]  # [budget] in lexicographic order
-    cand_logw = jnp.where(jnp.isfinite(parent_logw)[:, None], parent_logw[:, None] + child_lp[prev_lex_order], -jnp.inf)
+    order, a child's flat index being its lexicographic rank (parent's lexrank x K + own rank), so one top-K
+    whose ties go to the lower index (lax.top_k; the `tree_topk` kernel with impl "pallas") returns them in key
+    order: no multi-key sort."""
+    batch, _, k = child_lp.shape
+    parent_logw = jnp.take_along_axis(prev_logw, prev_lex_order, axis=1)  # [B, budget] in lexicographic order
+    lists = jnp.take_along_axis(child_lp, prev_lex_order[..., None], axis=1)
+    cand_logw = jnp.where(jnp.isfinite(parent_logw)[..., None], parent_logw[..., None] + lists, -jnp.inf)
     # `+ 0.0`: -0.0 and +0.0 compare equal; -inf (padding) comes last, itself in lexicographic order
-    logw, lex = lax.top_k(cand_logw.reshape(budget * k) + 0.0, budget)
+    cand_logw = cand_logw.reshape(batch, budget * k) + 0.0
+    if impl == "pallas" and tree_build.fits_one_row(budget * k):
+        logw, lex = tree_build.tree_topk(cand_logw, budget)
+    else:
+        logw, lex = lax.top_k(cand_logw, budget)
     lex = lex.astype(jnp.int32)
-    parent, rank = prev_lex_order[lex // k], lex % k
-    lex_order = jnp.argsort(lex).astype(jnp.int32)
-    lexrank = jnp.zeros((budget,), jnp.int32).at[lex_order].set(jnp.arange(budget, dtype=jnp.int32))
-    return logw, rank, parent, lexrank, lex_order
+    parent = jnp.take_along_axis(prev_lex_order, lex // k, axis=1)
+    lex_order = jnp.argsort(lex, axis=1).astype(jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(budget, dtype=jnp.int32), (batch, budget))
+    lexrank = jnp.zeros((batch, budget), jnp.int32).at[jnp.arange(batch)[:, None], lex_order].set(positions)
+    return logw, lex % k, parent, lexrank, lex_order
 
 
 @functools.partial(jax.jit, static_argnames=("child_logits_fn", "budget", "depth_limit", "impl"))
@@ -259,7 +267,7 @@ def _build_conditional(
         child_lp, child_ids, child_invalid = _top_k_lists(child_logits, k, impl)
         # a NaN/+inf distribution of a real parent makes the row invalid (a padding parent's is never read)
         invalid = invalid | (child_invalid & jnp.isfinite(prev_logw)).any(axis=1)
-        level = jax.vmap(functools.partial(_level_row, budget=budget))(prev_logw, prev_lex_order, child_lp)
+        level = _next_level(prev_logw, prev_lex_order, child_lp, budget, impl)
         _, level_rank, level_parent, _, _ = level
         flat = level_parent * k + level_rank
         level_tokens.append(jnp.take_along_axis(child_ids.reshape(batch, budget * k), flat, axis=1))

@@ -328,6 +328,11 @@ def _tree_topk_jit(values, *, k: int, interpret: bool, method: str = "auto", log
     return top + tuple(outs[2:])
 
 
+def fits_one_row(count: int) -> bool:
+    """Whether `tree_topk` takes rows of `count` candidates (padded to a power of two <= MAX_ROW)."""
+    return _next_pow2(count) <= MAX_ROW
+
+
 def _check_topk(values, k) -> None:
     if values.ndim != 2 or 0 in values.shape:
         raise ValueError(f"values must have shape [R, C] with R, C >= 1, got {tuple(values.shape)}")
@@ -335,7 +340,7 @@ def _check_topk(values, k) -> None:
         raise ValueError(f"values must be float, got {values.dtype}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= values.shape[1]:
         raise ValueError(f"k must be an integer in [1, C={values.shape[1]}], got {k!r}")
-    if _next_pow2(values.shape[1]) > MAX_ROW:
+    if not fits_one_row(values.shape[1]):
         raise ValueError(f"rows of C={values.shape[1]} candidates exceed MAX_ROW={MAX_ROW}: prefilter them first")
 
 
