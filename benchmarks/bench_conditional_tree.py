@@ -98,7 +98,13 @@ def main() -> None:
             "top-K only": topk_only,
         }
         flops = 2 * budget * (2 * hidden_size * inner + inner * hidden_size + hidden_size * vocab) * (depth - 1)
-        rec = {"budget": budget, "depth": depth, "vocab": vocab, "head_flops": flops, "floor_us": flops / BF16_PEAK * 1e6}
+        rec = {
+            "budget": budget,
+            "depth": depth,
+            "vocab": vocab,
+            "head_flops": flops,
+            "floor_us": flops / BF16_PEAK * 1e6,
+        }
         for name, body in parts.items():
             rec[name] = per_tree(body)
             print(f"  budget {budget} {name}: {rec[name]:.1f} us per tree", flush=True)
