@@ -433,7 +433,8 @@ def study(
 def merge_results(results: list[dict]) -> dict:
     """One result from runs of the same pair over different temperatures, budgets or parts (e.g. the tau part
     and the timing part in separate GPU processes): rows, timing and policies concatenated, targets recomputed;
-    settings.parts keeps each run's own budgets, temperatures and parts."""
+    settings.parts keeps each run's own budgets, temperatures and parts, with its device, commit and date (and
+    the top-level device / commit / date list every run's where they differ)."""
     if not results:
         raise ValueError("nothing to merge")
     out = dict(results[0])
@@ -446,8 +447,17 @@ def merge_results(results: list[dict]) -> dict:
         budgets=sorted({b for s in settings for b in s["budgets"]}),
         tau=any(s.get("tau", True) for s in settings),
         timing=any(s["timing"] for s in settings),
-        parts=[{k: s[k] for k in ("budgets", "temperatures", "tau", "timing", "repeats") if k in s} for s in settings],
+        parts=[
+            {
+                **{k: s[k] for k in ("budgets", "temperatures", "tau", "timing", "repeats") if k in s},
+                **{k: res.get(k) for k in ("device", "commit", "date")},
+            }
+            for s, res in zip(settings, results)
+        ],
     )
+    for key in ("device", "commit", "date"):
+        values = list(dict.fromkeys(res.get(key) for res in results))
+        out[key] = values[0] if len(values) == 1 else values
     out["wall_s"] = round(sum(res["wall_s"] for res in results), 2)
     out["targets"] = targets(out["rows"], out["timing"])
     return out

@@ -93,7 +93,7 @@ def test_timing_and_the_cost_aware_budget_report(result):
 @pytest.mark.slow
 def test_separately_run_parts_merge_into_the_whole(result, tmp_path):
     tau_part = dict(result, timing=[], policies=[], settings=dict(result["settings"], timing=False))
-    timing_part = dict(result, rows=[], settings=dict(result["settings"], tau=False))
+    timing_part = dict(result, rows=[], settings=dict(result["settings"], tau=False), device="gpu:test", commit="abc")
     paths = []
     for name, part in (("tau", tau_part), ("timing", timing_part)):
         paths.append(str(tmp_path / f"{name}.json"))
@@ -108,6 +108,9 @@ def test_separately_run_parts_merge_into_the_whole(result, tmp_path):
     assert merged["settings"]["tau"] and merged["settings"]["timing"] and len(merged["settings"]["parts"]) == 2
     assert merged["targets"] == json.loads(json.dumps(result["targets"]))
     assert (tmp_path / "merged.png").stat().st_size > 0
+    # each part keeps where it ran; the top level lists both devices and commits
+    assert [p["device"] for p in merged["settings"]["parts"]] == [result["device"], "gpu:test"]
+    assert merged["device"] == [result["device"], "gpu:test"] and merged["commit"] == [result["commit"], "abc"]
     table = cs.format_table(result)
     assert all(f"| {r['method']} |" in table for r in result["rows"])
 
