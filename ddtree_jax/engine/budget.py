@@ -4,7 +4,8 @@ measured on this device, and the surrogate's calibration measured on real prompt
   measure_step_ms    per budget: one compiled fixed-budget generation run twice per repeat, every row stopped
                      after `short` and after `long` new tokens (the per-row max_new: one program); the step time
                      is the difference of the two wall times over the difference of their loop iterations, so
-                     the prefill, the compile and the host round trip of the call cancel out.
+                     the prefill, the compile and the host round trip of the call cancel out (after one untimed
+                     call of each: `time_short_long`).
   calibrate_scale    one generation at the largest budget; each step's sub-tree surrogates and the draft tokens
                      each sub-tree would have accepted (`tree.budget.prefix_accepted`: exact at T = 0, coupled
                      to the same coins at T > 0) give scale_b = sum(accepted_b) / sum(surrogate_b - 1): the
@@ -39,6 +40,28 @@ def _request(pair: Pair, prompt_ids, *, temperature: float, seed: int, max_new_t
     return request_args(
         pair, prompt_ids, temperature=temperature, seed=seed, stop_tokens=stop_tokens, max_new_tokens=max_new_tokens
     )
+
+
+def time_short_long(run, short_args, long_args, repeats: int) -> tuple[list[float], list[float]]:
+    """(per-repeat step ms by difference, per-repeat long-run mean ms): `run(args)` returns a generation result
+    (with `.steps`); each repeat times the short and the long call. One untimed call of each comes first: a
+    program's first execution carries one-time costs (on the GPU the command buffers' instantiation, module
+    loading) that would otherwise land on the first short call and shrink its difference (measured on the H200:
+    0.01-0.12 ms/step on the first repeat against 0.72-0.92 on the second, the loop's own step 0.76-0.94 ms)."""
+    for call_args in (short_args, long_args):
+        jax.block_until_ready(run(call_args))
+    per_repeat, long_means = [], []
+    for _ in range(max(repeats, 1)):
+        runs = []
+        for call_args in (short_args, long_args):
+            start = time.perf_counter()
+            result = jax.block_until_ready(run(call_args))
+            runs.append((time.perf_counter() - start, int(np.asarray(result.steps).max())))
+        (t_short, n_short), (t_long, n_long) = runs
+        long_means.append(1e3 * t_long / max(n_long, 1))
+        if n_long > n_short:
+            per_repeat.append(1e3 * (t_long - t_short) / (n_long - n_short))
+    return per_repeat, long_means
 
 
 def measure_step_ms(
@@ -77,17 +100,7 @@ def measure_step_ms(
             options=options,
         )
         compiled = generate.lower(*args, **static).compile()
-        per_repeat, long_means = [], []
-        for _ in range(max(repeats, 1)):
-            runs = []
-            for call_args in (short_args, args):
-                start = time.perf_counter()
-                result = jax.block_until_ready(compiled(*call_args[1:]))
-                runs.append((time.perf_counter() - start, int(np.asarray(result.steps).max())))
-            (t_short, n_short), (t_long, n_long) = runs
-            long_means.append(1e3 * t_long / max(n_long, 1))
-            if n_long > n_short:
-                per_repeat.append(1e3 * (t_long - t_short) / (n_long - n_short))
+        per_repeat, long_means = time_short_long(lambda call_args: compiled(*call_args[1:]), short_args, args, repeats)
         if not per_repeat:
             raise ValueError(
                 f"budget {budget}: the long run took no more decode steps than the short one; raise `long` ({long})"

@@ -2,12 +2,15 @@
 budget b generates (same keys, T = 0 and T = 1); a real choice varies per step and stays greedy-exact; the
 start-up fit measures positive step times and a calibration on the tiny random pair."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.engine.budget import fit_budget_policy, monotone_fit
+from ddtree_jax.engine import budget as budget_module
+from ddtree_jax.engine.budget import fit_budget_policy, monotone_fit, time_short_long
 from ddtree_jax.engine.generate import generate_recorded
 from ddtree_jax.engine.run import random_tiny_pair
 from ddtree_jax.options import BudgetPolicy, DecodeOptions
@@ -105,3 +108,21 @@ def test_the_start_up_fit_measures_step_times_and_calibrates_the_surrogate():
     assert measured == sorted(measured)
     with pytest.raises(ValueError, match="short < long"):
         fit_budget_policy(pair, prompts, (2, 6), short=6, long=6)
+
+
+def test_the_step_timing_leaves_a_programs_first_run_out(monkeypatch):
+    """A program's first execution carries one-time costs (on the GPU: command-buffer instantiation): on a fake
+    clock where the first call costs 100 ms extra and each decode step 1 ms over a 5 ms call overhead, every
+    repeat's difference is exactly 1 ms per step (timed on the first call, the first repeat would read negative)."""
+    clock = {"now": 0.0, "calls": 0}
+    monkeypatch.setattr(budget_module, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+
+    def run(steps):
+        clock["now"] += 0.005 + 0.001 * steps + (0.1 if clock["calls"] == 0 else 0.0)
+        clock["calls"] += 1
+        return types.SimpleNamespace(steps=np.asarray([steps]))
+
+    per_repeat, long_means = time_short_long(run, 3, 20, repeats=3)
+    np.testing.assert_allclose(per_repeat, [1.0, 1.0, 1.0], rtol=1e-9)
+    np.testing.assert_allclose(long_means, [25.0 / 20] * 3, rtol=1e-9)
+    assert clock["calls"] == 2 + 2 * 3  # one untimed call of each, then the repeats
