@@ -316,8 +316,9 @@ def build_conditional_tree(
       budget: static number of draft nodes (root not counted), >= 1.
       depth_limit: static L, the deepest depth, >= 1.
       root_tokens: int32 [B] tokens for slot 0, or None for 0.
-      impl: the per-parent top-K: "pallas" (the marginal builder's top-K kernel), "xla" (lax.top_k) or "auto"
-        (`dispatch.tree_impl`: the kernel on GPU). The selection is XLA either way.
+      impl: the two top-Ks of every level (each parent's child list, then the level's `budget` best
+        candidates): "pallas" (the marginal builder's `tree_topk` kernels), "xla" (lax.top_k) or "auto"
+        (`dispatch.tree_impl`: the kernels on GPU). The bookkeeping around them is XLA either way.
     Returns:
       DraftTree [B, budget + 1] in pop order (the heap's), as `build_tree` lays it out. A row whose first
       logits, or the child logits of one of its real parents, hold NaN/+inf gets a root-only tree (under jit
