@@ -21,7 +21,8 @@ Why level by level is exact: log-probabilities are <= 0, so a node's key is larg
 and than its previous sibling's; the B best prefixes are therefore closed under parents, at most B of them lie
 at any depth, and each is among the B best candidates of its depth. Unlike the marginal builder, no pair (i, r)
 of a parent position and a child rank can be pruned by i (a later parent's distribution may be sharper), so
-each level sorts B x K candidates.
+each level ranks all B x K candidates (one top-K: laid out in lexicographic order, ties to the lower index
+give the key order).
 
 Verification is unchanged: a `DraftTree` is a `DraftTree`, and target-only tree rejection sampling is exact
 for any tree (tests/verify/test_law.py runs the law tests on conditional trees too).
