@@ -7,7 +7,7 @@ different inputs (lax.map, so nothing is hoisted):
   marginal            build_tree (the DDTree builder, kernels on GPU): the baseline the head adds to
   conditional/<impl>  build_conditional_tree with the child head, the parents' top-K by impl (pallas / xla)
   head only           the head's child logits at every level (L - 1 calls on `budget` parents), nothing else
-  top-K only          the top-K of those logits per level (impl pallas), nothing else
+  top-K only          the top-K of those logits per level (`kernel_top_k_logits`, what impl pallas runs)
 
 FLOPs and bytes: the head's matmuls are 2 x budget x (2D x inner + inner x D + D x V) per level, about
 0.3 GFLOP per tree at budget 64: microseconds at the bf16 peak, so the builder is bound by its L - 1
@@ -29,7 +29,8 @@ from benchmarks.common import device_description, markdown_table, time_calls, wr
 from ddtree_jax.config import ChildHeadConfig
 from ddtree_jax.models import child_head
 from ddtree_jax.tree import build_tree
-from ddtree_jax.tree.conditional import _top_k_lists, build_conditional_tree
+from ddtree_jax.tree.build import kernel_top_k_logits
+from ddtree_jax.tree.conditional import build_conditional_tree
 
 BF16_PEAK = 989e12  # dense bf16 FLOP/s of the H200 (SXM), for the floor column
 
@@ -84,7 +85,7 @@ def main() -> None:
 
         def topk_only(d, h, budget=budget):
             logits = jnp.broadcast_to(d[:, :1].astype(jnp.float32), (batch, budget, vocab))
-            return [_top_k_lists(logits + level, min(budget, vocab), "pallas")[0] for level in range(1, depth)]
+            return [kernel_top_k_logits(logits + level, min(budget, vocab))[0] for level in range(1, depth)]
 
         parts = {
             "marginal": lambda d, h, budget=budget: build_tree(d, budget, roots, check_finite=False).tokens,
