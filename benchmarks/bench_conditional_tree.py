@@ -35,13 +35,11 @@ from ddtree_jax.tree.conditional import build_conditional_tree
 BF16_PEAK = 989e12  # dense bf16 FLOP/s of the H200 (SXM), for the floor column
 
 
-def _inputs(key, batch, depth, vocab, hidden_size, dtype):
-    k1, k2, k3, k4 = jax.random.split(key, 4)
+def _draft_inputs(key, batch, depth, vocab, hidden_size, dtype):
+    """One tree's varying inputs: the draft pass's logits [B, L, V] and hidden states [B, L, D]."""
+    k1, k2 = jax.random.split(key)
     draft_logits = jax.random.normal(k1, (batch, depth, vocab), jnp.float32) * 3.0
-    hidden = jax.random.normal(k2, (batch, depth, hidden_size), dtype)
-    embed = (jax.random.normal(k3, (vocab, hidden_size), jnp.float32) * 0.05).astype(dtype)
-    lm_head = (jax.random.normal(k4, (vocab, hidden_size), jnp.float32) * 0.05).astype(dtype)
-    return draft_logits.astype(dtype), hidden, embed, lm_head
+    return draft_logits.astype(dtype), jax.random.normal(k2, (batch, depth, hidden_size), dtype)
 
 
 def main() -> None:
@@ -64,8 +62,12 @@ def main() -> None:
     }
     fn = functools.partial(child_head.head_child_logits, config)
     keys = jax.random.split(jax.random.key(0), trees)
-    draft, hidden, embed, lm_head = jax.vmap(lambda k: _inputs(k, batch, depth, vocab, hidden_size, dtype))(keys)
-    embed, lm_head = embed[0], lm_head[0]  # one model: its tables do not vary, the draft inputs do
+    draft, hidden = jax.vmap(lambda k: _draft_inputs(k, batch, depth, vocab, hidden_size, dtype))(keys)
+    # one model: its tables do not vary between trees, the draft inputs do
+    embed, lm_head = (
+        (jax.random.normal(jax.random.key(seed), (vocab, hidden_size), jnp.float32) * 0.05).astype(dtype)
+        for seed in (10, 11)
+    )
     print(f"device: {device_description()}; L = {depth}, V = {vocab}, D = {hidden_size}, inner = {inner}", flush=True)
 
     def per_tree(body):

@@ -153,7 +153,7 @@ def conditional_tree_stage(
     draft_logits, child_logits_fn, inputs, bonus: jax.Array, *, budget: int, tree_impl: str = "auto"
 ) -> DraftTree:
     """The path-conditioned DDTree tree (`tree.conditional.build_conditional_tree`; `tree_impl` picks the top-K
-    kernel or XLA for the parents' child lists): the root's children from the draft pass's depth-1 logits, every
+    kernels or XLA for each level's two top-Ks): the root's children from the draft pass's depth-1 logits, every
     deeper node's from the child head; the depth limit is the draft's."""
     return build_conditional_tree(
         draft_logits[:, 0], child_logits_fn, inputs, budget, draft_logits.shape[1], bonus, impl=tree_impl
