@@ -89,9 +89,19 @@ def prefill_flops(config, tokens: int, head_rows: int = 1) -> dict[str, float]:
 
 
 def bench_prefill(
-    config, params, *, context: int, chunk: int, repeats: int, seed: int = 0, attn_impl: str = "auto"
+    config,
+    params,
+    *,
+    context: int,
+    chunk: int,
+    repeats: int,
+    seed: int = 0,
+    attn_impl: str = "auto",
+    profile_top: int = 0,
 ) -> dict:
-    """One row: compile and time `start_state` on a `context`-token prompt (module docstring)."""
+    """One row: compile and time `start_state` on a `context`-token prompt (module docstring). profile_top > 0:
+    also one profiled prefill, its device time by kind of op (`op_profile.kind_table`: GEMMs, each kernel by
+    name, other fusions) and its `profile_top` largest ops, in the row."""
     options = DecodeOptions(prefill_chunk=chunk, attn_impl=attn_impl)
 
     def run(params, prompts, lengths):  # params an argument: closed over, they would be baked in as constants
@@ -128,6 +138,19 @@ def bench_prefill(
         if i:
             times.append(time.perf_counter() - begin)
     seconds = float(np.median(times))
+    profile = {}
+    if profile_top > 0:
+        from benchmarks.op_profile import kind_table, op_kinds, op_times
+
+        prompt = jnp.asarray(rng.integers(0, config.vocab_size, (1, context)), jnp.int32)
+        ops = op_times(compiled, params, prompt, lengths, runs=1)
+        kinds = kind_table(ops, op_kinds(compiled.as_text()))  # containers (a while loop's event) left out
+        profile = {
+            "device_s": sum(r["us_per_run"] for r in kinds) / 1e6,
+            "launches": sum(r["events_per_run"] for r in kinds),
+            "kinds": kinds,
+            "ops": ops,  # every op (a prefill launches a few hundred distinct ones)
+        }
     chunk_len = dispatch.prefill_chunk(chunk, context)
     flops = prefill_flops(config, context, head_rows=1 if chunk_len is None else -(-context // chunk_len))
     total = flops["matmul"] + flops["attention"]
@@ -143,6 +166,7 @@ def bench_prefill(
         "peak_share": total / seconds / PEAK_FLOPS,
         "temp_bytes": temp,
         "compile_s": compile_s,
+        **({"profile": profile} if profile else {}),
     }
 
 
@@ -162,6 +186,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (default 3; median)")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
+    parser.add_argument(
+        "--profile-top",
+        type=int,
+        default=0,
+        help="also profile each row: device time by kind of op and its N largest ops",
+    )
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
@@ -184,7 +214,15 @@ def main(argv=None) -> int:
     rows = []
     for context, chunk, attn_impl in itertools.product(contexts, chunks, args.attn_impls.split(",")):
         try:
-            row = bench_prefill(config, params, context=context, chunk=chunk, repeats=args.repeats, attn_impl=attn_impl)
+            row = bench_prefill(
+                config,
+                params,
+                context=context,
+                chunk=chunk,
+                repeats=args.repeats,
+                attn_impl=attn_impl,
+                profile_top=args.profile_top,
+            )
         except Exception as error:  # e.g. out of memory at a long context: recorded, the sweep goes on
             row = {
                 "context": context,
@@ -203,6 +241,17 @@ def main(argv=None) -> int:
             ),
             flush=True,
         )
+        if "profile" in row:
+            from benchmarks.op_profile import format_kind_table, format_op_table
+
+            profile = row["profile"]
+            print(
+                f"    profiled: {profile['device_s'] * 1e3:.1f} ms of device time in {profile['launches']:.0f} launches\n"
+                + format_kind_table(profile["kinds"])
+                + "\n"
+                + format_op_table(profile["ops"], top=args.profile_top),
+                flush=True,
+            )
         write_result(
             f"prefill_{args.shape}_{args.commit}",
             {"settings": vars(args), "layers": config.num_layers, "rows": rows},

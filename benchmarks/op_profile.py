@@ -9,6 +9,10 @@ kernel, which a wall-clock median cannot say. Pallas kernels appear under their 
 
 `format_op_table(rows, top)` prints the largest rows with each one's share of the total.
 
+`op_kinds(hlo_text)` names what each HLO instruction of a compiled program is (a GEMM, a Pallas / Mosaic kernel by
+its name, an elementwise or reduce fusion, a copy, ...), and `kind_table(rows, kinds)` sums the op rows by kind:
+where a program's time goes by kind of work when its op names (fusion.123) say nothing.
+
 `device_timeline(fn, *args, runs=1)` reads the same trace as a timeline: every device event (start, duration,
 op) in order, and `timeline_gaps(events)` sums where the device sat idle between them: busy and idle time over
 the span and the largest idle gaps grouped by the (op before, op after) pair. Inside a compiled
@@ -21,6 +25,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import re
 import tempfile
 import warnings
 
@@ -195,3 +200,86 @@ def profile_into(row: dict, name: str, fn, sets: list[tuple], top: int) -> None:
         )
     except Exception as err:  # noqa: BLE001 - a profile that fails is noted, the timings stand
         row[f"{name}_profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+
+
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([\w\-]+)\(")
+CONTAINER_KINDS = ("while", "conditional", "call")  # their events (CPU thunks) span their bodies' ops
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) (?:\(.*\) -> .*)?\{\s*$")
+_GEMM_OPS = (" dot(", " convolution(", " ragged-dot(")
+
+
+def _kernel_name(line: str) -> str | None:
+    """A Pallas / Mosaic GPU custom call's kernel name (its backend config's "name"), or None."""
+    found = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)', line)
+    return found.group(1) if found else None
+
+
+def op_kinds(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> what it is, from a compiled module's text (`compiled.as_text()`):
+      "gemm"              a cuBLAS / cuBLASLt call, a Triton GEMM fusion, or a fusion whose computation holds a dot
+      "kernel:<name>"     a Pallas (Triton) or Mosaic GPU custom call, by the kernel's name
+      "custom-call:<t>"   another custom call, by its target
+      "fusion"            a fusion with no dot (elementwise, reductions, gathers, ...)
+      "<opcode>"          anything else XLA launches on its own (copy, dynamic-update-slice, sort, ...)
+    Every computation's instructions are named (those inside a fusion too); a profile only ever looks up what
+    launches."""
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header and " = " not in line:
+            current = computations.setdefault(header.group(1), [])
+            continue
+        if current is not None:
+            current.append(line)
+    with_dot = {name for name, lines in computations.items() if any(op in ln for ln in lines for op in _GEMM_OPS)}
+    kinds = {}
+    for line in hlo_text.splitlines():
+        instr = _INSTR_RE.match(line)
+        if not instr:
+            continue
+        name, opcode = instr.groups()
+        if opcode == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            target = target.group(1) if target else "?"
+            if "cublas" in target.lower():
+                kinds[name] = "gemm"
+            elif "triton" in target.lower() or "mosaic" in target.lower():
+                kinds[name] = f"kernel:{_kernel_name(line) or target}"
+            else:
+                kinds[name] = f"custom-call:{target}"
+        elif opcode == "fusion":
+            calls = re.search(r"calls=%?([\w.\-]+)", line)
+            gemm = "triton_gemm" in line or "cublas" in line.lower() or (calls and calls.group(1) in with_dot)
+            kinds[name] = "gemm" if gemm else "fusion"
+        elif any(op in line for op in _GEMM_OPS):
+            kinds[name] = "gemm"
+        else:
+            kinds[name] = opcode
+    return kinds
+
+
+def kind_table(rows: list[dict], kinds: dict[str, str]) -> list[dict]:
+    """`op_times` rows summed by `op_kinds` kind: [{"kind", "us_per_run", "events_per_run", "ops"}], largest
+    first; an op the module text does not name (e.g. a runtime copy) is "other". Containers (`CONTAINER_KINDS`:
+    a while loop's event spans its body's, which are counted themselves) are left out."""
+    table: dict[str, dict] = {}
+    for row in rows:
+        kind = kinds.get(row["op"], "other")
+        if kind in CONTAINER_KINDS:
+            continue
+        entry = table.setdefault(kind, {"kind": kind, "us_per_run": 0.0, "events_per_run": 0.0, "ops": 0})
+        entry["us_per_run"] += row["us_per_run"]
+        entry["events_per_run"] += row["events_per_run"]
+        entry["ops"] += 1
+    return sorted(table.values(), key=lambda r: -r["us_per_run"])
+
+
+def format_kind_table(table: list[dict]) -> str:
+    """`kind_table`'s rows: time per run (us), share, launches per run, distinct ops."""
+    total = sum(r["us_per_run"] for r in table) or 1.0
+    return "\n".join(
+        f"  {r['us_per_run']:11.1f} us {100 * r['us_per_run'] / total:5.1f}%  x{r['events_per_run']:<7.1f} "
+        f"{r['ops']:4d} ops  {r['kind'][:60]}"
+        for r in table
+    )

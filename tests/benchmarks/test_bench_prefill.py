@@ -68,13 +68,16 @@ def test_bench_prefill_writes_a_row_per_context_and_chunk(tmp_path, capsys):
 
 
 def test_bench_prefill_runs_an_mla_moe_target(tmp_path):
-    """--shape k2-tiny: the DeepSeek-V3 / K2 path (random INT4 experts, MLA) chunked and whole."""
+    """--shape k2-tiny: the DeepSeek-V3 / K2 path (random INT4 experts, MLA) chunked and whole, profiled."""
     assert (
         main(
-            "--shape k2-tiny --layers 2 --contexts 24 --chunks 0,8 --repeats 1 --commit t --out".split()
+            "--shape k2-tiny --layers 2 --contexts 24 --chunks 0,8 --repeats 1 --profile-top 3 --commit t --out".split()
             + [str(tmp_path)]
         )
         == 0
     )
     rows = json.loads((tmp_path / "prefill_k2-tiny_t.json").read_text())["rows"]
     assert len(rows) == 2 and all("error" not in r and r["tflops"] > 0 for r in rows), rows
+    for row in rows:  # --profile-top: the device time by kind of op, GEMMs among them
+        kinds = {k["kind"]: k["us_per_run"] for k in row["profile"]["kinds"]}
+        assert kinds.get("gemm", 0) > 0 and row["profile"]["device_s"] > 0 and len(row["profile"]["ops"]) > 3

@@ -61,3 +61,63 @@ def test_profile_into_records_ops_and_timeline_or_the_error():
     assert len(row["good_profile"]) <= 2 and row["good_device_us"] > 0 and row["good_timeline"]["calls"] == 3
     profile_into(row, "bad", lambda x: x @ jnp.ones((3, 3)), sets, top=2)  # shapes do not match: recorded
     assert "bad_profile_error" in row and "bad_profile" not in row
+
+
+GPU_HLO = """HloModule jit_step
+
+%fused_dot (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,4]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,4]{1,0} dot(bf16[8,16]{1,0} %p0, bf16[16,4]{1,0} %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_add (p0.1: f32[8]) -> f32[8] {
+  %p0.1 = f32[8]{0} parameter(0)
+  ROOT %add.3 = f32[8]{0} add(f32[8]{0} %p0.1, f32[8]{0} %p0.1)
+}
+
+ENTRY %main (a: bf16[8,16], b: bf16[16,4], c: f32[8]) -> (bf16[8,4], f32[8]) {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %b = bf16[16,4]{1,0} parameter(1)
+  %c = f32[8]{0} parameter(2)
+  %gemm_fusion = bf16[8,4]{1,0} fusion(bf16[8,16]{1,0} %a, bf16[16,4]{1,0} %b), kind=kCustom, calls=%fused_dot
+  %loop_add_fusion = f32[8]{0} fusion(f32[8]{0} %c), kind=kLoop, calls=%fused_add
+  %custom-call.7 = (bf16[8,4]{1,0}, s8[0]{0}) custom-call(bf16[8,16]{1,0} %a, bf16[16,4]{1,0} %b), custom_call_target="__cublas$gemm"
+  %custom-call.9 = f32[8]{0} custom-call(f32[8]{0} %c), custom_call_target="__gpu$xla.gpu.triton", backend_config={\"name\": \"moe_decode_gate_up\", \"ir\": \"...\"}
+  %custom-call.11 = f32[8]{0} custom-call(f32[8]{0} %c), custom_call_target="mosaic_gpu_v2", backend_config={"name": "mla_tree_attention"}
+  %while.4 = (s32[], f32[8]{0}) while((s32[], f32[8]{0}) %t), condition=%cond, body=%body
+  %copy.2 = f32[8]{0} copy(f32[8]{0} %c)
+  ROOT %tuple = (bf16[8,4]{1,0}, f32[8]{0}) tuple(bf16[8,4]{1,0} %gemm_fusion, f32[8]{0} %loop_add_fusion)
+}
+"""
+
+
+def test_op_kinds_names_gemms_kernels_and_fusions():
+    from benchmarks.op_profile import kind_table, op_kinds
+
+    kinds = op_kinds(GPU_HLO)
+    assert kinds["gemm_fusion"] == "gemm" and kinds["custom-call.7"] == "gemm"
+    assert kinds["loop_add_fusion"] == "fusion"
+    assert kinds["custom-call.9"] == "kernel:moe_decode_gate_up"
+    assert kinds["custom-call.11"] == "kernel:mla_tree_attention"
+    assert kinds["while.4"] == "while" and kinds["copy.2"] == "copy"
+    rows = [
+        {"op": "gemm_fusion", "us_per_run": 3.0, "events_per_run": 1.0},
+        {"op": "custom-call.7", "us_per_run": 2.0, "events_per_run": 2.0},
+        {"op": "loop_add_fusion", "us_per_run": 4.0, "events_per_run": 1.0},
+        {"op": "while.4", "us_per_run": 50.0, "events_per_run": 1.0},  # a container: its body is counted itself
+        {"op": "unnamed.1", "us_per_run": 1.0, "events_per_run": 1.0},
+    ]
+    table = {r["kind"]: r for r in kind_table(rows, kinds)}
+    assert set(table) == {"gemm", "fusion", "other"}
+    assert table["gemm"]["us_per_run"] == 5.0 and table["gemm"]["events_per_run"] == 3.0 and table["gemm"]["ops"] == 2
+
+
+def test_op_kinds_of_a_compiled_program_cover_what_it_launches():
+    from benchmarks.op_profile import kind_table, op_kinds
+
+    fn = jax.jit(lambda a, b: jnp.tanh(a @ b).sum(0) + jnp.sort(a[0]))
+    args = (jnp.ones((64, 64)), jnp.ones((64, 64)) * 0.5)
+    kinds = op_kinds(fn.lower(*args).compile().as_text())
+    table = {r["kind"]: r for r in kind_table(op_times(fn, *args, runs=1), kinds)}
+    assert "gemm" in table and "sort" in table and "other" not in table, table
