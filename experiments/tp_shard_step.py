@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, markdown_table, write_result
 from benchmarks.k26_model import k26_config, random_int4_target
-from benchmarks.op_profile import format_op_table
+from benchmarks.op_profile import format_kind_table, format_op_table
 from ddtree_jax.analysis.roofline import step_cost
 from ddtree_jax.analysis.tp_shard import tp_shard_config
 from ddtree_jax.engine.drafters import DFlashDrafter
@@ -156,6 +156,8 @@ def main() -> None:
                 if args.profile_top:
                     print(
                         f"  profile: {row['device_us']:.0f} us of device time in {row['launches']:.0f} launches\n"
+                        + format_kind_table(row["op_kinds"])
+                        + "\n"
                         + format_op_table(row["op_profile"], top=args.profile_top),
                         flush=True,
                     )

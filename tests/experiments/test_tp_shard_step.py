@@ -23,6 +23,7 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     argv = ["tp_shard_step", "--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1"]
     argv += ["--methods", "ar,ddtree", "--budgets", "4", "--contexts", "32", "--batches", "1", "--repeats", "1"]
+    argv += ["--profile-top", "3"]
     monkeypatch.setattr(sys, "argv", argv)
     tp_shard_step.main()
     [(args, kwargs, (full, _, pair))] = built
@@ -38,3 +39,5 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         assert r["loop_steps"] == 16 and np.isfinite(r["loop_step_ms"])
         # the prediction rests on the step inside the on-device loop (no host dispatch)
         assert abs(r["predicted_tp_step_ms"] - r["loop_step_ms"] - r["collectives_ms"]) < 1e-9
+        # --profile-top: the step's device time by kind of op, GEMMs among them, and its largest ops
+        assert len(r["op_profile"]) == 3 and any(k["kind"] == "gemm" and k["us_per_run"] > 0 for k in r["op_kinds"])
