@@ -34,7 +34,7 @@ import numpy as np
 
 from ddtree_jax.checkpoint.child_head import load_child_head
 from ddtree_jax.engine.budget import fit_budget_policy
-from ddtree_jax.engine.run import Pair, benchmark, enable_compilation_cache, pair_dtype
+from ddtree_jax.engine.run import Pair, benchmark, enable_compilation_cache, load_dtype, pair_dtype
 from ddtree_jax.options import DecodeOptions
 from experiments.budget_sweep import device_label, summarise
 from experiments.held_out_prompts import load_prompts
@@ -328,11 +328,14 @@ def study(
     progress: bool = True,
     commit: str | None = None,
     on_partial=None,
+    dtype: str = "float32",
 ) -> dict:
     """The whole study on the pair at `pair_dir` (default `studies.pair_root()`); unset settings from FULL (or
     SMALL). tau: the acceptance part; timing: the end-to-end tokens/s and the cost-aware budget (GPU).
     on_partial(result): called with the result so far after each tau row and each timing stage (the CLI writes
-    it, so a run cut short keeps what it measured)."""
+    it, so a run cut short keeps what it measured). dtype: the pair's weights, "float32" (the studies' default),
+    "bfloat16" or "auto" (`dispatch.weights_dtype`: the checkpoint's on GPU, bf16 for the embedded pair, as
+    `bench_e2e` times it; float32 elsewhere)."""
     base = dict(SMALL if small else FULL)
     if auto_budgets is not None:
         base["auto_budgets"] = tuple(auto_budgets)
@@ -354,6 +357,7 @@ def study(
         prompt_len=base["prompt_len"],
         max_new=base["max_new"],
         prompt_seed=prompt_seed,
+        dtype=load_dtype(dtype),
     )
     cond_pair = head_pair(pair, root)
     stop = eos_stop_tokens(pair)
@@ -378,6 +382,7 @@ def study(
                 "tau": tau,
                 "timing": timing,
                 "small": small,
+                "dtype": dtype,
             },
             "rows": rows,
             "timing": timing_out,
@@ -449,7 +454,7 @@ def merge_results(results: list[dict]) -> dict:
         timing=any(s["timing"] for s in settings),
         parts=[
             {
-                **{k: s[k] for k in ("budgets", "temperatures", "tau", "timing", "repeats") if k in s},
+                **{k: s[k] for k in ("budgets", "temperatures", "tau", "timing", "repeats", "dtype") if k in s},
                 **{k: res.get(k) for k in ("device", "commit", "date")},
             }
             for s, res in zip(settings, results)
@@ -636,6 +641,12 @@ def main(argv=None) -> int:
     parser.add_argument("--auto-budgets", default=None, help="the cost-aware budget's set (default 16,32,64,128,256)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per column (default 3)")
     parser.add_argument("--small", action="store_true", help="the seconds-on-CPU settings (tiny pairs, tests)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "auto"),
+        help="the pair's weights (default float32; auto: the checkpoint's on GPU, bf16 for the embedded pair, as bench_e2e)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--commit", default=None, help="the code commit to record")
@@ -675,6 +686,7 @@ def main(argv=None) -> int:
             progress=not args.no_progress,
             commit=args.commit,
             on_partial=lambda partial: write_json(partial, args.out),
+            dtype=args.dtype,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

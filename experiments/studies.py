@@ -50,8 +50,10 @@ def pair_dirs(root: str | None = None) -> tuple[str, str]:
     return os.path.join(root, "target"), os.path.join(root, "drafter")
 
 
-def load_study_pair(target_dir: str | None = None, drafter_dir: str | None = None) -> Pair:
-    """`engine.run.load_pair` with the studies' defaults and a clear message when the pair is missing."""
+def load_study_pair(target_dir: str | None = None, drafter_dir: str | None = None, dtype=jnp.float32) -> Pair:
+    """`engine.run.load_pair` with the studies' defaults (float32 weights unless `dtype` says otherwise: a jnp
+    dtype, or "auto" for the checkpoint's own, bf16 for the embedded pair) and a clear message when the pair is
+    missing."""
     default_target, default_drafter = pair_dirs()
     target_dir, drafter_dir = target_dir or default_target, drafter_dir or default_drafter
     for role, path in (("target", target_dir), ("drafter", drafter_dir)):
@@ -61,7 +63,7 @@ def load_study_pair(target_dir: str | None = None, drafter_dir: str | None = Non
                 f"configs/train_default.json --out checkpoints/embedded; configs/train_tiny.json for a CPU toy) or "
                 f"point {PAIR_ENV} / --target / --drafter at one."
             )
-    pair = load_pair(target_dir, drafter_dir)
+    pair = load_pair(target_dir, drafter_dir, dtype)
     if pair.tokenizer is None:
         raise ValueError(f"the target directory {target_dir!r} has no tokenizer (tokenizer.json)")
     return pair
@@ -350,14 +352,15 @@ def setup(
     max_new: int,
     prompt_seed: int = 0,
     min_continuation: int | None = None,
+    dtype=jnp.float32,
 ) -> tuple[Pair, list[dict], dict]:
     """(pair, held-out prompts, pair summary) for a study: the pair from `load_study_pair`, `num_prompts`
     prompts of `prompt_len` tokens from its held-out files (`held_out_prompts.load_prompts`, followed by at
     least `max_new` tokens of real text unless `min_continuation` says otherwise), a warning when prompt +
-    max_new runs past the training sequence length."""
+    max_new runs past the training sequence length. dtype: the weights' (`load_study_pair`)."""
     default_target, default_drafter = pair_dirs()
     target_dir, drafter_dir = target_dir or default_target, drafter_dir or default_drafter
-    pair = load_study_pair(target_dir, drafter_dir)
+    pair = load_study_pair(target_dir, drafter_dir, dtype)
     root = os.path.dirname(os.path.abspath(target_dir))
     check_span(root, prompt_len, max_new)
     prompts = load_prompts(

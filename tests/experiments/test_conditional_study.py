@@ -64,6 +64,7 @@ def test_spine_accounting(result):
 @pytest.mark.slow
 def test_timing_and_the_cost_aware_budget_report(result):
     settings = result["settings"]
+    assert settings["dtype"] == "float32"  # the studies' default weights (--dtype auto: the checkpoint's on GPU)
     assert sorted({r["temperature"] for r in result["timing"]}) == list(settings["timing_temperatures"])
     for t in settings["timing_temperatures"]:
         timed = [r for r in result["timing"] if r["temperature"] == t]
