@@ -190,7 +190,8 @@ def main(argv=None) -> int:
         "--profile-top",
         type=int,
         default=0,
-        help="also profile each row: device time by kind of op and its N largest ops",
+        help="also profile each row: device time by kind of op and its N largest ops (on GPU run with "
+        "XLA_FLAGS=--xla_gpu_enable_command_buffer= to see the kernels inside XLA's CUDA graphs)",
     )
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -203,7 +203,9 @@ def profile_into(row: dict, name: str, fn, sets: list[tuple], top: int) -> None:
 
 
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([\w\-]+)\(")
-CONTAINER_KINDS = ("while", "conditional", "call")  # their events (CPU thunks) span their bodies' ops
+CONTAINER_KINDS = ("while", "conditional", "call")
+# a CUDA graph XLA built (no HLO instruction of that name): its kernels are not seen one by one
+COMMAND_BUFFER = "command buffer (XLA_FLAGS=--xla_gpu_enable_command_buffer= shows its kernels)"  # their events (CPU thunks) span their bodies' ops
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) (?:\(.*\) -> .*)?\{\s*$")
 _GEMM_OPS = (" dot(", " convolution(", " ragged-dot(")
 
@@ -261,11 +263,12 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
 
 def kind_table(rows: list[dict], kinds: dict[str, str]) -> list[dict]:
     """`op_times` rows summed by `op_kinds` kind: [{"kind", "us_per_run", "events_per_run", "ops"}], largest
-    first; an op the module text does not name (e.g. a runtime copy) is "other". Containers (`CONTAINER_KINDS`:
+    first; an op the module text does not name is "other", or `COMMAND_BUFFER` for XLA's CUDA graphs (a traced
+    program may keep them: the K2.6 prefill's loop ran as 5 command buffers under the profiler). Containers (`CONTAINER_KINDS`:
     a while loop's event spans its body's, which are counted themselves) are left out."""
     table: dict[str, dict] = {}
     for row in rows:
-        kind = kinds.get(row["op"], "other")
+        kind = kinds.get(row["op"], COMMAND_BUFFER if row["op"].startswith("command_buffer") else "other")
         if kind in CONTAINER_KINDS:
             continue
         entry = table.setdefault(kind, {"kind": kind, "us_per_run": 0.0, "events_per_run": 0.0, "ops": 0})

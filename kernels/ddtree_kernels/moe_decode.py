@@ -43,9 +43,11 @@ Bytes read per call (each chosen expert once; a repeated one again, from L2 if l
   gate_up: A x 2 x I x (H / 2 + H / 32 x scale bytes), down: A x H x (I / 2 + I / 32 x scale bytes);
   Kimi K2.6 TP8 shard (I = 256, H = 7168, bf16 scales), A = 8: 16.5 + 8.3 MB (codes alone 22.0 MB):
   ~5.8 us at a 4.3 TB/s copy roof; full width (I = 2048): 132 + 66 MB (~46 us).
-Default tiles (`GATE_UP_TILES`, `DOWN_TILES`; not yet measured on the GPU: `benchmarks/bench_moe_decode.py
---sweep` times alternatives): gate_up BN = 32, BK = 512 (at the shard and one token: 8 x 8 tiles x 4 K
-splits = 256 programs; full width: 64 x 8 = 512, S = 1); down BN = 32 (224 programs), BK = 512 (<= I).
+Default tiles (`GATE_UP_TILES`, `DOWN_TILES`; chosen by `benchmarks/bench_moe_decode.py --quick --sweep` on
+the H200, device time at the TP8 shard's width): gate_up BN = 16, BK = 1024 (one token: 16 column tiles x 8
+assignments x 2 K splits = 256 programs, 16.9 us against 18.1 for BN = 32 / BK = 512; four tokens: 16 x 32 =
+512 programs, S = 1, 34.7 against 56.8 us); down BN = 32 (224 programs), BK = 512 (<= I; every swept tiling
+within 8% of it).
 
 Constraints: INT4 `quant.Int4Weight` experts (group 32), H and I multiples of 32; x bf16 or float32
 (float32 is computed in float32 throughout; bf16 loads are widened to float32, no bf16 rounding of the
@@ -98,7 +100,7 @@ class DecodeTiles:
             raise ValueError(f"{name}: num_warps and num_stages must be >= 1, got {self.num_warps}, {self.num_stages}")
 
 
-GATE_UP_TILES = DecodeTiles(block_n=32, block_k=512, splits=None, num_warps=4, num_stages=3)
+GATE_UP_TILES = DecodeTiles(block_n=16, block_k=1024, splits=None, num_warps=4, num_stages=3)
 DOWN_TILES = DecodeTiles(block_n=32, block_k=512, splits=1, num_warps=4, num_stages=4)
 
 

@@ -93,7 +93,7 @@ ENTRY %main (a: bf16[8,16], b: bf16[16,4], c: f32[8]) -> (bf16[8,4], f32[8]) {
 
 
 def test_op_kinds_names_gemms_kernels_and_fusions():
-    from benchmarks.op_profile import kind_table, op_kinds
+    from benchmarks.op_profile import COMMAND_BUFFER, kind_table, op_kinds
 
     kinds = op_kinds(GPU_HLO)
     assert kinds["gemm_fusion"] == "gemm" and kinds["custom-call.7"] == "gemm"
@@ -107,9 +107,10 @@ def test_op_kinds_names_gemms_kernels_and_fusions():
         {"op": "loop_add_fusion", "us_per_run": 4.0, "events_per_run": 1.0},
         {"op": "while.4", "us_per_run": 50.0, "events_per_run": 1.0},  # a container: its body is counted itself
         {"op": "unnamed.1", "us_per_run": 1.0, "events_per_run": 1.0},
+        {"op": "command_buffer_39", "us_per_run": 7.0, "events_per_run": 9.0},  # a CUDA graph: no HLO name
     ]
     table = {r["kind"]: r for r in kind_table(rows, kinds)}
-    assert set(table) == {"gemm", "fusion", "other"}
+    assert set(table) == {"gemm", "fusion", "other", COMMAND_BUFFER}
     assert table["gemm"]["us_per_run"] == 5.0 and table["gemm"]["events_per_run"] == 3.0 and table["gemm"]["ops"] == 2
 
 
