@@ -15,7 +15,8 @@ Targets: each matmul >= 80% of the copy bandwidth for M <= 65.
 
 `--grouped-sweep 1,4,9,17` instead times the grouped INT4 kernel's tilings (`SWEEP_TILES`: column
 width, K step, split-K, warps, stages) on the K2.6 gate and down expert shapes at those token counts,
-printing the default against the best per case.
+printing the default against the best per case (GB/s, and TFLOP/s: `--grouped-sweep 2048 --grouped-tiles
+prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments).
 
 Usage: python -m benchmarks.bench_matmul --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
        python -m benchmarks.bench_matmul --commit C --grouped-sweep 1,4,9,17
@@ -95,6 +96,20 @@ SWEEP_TILES = [
 ]
 
 
+# `--grouped-tiles prefill`: wider K steps (each INT4 K step is 8 dots of K / 8 over the nibble planes), wider
+# columns and more warps, for prefill chunks (2,048 tokens x top-8 over 384 experts: ~43 rows an expert)
+PREFILL_SWEEP_TILES = [
+    GroupedTiles(),
+    GroupedTiles(block_n=128, block_k=512),
+    GroupedTiles(block_n=128, block_k=1024, num_warps=8),
+    GroupedTiles(block_n=256, block_k=512, num_warps=8),
+    GroupedTiles(block_n=64, block_k=512),
+    GroupedTiles(block_n=128, block_k=512, num_warps=8, num_stages=4),
+    GroupedTiles(block_n=64, block_k=1024),
+    GroupedTiles(block_n=256, block_k=1024, num_warps=8, num_stages=2),
+]
+
+
 def grouped_sweep(
     tokens_list,
     copy_bw: float,
@@ -136,17 +151,19 @@ def grouped_sweep(
                     "num_warps": tiles.num_warps,
                     "num_stages": tiles.num_stages,
                     "us": seconds * 1e6,
+                    "TFLOPs": 2 * assign * n * k / seconds / 1e12,  # prefill sizes are compute-bound
                     "GBps": nbytes / seconds / 1e9,
                     "of_copy": nbytes / seconds / copy_bw,
                 }
                 rows.append(row)
-                write_result("grouped_sweep", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
+                write_result(f"grouped_sweep_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
             best = min((r for r in rows if r["projection"] == proj and r["T"] == tokens), key=lambda r: r["us"])
             case = rows[-len(tiles_list) :]  # this case's rows, in tiles_list order
             default = next((r for r, t in zip(case, tiles_list) if t == GroupedTiles()), best)
             print(
                 f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
-                f"({100 * default['of_copy']:4.0f}% of copy); best {best['us']:8.1f} us ({100 * best['of_copy']:4.0f}%) at "
+                f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "
+                f"({100 * best['of_copy']:4.0f}%, {best['TFLOPs']:.0f} TFLOP/s) at "
                 f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
                 f"stages {best['num_stages']}",
                 flush=True,
@@ -166,6 +183,12 @@ def main() -> None:
         help="only sweep the grouped INT4 kernel's tilings at these "
         "token counts (e.g. 1,4,9,17; K2.6 gate and down projections)",
     )
+    parser.add_argument(
+        "--grouped-tiles",
+        default="decode",
+        choices=("decode", "prefill"),
+        help="the tilings --grouped-sweep times: SWEEP_TILES (decode) or PREFILL_SWEEP_TILES (e.g. --grouped-sweep 2048)",
+    )
     args = parser.parse_args()
     if args.grouped_sweep:
         copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
@@ -173,7 +196,13 @@ def main() -> None:
             f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s",
             flush=True,
         )
-        grouped_sweep([int(t) for t in args.grouped_sweep.split(",")], copy_bw, jax.random.key(1), args.commit)
+        grouped_sweep(
+            [int(t) for t in args.grouped_sweep.split(",")],
+            copy_bw,
+            jax.random.key(1),
+            args.commit,
+            tiles_list=PREFILL_SWEEP_TILES if args.grouped_tiles == "prefill" else SWEEP_TILES,
+        )
         return
     rows_list = [1, 17] if args.quick else [int(m) for m in args.rows.split(",")]
     copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")

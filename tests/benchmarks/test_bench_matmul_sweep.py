@@ -1,0 +1,21 @@
+"""benchmarks/bench_matmul.py --grouped-sweep on a tiny expert shape (CPU, interpret mode): one row per
+tiling with its time, TFLOP/s and the plan's splits, the JSON written."""
+
+import json
+
+import jax
+
+from benchmarks.bench_matmul import PREFILL_SWEEP_TILES, grouped_sweep
+
+
+def test_grouped_sweep_rows_per_tiling(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    tiles = PREFILL_SWEEP_TILES[:2]
+    rows = grouped_sweep(
+        [4], float("nan"), jax.random.key(0), "t", tiles_list=tiles, experts=8, projections=(("gate", 64, 512),)
+    )
+    assert [(r["block_n"], r["block_k"]) for r in rows] == [(t.block_n, t.block_k) for t in tiles]
+    for r in rows:
+        assert r["assignments"] == 32 and r["us"] > 0 and r["splits"] == 1  # K = 512: 1-2 K tiles, too few to split
+        assert abs(r["TFLOPs"] - 2 * 32 * 64 * 512 / (r["us"] * 1e-6) / 1e12) < 1e-9
+    assert len(json.loads((tmp_path / "grouped_sweep_t.json").read_text())["rows"]) == 2
