@@ -96,17 +96,18 @@ SWEEP_TILES = [
 ]
 
 
-# `--grouped-tiles prefill`: wider K steps (each INT4 K step is 8 dots of K / 8 over the nibble planes), wider
-# columns and more warps, for prefill chunks (2,048 tokens x top-8 over 384 experts: ~43 rows an expert)
+# `--grouped-tiles prefill`, for prefill chunks (2,048 tokens x top-8 over 384 experts: ~43 rows an expert): the
+# one-dot form (each K step one dot over the 8 nibble planes side by side, not 8 dots of K / 8), wider K steps
+# and columns, more warps
 PREFILL_SWEEP_TILES = [
     GroupedTiles(),
+    GroupedTiles(one_dot=True),
+    GroupedTiles(block_n=128, block_k=512, num_warps=8, one_dot=True),
+    GroupedTiles(block_n=128, block_k=1024, num_warps=8, one_dot=True),
+    GroupedTiles(block_n=256, block_k=512, num_warps=8, one_dot=True),
+    GroupedTiles(block_n=64, block_k=512, one_dot=True),
     GroupedTiles(block_n=128, block_k=512),
     GroupedTiles(block_n=128, block_k=1024, num_warps=8),
-    GroupedTiles(block_n=256, block_k=512, num_warps=8),
-    GroupedTiles(block_n=64, block_k=512),
-    GroupedTiles(block_n=128, block_k=512, num_warps=8, num_stages=4),
-    GroupedTiles(block_n=64, block_k=1024),
-    GroupedTiles(block_n=256, block_k=1024, num_warps=8, num_stages=2),
 ]
 
 

@@ -294,13 +294,17 @@ class GroupedTiles:
     """The grouped kernel's tiling. block_n: output columns per program; block_k: contraction elements per
     step (INT4: a multiple of 256; FP8: 128, one scale per tile); splits: K splits (split-K), None =
     DECODE_SPLITS up to DECODE_ROWS rows, else 1 (the f32 partial sums are splits x rows x N: small only
-    at decode sizes); num_warps / num_stages: Triton's."""
+    at decode sizes); num_warps / num_stages: Triton's. one_dot (INT4 only): each K step is one dot of
+    K = block_k (the tile's 8 nibble planes dequantised side by side into one [block_n, block_k] tile, the
+    activations laid out to match: within each block_k tile plane-major) instead of 8 dots of K = block_k / 8,
+    one per plane (the default: no relayout of the activations)."""
 
     block_n: int = GROUPED_BLOCK_N
     block_k: int = BLOCK_K
     splits: int | None = None
     num_warps: int = 4
     num_stages: int = 3
+    one_dot: bool = False
 
     def check(self, kind: str) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -330,9 +334,11 @@ def _grouped_kernel(
     block_k: int,
     k_per_split: int,
     precision,
+    one_dot: bool = False,
 ):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
-    # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4)
+    # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
+    #   [A_pad, K_pad], each block_k tile's columns plane-major: column j * block_k / 8 + w holds k = 8 w + j)
     # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
     #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place
     # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows
@@ -360,6 +366,13 @@ def _grouped_kernel(
                     other=0.0,
                 ).astype(jnp.float32)
                 scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
+                if one_dot:  # the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot of K = BK
+                    shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
+                    codes = (packed[:, None, :] >> shifts) & 0xF
+                    w = ((codes - 8).astype(jnp.float32) * scale[:, None, :]).astype(x_ref.dtype)
+                    return acc + _dot_t(
+                        x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.reshape(block_n, block_k), precision
+                    )
                 for plane in range(8):
                     w = ((((packed >> (4 * plane)) & 0xF) - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
                     acc = acc + _dot_t(x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)], w, precision)
@@ -451,7 +464,11 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     a_pad = rows + block_m  # a tile may read block_m rows from its first row
     x_pad = jnp.pad(x, ((0, a_pad - rows), (0, k_pad - k)))
     n_tiles = pl.cdiv(n, tiles.block_n)
-    if kind == "int4":
+    one_dot = kind == "int4" and tiles.one_dot
+    if one_dot:  # within each K tile plane-major (the kernel's one_dot layout)
+        tiled = x_pad.reshape(a_pad, k_pad // tiles.block_k, tiles.block_k // 8, 8).transpose(0, 1, 3, 2)
+        inputs = (tiled.reshape(a_pad, k_pad), weight.packed, weight.scale)
+    elif kind == "int4":
         inputs = (x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1), weight.packed, weight.scale)
     elif kind == "fp8":
         inputs = (x_pad, weight.weight, weight.scale_inv)
@@ -468,6 +485,7 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             block_k=tiles.block_k,
             k_per_split=k_per_split,
             precision=precision,
+            one_dot=one_dot,
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],

@@ -10,7 +10,7 @@ from benchmarks.bench_matmul import PREFILL_SWEEP_TILES, grouped_sweep
 
 def test_grouped_sweep_rows_per_tiling(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
-    tiles = PREFILL_SWEEP_TILES[:2]
+    tiles = PREFILL_SWEEP_TILES[:2]  # the decode default and its one-dot form
     rows = grouped_sweep(
         [4], float("nan"), jax.random.key(0), "t", tiles_list=tiles, experts=8, projections=(("gate", 64, 512),)
     )

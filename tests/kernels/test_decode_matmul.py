@@ -135,6 +135,28 @@ def test_grouped_tilings_and_split_k_match_the_reference(kind, tiles):
     assert splits == min(tiles.splits, 3)
 
 
+@pytest.mark.parametrize("rows", [1, 40, 150])
+@pytest.mark.parametrize(
+    "tiles",
+    [GroupedTiles(block_n=32, splits=1, one_dot=True), GroupedTiles(block_n=64, block_k=512, splits=2, one_dot=True)],
+)
+def test_grouped_one_dot_int4_matches_the_reference(rows, tiles):
+    """one_dot: each K step one dot over the 8 nibble planes side by side (activations relaid plane-major within
+    each K tile): crowded and empty experts, a ragged K edge (K = 3 tiles - 96), split K."""
+    rng = np.random.default_rng(rows + tiles.block_n)
+    experts, n, k = 6, 2 * tiles.block_n + 3, 3 * tiles.block_k - 96
+    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
+    if rows >= 40:
+        sizes[0] += sizes[1:3].sum()
+        sizes[1:3] = 0
+    w = _expert_weights(rng, experts, n, k, "int4")
+    for dtype, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)):
+        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+        got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes), tiles=tiles), np.float32)
+        ref = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(sizes)), np.float32)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < tol, dtype
+
+
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
 def test_grouped_reads_one_layer_of_stacked_weights_in_place(kind):
     """layer=: every layer's experts stacked [L, E, N, K], the layer a traced scalar (as in a scan)."""

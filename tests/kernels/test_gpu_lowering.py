@@ -7,6 +7,8 @@ failures show up in CI, not first on the GPU. It reaches into jax._src (private)
 moves.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -80,7 +82,7 @@ def test_decode_matmul_lowers_for_triton(hopper, kind):
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
 def test_grouped_matmul_lowers_for_triton(hopper, kind):
-    from ddtree_kernels.decode_matmul import _grouped_2d, default_grouped_tiles
+    from ddtree_kernels.decode_matmul import GroupedTiles, _grouped_2d, default_grouped_tiles
     from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 
     experts, n, k = 384, 2048, 7168  # Kimi K2.6 experts
@@ -94,7 +96,10 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
             spec((layers, experts, n, k), jnp.float8_e4m3fn), spec((layers, experts, n // 128, k // 128), jnp.float32)
         ),
     }[kind]
-    for rows in (8, 136):  # one token (split-K), a budget-16 tree
+    tilings = [default_grouped_tiles(weight)]
+    if kind == "int4":  # the one-dot form (8 nibble planes side by side), at a prefill chunk's tiling too
+        tilings += [GroupedTiles(one_dot=True), GroupedTiles(block_n=128, block_k=1024, num_warps=8, one_dot=True)]
+    for rows, tiles in itertools.product((8, 136, 16384), tilings):  # one token (split-K), a tree, a prefill chunk
         text = (
             _grouped_2d.trace(
                 spec((rows, k), jnp.bfloat16),
@@ -102,7 +107,7 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
                 spec((experts,), jnp.int32),
                 spec((), jnp.int32),
                 interpret=False,
-                tiles=default_grouped_tiles(weight),
+                tiles=tiles,
             )
             .lower(lowering_platforms=("cuda",))
             .as_text()
