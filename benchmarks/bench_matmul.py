@@ -25,6 +25,7 @@ Usage: python -m benchmarks.bench_matmul --commit $(git rev-parse --short HEAD) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,12 @@ PREFILL_SWEEP_TILES = [
 ]
 
 
+def tile_fields(row: dict) -> dict:
+    """The `GroupedTiles` fields of a sweep row (its splits: None where the plan's rule chose them)."""
+    fields = {f.name: row[f.name] for f in dataclasses.fields(GroupedTiles) if f.name in row}
+    return fields | {"splits": None if row.get("splits_rule") else row["splits"]}
+
+
 def grouped_sweep(
     tokens_list,
     copy_bw: float,
@@ -136,8 +143,13 @@ def grouped_sweep(
             nbytes = distinct * n * k * (0.5 + 2 / 32)
             xs = jax.random.normal(key, (REPS, assign, k), jnp.bfloat16)
             for tiles in tiles_list:
-                seconds = _timed(lambda x, w, tiles=tiles: grouped_matmul(x, w, sizes, tiles=tiles), xs, weight)
                 splits = grouped_plan(assign, experts, n, k, tiles)[2]
+                try:
+                    seconds = _timed(lambda x, w, tiles=tiles: grouped_matmul(x, w, sizes, tiles=tiles), xs, weight)
+                except Exception as err:  # noqa: BLE001 - a tiling that fails to compile or run is a result
+                    rows.append({"projection": proj, "T": tokens, **dataclasses.asdict(tiles), "error": str(err)[:300]})
+                    print(f"grouped {proj} T={tokens} {tiles}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                    continue
                 row = {
                     "projection": proj,
                     "N": n,
@@ -151,6 +163,7 @@ def grouped_sweep(
                     "splits_rule": tiles.splits is None,
                     "num_warps": tiles.num_warps,
                     "num_stages": tiles.num_stages,
+                    "one_dot": tiles.one_dot,
                     "us": seconds * 1e6,
                     "TFLOPs": 2 * assign * n * k / seconds / 1e12,  # prefill sizes are compute-bound
                     "GBps": nbytes / seconds / 1e9,
@@ -158,15 +171,17 @@ def grouped_sweep(
                 }
                 rows.append(row)
                 write_result(f"grouped_sweep_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
-            best = min((r for r in rows if r["projection"] == proj and r["T"] == tokens), key=lambda r: r["us"])
-            case = rows[-len(tiles_list) :]  # this case's rows, in tiles_list order
-            default = next((r for r, t in zip(case, tiles_list) if t == GroupedTiles()), best)
+            case = [r for r in rows if r["projection"] == proj and r["T"] == tokens and "us" in r]
+            if not case:
+                continue
+            best = min(case, key=lambda r: r["us"])
+            default = next((r for r in case if GroupedTiles(**tile_fields(r)) == GroupedTiles()), best)
             print(
                 f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
                 f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "
                 f"({100 * best['of_copy']:4.0f}%, {best['TFLOPs']:.0f} TFLOP/s) at "
                 f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
-                f"stages {best['num_stages']}",
+                f"stages {best['num_stages']} one_dot {best['one_dot']}",
                 flush=True,
             )
     return rows

@@ -19,3 +19,11 @@ def test_grouped_sweep_rows_per_tiling(tmp_path, monkeypatch):
         assert r["assignments"] == 32 and r["us"] > 0 and r["splits"] == 1  # K = 512: 1-2 K tiles, too few to split
         assert abs(r["TFLOPs"] - 2 * 32 * 64 * 512 / (r["us"] * 1e-6) / 1e12) < 1e-9
     assert len(json.loads((tmp_path / "grouped_sweep_t.json").read_text())["rows"]) == 2
+
+
+def testtile_fields_read_back_the_tiling():
+    from benchmarks.bench_matmul import SWEEP_TILES, GroupedTiles, tile_fields
+
+    for tiles in SWEEP_TILES + PREFILL_SWEEP_TILES:
+        row = {**vars(tiles), "splits": tiles.splits or 3, "splits_rule": tiles.splits is None}
+        assert GroupedTiles(**tile_fields(row)) == tiles
