@@ -8,9 +8,11 @@ machinery costs: the larger tree, the surrogates and the choice, the switch.
 
 Variants (DDTree, the forced budget b = --budget, default 64), each one compiled `generate`:
   fixed             no policy, budget b
-  policy b          policy (b,): the surrogates and the choice, a one-branch switch, the tree at b
+  policy b          policy (b,): the surrogates and the choice, the tree at b, no switch (a one-branch
+                    `lax.switch` is a plain call)
   policy lo,b       policy (b / 4, b): a two-branch switch, the tree at b
-  policy all        policy (b / 4, b / 2, b, 2 b): the tree at 2 b, a four-branch switch (the study's set)
+  policy all        policy (b / 4, b / 2, b, 2 b): the tree at 2 b, a four-branch switch (at b = 64 the
+                    float32 study's set)
   fixed 2b          no policy, budget 2 b: the larger tree's cost, verified at 2 b (for scale)
 Step time: `engine.budget.time_short_long` (each prompt alone, B = 1, every row stopped after `--short` and
 after `--long` new tokens, no stop tokens: the difference of the two wall times over the difference of their
@@ -35,7 +37,14 @@ from benchmarks.bench_e2e import PAIR_DIR, PROMPTS, load_prompt_ids
 from benchmarks.common import device_description, markdown_table, write_result
 from ddtree_jax.engine.budget import time_short_long
 from ddtree_jax.engine.generate import generate
-from ddtree_jax.engine.run import generate_static, load_dtype, load_pair, request_args, resolve_block_size
+from ddtree_jax.engine.run import (
+    DTYPE_CHOICES,
+    generate_static,
+    load_dtype,
+    load_pair,
+    request_args,
+    resolve_block_size,
+)
 from ddtree_jax.options import BudgetPolicy, DecodeOptions
 
 
@@ -93,7 +102,9 @@ def main(argv=None) -> int:
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="the pair's weights (auto: the checkpoint's on GPU)"
+    )
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
     if not 1 <= args.short < args.long:

@@ -158,8 +158,9 @@ def bench_case(
         row["op_profile"] = ops[:profile_top]
         row["op_kinds"] = kind_table(ops, op_kinds(step.as_text()))  # by kind: GEMMs, each kernel, fusions
         # one step as a timeline: its span on the device and the idle gaps between launches inside it. Traced, the
-        # step runs without command buffers (XLA turns them off under the profiler): the gaps are those of kernels
-        # launched one by one, an upper bound on a CUDA graph's
+        # step usually runs without command buffers (XLA turns them off under the profiler, though a traced program
+        # may keep some: op_profile.COMMAND_BUFFER): the gaps are those of kernels launched one by one, an upper
+        # bound on a CUDA graph's
         gaps = timeline_gaps(device_timeline(step, *step_args))
         row["device_span_us"] = gaps["span_ns"] / 1e3
         row["device_idle_us"] = gaps["idle_ns"] / 1e3

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
-from ddtree_kernels.decode_matmul import GroupedTiles, grouped_matmul, grouped_plan, matmul
+from ddtree_kernels.decode_matmul import GroupedTiles, fit_grouped_tiles, grouped_matmul, grouped_plan, matmul
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
 
 REPS = 10
@@ -97,18 +97,19 @@ SWEEP_TILES = [
 ]
 
 
-# `--grouped-tiles prefill`, for prefill chunks (2,048 tokens x top-8 over 384 experts: ~43 rows an expert): the
-# one-dot form (each K step one dot over the 8 nibble planes side by side, not 8 dots of K / 8), wider K steps
-# and columns, more warps
+# `--grouped-tiles prefill`, for prefill chunks (2,048 tokens x top-8 over 384 experts: ~43 rows an expert, 64-row
+# tiles): the one-dot form (each K step one dot over the 8 nibble planes side by side, not 8 dots of K / 8), more
+# warps, other column widths; each as it fits the shared memory at 64 rows (`fit_grouped_tiles`: 512-wide K steps
+# take 2 stages, 256-wide up to 4; the sweep records the fitted tiling)
 PREFILL_SWEEP_TILES = [
     GroupedTiles(),
     GroupedTiles(one_dot=True),
-    GroupedTiles(block_n=128, block_k=512, num_warps=8, one_dot=True),
-    GroupedTiles(block_n=128, block_k=1024, num_warps=8, one_dot=True),
-    GroupedTiles(block_n=256, block_k=512, num_warps=8, one_dot=True),
-    GroupedTiles(block_n=64, block_k=512, one_dot=True),
-    GroupedTiles(block_n=128, block_k=512),
-    GroupedTiles(block_n=128, block_k=1024, num_warps=8),
+    GroupedTiles(num_warps=8, one_dot=True),
+    GroupedTiles(block_k=512, num_warps=8, num_stages=2, one_dot=True),
+    GroupedTiles(block_n=64, num_stages=4, one_dot=True),
+    GroupedTiles(block_n=256, num_warps=8, one_dot=True),
+    GroupedTiles(block_k=512, num_warps=8, num_stages=2),
+    GroupedTiles(block_n=64, block_k=512, num_stages=2, one_dot=True),
 ]
 
 
@@ -142,7 +143,15 @@ def grouped_sweep(
             distinct = len(set(chosen.tolist()))
             nbytes = distinct * n * k * (0.5 + 2 / 32)
             xs = jax.random.normal(key, (REPS, assign, k), jnp.bfloat16)
-            for tiles in tiles_list:
+            seen = set()
+            for requested in tiles_list:
+                block_m = grouped_plan(assign, experts, n, k, requested)[0]
+                # what runs: the K step and stages cut to the shared memory, as grouped_matmul does
+                tiles = fit_grouped_tiles(requested, "int4", jnp.bfloat16, jnp.int32, jnp.bfloat16, block_m)
+                if tiles in seen:
+                    print(f"grouped {proj} T={tokens} {requested}: runs as an earlier tiling ({tiles}), skipped")
+                    continue
+                seen.add(tiles)
                 splits = grouped_plan(assign, experts, n, k, tiles)[2]
                 try:
                     seconds = _timed(lambda x, w, tiles=tiles: grouped_matmul(x, w, sizes, tiles=tiles), xs, weight)
@@ -164,6 +173,8 @@ def grouped_sweep(
                     "num_warps": tiles.num_warps,
                     "num_stages": tiles.num_stages,
                     "one_dot": tiles.one_dot,
+                    "requested": dataclasses.asdict(requested),
+                    "block_m": block_m,
                     "us": seconds * 1e6,
                     "TFLOPs": 2 * assign * n * k / seconds / 1e12,  # prefill sizes are compute-bound
                     "GBps": nbytes / seconds / 1e9,

@@ -156,8 +156,10 @@ def per_call_timeline(fn, sets: list[tuple], shared: tuple = ()) -> dict:
     it), read as a device timeline: {"calls", "events_per_call", "busy_us_per_call", "idle_us_per_call",
     "span_us_per_call"}. Busy is what the device spent in kernels, idle the gaps between them inside the program
     (launch latency, host work of a custom call): busy + idle (the span) is what a call costs back to back. Under
-    the profiler XLA runs without command buffers (CUDA graphs; `xla_enable_command_buffers_during_profiling` is
-    off by default): kernels launch one by one, so the idle part can exceed a graph's."""
+    the profiler XLA usually runs without command buffers (CUDA graphs; `xla_enable_command_buffers_during_profiling`
+    is off by default), kernels launched one by one, so the idle part can exceed a graph's; but a traced program
+    may keep some (the K2.6 prefill's loop ran as 5 command-buffer events): `XLA_FLAGS=
+    --xla_gpu_enable_command_buffer=` makes sure."""
     program = jax.jit(lambda shared, sets: [fn(*shared, *args) for args in sets])
     summary = timeline_gaps(device_timeline(program, tuple(shared), list(sets)))
     calls = len(sets)
@@ -173,7 +175,7 @@ def per_call_timeline(fn, sets: list[tuple], shared: tuple = ()) -> dict:
 def device_seconds(fn, sets: list[tuple], *, shared: tuple = (), runs: int = 3) -> float:
     """Seconds of device time a call of fn(*shared, *set) costs back to back: the median over `runs` traced
     programs (each calls fn once on every set, `per_call_timeline`) of the span from the program's first kernel
-    to its last, per call, with kernels launched one by one (`per_call_timeline`: no command buffers under the
+    to its last, per call, with kernels usually launched one by one (`per_call_timeline`: command buffers under the
     profiler). Unlike a wall-clock time of the program (`common.in_jit_seconds`), it holds no host dispatch or
     synchronisation of the program: at a few sets per program those add ~100 us a call on the H200 (mla8 at 32k
     keys: 149 us wall against 53 on the device, attention_mgpu_7ba6e57_profile.json)."""
@@ -203,23 +205,37 @@ def profile_into(row: dict, name: str, fn, sets: list[tuple], top: int) -> None:
 
 
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([\w\-]+)\(")
-CONTAINER_KINDS = ("while", "conditional", "call")
+CONTAINER_KINDS = ("while", "conditional", "call")  # their events (CPU thunks) span their bodies' ops
 # a CUDA graph XLA built (no HLO instruction of that name): its kernels are not seen one by one
-COMMAND_BUFFER = "command buffer (XLA_FLAGS=--xla_gpu_enable_command_buffer= shows its kernels)"  # their events (CPU thunks) span their bodies' ops
+COMMAND_BUFFER = "command buffer (XLA_FLAGS=--xla_gpu_enable_command_buffer= shows its kernels)"
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) (?:\(.*\) -> .*)?\{\s*$")
 _GEMM_OPS = (" dot(", " convolution(", " ragged-dot(")
 
 
+_BACKEND_NAME_RES = (
+    re.compile(r'(?<![\w\\])name\s*=\s*"([\w.\-]+)"'),  # an FFI custom call's attributes: {ir = ..., name = "..."}
+    re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)'),  # a JSON backend config
+)
+_JIT_NAME_RE = re.compile(r"jit\(([\w.\-]+)\)")
+
+
 def _kernel_name(line: str) -> str | None:
-    """A Pallas / Mosaic GPU custom call's kernel name (its backend config's "name"), or None."""
-    found = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)', line)
-    return found.group(1) if found else None
+    """A Pallas / Mosaic GPU custom call's kernel name: its backend config's "name" (Pallas on Triton: the kernel
+    function's), else the innermost jit(...) of its op_name metadata (Mosaic GPU's config has no name: the
+    jitted entry that called it), else None."""
+    for pattern in _BACKEND_NAME_RES:
+        found = pattern.search(line)
+        if found:
+            return found.group(1)
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    jits = _JIT_NAME_RE.findall(op_name.group(1)) if op_name else []
+    return jits[-1] if jits else None
 
 
 def op_kinds(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> what it is, from a compiled module's text (`compiled.as_text()`):
       "gemm"              a cuBLAS / cuBLASLt call, a Triton GEMM fusion, or a fusion whose computation holds a dot
-      "kernel:<name>"     a Pallas (Triton) or Mosaic GPU custom call, by the kernel's name
+      "kernel:<name>"     a Pallas (Triton) or Mosaic GPU custom call, by `_kernel_name` (else its target)
       "custom-call:<t>"   another custom call, by its target
       "fusion"            a fusion with no dot (elementwise, reductions, gathers, ...)
       "<opcode>"          anything else XLA launches on its own (copy, dynamic-update-slice, sort, ...)

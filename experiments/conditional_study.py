@@ -30,6 +30,7 @@ import os
 import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.checkpoint.child_head import load_child_head
@@ -383,6 +384,7 @@ def study(
                 "timing": timing,
                 "small": small,
                 "dtype": dtype,
+                "weights_dtype": str(jnp.dtype(pair_dtype(pair))),  # what "auto" resolved to here
             },
             "rows": rows,
             "timing": timing_out,
@@ -454,7 +456,11 @@ def merge_results(results: list[dict]) -> dict:
         timing=any(s["timing"] for s in settings),
         parts=[
             {
-                **{k: s[k] for k in ("budgets", "temperatures", "tau", "timing", "repeats", "dtype") if k in s},
+                **{
+                    k: s[k]
+                    for k in ("budgets", "temperatures", "tau", "timing", "repeats", "dtype", "weights_dtype")
+                    if k in s
+                },
                 **{k: res.get(k) for k in ("device", "commit", "date")},
             }
             for s, res in zip(settings, results)

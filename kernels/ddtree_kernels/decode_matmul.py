@@ -320,6 +320,8 @@ class GroupedTiles:
             raise ValueError(f"block_n {self.block_n} must divide {FP8_BLOCK} for FP8 weights")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits must be >= 1 or None, got {self.splits}")
+        if self.one_dot and kind != "int4":
+            raise ValueError(f"one_dot applies to INT4 weights only, got {kind} weights")
 
 
 def _grouped_kernel(

@@ -44,10 +44,11 @@ Bytes read per call (each chosen expert once; a repeated one again, from L2 if l
   Kimi K2.6 TP8 shard (I = 256, H = 7168, bf16 scales), A = 8: 16.5 + 8.3 MB (codes alone 22.0 MB):
   ~5.8 us at a 4.3 TB/s copy roof; full width (I = 2048): 132 + 66 MB (~46 us).
 Default tiles (`GATE_UP_TILES`, `DOWN_TILES`; chosen by `benchmarks/bench_moe_decode.py --quick --sweep` on
-the H200, device time at the TP8 shard's width): gate_up BN = 16, BK = 1024 (one token: 16 column tiles x 8
-assignments x 2 K splits = 256 programs, 16.9 us against 18.1 for BN = 32 / BK = 512; four tokens: 16 x 32 =
-512 programs, S = 1, 34.7 against 56.8 us); down BN = 32 (224 programs), BK = 512 (<= I; every swept tiling
-within 8% of it).
+the H200, device time at the TP8 shard's width): gate_up BN = 16, BK = 1024, the best summed over one and four
+tokens (one token: 16 column tiles x 8 assignments x 2 K splits = 256 programs, 16.9 us against 18.1 for BN = 32 /
+BK = 512, 15.1 for the best there, BN = 64 / BK = 512; four tokens: 16 x 32 = 512 programs, S = 1, 34.7 against
+56.8 us, the best); down BN = 32 (224 programs), BK = 512 (<= I): the best swept at four tokens (41.1 us, the
+others 49-52), within 9% of the best at one.
 
 Constraints: INT4 `quant.Int4Weight` experts (group 32), H and I multiples of 32; x bf16 or float32
 (float32 is computed in float32 throughout; bf16 loads are widened to float32, no bf16 rounding of the

@@ -21,9 +21,26 @@ def test_grouped_sweep_rows_per_tiling(tmp_path, monkeypatch):
     assert len(json.loads((tmp_path / "grouped_sweep_t.json").read_text())["rows"]) == 2
 
 
-def testtile_fields_read_back_the_tiling():
+def test_tile_fields_read_back_the_tiling():
     from benchmarks.bench_matmul import SWEEP_TILES, GroupedTiles, tile_fields
 
     for tiles in SWEEP_TILES + PREFILL_SWEEP_TILES:
         row = {**vars(tiles), "splits": tiles.splits or 3, "splits_rule": tiles.splits is None}
         assert GroupedTiles(**tile_fields(row)) == tiles
+
+
+def test_grouped_sweep_records_the_tiling_that_runs(tmp_path, monkeypatch):
+    """A requested tiling too large for the shared memory runs cut down (`fit_grouped_tiles`): the row says so, and
+    a second request that runs as the same tiling is skipped, not timed twice under another name."""
+    from benchmarks.bench_matmul import GroupedTiles
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    big = GroupedTiles(block_n=128, block_k=1024, num_stages=4, one_dot=True)  # 64 rows: 512-wide K, 2 stages
+    same = GroupedTiles(block_n=128, block_k=512, num_stages=2, one_dot=True)
+    rows = grouped_sweep(
+        [16], float("nan"), jax.random.key(0), "t", tiles_list=[big, same], experts=2, projections=(("gate", 32, 1024),)
+    )
+    assert len(rows) == 1
+    (row,) = rows
+    assert (row["block_k"], row["num_stages"], row["block_m"]) == (512, 2, 64)
+    assert row["requested"]["block_k"] == 1024 and row["requested"]["num_stages"] == 4

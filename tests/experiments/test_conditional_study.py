@@ -65,6 +65,7 @@ def test_spine_accounting(result):
 def test_timing_and_the_cost_aware_budget_report(result):
     settings = result["settings"]
     assert settings["dtype"] == "float32"  # the studies' default weights (--dtype auto: the checkpoint's on GPU)
+    assert settings["weights_dtype"] == "float32"  # what the pair was loaded in
     assert sorted({r["temperature"] for r in result["timing"]}) == list(settings["timing_temperatures"])
     for t in settings["timing_temperatures"]:
         timed = [r for r in result["timing"] if r["temperature"] == t]

@@ -193,6 +193,9 @@ def test_grouped_plan_fills_the_gpu_at_decode_and_bad_tilings_are_named():
         grouped_matmul(jnp.zeros((3, 256)), w, jnp.asarray([3, 0], jnp.int32), tiles=GroupedTiles(block_n=48))
     with pytest.raises(ValueError, match="splits must be >= 1 or None, got 0"):
         grouped_matmul(jnp.zeros((3, 256)), w, jnp.asarray([3, 0], jnp.int32), tiles=GroupedTiles(splits=0))
+    dense_w = _expert_weights(np.random.default_rng(0), 2, 64, 256, "dense")
+    with pytest.raises(ValueError, match="one_dot applies to INT4 weights only, got dense weights"):
+        grouped_matmul(jnp.zeros((3, 256)), dense_w, jnp.asarray([3, 0], jnp.int32), tiles=GroupedTiles(one_dot=True))
 
 
 def test_row_tiles_cover_each_group_once():
