@@ -243,16 +243,9 @@ def main(argv=None) -> int:
             flush=True,
         )
         if "profile" in row:
-            from benchmarks.op_profile import format_kind_table, format_op_table
+            from benchmarks.op_profile import format_profile
 
-            profile = row["profile"]
-            print(
-                f"    profiled: {profile['device_s'] * 1e3:.1f} ms of device time in {profile['launches']:.0f} launches\n"
-                + format_kind_table(profile["kinds"])
-                + "\n"
-                + format_op_table(profile["ops"], top=args.profile_top),
-                flush=True,
-            )
+            print(format_profile(row["profile"]["kinds"], row["profile"]["ops"], args.profile_top), flush=True)
         write_result(
             f"prefill_{args.shape}_{args.commit}",
             {"settings": vars(args), "layers": config.num_layers, "rows": rows},

@@ -302,3 +302,16 @@ def format_kind_table(table: list[dict]) -> str:
         f"{r['ops']:4d} ops  {r['kind'][:60]}"
         for r in table
     )
+
+
+def format_profile(kinds: list[dict], ops: list[dict], top: int) -> str:
+    """A profiled program in a few lines: its device time and launches (over `kind_table`'s rows, containers left
+    out), the time by kind of op, and its `top` largest ops."""
+    total_us = sum(r["us_per_run"] for r in kinds)
+    launches = sum(r["events_per_run"] for r in kinds)
+    return (
+        f"  profiled: {total_us / 1e3:.2f} ms of device time in {launches:.0f} launches\n"
+        + format_kind_table(kinds)
+        + "\n"
+        + format_op_table(ops, top=top)
+    )

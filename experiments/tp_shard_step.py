@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, markdown_table, write_result
 from benchmarks.k26_model import k26_config, random_int4_target
-from benchmarks.op_profile import format_kind_table, format_op_table
+from benchmarks.op_profile import format_profile
 from ddtree_jax.analysis.roofline import step_cost
 from ddtree_jax.analysis.tp_shard import tp_shard_config
 from ddtree_jax.engine.drafters import DFlashDrafter
@@ -154,13 +154,7 @@ def main() -> None:
                 row["x_shard_roofline"] = row["loop_step_ms"] / row["shard_roofline_ms"]
                 rows.append(row)
                 if args.profile_top:
-                    print(
-                        f"  profile: {row['device_us']:.0f} us of device time in {row['launches']:.0f} launches\n"
-                        + format_kind_table(row["op_kinds"])
-                        + "\n"
-                        + format_op_table(row["op_profile"], top=args.profile_top),
-                        flush=True,
-                    )
+                    print(format_profile(row["op_kinds"], row["op_profile"], args.profile_top), flush=True)
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s}: shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "

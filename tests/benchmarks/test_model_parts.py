@@ -94,7 +94,7 @@ ENTRY %main (a: bf16[8,16], b: bf16[16,4], c: f32[8]) -> (bf16[8,4], f32[8]) {
 
 
 def test_op_kinds_names_gemms_kernels_and_fusions():
-    from benchmarks.op_profile import COMMAND_BUFFER, kind_table, op_kinds
+    from benchmarks.op_profile import COMMAND_BUFFER, format_profile, kind_table, op_kinds
 
     kinds = op_kinds(GPU_HLO)
     assert kinds["gemm_fusion"] == "gemm" and kinds["custom-call.7"] == "gemm"
@@ -116,6 +116,8 @@ def test_op_kinds_names_gemms_kernels_and_fusions():
     table = {r["kind"]: r for r in kind_table(rows, kinds)}
     assert set(table) == {"gemm", "fusion", "other", COMMAND_BUFFER}
     assert table["gemm"]["us_per_run"] == 5.0 and table["gemm"]["events_per_run"] == 3.0 and table["gemm"]["ops"] == 2
+    # the printed summary: containers left out of the total (3 + 2 + 4 + 1 + 7 = 17 us in 1 + 2 + 1 + 1 + 9 = 14 launches)
+    assert "0.02 ms of device time in 14 launches" in format_profile(kind_table(rows, kinds), rows, top=2)
 
 
 def test_op_kinds_of_a_compiled_program_cover_what_it_launches():
