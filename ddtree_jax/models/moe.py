@@ -107,12 +107,13 @@ def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.A
     c = config
     scores = jax.nn.sigmoid(linear(x.astype(jnp.float32), router.astype(jnp.float32)))  # [..., E]
     choice = scores + bias.astype(jnp.float32)
-    per_group = c.n_routed_experts // c.n_group
-    grouped = choice.reshape(choice.shape[:-1] + (c.n_group, per_group))
-    group_score = lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # [..., G]
-    _, best_groups = lax.top_k(group_score, c.topk_group)
-    allowed = jax.nn.one_hot(best_groups, c.n_group, dtype=bool).any(-2)  # [..., G]
-    choice = jnp.where(jnp.repeat(allowed, per_group, axis=-1), choice, -jnp.inf)
+    if c.topk_group < c.n_group:  # else every group is allowed (Kimi K2: one group): no group top-k to run
+        per_group = c.n_routed_experts // c.n_group
+        grouped = choice.reshape(choice.shape[:-1] + (c.n_group, per_group))
+        group_score = lax.top_k(grouped, min(2, per_group))[0].sum(-1)  # [..., G]
+        _, best_groups = lax.top_k(group_score, c.topk_group)
+        allowed = jax.nn.one_hot(best_groups, c.n_group, dtype=bool).any(-2)  # [..., G]
+        choice = jnp.where(jnp.repeat(allowed, per_group, axis=-1), choice, -jnp.inf)
     _, experts = lax.top_k(choice, c.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if c.norm_topk_prob:

@@ -59,6 +59,22 @@ def test_routing_is_group_limited_normalised_and_bias_only_chooses():
     assert (np.sort(np.asarray(chosen), -1) == [5, 6, 7]).all()
 
 
+def test_routing_with_every_group_allowed_is_the_plain_top_k():
+    """topk_group == n_group (Kimi K2: one group) skips the group top-k: the choice is the top-k of the biased
+    scores, the same as the group-limited path gives when every group survives."""
+    key = jax.random.split(jax.random.key(3), 3)
+    router = jax.random.normal(key[0], (16, 32))
+    bias = jax.random.normal(key[1], (16,))
+    x = jax.random.normal(key[2], (2, 50, 32))
+    for n_group in (1, 4):
+        config = DeepSeekV3Config(**{**CONFIG.__dict__, "n_group": n_group, "topk_group": n_group})
+        experts, weights = deepseek_v3.route(config, router, bias, x)
+        scores = 1 / (1 + np.exp(-np.einsum("btd,ed->bte", np.asarray(x), np.asarray(router))))
+        expected = np.argsort(-(scores + np.asarray(bias)), axis=-1)[..., : CONFIG.num_experts_per_tok]
+        np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(expected, -1))
+        np.testing.assert_allclose(np.asarray(weights).sum(-1), CONFIG.routed_scaling_factor, rtol=1e-5)
+
+
 def test_yarn_tables_and_scale():
     cos, sin = deepseek_v3.rope_tables_half(CONFIG, jnp.arange(8))
     # mscale == mscale_all_dim: the attention factor is 1, so cos^2 + sin^2 = 1
