@@ -72,15 +72,36 @@ def stage_tiles(kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int, blo
     return [((block_m, block_k), x_dtype), ((block_n, block_k), weight_dtype)]
 
 
+def resident_tiles(kind: str, x_dtype, block_n: int, block_k: int, one_dot: bool) -> list:
+    """The tiles a program holds once beside its pipeline: with `one_dot` (INT4), the dequantised weight tile
+    [block_n, block_k] in the activations' dtype, which Triton stages through shared memory for the one dot.
+    On one H200 (b1a8ad7, bf16, 64-row tiles) one-dot tilings of 128 x 512 at 2 stages and 256 x 256 at 3 each
+    asked for 294,912 bytes, 95 and 90 KiB above their stages alone (200 and 204 KiB): without this tile
+    the estimate passed both and the kernels failed with RESOURCE_EXHAUSTED."""
+    return [((block_n, block_k), x_dtype)] if one_dot and kind == "int4" else []
+
+
 def fit_tiling(
-    kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int, block_n: int, block_k: int, num_stages: int
+    kind: str,
+    x_dtype,
+    weight_dtype,
+    scale_dtype,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_stages: int,
+    one_dot: bool = False,
 ) -> tuple[int, int]:
     """(block_k, num_stages) that fit the shared memory, from the requested ones: fewer stages first (down
     to 2), then halved K steps (down to the format's minimum), then a single stage. 4-byte operands (float32
-    activations or weights) need this; the bf16 / INT4 / FP8 defaults fit as they are."""
+    activations or weights) and one-dot INT4 tilings need this; the bf16 / INT4 / FP8 defaults fit as they are."""
 
     def nbytes(bk, stages):
-        return pipelined_bytes(stage_tiles(kind, x_dtype, weight_dtype, scale_dtype, block_m, block_n, bk), stages)
+        return pipelined_bytes(
+            stage_tiles(kind, x_dtype, weight_dtype, scale_dtype, block_m, block_n, bk),
+            stages,
+            resident_tiles(kind, x_dtype, block_n, bk, one_dot),
+        )
 
     stages = num_stages
     while stages > 2 and not fits(nbytes(block_k, stages)):
@@ -431,7 +452,7 @@ def fit_grouped_tiles(tiles: GroupedTiles, kind: str, x_dtype, weight_dtype, sca
     """`tiles` with its K step and stages cut down (`fit_tiling`) until a program's tiles fit the shared
     memory: 4-byte operands at 128 columns and 256-wide K steps ask for more than Hopper's 227 KiB."""
     block_k, num_stages = fit_tiling(
-        kind, x_dtype, weight_dtype, scale_dtype, block_m, tiles.block_n, tiles.block_k, tiles.num_stages
+        kind, x_dtype, weight_dtype, scale_dtype, block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.one_dot
     )
     return dataclasses.replace(tiles, block_k=block_k, num_stages=num_stages)
 
@@ -540,15 +561,30 @@ def grouped_matmul(
         raise ValueError(f"group_sizes must have one entry per expert ({shape[0]},), got {group_sizes.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
-    tiles = tiles or default_grouped_tiles(weight)
+    tiles = tiles or default_grouped_tiles(weight, x.shape[0])
     return _grouped_2d(
         x, weight, group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
     )
 
 
-def default_grouped_tiles(weight) -> GroupedTiles:
-    """The default tiling per weight format (FP8: 128-wide K steps, one block scale per tile)."""
-    return GroupedTiles(block_k=FP8_BLOCK) if isinstance(weight, Fp8BlockWeight) else GroupedTiles()
+# The INT4 prefill tiling, from `bench_matmul --grouped-sweep 2048 --grouped-tiles prefill` (one H200, b1a8ad7,
+# 2026-12-03): at a 2,048-token chunk's 16,384 assignments over the 384 K2.6 INT4 experts (64-row tiles), one
+# dot a K step at 128 columns, 256-wide K steps and 8 warps took 6,988 / 7,690 us (gate / down: 69 / 63
+# TFLOP/s) where the decode default took 10,788 / 11,465 (45 / 42), the best of the eight tilings swept.
+PREFILL_GROUPED_TILES = GroupedTiles(block_n=128, block_k=256, num_warps=8, num_stages=3, one_dot=True)
+
+
+def default_grouped_tiles(weight, rows: int | None = None) -> GroupedTiles:
+    """The default tiling per weight format (FP8: 128-wide K steps, one block scale per tile) and, for INT4,
+    per size: PREFILL_GROUPED_TILES where `rows` assignments fill 64-row tiles (more than 32 rows an expert
+    on average: the case it was measured on, a prefill chunk), the decode tiling (GroupedTiles()) below."""
+    if isinstance(weight, Fp8BlockWeight):
+        return GroupedTiles(block_k=FP8_BLOCK)
+    if isinstance(weight, Int4Weight) and rows is not None:
+        experts = weight.shape[-3]
+        if _block_m(max(1, rows // max(1, min(experts, rows)))) == 64:
+            return PREFILL_GROUPED_TILES
+    return GroupedTiles()
 
 
 def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array, *, layer=None) -> jax.Array:

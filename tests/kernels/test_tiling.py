@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from ddtree_kernels import decode_matmul, tiling, tree_attention
-from ddtree_kernels.decode_matmul import GroupedTiles, default_grouped_tiles, fit_grouped_tiles, fit_tiling, stage_tiles
+from ddtree_kernels.decode_matmul import (
+    PREFILL_GROUPED_TILES,
+    GroupedTiles,
+    default_grouped_tiles,
+    fit_grouped_tiles,
+    fit_tiling,
+    resident_tiles,
+    stage_tiles,
+)
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 
 ACTIVATIONS = (jnp.bfloat16, jnp.float32)
@@ -25,7 +33,9 @@ BLOCK_M = (16, 32, 64)
 
 def _grouped_bytes(kind, x_dtype, w_dtype, s_dtype, block_m, tiles):
     return tiling.pipelined_bytes(
-        stage_tiles(kind, x_dtype, w_dtype, s_dtype, block_m, tiles.block_n, tiles.block_k), tiles.num_stages
+        stage_tiles(kind, x_dtype, w_dtype, s_dtype, block_m, tiles.block_n, tiles.block_k),
+        tiles.num_stages,
+        resident_tiles(kind, x_dtype, tiles.block_n, tiles.block_k, tiles.one_dot),
     )
 
 
@@ -119,3 +129,36 @@ def test_references_run_float32_at_float32():
     got = np.asarray(decode_matmul.matmul_reference(jnp.asarray(x), jnp.asarray(w)), np.float64)
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def test_the_one_dot_estimate_bounds_what_triton_asked_the_h200_for():
+    """One-dot INT4 tilings that failed on one H200 (RESOURCE_EXHAUSTED, jax 0.11.2, b1a8ad7, bf16, a prefill
+    chunk's 64-row tiles) each asked for 294,912 bytes; the one that ran (PREFILL_GROUPED_TILES) fits."""
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    for tiles in (
+        GroupedTiles(block_n=128, block_k=512, num_warps=8, num_stages=2, one_dot=True),
+        GroupedTiles(block_n=256, block_k=256, num_warps=8, one_dot=True),
+    ):
+        assert _grouped_bytes("int4", bf16, i32, bf16, 64, tiles) >= 294_912
+        cut = fit_grouped_tiles(tiles, "int4", bf16, i32, bf16, 64)
+        assert _grouped_bytes("int4", bf16, i32, bf16, 64, cut) <= tiling.SMEM_LIMIT_BYTES
+    assert fit_grouped_tiles(PREFILL_GROUPED_TILES, "int4", bf16, i32, bf16, 64) == PREFILL_GROUPED_TILES
+    # float32 activations at one-dot tilings (the GPU test's 64 x 512 at 16 rows): cut down until they fit
+    for x_dtype, block_m in itertools.product(ACTIVATIONS, BLOCK_M):
+        for tiles in (PREFILL_GROUPED_TILES, GroupedTiles(block_n=64, block_k=512, splits=2, one_dot=True)):
+            cut = fit_grouped_tiles(tiles, "int4", x_dtype, i32, bf16, block_m)
+            cut.check("int4")
+            assert _grouped_bytes("int4", x_dtype, i32, bf16, block_m, cut) <= tiling.SMEM_LIMIT_BYTES
+
+
+def test_int4_prefill_chunks_default_to_the_one_dot_tiling():
+    """PREFILL_GROUPED_TILES where the assignments fill 64-row tiles (> 32 an expert on average), the decode
+    tiling below: one token, a 64-node tree (520 assignments), a 2,048-token chunk over 384 experts."""
+    int4 = Int4Weight(jnp.zeros((384, 64, 32), jnp.int32), jnp.ones((384, 64, 8), jnp.bfloat16))
+    assert default_grouped_tiles(int4, 8) == GroupedTiles()
+    assert default_grouped_tiles(int4, 520) == GroupedTiles()
+    assert default_grouped_tiles(int4, 384 * 32) == GroupedTiles()
+    assert default_grouped_tiles(int4, 384 * 33) == PREFILL_GROUPED_TILES
+    assert default_grouped_tiles(int4, 16_384) == PREFILL_GROUPED_TILES
+    fp8 = Fp8BlockWeight(jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), jnp.ones((2, 1, 1), jnp.float32))
+    assert default_grouped_tiles(fp8, 16_384) == GroupedTiles(block_k=128)
