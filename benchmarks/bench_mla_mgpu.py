@@ -1,6 +1,7 @@
 """Absorbed-MLA tree-verify attention: the Mosaic GPU kernel (kernels/ddtree_kernels/mla_attention_mgpu.py)
 vs the Triton kernel (`tree_attention`) vs the models' XLA path (`tree_attention_reference`) vs the roofline.
 
+*mgpu_split*: the same kernel with `split_scores=True` (each compute warpgroup scores half of each key block).
 Cases: H = 8 (one TP8 shard) and 64 (one GPU) query heads over the one shared latent KV head, N = 17 and
 65 tree queries, contexts 8k and 32k, B = 1 (and B = 8 at H = 8). The cache holds context + N keys; every
 row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
@@ -80,6 +81,8 @@ def input_sets(batch: int, steps: int, heads: int, context: int, key) -> list[tu
 
 ATTEND = {
     "mgpu": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask)),
+    # split_scores: each compute warpgroup scores half of a key block (no score computed twice)
+    "mgpu_split": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, split_scores=True)),
     "pallas": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention((ql, qr), (lat, rk), None, mask)),
     "xla": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention_reference((ql, qr), (lat, rk), None, mask)),
 }
@@ -91,7 +94,14 @@ def mgpu_with_splits(num_splits: int):
 
 
 def run_case(
-    variant: str, batch: int, steps: int, context: int, key, split_sweep: tuple[int, ...] = (), profile_top: int = 0
+    variant: str,
+    batch: int,
+    steps: int,
+    context: int,
+    key,
+    split_sweep: tuple[int, ...] = (),
+    profile_top: int = 0,
+    impls: tuple[str, ...] = tuple(ATTEND),
 ) -> dict:
     heads = VARIANTS[variant]
     flops, nbytes = counts(batch, steps, heads, context)
@@ -117,7 +127,10 @@ def run_case(
         ref = ATTEND["xla"](*sets[0])
     except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
         row["xla_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-    for name in ("mgpu", "pallas", "xla"):
+    for name in ATTEND:
+        if name not in impls:
+            row[f"{name}_us"] = float("nan")  # not asked for (--impls)
+            continue
         try:
             out = ATTEND[name](*sets[0])
             if ref is not None:
@@ -132,8 +145,9 @@ def run_case(
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
-        for name in ("mgpu", "xla"):
-            profile_into(row, name, ATTEND[name], sets, profile_top)
+        for name in ("mgpu", "mgpu_split", "xla"):
+            if name in impls:
+                profile_into(row, name, ATTEND[name], sets, profile_top)
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
         try:
             seconds = device_seconds(mgpu_with_splits(num_splits), sets)
@@ -165,8 +179,14 @@ def main() -> None:
         help="also print the N largest device ops of one mgpu / xla call (input set 0 repeated: L2-warm at small "
         "sizes, unlike the rotated sets of the *_us columns) and the in-jit timeline",
     )
+    parser.add_argument(
+        "--impls", default=",".join(ATTEND), help=f"the paths timed, of {list(ATTEND)} (mgpu is always timed)"
+    )
     parser.add_argument("--out", help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args()
+    impls = tuple(sorted(set(args.impls.split(",")) | {"mgpu"}))
+    if set(impls) - set(ATTEND):
+        raise SystemExit(f"unknown --impls {sorted(set(impls) - set(ATTEND))}; choose from {list(ATTEND)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     cases = []
     for variant in args.variants.split(","):
@@ -191,14 +211,22 @@ def main() -> None:
     for variant, batch, steps, context in cases:
         sweep = tuple(int(n) for n in args.splits.split(",") if n)
         row = run_case(
-            variant, batch, steps, context, jax.random.fold_in(key, context + steps + batch), sweep, args.profile_top
+            variant,
+            batch,
+            steps,
+            context,
+            jax.random.fold_in(key, context + steps + batch),
+            sweep,
+            args.profile_top,
+            impls,
         )
         results.append(row)
         errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
         print(
             f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
             f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
-            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  pallas {row['pallas_us']:8.1f} us  "
+            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  split {row['mgpu_split_us']:8.1f} us"
+            f" (rel err {row.get('mgpu_split_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
             f"xla {row['xla_us']:8.1f} us"
             + (f"  [{errors}]" if errors else "")
             + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
@@ -211,7 +239,7 @@ def main() -> None:
             args.out,
         )
     header = ["variant", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "x roof", "rel err"]
-    header += ["pallas us", "xla us", "mgpu vs pallas"]
+    header += ["split us", "split TFLOP/s", "pallas us", "xla us", "xla / mgpu"]
     table = [
         [
             r["variant"],
@@ -224,9 +252,11 @@ def main() -> None:
             f"{r['mgpu_TFLOPs']:.0f}",
             f"{r['mgpu_of_roofline']:.2f}",
             f"{r['rel_err']:.1e}",
+            r["mgpu_split_us"],
+            f"{r.get('mgpu_split_TFLOPs', float('nan')):.0f}",
             r["pallas_us"],
             r["xla_us"],
-            f"{r['pallas_us'] / r['mgpu_us']:.2f}",
+            f"{r['xla_us'] / r['mgpu_us']:.2f}",
         ]
         for r in results
     ]

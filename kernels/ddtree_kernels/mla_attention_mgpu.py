@@ -53,7 +53,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, accumulate, merge_splits, pack_mask, row_bits
+from ddtree_kernels.mosaic_common import (
+    INTERPRET_PARAMS,
+    accumulate,
+    accumulate_from_smem,
+    merge_splits,
+    pack_mask,
+    row_bits,
+)
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 from ddtree_kernels.tree_attention import tree_attention_reference, visible_lengths
 
@@ -67,10 +74,13 @@ SMEM_BUDGET = SMEM_LIMIT_BYTES - 4 * 1024  # leave room for barriers and the sma
 LOG2E = math.log2(math.e)
 
 
-def _stages(block_kv: int, num_words: int = 1) -> int:
+def _stages(block_kv: int, num_words: int = 1, split_scores: bool = False) -> int:
     """Key-block slots in shared memory: as many as fit beside the query tile (at most MAX_STAGES); a stage
-    holds the block's latent + rope keys and its `num_words` mask words (T / 32 of them)."""
-    resident = 2 * BLOCK_M * (LATENT_DIM + ROPE_DIM)
+    holds the block's latent + rope keys and its `num_words` mask words (T / 32 of them). split_scores adds
+    the exchanged row statistics f32 [2, 2, 64]; its probabilities [64, block_kv] reuse the rope queries'
+    tile (held in registers once loaded), which a separate buffer would push past the shared memory (the CPU
+    lowering of that form asked for 235,584 bytes)."""
+    resident = 2 * BLOCK_M * (LATENT_DIM + ROPE_DIM) + (4 * 4 * BLOCK_M if split_scores else 0)
     per_stage = 2 * block_kv * (LATENT_DIM + ROPE_DIM) + 4 * num_words * block_kv
     return min(MAX_STAGES, (SMEM_BUDGET - resident) // per_stage)
 
@@ -96,13 +106,14 @@ def _kernel(
     kv_barriers,
     consumed_barriers,
     done_barrier,
-    p_smem=None,
-    *,
+    *extra,
     block_kv: int,
     blocks_per_split: int,
     stages: int,
     num_words: int,
     scale_log2: float,
+    split_scores: bool,
+    interpret: bool,
 ):
     # GMEM: counts_ref i32 [B, splits] key blocks of each split; rows_ref i32 [2, R_pad] per row: the bit
     #   (1 << t % 32) and the word (t // 32) of its tree query (bit 0: padding row); ql_ref [B, R, 512],
@@ -113,7 +124,16 @@ def _kernel(
     # SMEM: ql_smem [2, 64, 256] (the two column halves), qr_smem [64, 64], rows_smem i32 [2, 64];
     #   per slot: lat_smem [stages, 2, block_kv, 256], rope_smem [stages, block_kv, 64],
     #   words_smem i32 [stages, W, block_kv]; lse_smem f32 [64]; interpret mode only: p_smem [2, 64, block_kv]
-    #   each compute warpgroup's probabilities (see `mosaic_common.accumulate`).
+    #   each compute warpgroup's probabilities (see `mosaic_common.accumulate`). extra, split_scores:
+    #   stat_smem f32 [2, 2, 64] (row max, row sum) x warpgroup; exchange_barriers [2] (max, then P and sums);
+    #   interpret mode: p_smem [64, block_kv] (compiled: P is qr_smem's tile), each warpgroup writing its half
+    #   of the keys.
+    stat_smem = exchange_barriers = p_smem = None
+    if split_scores:  # compiled: P takes the rope queries' tile once they are in registers
+        stat_smem, exchange_barriers, *rest = extra
+        p_smem = rest[0] if interpret else qr_smem
+    elif interpret:
+        (p_smem,) = extra
     row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     r0 = row_block * BLOCK_M
@@ -155,15 +175,28 @@ def _kernel(
         def _drain(i):
             plgpu.barrier_wait(consumed_barriers.at[lax.rem(i, stages)])
 
-    @pl.when(wg < 2)
-    def _compute():
+    def _when(cond):
+        """pl.when for a traced condition; a plain `if` for a static one (split_scores' per-warpgroup bodies)."""
+        if isinstance(cond, bool):
+            return lambda f: f() if cond else None
+        return pl.when(cond)
+
+    def _compute(w):
+        # w: the compute warpgroup, traced (one body for both) or a static 0 / 1 (split_scores: one body each)
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_barrier)
         # per-row vectors (2 registers a thread), broadcast to the tile inside the loop: hoisted [64, block_kv]
         # tiles would hold 32 registers each for the whole loop
         row_bit = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
         row_word = plgpu.load(rows_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1)) if num_words > 1 else None
-        tile = (BLOCK_M, block_kv)
+        # compiled split_scores: the rope queries [64, 64] as the register operand of their wgmma (32 registers
+        # a thread), their tile then free for P (the first P is written after both warpgroups pass the first
+        # exchange barrier, so after both loaded them)
+        q_rope_tile = plgpu.load(qr_smem, (), layout=plgpu.Layout.WGMMA) if split_scores and not interpret else qr_smem
+        # split_scores: this warpgroup scores only its half of each key block's keys (no score computed twice)
+        keys = pl.ds(w * (block_kv // 2), block_kv // 2) if split_scores else pl.ds(0, block_kv)
+        tile = (BLOCK_M, keys.size)
+        row_stat = plgpu.Layout.WGMMA.reduce(1)
 
         def body(i, carry):
             acc, m, l = carry
@@ -172,54 +205,81 @@ def _kernel(
 
             def scores(acc_ref):
                 for half in range(2):
-                    plgpu.wgmma(acc_ref, ql_smem.at[half], lat_smem.at[slot, half].transpose((1, 0)))
-                plgpu.wgmma(acc_ref, qr_smem, rope_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, ql_smem.at[half], lat_smem.at[slot, half, keys].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_rope_tile, rope_smem.at[slot, keys].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
             word = None
-            for w in range(num_words):
-                col = plgpu.load(words_smem.at[slot, w], layout=plgpu.Layout.WGMMA.reduce(0))
+            for wd in range(num_words):
+                col = plgpu.load(words_smem.at[slot, wd, keys], layout=plgpu.Layout.WGMMA.reduce(0))
                 col = lax.broadcast_in_dim(col, tile, [1])
-                word = col if word is None else jnp.where(lax.broadcast_in_dim(row_word, tile, [0]) == w, col, word)
+                word = col if word is None else jnp.where(lax.broadcast_in_dim(row_word, tile, [0]) == wd, col, word)
             visible = (word & lax.broadcast_in_dim(row_bit, tile, [0])) != 0
             s = jnp.where(visible, s * scale_log2, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            block_max = s.max(axis=1)
+            if split_scores:  # the block's row maxima over both halves: exchanged through shared memory
+                stat_smem.at[0, w][...] = block_max
+                plgpu.barrier_arrive(exchange_barriers.at[0])
+                plgpu.barrier_wait(exchange_barriers.at[0])
+                block_max = jnp.maximum(
+                    plgpu.load(stat_smem.at[0, 0], layout=row_stat), plgpu.load(stat_smem.at[0, 1], layout=row_stat)
+                )
+            m_new = jnp.maximum(m, block_max)
             base = jnp.maximum(m_new, -1e30)  # finite: rows that saw nothing yet get p = 0, not NaN
             alpha = jnp.exp2(m - base)
             p = jnp.exp2(s - lax.broadcast_in_dim(base, tile, [0]))
-            l = l * alpha + p.sum(axis=1)
+            if split_scores:  # both halves of P and of its row sums, in one order in both warpgroups
+                stat_smem.at[1, w][...] = p.sum(axis=1)
+                p_smem.at[:, keys][...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()  # P is read by the other warpgroup's wgmma (the async proxy)
+                plgpu.barrier_arrive(exchange_barriers.at[1])
+                plgpu.barrier_wait(exchange_barriers.at[1])
+                p_sum = plgpu.load(stat_smem.at[1, 0], layout=row_stat) + plgpu.load(stat_smem.at[1, 1], layout=row_stat)
+            else:
+                p_sum = p.sum(axis=1)
+            l = l * alpha + p_sum
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            p_stage = None if p_smem is None else p_smem.at[wg]
-            acc = accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg], p_stage)
+            if split_scores:
+                # index by the traced warpgroup (== w): a static index captured by the wgmma's run_state does
+                # not lower ("Shaped arrays must be represented by ir.Values")
+                acc = accumulate_from_smem(acc, p_smem, lat_smem.at[slot, wg], interpret=interpret)
+            else:
+                p_stage = None if p_smem is None else p_smem.at[w]
+                acc = accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, w], p_stage)
             plgpu.barrier_arrive(consumed_barriers.at[slot])
             return acc, m_new, l
 
         init = (
             plgpu.layout_cast(jnp.zeros((BLOCK_M, HALF), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_stat),
+            plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_stat),
         )
         acc, m, l = lax.fori_loop(0, num_blocks, body, init)
         # both warpgroups are done reading the query tile before it holds the output
         plgpu.barrier_arrive(done_barrier)
         plgpu.barrier_wait(done_barrier)
         inv = 1.0 / jnp.maximum(l, 1e-30)  # l = 0 only where acc = 0
-        ql_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(ql_smem.dtype)
+        ql_smem.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(ql_smem.dtype)
 
-        @pl.when(wg == 0)
+        @_when(w == 0)
         def _lse():
             lse_smem[...] = m + jnp.log(l) * (1.0 / math.log(2.0))
 
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ql_smem.at[wg], o_ref.at[b, split, pl.ds(r0, BLOCK_M), pl.ds(wg * HALF, HALF)])
+        plgpu.copy_smem_to_gmem(ql_smem.at[w], o_ref.at[b, split, pl.ds(r0, BLOCK_M), pl.ds(w * HALF, HALF)])
 
-        @pl.when(wg == 0)
+        @_when(w == 0)
         def _store_lse():
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(r0, BLOCK_M)])
 
         plgpu.wait_smem_to_gmem(0)
+
+    if split_scores:
+        for w in range(2):
+            pl.when(wg == w)(functools.partial(_compute, w))
+    else:
+        pl.when(wg < 2)(functools.partial(_compute, wg))
 
 
 def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: int | None) -> tuple[int, int]:
@@ -232,9 +292,9 @@ def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: 
     return pl.cdiv(total, per_split), per_split
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "split_scores", "interpret"))
 def _mla_tree_attention(
-    q_latent, q_rope, latent, rope_key, mask, kv_lengths, *, scale, block_kv, num_splits, interpret
+    q_latent, q_rope, latent, rope_key, mask, kv_lengths, *, scale, block_kv, num_splits, split_scores, interpret
 ):
     batch, steps, heads, _ = q_latent.shape
     capacity = latent.shape[1]
@@ -256,7 +316,7 @@ def _mla_tree_attention(
     rows_pad = row_blocks * BLOCK_M
     splits, per_split = split_plan(batch, rows, capacity, block_kv, num_splits)
     num_words = pl.cdiv(steps, 32)
-    stages = _stages(block_kv, num_words)
+    stages = _stages(block_kv, num_words, split_scores)
     dtype = q_latent.dtype
 
     kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, capacity)
@@ -268,6 +328,7 @@ def _mla_tree_attention(
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     p_transforms = (plgpu.TilingTransform((8, block_kv)), plgpu.SwizzleTransform(2 * block_kv))
+    p_half_tiled = dict(transforms=(plgpu.TilingTransform((8, block_kv // 2)), plgpu.SwizzleTransform(block_kv)))
     kernel = functools.partial(
         _kernel,
         block_kv=block_kv,
@@ -275,6 +336,8 @@ def _mla_tree_attention(
         stages=stages,
         num_words=num_words,
         scale_log2=scale * LOG2E,
+        split_scores=split_scores,
+        interpret=interpret,
     )
     partial, lse = plgpu.kernel(
         kernel,
@@ -284,7 +347,8 @@ def _mla_tree_attention(
         ),
         scratch_types=(
             plgpu.SMEM((2, BLOCK_M, HALF), dtype, **tiled),
-            plgpu.SMEM((BLOCK_M, ROPE_DIM), dtype, **tiled),
+            # split_scores: tiled by half a key block, so each warpgroup's half of P (which reuses it) is whole tiles
+            plgpu.SMEM((BLOCK_M, ROPE_DIM), dtype, **(p_half_tiled if split_scores else tiled)),
             plgpu.SMEM((2, BLOCK_M), jnp.int32),
             plgpu.SMEM((stages, 2, block_kv, HALF), dtype, **tiled),
             plgpu.SMEM((stages, block_kv, ROPE_DIM), dtype, **tiled),
@@ -295,7 +359,13 @@ def _mla_tree_attention(
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
         )
-        + ((plgpu.SMEM((2, BLOCK_M, block_kv), dtype, transforms=p_transforms),) if interpret else ()),
+        + (
+            # interpret mode: P in its own buffer (the rope queries stay in shared memory: no register operand)
+            (plgpu.SMEM((2, 2, BLOCK_M), jnp.float32), plgpu.Barrier(num_arrivals=2, num_barriers=2))
+            + ((plgpu.SMEM((BLOCK_M, block_kv), dtype, **p_half_tiled),) if interpret else ())
+            if split_scores
+            else ((plgpu.SMEM((2, BLOCK_M, block_kv), dtype, transforms=p_transforms),) if interpret else ())
+        ),
         grid=(row_blocks, splits, batch),
         grid_names=("rows", "split", "batch"),
         num_threads=3,
@@ -326,6 +396,7 @@ def mla_tree_attention(
     kv_lengths: jax.Array | None = None,
     block_kv: int = 64,
     num_splits: int | None = None,
+    split_scores: bool = False,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Absorbed-MLA tree-verify attention on the Mosaic GPU backend (Hopper).
@@ -337,6 +408,9 @@ def mla_tree_attention(
       scale: softmax scale (default (512 + 64) ** -0.5); kv_lengths: int32 [B], keys >= it are never
         seen (default `visible_lengths(mask)`).
       block_kv: keys per pipelined block (64); num_splits: key splits per row (default: fill the SMs).
+      split_scores: each compute warpgroup scores half of each key block's keys (not all of them, as by
+        default) and the two exchange row maxima, sums and P through shared memory: a third fewer tensor-core
+        FLOPs a block, two warpgroup barriers more (module docstring).
       interpret: Mosaic GPU interpret mode (default: on the CPU backend).
     Returns:
       bf16 [B, T, H, 512] (softmax and sums in float32); rows with no visible key are 0.
@@ -366,7 +440,7 @@ def mla_tree_attention(
         )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if _stages(block_kv, -(-steps // 32)) < 2:
+    if _stages(block_kv, -(-steps // 32), split_scores) < 2:
         raise ValueError(
             f"T = {steps} tree queries need {-(-steps // 32)} mask words a key: fewer than 2 pipeline stages of "
             f"{block_kv} keys fit in shared memory (the kernel is for decode / verify steps: T <= ~600)"
@@ -385,6 +459,7 @@ def mla_tree_attention(
         scale=scale,
         block_kv=block_kv,
         num_splits=num_splits,
+        split_scores=bool(split_scores),
         interpret=default_interpret(interpret),
     )
 

@@ -42,6 +42,22 @@ def accumulate(acc, p, values_ref, p_smem, while_running=None):
     return acc
 
 
+def accumulate_from_smem(acc, p_smem, values_ref, *, interpret: bool):
+    """acc + p_smem @ values on the tensor cores, P already in shared memory (written, and fenced with
+    `plgpu.commit_smem`, by its writers). Compiled: P loaded into registers and `accumulate`d (its wgmma waited
+    before this returns, so P may be overwritten after); as a shared-memory operand P would have to match the
+    values' swizzle (the MLA kernel's P, 64-byte swizzled against the latent's 128, failed Mosaic GPU's layout
+    inference in a CPU lowering). Interpret mode: the shared-memory operand into a fresh accumulator, added."""
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, values_ref)
+        return acc_ref[...]
+
+    if not interpret:  # P to registers first: a shared-memory A operand must share B's swizzle, P's does not
+        return accumulate(acc, plgpu.load(p_smem, (), layout=plgpu.Layout.WGMMA), values_ref, None)
+    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+
 def pack_mask(mask: jax.Array, kv_lengths: jax.Array, num_words: int) -> jax.Array:
     """mask bool [B, T, S], kv_lengths int32 [B] -> i32 [B, W, S]: bit i of word w is mask[b, 32 w + i, s] and
     s < kv_lengths[b] (4 bytes a key per 32 tree queries; any dense mask is exact)."""

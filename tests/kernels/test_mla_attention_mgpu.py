@@ -26,6 +26,9 @@ CASES = {
     "t17_h4_scale": (2, 17, 4, 192, (150, 40), dict(num_splits=2, scale=0.05)),
     "t9_h16_one_split": (1, 9, 16, 300, (297,), dict(num_splits=1)),
     "t33_h2_two_words": (1, 33, 2, 130, (128,), dict(num_splits=2)),
+    # split_scores: each compute warpgroup scores half of a block's keys, P and row statistics exchanged
+    "split_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, split_scores=True)),
+    "split_t33_h2_two_words": (1, 33, 2, 130, (128,), dict(num_splits=2, split_scores=True)),
 }
 TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities
 
@@ -103,11 +106,14 @@ def test_rejects_bad_shapes(change, message):
         mla_tree_attention(**arrays, mask=mask, **kwargs)
 
 
+@pytest.mark.parametrize("split_scores", [False, True])
 @pytest.mark.parametrize("steps, heads, capacity", [(17, 8, 8256), (7, 4, 128), (9, 16, 300), (65, 64, 1088)])
-def test_lowers_for_gpu(steps, heads, capacity):
+def test_lowers_for_gpu(steps, heads, capacity, split_scores):
     """The compiled kernel (not the interpreter) lowers to Mosaic GPU for "cuda" on this CPU machine, TMA
     tiling included: T * H = 28 (not a multiple of 8) failed here and on the H200 before the rows were padded;
-    S = 300 is padded to whole key blocks by the wrapper."""
+    S = 300 is padded to whole key blocks by the wrapper. The lowering also checks the shared memory (232,448
+    bytes) and wgmma's operand layouts: split_scores' first forms failed both here (235,584 bytes; P's swizzle
+    as a shared-memory operand)."""
     from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
 
     args = (
@@ -117,5 +123,5 @@ def test_lowers_for_gpu(steps, heads, capacity):
         jax.ShapeDtypeStruct((2, capacity, 1, 64), jnp.bfloat16),
         jax.ShapeDtypeStruct((2, steps, capacity), jnp.bool_),
     )
-    attend = jax.jit(lambda *a: mla_tree_attention(*a, interpret=False))
+    attend = jax.jit(lambda *a: mla_tree_attention(*a, split_scores=split_scores, interpret=False))
     assert "mosaic_gpu" in attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
