@@ -10,11 +10,13 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from ddtree_jax import dispatch
 from ddtree_jax.dispatch import ATTENTION_IMPLS, BLOCKWISE_KEYS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
 from ddtree_kernels.gqa_attention_mgpu import gqa_tree_attention
+from ddtree_kernels.mla_attention_mgpu import BLOCK_KV as MLA_BLOCK_KV
 from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
 from ddtree_kernels.prefill_attention_mgpu import causal_prefill_attention
 from ddtree_kernels.tiling import dot_precision
@@ -193,23 +195,44 @@ def sharded_gqa_attention(
 
 
 def sharded_mla_attention(
-    q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, rope_key: jax.Array, mask: jax.Array, *, scale: float
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    latent: jax.Array,
+    rope_key: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Absorbed-MLA attention on a kernel (attn_impl "pallas"), per shard when a mesh is set: queries
     q_latent [B, T, H, R], q_rope [B, T, H, P] against the shared latent cache [B, S, 1, R] and rope keys
-    [B, S, 1, P], values the latent; mask bool [B, T, S] -> [B, T, H, R] in q_latent's dtype. The kernel is
-    `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512, P = 64, the Triton
-    kernel otherwise."""
+    [B, S, 1, P], values the latent; mask bool [B, T, S] -> [B, T, H, R] in q_latent's dtype. With `layer`
+    the caches are every layer's, [L, B, S, 1, ...], and layer `layer` is attended: the Mosaic kernel reads
+    it in place (no copy of the layer's cache a call) where S is whole key blocks, else it is sliced out
+    first. The kernel is `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
+    P = 64, the Triton kernel otherwise."""
     dtype = q_latent.dtype
     bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
-    if dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rope.shape[-1])) == "triton":
+    mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rope.shape[-1])) == "mosaic"
+    if layer is not None and not (mosaic and latent.shape[2] % MLA_BLOCK_KV == 0):
+        latent, rope_key = (jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in (latent, rope_key))
+        layer = None
+    if not mosaic:
         return sharded_tree_attention(
             (q_latent, q_rope.astype(dtype)), (latent.astype(dtype), rope_key.astype(dtype)), None, mask, scale=scale
         )
+    if layer is None:
+        return shard_call(
+            lambda ql, qr, lat, rk, m: mla_tree_attention(ql, qr, lat, rk, m, scale=scale),
+            (q_latent, q_rope, latent, rope_key, mask),
+            (heads(4), heads(4), rows(4), rows(4), rows(3)),
+            heads(4),
+        )
+    stack = PartitionSpec(None, *rows(4))  # [L, B, S, 1, ...]: batch over "data", layers whole
     return shard_call(
-        lambda ql, qr, lat, rk, m: mla_tree_attention(ql, qr, lat, rk, m, scale=scale),
-        (q_latent, q_rope, latent, rope_key, mask),
-        (heads(4), heads(4), rows(4), rows(4), rows(3)),
+        lambda ql, qr, lat, rk, m, i: mla_tree_attention(ql, qr, lat, rk, m, scale=scale, layer=i),
+        (q_latent, q_rope, latent, rope_key, mask, jnp.asarray(layer, jnp.int32)),
+        (heads(4), heads(4), stack, stack, rows(3), PartitionSpec()),
         heads(4),
     )
 

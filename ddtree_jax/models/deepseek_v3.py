@@ -252,25 +252,19 @@ def mla_absorbed(
         return out, latent_cache, rope_cache
     latent_stack = write_layer_rows(latent_cache, layer, latent, write_start)
     rope_stack = write_layer_rows(rope_cache, layer, k_rot, write_start)
-    out = _mla_attend(
-        c,
-        p,
-        x,
-        q_nope,
-        q_rot,
-        jax.lax.dynamic_index_in_dim(latent_stack, layer, 0, keepdims=False),
-        jax.lax.dynamic_index_in_dim(rope_stack, layer, 0, keepdims=False),
-        mask,
-        attn_impl,
-        form,
-        causal_start,
-    )
+    out = _mla_attend(c, p, x, q_nope, q_rot, latent_stack, rope_stack, mask, attn_impl, form, causal_start, layer)
     return out, latent_stack, rope_stack
 
 
-def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start=None):
-    """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]."""
+def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start=None, layer=None):
+    """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]. With `layer` the caches
+    are every layer's stacks [L, B, S, 1, ...]: the Mosaic kernel reads the layer in place, the other paths
+    slice it out (`sharded_mla_attention`)."""
     batch, steps, _ = x.shape
+
+    def one_layer(cache):
+        return cache if layer is None else jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
+
     w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     shape = dict(
@@ -280,6 +274,7 @@ def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_imp
         v_head_dim=c.v_head_dim,
     )
     if dispatch.mla_form(form, queries=steps, **shape) == "expanded":
+        latent_cache, rope_cache = one_layer(latent_cache), one_layer(rope_cache)
         out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl, causal_start)
         return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
     q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
@@ -287,16 +282,17 @@ def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_imp
     impl = dispatch.attention_impl(
         attn_impl,
         queries=steps,
-        keys=latent_cache.shape[1],
+        keys=latent_cache.shape[-3],
         mla=True,
         float32=float32,
         mla_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
     )
     if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
         out_latent = sharded_mla_attention(
-            q_latent, q_rot.astype(q_latent.dtype), latent_cache, rope_cache, mask, scale=softmax_scale(c)
+            q_latent, q_rot.astype(q_latent.dtype), latent_cache, rope_cache, mask, scale=softmax_scale(c), layer=layer
         )
     else:
+        latent_cache, rope_cache = one_layer(latent_cache), one_layer(rope_cache)
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)
         keys = jnp.concatenate([latent_cache, rope_cache], axis=-1).astype(query.dtype)  # [B, S, 1, kv_lora + rope]
         blockwise = dispatch.attention_impl(attn_impl, queries=steps, keys=keys.shape[1], mla=True) == "blockwise"

@@ -17,6 +17,13 @@ Kernel (`plgpu.kernel`, grid (row block, key split, B), three warpgroups per CTA
               a 64 x 256 float32 accumulator fits a warpgroup's registers;
   outputs     each split writes its normalised bf16 output and float32 log2-sum-exp per row; a jnp
               epilogue merges the splits.
+split_scores=True (opt-in until measured against the default on the GPU): each compute warpgroup scores only
+its half of the block's keys ([64, block_kv / 2] over 512 + 64 dims; by default both score all of them, a
+third of the tensor-core work done twice); the two exchange their row maxima, then their halves of P (bf16)
+and row sums, through shared memory under two barriers a block, and each multiplies the whole P by its half of
+the value columns. P lives in the rope queries' tile, which is tiled by half a key block so each half is whole
+tiles; compiled, the rope queries are loaded into registers first (the register operand of their wgmma) and P
+is loaded back into registers for the value wgmma (a shared-memory operand must match the latent's swizzle).
 The mask is passed as bit words: word[b, w, s] holds mask[b, 32 w + i, s] (and s < kv_lengths[b]) in bit
 i, so a key block costs 4 bytes a key per 32 tree queries against 1,152 bytes of latent + rope, and any
 dense mask is exact (prefix, tree ancestors, ragged lengths).
@@ -67,6 +74,7 @@ from ddtree_kernels.tree_attention import tree_attention_reference, visible_leng
 LATENT_DIM = 512
 ROPE_DIM = 64
 BLOCK_M = 64  # rows per CTA: one wgmma M tile
+BLOCK_KV = 64  # keys per pipelined block (the only size that lowers: module docstring)
 HALF = LATENT_DIM // 2  # value columns per compute warpgroup
 NUM_SMS = 132  # H200
 MAX_STAGES = 4
@@ -87,6 +95,7 @@ def _stages(block_kv: int, num_words: int = 1, split_scores: bool = False) -> in
 
 def _kernel(
     counts_ref,
+    layer_ref,
     rows_ref,
     ql_ref,
     qr_ref,
@@ -117,7 +126,8 @@ def _kernel(
 ):
     # GMEM: counts_ref i32 [B, splits] key blocks of each split; rows_ref i32 [2, R_pad] per row: the bit
     #   (1 << t % 32) and the word (t // 32) of its tree query (bit 0: padding row); ql_ref [B, R, 512],
-    #   qr_ref [B, R, 64] queries (row = t * H + h); lat_ref [B, S, 512], rope_ref [B, S, 64] the cache;
+    #   qr_ref [B, R, 64] queries (row = t * H + h); layer_ref i32 [1] the layer read; lat_ref [L, B, S, 512],
+    #   rope_ref [L, B, S, 64] the caches of every layer (L = 1 for one layer's), read in place;
     #   words_ref i32 [B, W, S_pad] the packed mask (S_pad: S in whole key blocks); o_ref bf16
     #   [B, splits, R, 512] each split's normalised output; lse_ref f32 [B, splits, R_pad] its log2-sum-exp
     #   (-inf: no key seen).
@@ -135,6 +145,7 @@ def _kernel(
     elif interpret:
         (p_smem,) = extra
     row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
+    layer = layer_ref[0]
     wg = lax.axis_index("wg")
     r0 = row_block * BLOCK_M
     num_blocks = counts_ref[b, split]
@@ -153,8 +164,10 @@ def _kernel(
             keys = pl.ds(first_key + i * block_kv, block_kv)
             barrier = kv_barriers.at[slot]
             for half in range(2):
-                plgpu.copy_gmem_to_smem(lat_ref.at[b, keys, pl.ds(half * HALF, HALF)], lat_smem.at[slot, half], barrier)
-            plgpu.copy_gmem_to_smem(rope_ref.at[b, keys], rope_smem.at[slot], barrier)
+                plgpu.copy_gmem_to_smem(
+                    lat_ref.at[layer, b, keys, pl.ds(half * HALF, HALF)], lat_smem.at[slot, half], barrier
+                )
+            plgpu.copy_gmem_to_smem(rope_ref.at[layer, b, keys], rope_smem.at[slot], barrier)
             plgpu.copy_gmem_to_smem(words_ref.at[b, :, keys], words_smem.at[slot], barrier)
 
         for i in range(stages):
@@ -294,18 +307,20 @@ def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "split_scores", "interpret"))
 def _mla_tree_attention(
-    q_latent, q_rope, latent, rope_key, mask, kv_lengths, *, scale, block_kv, num_splits, split_scores, interpret
+    q_latent, q_rope, latent, rope_key, mask, kv_lengths, layer, *, scale, block_kv, num_splits, split_scores, interpret
 ):
+    # latent [L, B, S, 1, 512], rope_key [L, B, S, 1, 64]: every layer's caches; layer int32 [] the one read
     batch, steps, heads, _ = q_latent.shape
-    capacity = latent.shape[1]
+    num_layers, capacity = latent.shape[0], latent.shape[2]
     if capacity % block_kv:
         # The TMA copies tile the cache's key axis by 8 and read whole blocks: the first GPU run (H200,
         # ae031d5) refused S = context + 17 ("dimension 1 must have size smaller or a multiple of its tiling
         # 8"). Pad the keys to whole blocks (zeros: finite, never visible). This copies the cache: callers
         # should allocate capacities in whole key blocks (the benchmark does).
         extra = pl.cdiv(capacity, block_kv) * block_kv - capacity
-        latent = jnp.pad(latent, ((0, 0), (0, extra), (0, 0), (0, 0)))
-        rope_key = jnp.pad(rope_key, ((0, 0), (0, extra), (0, 0), (0, 0)))
+        # (the public entry refuses this for stacked caches: it would copy every layer's)
+        latent = jnp.pad(latent, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+        rope_key = jnp.pad(rope_key, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, extra)))
         capacity += extra
     rows = steps * heads
@@ -374,11 +389,12 @@ def _mla_tree_attention(
         interpret=INTERPRET_PARAMS if interpret else None,
     )(
         counts,
+        jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1),
         row_table,
         jnp.pad(q_latent.reshape(batch, rows, LATENT_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
         jnp.pad(q_rope.reshape(batch, rows, ROPE_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
-        latent.reshape(batch, capacity, LATENT_DIM),
-        rope_key.reshape(batch, capacity, ROPE_DIM),
+        latent.reshape(num_layers, batch, capacity, LATENT_DIM),
+        rope_key.reshape(num_layers, batch, capacity, ROPE_DIM),
         words,
     )
     out = merge_splits(partial[:, :, :rows], lse[:, :, :rows], axis=1)  # rows that saw no key: zero
@@ -394,9 +410,10 @@ def mla_tree_attention(
     *,
     scale: float | None = None,
     kv_lengths: jax.Array | None = None,
-    block_kv: int = 64,
+    block_kv: int = BLOCK_KV,
     num_splits: int | None = None,
     split_scores: bool = False,
+    layer: jax.Array | int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Absorbed-MLA tree-verify attention on the Mosaic GPU backend (Hopper).
@@ -411,10 +428,35 @@ def mla_tree_attention(
       split_scores: each compute warpgroup scores half of each key block's keys (not all of them, as by
         default) and the two exchange row maxima, sums and P through shared memory: a third fewer tensor-core
         FLOPs a block, two warpgroup barriers more (module docstring).
+      layer: with every layer's caches stacked, latent [L, B, S, 1, 512] and rope_key [L, B, S, 1, 64], the
+        layer to read (int32 scalar, may be traced: a layer scan's counter; clamped into [0, L)). The kernel
+        reads that layer in place: slicing it out first copies the layer's cache on every call, since a
+        kernel takes each operand as one buffer (on one H200, a 4,224-row shard cache: 4.8 MB a layer, in
+        a `loop_dynamic_slice_fusion` beside the kernel). S must then be whole key blocks (else a ValueError:
+        padding would copy every layer).
       interpret: Mosaic GPU interpret mode (default: on the CPU backend).
     Returns:
       bf16 [B, T, H, 512] (softmax and sums in float32); rows with no visible key are 0.
     """
+    stacked = layer is not None
+    if stacked:
+        if latent.ndim != 5 or rope_key.ndim != 5:
+            raise ValueError(
+                f"with layer= latent and rope_key are every layer's caches [L, B, S, 1, ...], got {latent.shape} "
+                f"and {rope_key.shape}"
+            )
+        if latent.shape[2] % block_kv:
+            raise ValueError(
+                f"with layer= the cache rows S = {latent.shape[2]} must be a multiple of block_kv = {block_kv} "
+                "(padding would copy every layer's cache)"
+            )
+        if rope_key.shape[0] != latent.shape[0]:
+            raise ValueError(f"latent and rope_key must stack the same layers, got {latent.shape} and {rope_key.shape}")
+        if jnp.ndim(layer) != 0:
+            raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+        stack_latent, stack_rope = latent, rope_key
+        # one layer's shapes, for the checks below (no slice of the stacks is ever computed)
+        latent, rope_key = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (latent, rope_key))
     if q_latent.ndim != 4 or q_latent.shape[-1] != LATENT_DIM:
         raise ValueError(f"q_latent must be [B, T, H, {LATENT_DIM}], got {q_latent.shape}")
     batch, steps, heads, _ = q_latent.shape
@@ -452,10 +494,11 @@ def mla_tree_attention(
     return _mla_tree_attention(
         q_latent,
         q_rope,
-        latent,
-        rope_key,
+        stack_latent if stacked else latent[None],
+        stack_rope if stacked else rope_key[None],
         mask.astype(bool),
         kv_lengths,
+        jnp.asarray(layer if stacked else 0, jnp.int32),
         scale=scale,
         block_kv=block_kv,
         num_splits=num_splits,

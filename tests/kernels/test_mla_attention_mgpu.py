@@ -29,6 +29,9 @@ CASES = {
     # split_scores: each compute warpgroup scores half of a block's keys, P and row statistics exchanged
     "split_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, split_scores=True)),
     "split_t33_h2_two_words": (1, 33, 2, 130, (128,), dict(num_splits=2, split_scores=True)),
+    # layer=: every layer's caches stacked [L, B, S, 1, ...] (L = 3), layer 2 / 0 read in place, traced
+    "stacked_layer2": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 2))),
+    "stacked_layer0_split": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 0), split_scores=True)),
 }
 TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities
 
@@ -37,15 +40,23 @@ def run_case(name: str) -> dict:
     from ddtree_kernels.mla_attention_mgpu import mla_tree_attention, mla_tree_attention_reference
 
     batch, steps, heads, capacity, lengths, kwargs = CASES[name]
+    kwargs = dict(kwargs)
+    num_layers, layer = kwargs.pop("stack", (None, None))
+    stack = () if num_layers is None else (num_layers,)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
     q_latent = jax.random.normal(keys[0], (batch, steps, heads, 512), jnp.bfloat16)
     q_rope = jax.random.normal(keys[1], (batch, steps, heads, 64), jnp.bfloat16)
-    latent = jax.random.normal(keys[2], (batch, capacity, 1, 512), jnp.bfloat16)
-    rope_key = jax.random.normal(keys[3], (batch, capacity, 1, 64), jnp.bfloat16)
+    latent = jax.random.normal(keys[2], stack + (batch, capacity, 1, 512), jnp.bfloat16)
+    rope_key = jax.random.normal(keys[3], stack + (batch, capacity, 1, 64), jnp.bfloat16)
     mask = jnp.asarray(tree_mask(rng, steps, capacity, lengths))
     kv_lengths = jnp.asarray(lengths, jnp.int32)
-    out = mla_tree_attention(q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
+    if stack:  # the layer a traced scalar, as in a layer scan; the reference reads that layer's slice
+        attend = jax.jit(lambda *a: mla_tree_attention(*a[:5], kv_lengths=kv_lengths, layer=a[5], **kwargs))
+        out = attend(q_latent, q_rope, latent, rope_key, mask, jnp.int32(layer))
+        latent, rope_key = latent[layer], rope_key[layer]
+    else:
+        out = mla_tree_attention(q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
     scale = kwargs.get("scale")
     ref = mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale, kv_lengths=kv_lengths)
     return compare(out, ref, mask)
@@ -89,6 +100,9 @@ def test_cases_cover_empty_and_single_key_rows():
         (dict(q_latent=(1, 700, 2, 512), q_rope=(1, 700, 2, 64), mask=(1, 700, 40)), "T = 700 tree queries"),
         (dict(num_splits=0), "num_splits must be >= 1, got 0"),
         (dict(kv_lengths=(2,)), "kv_lengths must be"),
+        (dict(layer=1), "with layer= latent and rope_key are every layer's caches"),
+        (dict(layer=1, latent=(2, 1, 40, 1, 512), rope_key=(2, 1, 40, 1, 64)), "S = 40 must be a multiple of"),
+        (dict(layer=1, latent=(2, 1, 64, 1, 512), rope_key=(3, 1, 64, 1, 64)), "must stack the same layers"),
     ],
 )
 def test_rejects_bad_shapes(change, message):
@@ -98,8 +112,8 @@ def test_rejects_bad_shapes(change, message):
     shapes = dict(q_latent=(1, 3, 2, 512), q_rope=(1, 3, 2, 64), latent=(1, 40, 1, 512), rope_key=(1, 40, 1, 64))
     shapes.update({k: v for k, v in change.items() if k in shapes})
     arrays = {k: jnp.zeros(v, jnp.bfloat16 if k.startswith("q") else dtype) for k, v in shapes.items()}
-    mask = jnp.ones(change.get("mask", (1, 3, 40)), bool)
-    kwargs = {k: change[k] for k in ("block_kv", "num_splits") if k in change}
+    mask = jnp.ones(change.get("mask", (1, 3, arrays["latent"].shape[-3])), bool)
+    kwargs = {k: change[k] for k in ("block_kv", "num_splits", "layer") if k in change}
     if "kv_lengths" in change:
         kwargs["kv_lengths"] = jnp.zeros(change["kv_lengths"], jnp.int32)
     with pytest.raises(ValueError, match=message):
@@ -125,3 +139,24 @@ def test_lowers_for_gpu(steps, heads, capacity, split_scores):
     )
     attend = jax.jit(lambda *a: mla_tree_attention(*a, split_scores=split_scores, interpret=False))
     assert "mosaic_gpu" in attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_stacked_caches_reach_the_kernel_unsliced():
+    """layer=: the GPU program passes the stacked caches [L, B, S, 1, ...] to the Mosaic kernel as they are (no
+    slice, no copy of the layer's cache before the custom call) and reads the layer inside it."""
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
+
+    num_layers, batch, steps, heads, capacity = 61, 1, 17, 8, 4224
+    args = (
+        jax.ShapeDtypeStruct((batch, steps, heads, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, steps, heads, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_layers, batch, capacity, 1, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_layers, batch, capacity, 1, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, steps, capacity), jnp.bool_),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    attend = jax.jit(lambda *a: mla_tree_attention(*a[:5], layer=a[5], interpret=False))
+    text = attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert f"{num_layers}x{batch}x{capacity}x512xbf16" in text  # the stack reshaped (a bitcast), whole
+    assert "stablehlo.dynamic_slice" not in text

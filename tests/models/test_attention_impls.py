@@ -369,3 +369,45 @@ DSV3_SHAPE = dict(
     qk_rope_head_dim=DSV3.qk_rope_head_dim,
     v_head_dim=DSV3.v_head_dim,
 )
+
+
+@pytest.mark.parametrize("capacity, in_place", [(128, True), (100, False)])
+def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, capacity, in_place):
+    """Under the layer scan the MLA caches are stacks [L, B, S, 1, ...]: with the Mosaic kernel (a spy here, the
+    kernel's reference on the layer it is told to read; the kernel itself: tests/kernels/test_mla_attention_mgpu.py)
+    the stacks and the scan's layer reach it whole (it reads the layer in place: no copy of the layer's cache a
+    call), where S is whole 64-key blocks; otherwise one layer is sliced out first. The tree verify equals the
+    XLA path either way."""
+    import dataclasses
+    import importlib
+
+    from ddtree_jax import dispatch
+    from ddtree_jax.tree import ancestor_mask, build_tree
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
+
+    attention_module = importlib.import_module("ddtree_jax.models.attention")
+    config = dataclasses.replace(DSV3, num_layers=3)
+    params = deepseek_v3.init_params(config, jax.random.key(5))
+    rng = np.random.default_rng(6)
+    prefix = jnp.asarray(rng.integers(0, 50, (2, 40)), jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
+    cache = deepseek_v3.create_cache(config, 2, capacity, jnp.float32)
+    _, _, cache = deepseek_v3.prefill(config, params, cache, prefix, jnp.asarray([40, 9], jnp.int32), attn_impl="xla")
+    want = deepseek_v3.tree_forward(config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="xla")
+    calls = []
+
+    def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None):
+        calls.append((latent.shape, layer is not None))
+        if layer is not None:
+            latent, rope_key = latent[layer], rope_key[layer]
+        return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale)
+
+    monkeypatch.setattr(attention_module, "mla_tree_attention", spy)
+    monkeypatch.setattr(dispatch, "mla_attention_kernel", lambda **kw: "mosaic")
+    got = deepseek_v3.tree_forward(
+        config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="pallas", layer_loop="scan"
+    )
+    stacked = (config.num_layers, 2, capacity, 1, config.kv_lora_rank)
+    assert calls and all(call == ((stacked, True) if in_place else (stacked[1:], False)) for call in calls), calls
+    for g, w in zip(got[:2], want[:2]):
+        assert relerr(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 1e-5
