@@ -17,7 +17,7 @@ from ddtree_jax.dispatch import ATTENTION_IMPLS, BLOCKWISE_KEYS
 from ddtree_jax.sharding.regions import heads, rows, shard_call
 from ddtree_kernels.gqa_attention_mgpu import gqa_tree_attention
 from ddtree_kernels.mla_attention_mgpu import BLOCK_KV as MLA_BLOCK_KV
-from ddtree_kernels.mla_attention_mgpu import mla_tree_attention
+from ddtree_kernels.mla_attention_mgpu import PackedTreeMask, mla_tree_attention, pack_tree_mask
 from ddtree_kernels.prefill_attention_mgpu import causal_prefill_attention
 from ddtree_kernels.tiling import dot_precision
 from ddtree_kernels.tree_attention import attention_reference, tree_attention
@@ -27,6 +27,7 @@ __all__ = [
     "BLOCKWISE_KEYS",
     "attention",
     "blockwise_attention",
+    "pack_tree_mask",
     "sharded_causal_attention",
     "sharded_mla_attention",
     "sharded_tree_attention",
@@ -203,13 +204,15 @@ def sharded_mla_attention(
     *,
     scale: float,
     layer: jax.Array | int | None = None,
+    packed_mask: PackedTreeMask | None = None,
 ) -> jax.Array:
     """Absorbed-MLA attention on a kernel (attn_impl "pallas"), per shard when a mesh is set: queries
     q_latent [B, T, H, R], q_rope [B, T, H, P] against the shared latent cache [B, S, 1, R] and rope keys
     [B, S, 1, P], values the latent; mask bool [B, T, S] -> [B, T, H, R] in q_latent's dtype. With `layer`
     the caches are every layer's, [L, B, S, 1, ...], and layer `layer` is attended: the Mosaic kernel reads
     it in place (no copy of the layer's cache a call) where S is whole key blocks, else it is sliced out
-    first. The kernel is `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
+    first. packed_mask: `pack_tree_mask(mask)`, packed once by a caller that attends under one mask in every
+    layer (the Mosaic kernel reads it instead of packing mask again). The kernel is `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
     P = 64, the Triton kernel otherwise."""
     dtype = q_latent.dtype
     bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
@@ -221,18 +224,18 @@ def sharded_mla_attention(
         return sharded_tree_attention(
             (q_latent, q_rope.astype(dtype)), (latent.astype(dtype), rope_key.astype(dtype)), None, mask, scale=scale
         )
-    if layer is None:
-        return shard_call(
-            lambda ql, qr, lat, rk, m: mla_tree_attention(ql, qr, lat, rk, m, scale=scale),
-            (q_latent, q_rope, latent, rope_key, mask),
-            (heads(4), heads(4), rows(4), rows(4), rows(3)),
-            heads(4),
-        )
-    stack = PartitionSpec(None, *rows(4))  # [L, B, S, 1, ...]: batch over "data", layers whole
+    cache_spec = rows(4) if layer is None else PartitionSpec(None, *rows(4))  # stacks [L, B, S, 1, ...]
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    words, kv_lengths = pack_tree_mask(mask) if packed_mask is None else packed_mask
+
+    def per_shard(ql, qr, lat, rk, m, w, n, i):
+        packed = PackedTreeMask(w, n)
+        return mla_tree_attention(ql, qr, lat, rk, m, scale=scale, layer=i if lat.ndim == 5 else None, packed_mask=packed)
+
     return shard_call(
-        lambda ql, qr, lat, rk, m, i: mla_tree_attention(ql, qr, lat, rk, m, scale=scale, layer=i),
-        (q_latent, q_rope, latent, rope_key, mask, jnp.asarray(layer, jnp.int32)),
-        (heads(4), heads(4), stack, stack, rows(3), PartitionSpec()),
+        per_shard,
+        (q_latent, q_rope, latent, rope_key, mask, words, kv_lengths, layer),
+        (heads(4), heads(4), cache_spec, cache_spec, rows(3), rows(3), rows(1), PartitionSpec()),
         heads(4),
     )
 

@@ -23,6 +23,7 @@ from ddtree_jax.models.attention import (
     attention,
     blockwise_attention,
     sharded_causal_attention,
+    pack_tree_mask,
     sharded_mla_attention,
 )
 from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows, write_rows
@@ -227,6 +228,7 @@ def mla_absorbed(
     form: str = "auto",
     layer=None,
     causal_start=None,
+    packed_mask=None,
 ):
     """MLA over the latent cache. Absorbed form: W_UK folded into the query, attention over [latent ; rope
     key] with one shared KV head and the latent as value, W_UV after. Expanded form (`dispatch.mla_form`:
@@ -240,7 +242,8 @@ def mla_absorbed(
     or int32 scalar) the caches are the stacks of all layers, [L, B, S, 1, ...]: the new rows are scattered
     into layer `layer` in place (`write_layer_rows`) and the stacks returned. causal_start int32 [B] or None:
     the caller states mask[b, t, s] == (s <= causal_start[b] + t) (a prefill chunk), so the expanded form may
-    run on the causal flash-attention kernel (`attention`'s causal_start)."""
+    run on the causal flash-attention kernel (`attention`'s causal_start). packed_mask: `pack_tree_mask(mask)`,
+    packed once for every layer by the caller (`_run`), for the Mosaic GPU kernel (unused by the other paths)."""
     c = config
     batch, steps, _ = x.shape
     q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
@@ -252,11 +255,15 @@ def mla_absorbed(
         return out, latent_cache, rope_cache
     latent_stack = write_layer_rows(latent_cache, layer, latent, write_start)
     rope_stack = write_layer_rows(rope_cache, layer, k_rot, write_start)
-    out = _mla_attend(c, p, x, q_nope, q_rot, latent_stack, rope_stack, mask, attn_impl, form, causal_start, layer)
+    out = _mla_attend(
+        c, p, x, q_nope, q_rot, latent_stack, rope_stack, mask, attn_impl, form, causal_start, layer, packed_mask
+    )
     return out, latent_stack, rope_stack
 
 
-def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start=None, layer=None):
+def _mla_attend(
+    c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start=None, layer=None, packed_mask=None
+):
     """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]. With `layer` the caches
     are every layer's stacks [L, B, S, 1, ...]: the Mosaic kernel reads the layer in place, the other paths
     slice it out (`sharded_mla_attention`)."""
@@ -289,7 +296,14 @@ def _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_imp
     )
     if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
         out_latent = sharded_mla_attention(
-            q_latent, q_rot.astype(q_latent.dtype), latent_cache, rope_cache, mask, scale=softmax_scale(c), layer=layer
+            q_latent,
+            q_rot.astype(q_latent.dtype),
+            latent_cache,
+            rope_cache,
+            mask,
+            scale=softmax_scale(c),
+            layer=layer,
+            packed_mask=packed_mask,
         )
     else:
         latent_cache, rope_cache = one_layer(latent_cache), one_layer(rope_cache)
@@ -377,6 +391,9 @@ def _run(
     c = config
     cos, sin = rope_tables_half(c, positions)
     h = params["embed"][tokens]
+    # the mask in the Mosaic MLA kernel's form, once for every layer (inside the layer scan XLA repacked it in
+    # each layer); dead code, removed by XLA, where no layer runs that kernel
+    packed_mask = pack_tree_mask(mask)
 
     def layer_fn(kind):
         def step(carry, inputs):  # carry (h, latent stack [L, B, S, 1, r], rope stack); inputs (p, layer)
@@ -395,6 +412,7 @@ def _run(
                 attn_impl,
                 layer=layer,
                 causal_start=causal_start,
+                packed_mask=packed_mask,
             )
             h = h + attn
             x = rms_norm(h, p["post_norm"], c.rms_norm_eps)

@@ -46,6 +46,11 @@ not registers, and that product is added instead of accumulated in place. The in
 three warpgroups as threads blocked inside host callbacks: on a machine with fewer than 4 cores, start
 the process with NPROC=8 (XLA's CPU pool size), or two waiting warpgroups can starve the third (a hang).
 
+Under a layer scan (the models' decode step) two things would repeat in every layer: slicing the layer's cache
+out of the stacked caches (a copy, since a kernel takes each operand as one buffer) and packing the mask. So
+`layer=` reads layer l of stacked caches [L, B, S, 1, ...] in place (TMA from lat_ref[l, b, keys]), and
+`packed_mask=` takes the caller's `pack_tree_mask(mask)`, packed once a step.
+
 `mla_tree_attention_reference` is the twin (`tree_attention_reference`, plain XLA).
 """
 
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -307,7 +313,20 @@ def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "split_scores", "interpret"))
 def _mla_tree_attention(
-    q_latent, q_rope, latent, rope_key, mask, kv_lengths, layer, *, scale, block_kv, num_splits, split_scores, interpret
+    q_latent,
+    q_rope,
+    latent,
+    rope_key,
+    mask,
+    kv_lengths,
+    layer,
+    words,
+    *,
+    scale,
+    block_kv,
+    num_splits,
+    split_scores,
+    interpret,
 ):
     # latent [L, B, S, 1, 512], rope_key [L, B, S, 1, 64]: every layer's caches; layer int32 [] the one read
     batch, steps, heads, _ = q_latent.shape
@@ -322,6 +341,7 @@ def _mla_tree_attention(
         latent = jnp.pad(latent, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
         rope_key = jnp.pad(rope_key, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, extra)))
+        words = None if words is None else jnp.pad(words, ((0, 0), (0, 0), (0, extra)))  # zeros: never visible
         capacity += extra
     rows = steps * heads
     # TMA tiles the flattened query / output rows by 8 (the first model-level GPU run, T * H = 28, was refused
@@ -338,7 +358,8 @@ def _mla_tree_attention(
     starts = jnp.arange(splits, dtype=jnp.int32) * (per_split * block_kv)
     counts = jnp.clip(pl.cdiv(kv_lengths[:, None] - starts[None, :], block_kv), 0, per_split).astype(jnp.int32)
     # TMA needs 16-byte row strides: the capacity is whole key blocks by now (padded above), so are the words
-    words = pack_mask(mask, kv_lengths, num_words)
+    # words: the caller's `pack_tree_mask` (one packing for many calls, e.g. every layer of a step) or packed here
+    words = pack_mask(mask, kv_lengths, num_words) if words is None else words
     row_table = jnp.asarray(row_bits(steps, heads, rows_pad))
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -401,6 +422,26 @@ def _mla_tree_attention(
     return out.reshape(batch, steps, heads, LATENT_DIM).astype(dtype)
 
 
+class PackedTreeMask(NamedTuple):
+    """A tree mask in the kernel's form (`pack_tree_mask`): words int32 [B, ceil(T / 32), S], bit i of word w
+    set where tree query 32 w + i sees key s (and s < kv_lengths[b]); kv_lengths int32 [B]."""
+
+    words: jax.Array
+    kv_lengths: jax.Array
+
+
+def pack_tree_mask(mask: jax.Array, kv_lengths: jax.Array | None = None) -> PackedTreeMask:
+    """mask bool [B, T, S] (and kv_lengths int32 [B], default `visible_lengths(mask)`) -> the kernel's form,
+    for a caller that attends under one mask many times (every layer of a step): packed once, passed to each
+    call as `mla_tree_attention(..., packed_mask=)`. Inside a layer scan XLA does not hoist the packing out of
+    the loop by itself (one H200 profile: a 2 us packing in every layer)."""
+    if mask.ndim != 3:
+        raise ValueError(f"mask must be [B, T, S], got {mask.shape}")
+    kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
+    kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, mask.shape[-1])
+    return PackedTreeMask(pack_mask(mask.astype(bool), kv_lengths, pl.cdiv(mask.shape[1], 32)), kv_lengths)
+
+
 def mla_tree_attention(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -414,6 +455,7 @@ def mla_tree_attention(
     num_splits: int | None = None,
     split_scores: bool = False,
     layer: jax.Array | int | None = None,
+    packed_mask: PackedTreeMask | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Absorbed-MLA tree-verify attention on the Mosaic GPU backend (Hopper).
@@ -434,6 +476,9 @@ def mla_tree_attention(
         kernel takes each operand as one buffer (on one H200, a 4,224-row shard cache: 4.8 MB a layer, in
         a `loop_dynamic_slice_fusion` beside the kernel). S must then be whole key blocks (else a ValueError:
         padding would copy every layer).
+      packed_mask: `pack_tree_mask(mask)` (with its kv_lengths), computed once by a caller that makes many
+        calls under one mask: the kernel then reads its words, not mask's values (mask still gives the shapes);
+        kv_lengths must then be None.
       interpret: Mosaic GPU interpret mode (default: on the CPU backend).
     Returns:
       bf16 [B, T, H, 512] (softmax and sums in float32); rows with no visible key are 0.
@@ -489,6 +534,16 @@ def mla_tree_attention(
         )
     if kv_lengths is not None and kv_lengths.shape != (batch,):
         raise ValueError(f"kv_lengths must be [B] = ({batch},), got {kv_lengths.shape}")
+    words = None
+    if packed_mask is not None:
+        if kv_lengths is not None:
+            raise ValueError("pass kv_lengths through pack_tree_mask, not beside packed_mask")
+        words, kv_lengths = packed_mask
+        if words.shape != (batch, -(-steps // 32), capacity) or kv_lengths.shape != (batch,):
+            raise ValueError(
+                f"packed_mask must be pack_tree_mask of a [B, T, S] = {(batch, steps, capacity)} mask: words "
+                f"{(batch, -(-steps // 32), capacity)}, kv_lengths ({batch},); got {words.shape}, {kv_lengths.shape}"
+            )
     scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else float(scale)
     kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
     return _mla_tree_attention(
@@ -499,6 +554,7 @@ def mla_tree_attention(
         mask.astype(bool),
         kv_lengths,
         jnp.asarray(layer if stacked else 0, jnp.int32),
+        words,
         scale=scale,
         block_kv=block_kv,
         num_splits=num_splits,

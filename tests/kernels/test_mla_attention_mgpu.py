@@ -32,15 +32,18 @@ CASES = {
     # layer=: every layer's caches stacked [L, B, S, 1, ...] (L = 3), layer 2 / 0 read in place, traced
     "stacked_layer2": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 2))),
     "stacked_layer0_split": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 0), split_scores=True)),
+    # packed_mask: the mask packed once by the caller (pack_tree_mask), S = 300 padded to whole blocks
+    "packed_t9_h16": (1, 9, 16, 300, (297,), dict(num_splits=2, packed=True)),
 }
 TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities
 
 
 def run_case(name: str) -> dict:
-    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention, mla_tree_attention_reference
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention, mla_tree_attention_reference, pack_tree_mask
 
     batch, steps, heads, capacity, lengths, kwargs = CASES[name]
     kwargs = dict(kwargs)
+    packed = kwargs.pop("packed", False)
     num_layers, layer = kwargs.pop("stack", (None, None))
     stack = () if num_layers is None else (num_layers,)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -55,6 +58,9 @@ def run_case(name: str) -> dict:
         attend = jax.jit(lambda *a: mla_tree_attention(*a[:5], kv_lengths=kv_lengths, layer=a[5], **kwargs))
         out = attend(q_latent, q_rope, latent, rope_key, mask, jnp.int32(layer))
         latent, rope_key = latent[layer], rope_key[layer]
+    elif packed:  # the kernel reads the packing, not mask's values: hand it an all-False mask beside it
+        packed_mask = pack_tree_mask(mask, kv_lengths)
+        out = mla_tree_attention(q_latent, q_rope, latent, rope_key, jnp.zeros_like(mask), packed_mask=packed_mask)
     else:
         out = mla_tree_attention(q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
     scale = kwargs.get("scale")
@@ -103,6 +109,8 @@ def test_cases_cover_empty_and_single_key_rows():
         (dict(layer=1), "with layer= latent and rope_key are every layer's caches"),
         (dict(layer=1, latent=(2, 1, 40, 1, 512), rope_key=(2, 1, 40, 1, 64)), "S = 40 must be a multiple of"),
         (dict(layer=1, latent=(2, 1, 64, 1, 512), rope_key=(3, 1, 64, 1, 64)), "must stack the same layers"),
+        (dict(packed_mask=((1, 1, 39), (1,))), "packed_mask must be pack_tree_mask of a"),
+        (dict(packed_mask=((1, 1, 40), (1,)), kv_lengths=(1,)), "pass kv_lengths through pack_tree_mask"),
     ],
 )
 def test_rejects_bad_shapes(change, message):
@@ -114,6 +122,9 @@ def test_rejects_bad_shapes(change, message):
     arrays = {k: jnp.zeros(v, jnp.bfloat16 if k.startswith("q") else dtype) for k, v in shapes.items()}
     mask = jnp.ones(change.get("mask", (1, 3, arrays["latent"].shape[-3])), bool)
     kwargs = {k: change[k] for k in ("block_kv", "num_splits", "layer") if k in change}
+    if "packed_mask" in change:
+        words, lengths = change["packed_mask"]
+        kwargs["packed_mask"] = (jnp.zeros(words, jnp.int32), jnp.zeros(lengths, jnp.int32))
     if "kv_lengths" in change:
         kwargs["kv_lengths"] = jnp.zeros(change["kv_lengths"], jnp.int32)
     with pytest.raises(ValueError, match=message):

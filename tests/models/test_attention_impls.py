@@ -396,11 +396,17 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
     want = deepseek_v3.tree_forward(config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="xla")
     calls = []
 
-    def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None):
+    def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None):
         calls.append((latent.shape, layer is not None))
         if layer is not None:
             latent, rope_key = latent[layer], rope_key[layer]
-        return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale)
+        # attend under the packed mask handed in (packed once a step, outside the layer scan), unpacked: the
+        # kernel reads it, not mask's values, so a wrong packing would show in the outputs below
+        words, kv_lengths = packed_mask
+        t = jnp.arange(mask.shape[1])
+        bits = (words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1
+        unpacked = (bits == 1) & (jnp.arange(mask.shape[2])[None, None, :] < kv_lengths[:, None, None])
+        return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, unpacked, scale=scale)
 
     monkeypatch.setattr(attention_module, "mla_tree_attention", spy)
     monkeypatch.setattr(dispatch, "mla_attention_kernel", lambda **kw: "mosaic")
@@ -409,5 +415,16 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
     )
     stacked = (config.num_layers, 2, capacity, 1, config.kv_lora_rank)
     assert calls and all(call == ((stacked, True) if in_place else (stacked[1:], False)) for call in calls), calls
+    # the mask is packed once, outside the layer scans: its words [B, 1, S] enter each scan as an input
+    jaxpr = jax.make_jaxpr(
+        lambda cache: deepseek_v3.tree_forward(
+            config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="pallas", layer_loop="scan"
+        )
+    )(cache)
+    scans = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "scan"]
+    assert scans and all(
+        any(getattr(v.aval, "shape", None) == (2, 1, capacity) and v.aval.dtype == jnp.int32 for v in eqn.invars)
+        for eqn in scans
+    )
     for g, w in zip(got[:2], want[:2]):
         assert relerr(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 1e-5
