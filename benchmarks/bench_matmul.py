@@ -32,7 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
-from ddtree_kernels.decode_matmul import GroupedTiles, fit_grouped_tiles, grouped_matmul, grouped_plan, matmul
+from ddtree_kernels.decode_matmul import (
+    GroupedTiles,
+    default_grouped_tiles,
+    fit_grouped_tiles,
+    grouped_matmul,
+    grouped_plan,
+    matmul,
+)
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
 
 REPS = 10
@@ -186,7 +193,9 @@ def grouped_sweep(
             if not case:
                 continue
             best = min(case, key=lambda r: r["us"])
-            default = next((r for r in case if GroupedTiles(**tile_fields(r)) == GroupedTiles()), best)
+            # the default at this size: the decode tiling, or PREFILL_GROUPED_TILES at > 32 assignments an expert
+            default_tiles = default_grouped_tiles(weight, tokens * 8)
+            default = next((r for r in case if GroupedTiles(**tile_fields(r)) == default_tiles), best)
             print(
                 f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
                 f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "

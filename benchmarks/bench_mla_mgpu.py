@@ -1,7 +1,8 @@
 """Absorbed-MLA tree-verify attention: the Mosaic GPU kernel (kernels/ddtree_kernels/mla_attention_mgpu.py)
 vs the Triton kernel (`tree_attention`) vs the models' XLA path (`tree_attention_reference`) vs the roofline.
 
-*mgpu_split*: the same kernel with `split_scores=True` (each compute warpgroup scores half of each key block).
+*mgpu_split_scores*: the same kernel with `split_scores=True` (each compute warpgroup scores half of each key
+block; `attention_mgpu_e6a12ce_split_scores.json` names it `mgpu_split`).
 Cases: H = 8 (one TP8 shard) and 64 (one GPU) query heads over the one shared latent KV head, N = 17 and
 65 tree queries, contexts 8k and 32k, B = 1 (and B = 8 at H = 8). The cache holds context + N keys; every
 row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
@@ -82,7 +83,9 @@ def input_sets(batch: int, steps: int, heads: int, context: int, key) -> list[tu
 ATTEND = {
     "mgpu": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask)),
     # split_scores: each compute warpgroup scores half of a key block (no score computed twice)
-    "mgpu_split": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, split_scores=True)),
+    "mgpu_split_scores": jax.jit(
+        lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, split_scores=True)
+    ),
     "pallas": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention((ql, qr), (lat, rk), None, mask)),
     "xla": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention_reference((ql, qr), (lat, rk), None, mask)),
 }
@@ -145,7 +148,7 @@ def run_case(
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
-        for name in ("mgpu", "mgpu_split", "xla"):
+        for name in ("mgpu", "mgpu_split_scores", "xla"):
             if name in impls:
                 profile_into(row, name, ATTEND[name], sets, profile_top)
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
@@ -225,8 +228,8 @@ def main() -> None:
         print(
             f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
             f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
-            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  split {row['mgpu_split_us']:8.1f} us"
-            f" (rel err {row.get('mgpu_split_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
+            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  split_scores {row['mgpu_split_scores_us']:8.1f} us"
+            f" (rel err {row.get('mgpu_split_scores_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
             f"xla {row['xla_us']:8.1f} us"
             + (f"  [{errors}]" if errors else "")
             + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
@@ -239,7 +242,7 @@ def main() -> None:
             args.out,
         )
     header = ["variant", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "x roof", "rel err"]
-    header += ["split us", "split TFLOP/s", "pallas us", "xla us", "xla / mgpu"]
+    header += ["split_scores us", "split_scores TFLOP/s", "pallas us", "xla us", "xla / mgpu"]
     table = [
         [
             r["variant"],
@@ -252,8 +255,8 @@ def main() -> None:
             f"{r['mgpu_TFLOPs']:.0f}",
             f"{r['mgpu_of_roofline']:.2f}",
             f"{r['rel_err']:.1e}",
-            r["mgpu_split_us"],
-            f"{r.get('mgpu_split_TFLOPs', float('nan')):.0f}",
+            r["mgpu_split_scores_us"],
+            f"{r.get('mgpu_split_scores_TFLOPs', float('nan')):.0f}",
             r["pallas_us"],
             r["xla_us"],
             f"{r['xla_us'] / r['mgpu_us']:.2f}",

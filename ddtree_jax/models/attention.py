@@ -212,7 +212,8 @@ def sharded_mla_attention(
     the caches are every layer's, [L, B, S, 1, ...], and layer `layer` is attended: the Mosaic kernel reads
     it in place (no copy of the layer's cache a call) where S is whole key blocks, else it is sliced out
     first. packed_mask: `pack_tree_mask(mask)`, packed once by a caller that attends under one mask in every
-    layer (the Mosaic kernel reads it instead of packing mask again). The kernel is `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
+    layer (the Mosaic kernel reads it instead of packing mask again). The kernel is
+    `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
     P = 64, the Triton kernel otherwise."""
     dtype = q_latent.dtype
     bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
@@ -230,7 +231,9 @@ def sharded_mla_attention(
 
     def per_shard(ql, qr, lat, rk, m, w, n, i):
         packed = PackedTreeMask(w, n)
-        return mla_tree_attention(ql, qr, lat, rk, m, scale=scale, layer=i if lat.ndim == 5 else None, packed_mask=packed)
+        return mla_tree_attention(
+            ql, qr, lat, rk, m, scale=scale, layer=i if lat.ndim == 5 else None, packed_mask=packed
+        )
 
     return shard_call(
         per_shard,

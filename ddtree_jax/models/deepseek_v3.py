@@ -22,8 +22,8 @@ from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
 from ddtree_jax.models.attention import (
     attention,
     blockwise_attention,
-    sharded_causal_attention,
     pack_tree_mask,
+    sharded_causal_attention,
     sharded_mla_attention,
 )
 from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows, write_rows
@@ -251,7 +251,9 @@ def mla_absorbed(
     if layer is None:
         latent_cache = write_rows(latent_cache, latent, write_start)
         rope_cache = write_rows(rope_cache, k_rot, write_start)
-        out = _mla_attend(c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start)
+        out = _mla_attend(
+            c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start, None, packed_mask
+        )
         return out, latent_cache, rope_cache
     latent_stack = write_layer_rows(latent_cache, layer, latent, write_start)
     rope_stack = write_layer_rows(rope_cache, layer, k_rot, write_start)
@@ -262,7 +264,19 @@ def mla_absorbed(
 
 
 def _mla_attend(
-    c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start=None, layer=None, packed_mask=None
+    c,
+    p,
+    x,
+    q_nope,
+    q_rot,
+    latent_cache,
+    rope_cache,
+    mask,
+    attn_impl,
+    form,
+    causal_start=None,
+    layer=None,
+    packed_mask=None,
 ):
     """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]. With `layer` the caches
     are every layer's stacks [L, B, S, 1, ...]: the Mosaic kernel reads the layer in place, the other paths

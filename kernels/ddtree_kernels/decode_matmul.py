@@ -76,8 +76,9 @@ def resident_tiles(kind: str, x_dtype, block_n: int, block_k: int, one_dot: bool
     """The tiles a program holds once beside its pipeline: with `one_dot` (INT4), the dequantised weight tile
     [block_n, block_k] in the activations' dtype, which Triton stages through shared memory for the one dot.
     On one H200 (b1a8ad7, bf16, 64-row tiles) one-dot tilings of 128 x 512 at 2 stages and 256 x 256 at 3 each
-    asked for 294,912 bytes, 95 and 90 KiB above their stages alone (200 and 204 KiB): without this tile
-    the estimate passed both and the kernels failed with RESOURCE_EXHAUSTED."""
+    asked for 294,912 bytes, 88 and 84 KiB above their stages alone (200 and 204 KiB): without this tile the
+    estimate passed both and the kernels failed with RESOURCE_EXHAUSTED. The tile counted here is 128 KiB for
+    both, so the estimate is an upper bound (40 / 44 KiB above those requests)."""
     return [((block_n, block_k), x_dtype)] if one_dot and kind == "int4" else []
 
 
@@ -535,7 +536,7 @@ def grouped_matmul(
     weights [E, N, K] (array, Int4Weight or Fp8BlockWeight) -> [A, N] in x's dtype: row a is
     x[a] @ W[e(a)]^T. Each expert's weights stream once per row tile of its group; experts without
     rows are never read (the decode case: a step touches a few of 384 experts). tiles: the tiling
-    (`GroupedTiles`; default `default_grouped_tiles` for the weight's format).
+    (`GroupedTiles`; default `default_grouped_tiles` for the weight's format and, INT4, the call's size).
 
     layer: with weights of every layer stacked, [L, E, N, K], the layer to use (int32 scalar, may be
     traced: a scan's counter). The kernel reads that layer in place: slicing it out first would copy

@@ -17,7 +17,8 @@ Kernel (`plgpu.kernel`, grid (row block, key split, B), three warpgroups per CTA
               a 64 x 256 float32 accumulator fits a warpgroup's registers;
   outputs     each split writes its normalised bf16 output and float32 log2-sum-exp per row; a jnp
               epilogue merges the splits.
-split_scores=True (opt-in until measured against the default on the GPU): each compute warpgroup scores only
+split_scores=True (opt-in: on one H200 5.7-7.3% faster at N = 65 with 64 heads, 1-3% slower at N = 17, even with 8
+heads; BENCHMARKS.md): each compute warpgroup scores only
 its half of the block's keys ([64, block_kv / 2] over 512 + 64 dims; by default both score all of them, a
 third of the tensor-core work done twice); the two exchange their row maxima, then their halves of P (bf16)
 and row sums, through shared memory under two barriers a block, and each multiplies the whole P by its half of
@@ -147,6 +148,8 @@ def _kernel(
     stat_smem = exchange_barriers = p_smem = None
     if split_scores:  # compiled: P takes the rope queries' tile once they are in registers
         stat_smem, exchange_barriers, *rest = extra
+        # P [64, block_kv] in the rope queries' [64, 64] tile: the same shape while block_kv == ROPE_DIM == 64
+        assert block_kv == ROPE_DIM, (block_kv, ROPE_DIM)
         p_smem = rest[0] if interpret else qr_smem
     elif interpret:
         (p_smem,) = extra
@@ -211,7 +214,7 @@ def _kernel(
         # compiled split_scores: the rope queries [64, 64] as the register operand of their wgmma (32 registers
         # a thread), their tile then free for P (the first P is written after both warpgroups pass the first
         # exchange barrier, so after both loaded them)
-        q_rope_tile = plgpu.load(qr_smem, (), layout=plgpu.Layout.WGMMA) if split_scores and not interpret else qr_smem
+        q_rope_tile = plgpu.load(qr_smem, layout=plgpu.Layout.WGMMA) if split_scores and not interpret else qr_smem
         # split_scores: this warpgroup scores only its half of each key block's keys (no score computed twice)
         keys = pl.ds(w * (block_kv // 2), block_kv // 2) if split_scores else pl.ds(0, block_kv)
         tile = (BLOCK_M, keys.size)
@@ -251,10 +254,14 @@ def _kernel(
             if split_scores:  # both halves of P and of its row sums, in one order in both warpgroups
                 stat_smem.at[1, w][...] = p.sum(axis=1)
                 p_smem.at[:, keys][...] = p.astype(p_smem.dtype)
-                plgpu.commit_smem()  # P is read by the other warpgroup's wgmma (the async proxy)
+                # the other warpgroup reads P: compiled with plgpu.load, in interpret mode as a wgmma operand (the
+                # async proxy, which needs this fence)
+                plgpu.commit_smem()
                 plgpu.barrier_arrive(exchange_barriers.at[1])
                 plgpu.barrier_wait(exchange_barriers.at[1])
-                p_sum = plgpu.load(stat_smem.at[1, 0], layout=row_stat) + plgpu.load(stat_smem.at[1, 1], layout=row_stat)
+                p_sum = plgpu.load(stat_smem.at[1, 0], layout=row_stat) + plgpu.load(
+                    stat_smem.at[1, 1], layout=row_stat
+                )
             else:
                 p_sum = p.sum(axis=1)
             l = l * alpha + p_sum
@@ -299,6 +306,13 @@ def _kernel(
             pl.when(wg == w)(functools.partial(_compute, w))
     else:
         pl.when(wg < 2)(functools.partial(_compute, wg))
+
+
+def _layer_index(layer, num_layers: int) -> jax.Array:
+    """int32 []: `layer` as `lax.dynamic_index_in_dim` reads it (what the callers slice with otherwise): a
+    negative index counts from the end, then clamped into [0, num_layers)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
 
 
 def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: int | None) -> tuple[int, int]:
@@ -410,7 +424,7 @@ def _mla_tree_attention(
         interpret=INTERPRET_PARAMS if interpret else None,
     )(
         counts,
-        jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1),
+        _layer_index(layer, num_layers).reshape(1),
         row_table,
         jnp.pad(q_latent.reshape(batch, rows, LATENT_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
         jnp.pad(q_rope.reshape(batch, rows, ROPE_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
@@ -471,7 +485,8 @@ def mla_tree_attention(
         default) and the two exchange row maxima, sums and P through shared memory: a third fewer tensor-core
         FLOPs a block, two warpgroup barriers more (module docstring).
       layer: with every layer's caches stacked, latent [L, B, S, 1, 512] and rope_key [L, B, S, 1, 64], the
-        layer to read (int32 scalar, may be traced: a layer scan's counter; clamped into [0, L)). The kernel
+        layer to read (int32 scalar, may be traced: a layer scan's counter; as `lax.dynamic_index_in_dim` reads
+        it: negative from the end, then clamped into [0, L)). The kernel
         reads that layer in place: slicing it out first copies the layer's cache on every call, since a
         kernel takes each operand as one buffer (on one H200, a 4,224-row shard cache: 4.8 MB a layer, in
         a `loop_dynamic_slice_fusion` beside the kernel). S must then be whole key blocks (else a ValueError:
@@ -521,7 +536,7 @@ def mla_tree_attention(
     for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("latent", latent), ("rope_key", rope_key)):
         if x.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {x.dtype}")
-    if block_kv != 64:
+    if block_kv != BLOCK_KV:
         raise ValueError(
             f"block_kv must be 64 (wgmma contracts the value product over whole 64-key tiles), got {block_kv}"
         )

@@ -54,7 +54,7 @@ def accumulate_from_smem(acc, p_smem, values_ref, *, interpret: bool):
         return acc_ref[...]
 
     if not interpret:  # P to registers first: a shared-memory A operand must share B's swizzle, P's does not
-        return accumulate(acc, plgpu.load(p_smem, (), layout=plgpu.Layout.WGMMA), values_ref, None)
+        return accumulate(acc, plgpu.load(p_smem, layout=plgpu.Layout.WGMMA), values_ref, None)
     return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
 

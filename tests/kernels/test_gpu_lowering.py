@@ -96,10 +96,13 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
             spec((layers, experts, n, k), jnp.float8_e4m3fn), spec((layers, experts, n // 128, k // 128), jnp.float32)
         ),
     }[kind]
-    tilings = [default_grouped_tiles(weight)]
+    tilings = [
+        None
+    ]  # the default for the call's size (`default_grouped_tiles(weight, rows)`: the prefill one at 16,384)
     if kind == "int4":  # the one-dot form (8 nibble planes side by side), at a prefill chunk's tiling too
         tilings += [GroupedTiles(one_dot=True), GroupedTiles(block_n=128, block_k=1024, num_warps=8, one_dot=True)]
     for rows, tiles in itertools.product((8, 136, 16384), tilings):  # one token (split-K), a tree, a prefill chunk
+        tiles = tiles or default_grouped_tiles(weight, rows)
         text = (
             _grouped_2d.trace(
                 spec((rows, k), jnp.bfloat16),

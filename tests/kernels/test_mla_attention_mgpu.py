@@ -32,6 +32,8 @@ CASES = {
     # layer=: every layer's caches stacked [L, B, S, 1, ...] (L = 3), layer 2 / 0 read in place, traced
     "stacked_layer2": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 2))),
     "stacked_layer0_split": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 0), split_scores=True)),
+    # a negative layer counts from the end, as lax.dynamic_index_in_dim (the callers' slicing path) reads it
+    "stacked_layer_minus1": (1, 9, 8, 128, (100,), dict(num_splits=1, stack=(3, -1))),
     # packed_mask: the mask packed once by the caller (pack_tree_mask), S = 300 padded to whole blocks
     "packed_t9_h16": (1, 9, 16, 300, (297,), dict(num_splits=2, packed=True)),
 }

@@ -393,7 +393,9 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
     tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
     cache = deepseek_v3.create_cache(config, 2, capacity, jnp.float32)
     _, _, cache = deepseek_v3.prefill(config, params, cache, prefix, jnp.asarray([40, 9], jnp.int32), attn_impl="xla")
-    want = deepseek_v3.tree_forward(config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="xla")
+    want = deepseek_v3.tree_forward(
+        config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="xla"
+    )
     calls = []
 
     def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None):

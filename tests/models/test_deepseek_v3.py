@@ -73,6 +73,11 @@ def test_routing_with_every_group_allowed_is_the_plain_top_k():
         expected = np.argsort(-(scores + np.asarray(bias)), axis=-1)[..., : CONFIG.num_experts_per_tok]
         np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(expected, -1))
         np.testing.assert_allclose(np.asarray(weights).sum(-1), CONFIG.routed_scaling_factor, rtol=1e-5)
+        # one top-k (the experts'), no group top-k: what the skip saves a MoE layer
+        jaxpr = jax.make_jaxpr(lambda x, config=config: deepseek_v3.route(config, router, bias, x))(x)
+        assert [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns].count("top_k") == 1
+    grouped = jax.make_jaxpr(lambda x: deepseek_v3.route(CONFIG, router, bias, x))(x)  # topk_group < n_group
+    assert [eqn.primitive.name for eqn in grouped.jaxpr.eqns].count("top_k") == 3
 
 
 def test_yarn_tables_and_scale():
