@@ -458,9 +458,14 @@ def fit_grouped_tiles(tiles: GroupedTiles, kind: str, x_dtype, weight_dtype, sca
     return dataclasses.replace(tiles, block_k=block_k, num_stages=num_stages)
 
 
+def _grouped_block_m(rows: int, experts: int) -> int:
+    """The grouped kernel's rows per program: from the rows an expert gets on average (>= 16, <= 64)."""
+    return _block_m(max(1, rows // max(1, min(experts, rows))))
+
+
 def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -> tuple[int, int, int, int]:
     """(block_m, max_tiles, splits, k_per_split) for `rows` assignments over `experts` experts."""
-    block_m = _block_m(max(1, rows // max(1, min(experts, rows))))  # rows per expert on average, >= 16
+    block_m = _grouped_block_m(rows, experts)
     max_tiles = min(experts, rows) + rows // block_m + 1  # every non-empty group: one partial tile at most
     k_tiles = pl.cdiv(k, tiles.block_k)
     if tiles.splits is None:
@@ -583,7 +588,7 @@ def default_grouped_tiles(weight, rows: int | None = None) -> GroupedTiles:
         return GroupedTiles(block_k=FP8_BLOCK)
     if isinstance(weight, Int4Weight) and rows is not None:
         experts = weight.shape[-3]
-        if _block_m(max(1, rows // max(1, min(experts, rows)))) == 64:
+        if _grouped_block_m(rows, experts) == 64:
             return PREFILL_GROUPED_TILES
     return GroupedTiles()
 

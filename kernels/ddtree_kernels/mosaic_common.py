@@ -31,12 +31,7 @@ def accumulate(acc, p, values_ref, p_smem, while_running=None):
 
     p_smem[...] = p
     plgpu.commit_smem()
-
-    def staged(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, values_ref)
-        return acc_ref[...]
-
-    acc = acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+    acc = accumulate_from_smem(acc, p_smem, values_ref, interpret=True)
     if while_running is not None:
         while_running()
     return acc
