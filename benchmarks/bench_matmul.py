@@ -16,7 +16,9 @@ Targets: each matmul >= 80% of the copy bandwidth for M <= 65.
 `--grouped-sweep 1,4,9,17` instead times the grouped INT4 kernel's tilings (`SWEEP_TILES`: column
 width, K step, split-K, warps, stages) on the K2.6 gate and down expert shapes at those token counts,
 printing the default against the best per case (GB/s, and TFLOP/s: `--grouped-sweep 2048 --grouped-tiles
-prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments).
+prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments). `--grouped-impl mosaic` also
+times the Mosaic GPU INT4 kernel (`ddtree_kernels.grouped_int4_mgpu`, `MOSAIC_SWEEP` tilings) on the same
+inputs, side by side, with its error against the Triton kernel's output.
 
 Usage: python -m benchmarks.bench_matmul --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
        python -m benchmarks.bench_matmul --commit C --grouped-sweep 1,4,9,17
@@ -33,6 +35,7 @@ import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
 from ddtree_kernels.decode_matmul import (
+    PREFILL_GROUPED_TILES,
     GroupedTiles,
     default_grouped_tiles,
     fit_grouped_tiles,
@@ -40,6 +43,7 @@ from ddtree_kernels.decode_matmul import (
     grouped_plan,
     matmul,
 )
+from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
 
 REPS = 10
@@ -120,6 +124,10 @@ PREFILL_SWEEP_TILES = [
 ]
 
 
+# `--grouped-impl mosaic`: the Mosaic GPU kernel's tilings (token rows a tile, K step; stages: as many as fit)
+MOSAIC_SWEEP = [dict(block_m=64, block_k=256), dict(block_m=64, block_k=128), dict(block_m=128, block_k=128)]
+
+
 def tile_fields(row: dict) -> dict:
     """The `GroupedTiles` fields of a sweep row (its splits: None where the plan's rule chose them)."""
     fields = {f.name: row[f.name] for f in dataclasses.fields(GroupedTiles) if f.name in row}
@@ -134,9 +142,12 @@ def grouped_sweep(
     tiles_list=SWEEP_TILES,
     experts: int = 384,
     projections=(("gate", 2048, 7168), ("down", 7168, 2048)),
+    mosaic_list=(),
 ) -> list[dict]:
     """Times each tiling of the grouped INT4 kernel on K2.6 expert shapes at T tokens x top-8 (routing drawn
-    uniformly, the same per T for every tiling); bytes = the distinct experts' packed weights + scales."""
+    uniformly, the same per T for every tiling); bytes = the distinct experts' packed weights + scales.
+    mosaic_list: tilings of the Mosaic GPU kernel timed on the same inputs (rows with impl "mosaic", and
+    max_err: max |y - y_triton| / max |y_triton| against the Triton kernel's default tiling)."""
     rows = []
     for proj, n, k in projections:
         weight = Int4Weight(
@@ -189,7 +200,37 @@ def grouped_sweep(
                 }
                 rows.append(row)
                 write_result(f"grouped_sweep_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
-            case = [r for r in rows if r["projection"] == proj and r["T"] == tokens and "us" in r]
+            if mosaic_list:
+                y_triton = np.asarray(grouped_matmul(xs[0], weight, sizes), np.float32)
+            for config in mosaic_list:
+                label = {"impl": "mosaic", "projection": proj, "T": tokens, **config}
+                try:
+                    y = np.asarray(grouped_int4_matmul(xs[0], weight, sizes, **config), np.float32)
+                    seconds = _timed(lambda x, w, c=config: grouped_int4_matmul(x, w, sizes, **c), xs, weight)
+                except Exception as err:  # noqa: BLE001 - a tiling that fails to compile or run is a result
+                    rows.append({**label, "error": str(err)[:300]})
+                    print(f"mosaic {proj} T={tokens} {config}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                    continue
+                row = {
+                    **label,
+                    "N": n,
+                    "K": k,
+                    "assignments": assign,
+                    "distinct_experts": distinct,
+                    "us": seconds * 1e6,
+                    "TFLOPs": 2 * assign * n * k / seconds / 1e12,
+                    "GBps": nbytes / seconds / 1e9,
+                    "of_copy": nbytes / seconds / copy_bw,
+                    "max_err": float(np.abs(y - y_triton).max() / np.abs(y_triton).max()),
+                }
+                rows.append(row)
+                write_result(f"grouped_sweep_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
+                print(
+                    f"mosaic {proj} T={tokens:3d} block_m {config['block_m']} block_k {config['block_k']}: "
+                    f"{row['us']:8.1f} us ({row['TFLOPs']:.0f} TFLOP/s; max err vs Triton {row['max_err']:.1e})",
+                    flush=True,
+                )
+            case = [r for r in rows if r["projection"] == proj and r["T"] == tokens and "us" in r and "impl" not in r]
             if not case:
                 continue
             best = min(case, key=lambda r: r["us"])
@@ -222,8 +263,15 @@ def main() -> None:
     parser.add_argument(
         "--grouped-tiles",
         default="decode",
-        choices=("decode", "prefill"),
-        help="the tilings --grouped-sweep times: SWEEP_TILES (decode) or PREFILL_SWEEP_TILES (e.g. --grouped-sweep 2048)",
+        choices=("decode", "prefill", "prefill-default"),
+        help="the tilings --grouped-sweep times: SWEEP_TILES (decode), PREFILL_SWEEP_TILES (e.g. --grouped-sweep "
+        "2048) or PREFILL_GROUPED_TILES alone (prefill-default)",
+    )
+    parser.add_argument(
+        "--grouped-impl",
+        default="triton",
+        choices=("triton", "mosaic"),
+        help="mosaic: --grouped-sweep also times the Mosaic GPU INT4 kernel (MOSAIC_SWEEP) on the same inputs",
     )
     args = parser.parse_args()
     if args.grouped_sweep:
@@ -237,7 +285,12 @@ def main() -> None:
             copy_bw,
             jax.random.key(1),
             args.commit,
-            tiles_list=PREFILL_SWEEP_TILES if args.grouped_tiles == "prefill" else SWEEP_TILES,
+            tiles_list={
+                "decode": SWEEP_TILES,
+                "prefill": PREFILL_SWEEP_TILES,
+                "prefill-default": [PREFILL_GROUPED_TILES],
+            }[args.grouped_tiles],
+            mosaic_list=MOSAIC_SWEEP if args.grouped_impl == "mosaic" else (),
         )
         return
     rows_list = [1, 17] if args.quick else [int(m) for m in args.rows.split(",")]

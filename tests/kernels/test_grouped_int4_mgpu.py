@@ -1,0 +1,198 @@
+"""The Mosaic GPU grouped INT4 matmul (`ddtree_kernels.grouped_int4_mgpu`) against its twin in Mosaic GPU
+interpret mode on the CPU (fresh random inputs and routings), its tile tables, argument checks, a CPU lowering
+for "cuda", and (on a GPU only) the compiled kernel at K2.6 expert shapes.
+
+The interpreted cases run in one subprocess with NPROC=8 (`mosaic_interpret`: the warpgroups are threads that
+block in host callbacks, which a 2-core pool can starve).
+"""
+
+import json
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.kernels.mosaic_interpret import run_in_subprocess
+
+# name: (group sizes, N, K, scale dtype, kwargs). Empty experts (first, middle, last), an expert over several
+# row blocks, experts sharing a block, A not a multiple of the block (zeros past A), one row, the ring's steady
+# state (4 K steps through 2 slots), more slots than K steps, block_m 128, float32 scales, stacked layers.
+CASES = {
+    "ragged_bm64": ([5, 0, 70, 9, 1, 0], 128, 256, "bfloat16", dict(block_k=128)),
+    "steady_ring": ([0, 33, 31, 64], 256, 512, "bfloat16", dict(block_k=128, stages=2)),
+    "one_row": ([0, 1, 0], 128, 256, "bfloat16", dict(block_k=256)),
+    "bm128_f32_scales": ([40, 100, 3], 128, 256, "float32", dict(block_m=128, block_k=64)),
+    "more_stages_than_steps": ([17, 18], 128, 128, "bfloat16", dict(block_k=64, stages=4)),
+    "layer_of_three": ([12, 0, 52], 128, 256, "bfloat16", dict(block_k=128, layer=2)),
+}
+TOLERANCE = 1e-2  # ||y - ref|| / ||ref|| and max |y - ref| / max |ref|: bf16 output (interpret: ~1e-7)
+
+
+def _inputs(name, sizes, n, k, scale_dtype, layers=None):
+    from ddtree_kernels.quant import Int4Weight
+
+    seed = zlib.crc32(name.encode())
+    rng = np.random.default_rng(seed)
+    experts = len(sizes)
+    lead = (layers,) if layers else ()
+    packed = rng.integers(-(2**31), 2**31, size=lead + (experts, n, k // 8), dtype=np.int64).astype(np.int32)
+    scale = rng.uniform(0.5, 1.5, size=lead + (experts, n, k // 32)) * k**-0.5
+    weight = Int4Weight(jnp.asarray(packed), jnp.asarray(scale, scale_dtype))
+    x = jnp.asarray(rng.normal(size=(int(sum(sizes)), k)), jnp.bfloat16)
+    return x, weight, jnp.asarray(sizes, jnp.int32)
+
+
+def run_case(name: str) -> dict:
+    from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul, grouped_int4_matmul_reference
+
+    sizes, n, k, scale_dtype, kwargs = CASES[name]
+    kwargs = dict(kwargs)
+    layer = kwargs.pop("layer", None)
+    x, weight, group_sizes = _inputs(name, sizes, n, k, scale_dtype, layers=3 if layer is not None else None)
+    out = grouped_int4_matmul(x, weight, group_sizes, layer=layer, interpret=True, **kwargs)
+    ref = np.asarray(grouped_int4_matmul_reference(x, weight, group_sizes, layer=layer), np.float32)
+    y = np.asarray(out, np.float32)
+    return {
+        "shape": list(y.shape),
+        "dtype": str(out.dtype),
+        "finite": bool(np.isfinite(y).all()),
+        "max_err": float(np.abs(y - ref).max() / np.abs(ref).max()),
+        "rel_err": float(np.linalg.norm(y - ref) / np.linalg.norm(ref)),
+    }
+
+
+def _main():  # the subprocess: every case, one JSON line
+    print(json.dumps({name: run_case(name) for name in CASES}))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_in_subprocess("from tests.kernels.test_grouped_int4_mgpu import _main; _main()")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(results, name):
+    sizes, n, *_ = CASES[name]
+    result = results[name]
+    assert result["shape"] == [sum(sizes), n] and result["dtype"] == "bfloat16"
+    assert result["finite"]
+    assert result["max_err"] < TOLERANCE and result["rel_err"] < TOLERANCE, result
+
+
+def test_tile_table_and_row_index():
+    """Every row is covered by exactly one tile of its expert and its block, and row_index finds it."""
+    from ddtree_kernels.grouped_int4_mgpu import aligned_tiles, max_tiles, row_index
+
+    rng = np.random.default_rng(3)
+    for block_m in (64, 128):
+        for _ in range(20):
+            experts = int(rng.integers(1, 12))
+            sizes = rng.integers(0, 3 * block_m, experts) * rng.integers(0, 2, experts)
+            rows = int(sizes.sum())
+            if rows == 0:
+                continue
+            num_tiles = max_tiles(rows, experts, block_m)
+            expert, start, count = np.asarray(aligned_tiles(jnp.asarray(sizes, jnp.int32), block_m, num_tiles))
+            index = np.asarray(row_index(jnp.asarray(sizes, jnp.int32), rows, block_m))
+            owner = np.repeat(np.arange(experts), sizes)
+            tile, offset = index // block_m, index % block_m
+            assert (count[tile] > 0).all()
+            assert (expert[tile] == owner).all()
+            assert (start[tile] + offset == np.arange(rows)).all()  # the tile's block holds the row in place
+            assert count.sum() == rows and (start % block_m == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_m=32), "block_m must be one of"),
+        (dict(block_k=96), "block_k = 96 must be a multiple of 64"),
+        (dict(stages=0), "stages must be >= 1"),
+        (dict(stages=9), "bytes of shared memory"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
+
+    x, weight, sizes = _inputs("bad", [3, 5], 128, 256, "bfloat16")
+    with pytest.raises(ValueError, match=message):
+        grouped_int4_matmul(x, weight, sizes, **kwargs)
+
+
+def test_bad_shapes():
+    from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
+
+    x, weight, sizes = _inputs("shapes", [3, 5], 128, 256, "bfloat16")
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        grouped_int4_matmul(x.astype(jnp.float32), weight, sizes)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        grouped_int4_matmul(x, weight, sizes[:1])
+    with pytest.raises(ValueError, match="takes an Int4Weight"):
+        grouped_int4_matmul(x, weight.dequantize(jnp.bfloat16), sizes)
+    with pytest.raises(ValueError, match="pass layer="):
+        grouped_int4_matmul(x, jax.tree.map(lambda a: a[None], weight), sizes)
+    _, narrow, _ = _inputs("narrow", [3, 5], 64, 256, "bfloat16")
+    with pytest.raises(ValueError, match="N = 64 must be a multiple of 128"):
+        grouped_int4_matmul(x, narrow, sizes)
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, kwargs",
+    [
+        (16384, 2048, 7168, {}),  # K2.6 gate / up at a 2,048-token chunk
+        (16384, 7168, 2048, {}),  # down
+        (16384, 2048, 7168, dict(block_m=128, block_k=128)),
+        (100, 256, 512, dict(block_k=64, stages=2)),
+    ],
+)
+def test_lowers_for_gpu(rows, n, k, kwargs):
+    """The compiled kernel lowers to Mosaic GPU for "cuda" on this CPU machine: the int4 TMA boxes, the
+    UPCAST_4X loads and the register A operand, the transposed output store, the shared memory."""
+    from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
+    from ddtree_kernels.quant import Int4Weight
+
+    experts = 384 if rows > 1000 else 4
+
+    def call(x, packed, scale, sizes):
+        return grouped_int4_matmul(x, Int4Weight(packed, scale), sizes, interpret=False, **kwargs)
+
+    args = (
+        jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((experts, n, k // 8), jnp.int32),
+        jax.ShapeDtypeStruct((experts, n, k // 32), jnp.bfloat16),
+        jax.ShapeDtypeStruct((experts,), jnp.int32),
+    )
+    assert "mosaic_gpu" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a Hopper GPU")
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name, n, k, kwargs",
+    [
+        ("gate", 2048, 7168, {}),
+        ("down", 7168, 2048, {}),
+        ("gate_bm128", 2048, 7168, dict(block_m=128, block_k=128)),
+        ("down_bk128", 7168, 2048, dict(block_k=128)),
+    ],
+)
+def test_compiled_on_gpu(name, n, k, kwargs):
+    """The compiled kernel at K2.6 expert shapes (a 512-token chunk x top-8 over 64 experts, uniform routing),
+    stacked layers read in place, against the twin."""
+    from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul, grouped_int4_matmul_reference
+
+    experts = 64
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    sizes = np.bincount(rng.integers(0, experts, 512 * 8), minlength=experts)
+    sizes[5] = 0  # an expert without rows
+    x, weight, group_sizes = _inputs(name, list(sizes), n, k, "bfloat16", layers=2)
+    y = np.asarray(grouped_int4_matmul(x, weight, group_sizes, layer=1, **kwargs), np.float32)
+    ref = np.asarray(grouped_int4_matmul_reference(x, weight, group_sizes, layer=1), np.float32)
+    assert y.shape == ref.shape and np.isfinite(y).all()
+    assert np.abs(y - ref).max() / np.abs(ref).max() < TOLERANCE
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < TOLERANCE
