@@ -33,7 +33,9 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               (AUTO_MOSAIC_MATMUL: not measured inside a whole forward).
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
-              "gather" while assignments <= experts, else the dense "reference".
+              "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
+              experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 1.4x the
+              Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel.
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
   tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
               (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
@@ -73,7 +75,13 @@ import os
 
 import jax
 
-from ddtree_kernels import gqa_attention_mgpu, mla_attention_mgpu, prefill_attention_mgpu, skinny_matmul_mgpu
+from ddtree_kernels import (
+    gqa_attention_mgpu,
+    grouped_int4_mgpu,
+    mla_attention_mgpu,
+    prefill_attention_mgpu,
+    skinny_matmul_mgpu,
+)
 from ddtree_kernels.tree_build import CHUNK as TOPK_CHUNK
 from ddtree_kernels.tree_build import MAX_ROW
 
@@ -145,6 +153,12 @@ TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chu
 # 143 against 113 at 256 (its 285 programs each run the latency-bound bisection; more programs add waves, not speed)
 AUTO_TREE_TOPK_CHUNKED = False
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
+# The grouped INT4 expert matmul of prefill-sized calls (more than MOSAIC_GROUPED_MIN_ROWS assignments an expert
+# on average): the Mosaic GPU kernel (`grouped_int4_mgpu`) where it takes the shapes; on the H200 at a 2,048-token
+# K2.6 chunk (16,384 assignments over 384 experts, bd4ff85) 4,952 / 5,313 us (gate / down) against the Triton
+# kernel's one-dot tiling at 7,009 / 7,728.
+AUTO_MOSAIC_GROUPED = True
+MOSAIC_GROUPED_MIN_ROWS = 32
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
@@ -343,6 +357,17 @@ def moe_impl(assignments: int, experts: int, backend_name: str | None = None) ->
     if _on_gpu(backend_name):
         return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
     return "gather" if assignments <= experts else "reference"
+
+
+def grouped_int4_kernel(rows: int, weight_shape: tuple[int, ...], x_dtype, backend_name: str | None = None) -> str:
+    """Which kernel runs a grouped INT4 expert matmul of `rows` assignments over weights [..., E, N, K] (the
+    "pallas" MoE path): "mosaic" (`grouped_int4_mgpu.grouped_int4_matmul`) on GPU for bf16 rows at prefill
+    sizes (> MOSAIC_GROUPED_MIN_ROWS an expert on average) and shapes it takes (N a multiple of its 128-column
+    CTA, K of its 64-element steps), else "triton" (`decode_matmul.grouped_matmul`)."""
+    experts, n, k = weight_shape[-3:]
+    takes = n % grouped_int4_mgpu.BLOCK_N == 0 and k % 64 == 0 and jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
+    prefill_sized = rows > MOSAIC_GROUPED_MIN_ROWS * experts
+    return "mosaic" if AUTO_MOSAIC_GROUPED and _on_gpu(backend_name) and takes and prefill_sized else "triton"
 
 
 def local_expert_impl(assignments: int, local_experts: int, backend_name: str | None = None) -> str:

@@ -1,6 +1,7 @@
 """ddtree_jax.dispatch (every "auto" rule in one table) and DecodeOptions (the engine's one options object)."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from ddtree_jax import dispatch
@@ -97,6 +98,18 @@ def test_gpu_rules_and_their_thresholds():
         assert dispatch.matmul_impl("mosaic", **{"rows": 65, **dense, **gpu, **change}) == "xla", change
     assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS, 384, **gpu) == "gather"
     assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS + 1, 384, **gpu) == "pallas"
+    # inside "pallas": the Mosaic GPU grouped INT4 kernel at prefill sizes, on shapes it takes, bf16, GPU only
+    chunk = dict(rows=16384, weight_shape=(61, 384, 2048, 7168), x_dtype=jnp.bfloat16)
+    assert dispatch.grouped_int4_kernel(**chunk, **gpu) == "mosaic"
+    assert dispatch.grouped_int4_kernel(**{**chunk, "weight_shape": (384, 7168, 256)}, **gpu) == "mosaic"
+    for change in (
+        dict(rows=dispatch.MOSAIC_GROUPED_MIN_ROWS * 384),
+        dict(weight_shape=(384, 2000, 7168)),
+        dict(weight_shape=(384, 2048, 7200)),
+        dict(x_dtype=jnp.float32),
+        dict(backend_name="cpu"),
+    ):
+        assert dispatch.grouped_int4_kernel(**{**chunk, **gpu, **change}) == "triton", change
     assert dispatch.verify_impl("auto", **gpu) == "pallas"
     # explicit choices pass through on any backend
     assert dispatch.attention_impl("pallas", queries=512, mla=True, backend_name="cpu") == "pallas"

@@ -20,7 +20,8 @@ and k experts per token there are N = M * k (token, expert) assignments:
   until measured on the GPU (not an "auto" choice yet).
 - "auto" (prefill / tree-forward default), static from the shapes (`dispatch.moe_impl`): off GPU "gather" while
   N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 16, else "pallas" (the grouped
-  kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep").
+  kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep"). Inside "pallas",
+  INT4 experts at prefill sizes run the Mosaic GPU kernel (`grouped_int4_mgpu`, `dispatch.grouped_int4_kernel`).
 
 The costs that set the "auto" rule (gather against the dense reference and ragged_dot, per layer at
 N assignments) are measured in BENCHMARKS.md ("Matmul and MoE"); the rule and its thresholds live in
@@ -60,6 +61,7 @@ from ddtree_jax.models.layers import contract, linear, swiglu
 from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
 from ddtree_kernels.decode_matmul import grouped_matmul
+from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
 from ddtree_kernels.moe_decode import MAX_ASSIGNMENTS, flat_assignments, moe_decode
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
 from ddtree_kernels.tiling import dot_precision
@@ -239,9 +241,14 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     xs = x[order // k]
 
     def grouped(rows, weight):
-        if isinstance(weight, LayerOf):  # read in place: no per-layer copy of the experts
-            return grouped_matmul(rows, weight.stack, group_sizes, layer=weight.layer)
-        return grouped_matmul(rows, weight, group_sizes)
+        stack, layer = (weight.stack, weight.layer) if isinstance(weight, LayerOf) else (weight, None)
+        if (
+            isinstance(stack, Int4Weight)
+            and dispatch.grouped_int4_kernel(rows.shape[0], stack.shape, rows.dtype) == "mosaic"
+        ):
+            return grouped_int4_matmul(rows, stack, group_sizes, layer=layer)
+        # a LayerOf is read in place: no per-layer copy of the experts
+        return grouped_matmul(rows, stack, group_sizes, layer=layer)
 
     h = jax.nn.silu(grouped(xs, p["expert_gate"])) * grouped(xs, p["expert_up"])
     out_sorted = grouped(h, p["expert_down"])

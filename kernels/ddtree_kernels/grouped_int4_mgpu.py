@@ -19,12 +19,14 @@ Kernel (`plgpu.kernel`, grid (N / 128, row tiles), three warpgroups a CTA):
             v ^ -8 == c - 8), converts to bf16, multiplies by its rows' scales (a row vector, broadcast) and
             issues wgmma(acc, W_j [64, 32] registers, x_j^T [32, block_m]); the step's wgmmas run while the
             next group is dequantised. acc = y^T [64, block_m] float32.
-  tiles     (expert, aligned row block) pairs (`aligned_tiles`): the rows are cut into blocks of block_m from
-            row 0 (a TMA into the 8-row-tiled x slot starts at a multiple of 8), and an expert whose rows touch
-            k blocks makes k tiles; a tile computes its whole block (rows of other experts, or zeros past A,
-            computed and never kept). Each tile's [block_m, 128] output goes to its own slot of a tile-major
-            buffer [T, block_m, N] (TMA store), and the wrapper gathers every row from its tile (one XLA
-            gather, [A, N]). T <= A / block_m + E.
+  tiles     per expert, row tiles of block_m from its first row rounded down to a multiple of 8 (a TMA into
+            the 8-row-tiled x slot starts at a multiple of 8; `row_tiles`): an expert of up to block_m - 7
+            rows is one tile, so its weights stream once. A tile computes all its block_m rows (rows of the
+            neighbouring experts, or zeros past A, computed and never kept). Each tile's [block_m, 128] output
+            goes to its own slot of a tile-major buffer [T, block_m, N] (TMA store), and the wrapper gathers
+            every row from its tile (one XLA gather, [A, N]). T <= A / block_m + 2 E.
+  grid      (row tiles, N / 128) with the column blocks fastest: the CTAs of one tile run side by side and read
+            its x rows from L2 (x re-read from HBM per column block would be 16 x A x K bytes at N = 2,048).
   scales    the layer's scales transposed per call to [E, K / 32, N] (a row of 128 columns is one TMA box
             row; a warpgroup's 64 scales of group j load as one row vector).
   layer     with every layer's experts stacked ([L, E, N, K / 8]), the tile table carries the layer and the
@@ -60,7 +62,8 @@ from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 BLOCK_N = 128  # output columns (weight rows) per CTA: two compute warpgroups of 64, wgmma's M
 WG_ROWS = 64
 BLOCK_MS = (64, 128)  # token rows per tile: wgmma's N
-DEFAULT_BLOCK_K = 256
+ROW_ALIGN = 8  # a tile's first row: the x slot is tiled by 8 rows, and a TMA box starts on a whole tile
+DEFAULT_BLOCK_K = 256  # the widest K step; narrower where K needs it (`grouped_int4_matmul`)
 # shared memory a CTA may plan: the ring and the output tiles (barriers and Mosaic's own scratch below the rest)
 SMEM_BUDGET = SMEM_LIMIT_BYTES - 8 * 1024
 _X_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))  # bf16: 32 elements = 64 bytes
@@ -114,8 +117,8 @@ def _kernel(
     stages: int,
     interpret: bool,
 ):
-    # GMEM: tiles_ref i32 [4, T] (expert, block start, rows, layer) of each tile (rows 0: unused);
-    #   x_ref bf16 [A_pad, K] (A in whole blocks, zeros past A); w_ref int4 [L, E, N, K] the stored codes; s_ref [E, K / 32, N] the layer's
+    # GMEM: tiles_ref i32 [4, T] (expert, first row (a multiple of 8), rows, layer) of each tile (rows 0: unused);
+    #   x_ref bf16 [A_pad, K] (A in whole 8-row tiles, zeros past A); w_ref int4 [L, E, N, K] the stored codes; s_ref [E, K / 32, N] the layer's
     #   scales transposed; o_ref bf16 [T, block_m, N] each tile's rows.
     # SMEM: w_smem int4 [stages, 128, block_k]; x_smem bf16 [stages, block_m, block_k]; s_smem [stages,
     #   block_k / 32, 128]; o_smem bf16 [2, block_m, 64] each compute warpgroup's y tile; loaded[stages] (3 TMA
@@ -123,7 +126,7 @@ def _kernel(
     #   a_smem bf16 [2, 64, 32] each warpgroup's dequantised group.
     column_block, tile, wg = lax.axis_index("n"), lax.axis_index("tile"), lax.axis_index("wg")
     expert, count, layer = tiles_ref[0, tile], tiles_ref[2, tile], tiles_ref[3, tile]
-    first = pl.multiple_of(tiles_ref[1, tile], block_m)
+    first = pl.multiple_of(tiles_ref[1, tile], ROW_ALIGN)
     n0 = column_block * BLOCK_N
     groups = block_k // INT4_GROUP
 
@@ -202,46 +205,45 @@ def _layer_index(layer, num_layers: int) -> jax.Array:
 
 
 def _tile_counts(group_sizes: jax.Array, block_m: int):
-    """Per expert: its first row, first row block, and tiles (the row blocks its rows touch; 0 if none)."""
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    first_block = starts // block_m
-    tiles_per = jnp.where(group_sizes > 0, (ends - 1) // block_m - first_block + 1, 0)
-    return starts, ends, first_block, tiles_per
+    """Per expert: its first row, its first tile's first row (the first row rounded down to a multiple of
+    ROW_ALIGN) and its tiles (0 for an expert without rows)."""
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    base = starts // ROW_ALIGN * ROW_ALIGN
+    tiles_per = jnp.where(group_sizes > 0, (starts + group_sizes - base + block_m - 1) // block_m, 0)
+    return starts, base, tiles_per
 
 
 def max_tiles(rows: int, experts: int, block_m: int) -> int:
-    """The most (expert, row block) tiles `rows` rows over `experts` experts can make: each block once, plus
-    one more for every boundary between two non-empty experts inside a block."""
-    return pl.cdiv(rows, block_m) + min(experts, rows) - 1
+    """The most row tiles `rows` rows over `experts` experts can make: sum over experts of
+    ceil((rows_e + 7) / block_m) <= rows / block_m + min(E, rows) (each non-empty expert adds at most one)."""
+    return rows // block_m + min(experts, rows) + 1
 
 
-def aligned_tiles(group_sizes: jax.Array, block_m: int, num_tiles: int) -> jax.Array:
-    """int32 [3, num_tiles]: (expert, block start row, rows of the expert in the block) of each tile, in
-    expert order, block by block; unused tiles have rows 0. group_sizes int32 [E], rows sorted by expert."""
-    starts, ends, first_block, tiles_per = _tile_counts(group_sizes, block_m)
+def row_tiles(group_sizes: jax.Array, block_m: int, num_tiles: int) -> jax.Array:
+    """int32 [3, num_tiles]: (expert, first row, rows of the expert in the tile) of each tile, in expert
+    order; unused tiles have rows 0. group_sizes int32 [E], rows sorted by expert."""
+    starts, base, tiles_per = _tile_counts(group_sizes, block_m)
     tile_start = jnp.cumsum(tiles_per) - tiles_per
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     # compare_all: one [T, E] comparison (the default search is a while loop that waits for the host on GPU)
     expert = jnp.clip(
         jnp.searchsorted(tile_start + tiles_per, t, side="right", method="compare_all"), 0, group_sizes.shape[0] - 1
     )
-    block = first_block[expert] + t - tile_start[expert]
-    low = jnp.maximum(starts[expert], block * block_m)
-    high = jnp.minimum(ends[expert], (block + 1) * block_m)
+    first = base[expert] + (t - tile_start[expert]) * block_m
+    low = jnp.maximum(starts[expert], first)
+    high = jnp.minimum(starts[expert] + group_sizes[expert], first + block_m)
     rows = jnp.where(t < tiles_per.sum(), high - low, 0)
-    return jnp.stack([expert, block * block_m, rows]).astype(jnp.int32)
+    return jnp.stack([expert, first, rows]).astype(jnp.int32)
 
 
 def row_index(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
-    """int32 [rows]: where row a sits in the tile-major output [T * block_m]: its tile (`aligned_tiles`' order)
-    times block_m plus a % block_m."""
-    _, _, first_block, tiles_per = _tile_counts(group_sizes, block_m)
+    """int32 [rows]: where row a sits in the tile-major output [T * block_m]: its tile (`row_tiles`' order)
+    times block_m plus its place in the tile."""
+    _, base, tiles_per = _tile_counts(group_sizes, block_m)
     tile_start = jnp.cumsum(tiles_per) - tiles_per
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
-    a = jnp.arange(rows, dtype=jnp.int32)
-    tile = tile_start[expert] + a // block_m - first_block[expert]
-    return (tile * block_m + a % block_m).astype(jnp.int32)
+    within = jnp.arange(rows, dtype=jnp.int32) - base[expert]
+    return ((tile_start[expert] + within // block_m) * block_m + within % block_m).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "stages", "interpret"))
@@ -256,10 +258,12 @@ def _grouped_int4(x, packed, scale, group_sizes, layer, *, block_m, block_k, sta
     if scale_t.dtype not in (jnp.bfloat16, jnp.float32):
         scale_t = scale_t.astype(jnp.float32)
     num_tiles = max_tiles(rows, experts, block_m)
-    table = aligned_tiles(group_sizes, block_m, num_tiles)
+    table = row_tiles(group_sizes, block_m, num_tiles)
     table = jnp.concatenate([table, jnp.broadcast_to(layer, (1, num_tiles))])
-    # the rows in whole blocks (the 8-row-tiled TMA takes whole tiles; no copy when A is a multiple of block_m)
-    x_in = jnp.pad(x, ((0, pl.cdiv(rows, block_m) * block_m - rows), (0, 0)))
+    # the rows in whole 8-row TMA tiles (no copy when A is a multiple of 8); compiled, the last tile's TMA past
+    # them reads zeros, while the interpreter's slice would clamp and shift: there, room for the whole tile
+    padded = pl.cdiv(rows, ROW_ALIGN) * ROW_ALIGN + (block_m if interpret else 0)
+    x_in = jnp.pad(x, ((0, padded - rows), (0, 0)))
     kernel = functools.partial(
         _kernel, block_m=block_m, block_k=block_k, k_steps=k // block_k, stages=stages, interpret=interpret
     )
@@ -275,8 +279,8 @@ def _grouped_int4(x, packed, scale, group_sizes, layer, *, block_m, block_k, sta
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         )
         + ((plgpu.SMEM((2, WG_ROWS, INT4_GROUP), jnp.bfloat16),) if interpret else ()),
-        grid=(n // BLOCK_N, num_tiles),
-        grid_names=("n", "tile"),
+        grid=(num_tiles, n // BLOCK_N),  # the last grid axis is CUDA's x, launched fastest
+        grid_names=("tile", "n"),
         num_threads=3,
         thread_name="wg",
         interpret=INTERPRET_PARAMS if interpret else None,
@@ -291,7 +295,7 @@ def grouped_int4_matmul(
     *,
     layer: jax.Array | int | None = None,
     block_m: int = 64,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_k: int | None = None,
     stages: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -299,8 +303,9 @@ def grouped_int4_matmul(
     [E, N, K] (or every layer's [L, E, N, K] with `layer`, an int or int32 scalar: read in place) -> bf16
     [A, N], row a = x[a] @ W[e(a)]^T; on the Mosaic GPU backend (Hopper), the weights dequantised in the
     registers (module docstring). block_m: token rows per tile (64 or 128; a prefill chunk's 2,048 tokens x
-    top-8 over 384 experts is ~43 rows an expert); block_k: K elements per pipeline step; stages: ring slots
-    (None: as many as fit); interpret: Mosaic GPU interpret mode (None: on the CPU backend)."""
+    top-8 over 384 experts is ~43 rows an expert); block_k: K elements per pipeline step (None: the largest of
+    256 / 128 / 64 dividing K); stages: ring slots (None: as many as fit); interpret: Mosaic GPU interpret mode
+    (None: on the CPU backend)."""
     if not isinstance(weight, Int4Weight):
         raise ValueError(f"grouped_int4_matmul takes an Int4Weight, got {type(weight).__name__}")
     if layer is None:
@@ -322,6 +327,8 @@ def grouped_int4_matmul(
         raise ValueError(f"group_sizes must have one entry per expert ({experts},), got {group_sizes.shape}")
     if n % BLOCK_N:
         raise ValueError(f"N = {n} must be a multiple of {BLOCK_N} (the weights are never padded)")
+    if block_k is None:
+        block_k = next((b for b in (DEFAULT_BLOCK_K, 128, 64) if k % b == 0), DEFAULT_BLOCK_K)
     if block_m not in BLOCK_MS:
         raise ValueError(f"block_m must be one of {BLOCK_MS}, got {block_m}")
     if block_k % 64 or k % block_k:

@@ -46,3 +46,23 @@ def test_grouped_sweep_records_the_tiling_that_runs(tmp_path, monkeypatch):
     (row,) = rows
     assert (row["block_k"], row["num_stages"], row["block_m"]) == (256, 2, 64)
     assert row["requested"]["block_k"] == 1024 and row["requested"]["num_stages"] == 4
+
+
+def test_grouped_sweep_times_the_mosaic_kernel(tmp_path):
+    """`--grouped-impl mosaic`: the Mosaic GPU kernel timed on the same inputs (interpret mode, in a subprocess
+    with NPROC=8: its warpgroups are threads), one row per tiling with its error against the Triton kernel."""
+    from tests.kernels.mosaic_interpret import run_in_subprocess
+
+    out = run_in_subprocess(
+        "import json, os, jax\n"
+        f"os.environ['OUT'] = {str(tmp_path)!r}\n"
+        "from benchmarks.bench_matmul import PREFILL_SWEEP_TILES, grouped_sweep\n"
+        "rows = grouped_sweep([4], float('nan'), jax.random.key(0), 't', tiles_list=PREFILL_SWEEP_TILES[:1],\n"
+        "    experts=4, projections=(('gate', 128, 256),), mosaic_list=[dict(block_m=64, block_k=128)])\n"
+        "print(json.dumps(rows))"
+    )
+    triton, mosaic = out
+    assert "impl" not in triton and mosaic["impl"] == "mosaic" and mosaic["block_m"] == 64
+    assert mosaic["us"] > 0 and mosaic["assignments"] == 32
+    assert mosaic["max_err"] < 1e-2  # bf16 outputs of two kernels on the same inputs
+    assert len(json.loads((tmp_path / "grouped_sweep_t.json").read_text())["rows"]) == 2

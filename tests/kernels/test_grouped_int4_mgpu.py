@@ -82,8 +82,9 @@ def test_matches_reference(results, name):
 
 
 def test_tile_table_and_row_index():
-    """Every row is covered by exactly one tile of its expert and its block, and row_index finds it."""
-    from ddtree_kernels.grouped_int4_mgpu import aligned_tiles, max_tiles, row_index
+    """Every row is covered by exactly one tile of its expert, at its place in the tile (tiles start on a multiple
+    of 8 rows), row_index finds it, and an expert of up to block_m - 7 rows is one tile."""
+    from ddtree_kernels.grouped_int4_mgpu import max_tiles, row_index, row_tiles
 
     rng = np.random.default_rng(3)
     for block_m in (64, 128):
@@ -94,14 +95,19 @@ def test_tile_table_and_row_index():
             if rows == 0:
                 continue
             num_tiles = max_tiles(rows, experts, block_m)
-            expert, start, count = np.asarray(aligned_tiles(jnp.asarray(sizes, jnp.int32), block_m, num_tiles))
+            expert, start, count = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), block_m, num_tiles))
             index = np.asarray(row_index(jnp.asarray(sizes, jnp.int32), rows, block_m))
             owner = np.repeat(np.arange(experts), sizes)
             tile, offset = index // block_m, index % block_m
             assert (count[tile] > 0).all()
             assert (expert[tile] == owner).all()
-            assert (start[tile] + offset == np.arange(rows)).all()  # the tile's block holds the row in place
-            assert count.sum() == rows and (start % block_m == 0).all()
+            assert (start[tile] + offset == np.arange(rows)).all()  # the tile holds the row in place
+            assert count.sum() == rows and (start % 8 == 0).all()
+            assert (count > 0).sum() == sum(
+                -(-(s + f % 8) // block_m) for s, f in zip(sizes, np.cumsum(sizes) - sizes) if s
+            )
+            tiles_of = np.bincount(expert[count > 0], minlength=experts)
+            assert (tiles_of[(sizes > 0) & (sizes <= block_m - 7)] == 1).all()
 
 
 @pytest.mark.parametrize(
@@ -192,7 +198,20 @@ def test_compiled_on_gpu(name, n, k, kwargs):
     sizes[5] = 0  # an expert without rows
     x, weight, group_sizes = _inputs(name, list(sizes), n, k, "bfloat16", layers=2)
     y = np.asarray(grouped_int4_matmul(x, weight, group_sizes, layer=1, **kwargs), np.float32)
-    ref = np.asarray(grouped_int4_matmul_reference(x, weight, group_sizes, layer=1), np.float32)
+    # the twin one expert at a time (at once, its per-row weights [A, N, K] would take 100+ GB)
+    starts = np.cumsum(sizes) - sizes
+    ref = np.concatenate(
+        [
+            np.asarray(
+                grouped_int4_matmul_reference(
+                    x[s : s + c], jax.tree.map(lambda a, e=e: a[1, e : e + 1], weight), jnp.asarray([c], jnp.int32)
+                ),
+                np.float32,
+            )
+            for e, (s, c) in enumerate(zip(starts, sizes))
+            if c
+        ]
+    )
     assert y.shape == ref.shape and np.isfinite(y).all()
     assert np.abs(y - ref).max() / np.abs(ref).max() < TOLERANCE
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < TOLERANCE

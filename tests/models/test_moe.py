@@ -194,3 +194,38 @@ def test_stacked_layers_reach_each_dispatch_in_place():
     assert relerr(changed, outs["reference", "scan"]) > 1e-3
     for key, got in outs.items():
         assert relerr(got, outs["reference", "scan"]) < 1e-5, key
+
+
+def test_pallas_takes_the_mosaic_grouped_kernel_for_int4():
+    """Where `dispatch.grouped_int4_kernel` says "mosaic" (on GPU: INT4 experts at prefill sizes), "pallas" runs
+    the three expert matmuls on `grouped_int4_mgpu` (here interpreted, forced on, in an NPROC=8 subprocess: its
+    warpgroups are threads) and equals the reference; the kernel is really called (a spy counts its calls)."""
+    from tests.kernels.mosaic_interpret import run_in_subprocess
+
+    out = run_in_subprocess(
+        """
+import dataclasses, json
+import jax, jax.numpy as jnp, numpy as np
+from ddtree_jax import dispatch
+from ddtree_jax.models import deepseek_v3, moe
+from ddtree_kernels.quant import quantize_int4
+from tests.models.test_moe import CONFIG, EXPERTS
+
+config = dataclasses.replace(CONFIG, hidden_size=128, moe_intermediate_size=128, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=1, topk_group=1)
+params = deepseek_v3.init_params(config, jax.random.key(3))
+p = jax.tree.map(lambda w: w[0], params["moe_layers"])
+for name in EXPERTS:
+    p[name] = quantize_int4(np.asarray(p[name]))
+x = (jax.random.normal(jax.random.key(4), (40, 128)) * 2).astype(jnp.bfloat16)
+calls = []
+real = moe.grouped_int4_matmul
+moe.grouped_int4_matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
+dispatch.grouped_int4_kernel = lambda *a, **k: "mosaic"
+got = np.asarray(moe.moe(config, p, x, impl="pallas"), np.float32)
+want = np.asarray(moe.moe_reference(config, p, x), np.float32)
+print(json.dumps({"calls": len(calls), "rel": float(np.linalg.norm(got - want) / np.linalg.norm(want))}))
+"""
+    )
+    assert out["calls"] == 3
+    assert out["rel"] < 2e-2  # bf16 activations and intermediate rounding (the kernel alone: ~1e-7 in interpret mode)
