@@ -125,7 +125,12 @@ PREFILL_SWEEP_TILES = [
 
 
 # `--grouped-impl mosaic`: the Mosaic GPU kernel's tilings (token rows a tile, K step; stages: as many as fit)
-MOSAIC_SWEEP = [dict(block_m=64, block_k=256), dict(block_m=64, block_k=128), dict(block_m=128, block_k=128)]
+MOSAIC_SWEEP = [
+    dict(block_m=64, block_k=256),
+    dict(block_m=64, block_k=256, deferred_release=True),
+    dict(block_m=64, block_k=128, deferred_release=True),
+    dict(block_m=128, block_k=128),
+]
 
 
 def tile_fields(row: dict) -> dict:
@@ -226,7 +231,7 @@ def grouped_sweep(
                 rows.append(row)
                 write_result(f"grouped_sweep_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
                 print(
-                    f"mosaic {proj} T={tokens:3d} block_m {config['block_m']} block_k {config['block_k']}: "
+                    f"mosaic {proj} T={tokens:3d} {config}: "
                     f"{row['us']:8.1f} us ({row['TFLOPs']:.0f} TFLOP/s; max err vs Triton {row['max_err']:.1e})",
                     flush=True,
                 )

@@ -115,6 +115,7 @@ def _kernel(
     block_k: int,
     k_steps: int,
     stages: int,
+    deferred_release: bool,
     interpret: bool,
 ):
     # GMEM: tiles_ref i32 [4, T] (expert, first row (a multiple of 8), rows, layer) of each tile (rows 0: unused);
@@ -184,9 +185,20 @@ def _kernel(
                         codes = plgpu.layout_cast(codes, plgpu.Layout.WGMMA)
                         scale = plgpu.load(s_smem.at[slot, j, rows], layout=plgpu.Layout.WGMMA.reduce(1))
                         plgpu.wgmma(acc_ref, _dequantize(codes, scale), x_group)
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[slot])
+                if deferred_release:  # this step's wgmmas stay in flight; the previous step's are done
+                    plgpu.wgmma_wait(groups)
 
+                    @pl.when(i > 0)
+                    def _release_previous():
+                        plgpu.barrier_arrive(consumed.at[lax.rem(i + stages - 1, stages)])
+
+                else:
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[slot])
+
+            if deferred_release:
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[(k_steps - 1) % stages])
             return acc_ref[...]
 
         acc = pl.run_scoped(product, plgpu.ACC((WG_ROWS, block_m), jnp.float32))
@@ -246,8 +258,8 @@ def row_index(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
     return ((tile_start[expert] + within // block_m) * block_m + within % block_m).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_k", "stages", "interpret"))
-def _grouped_int4(x, packed, scale, group_sizes, layer, *, block_m, block_k, stages, interpret):
+@functools.partial(jax.jit, static_argnames=("block_m", "block_k", "stages", "deferred_release", "interpret"))
+def _grouped_int4(x, packed, scale, group_sizes, layer, *, block_m, block_k, stages, deferred_release, interpret):
     rows, k = x.shape
     num_layers, experts, n, _ = packed.shape
     layer = _layer_index(layer, num_layers)
@@ -265,7 +277,13 @@ def _grouped_int4(x, packed, scale, group_sizes, layer, *, block_m, block_k, sta
     padded = pl.cdiv(rows, ROW_ALIGN) * ROW_ALIGN + (block_m if interpret else 0)
     x_in = jnp.pad(x, ((0, padded - rows), (0, 0)))
     kernel = functools.partial(
-        _kernel, block_m=block_m, block_k=block_k, k_steps=k // block_k, stages=stages, interpret=interpret
+        _kernel,
+        block_m=block_m,
+        block_k=block_k,
+        k_steps=k // block_k,
+        stages=stages,
+        deferred_release=deferred_release,
+        interpret=interpret,
     )
     out = plgpu.kernel(
         kernel,
@@ -297,6 +315,7 @@ def grouped_int4_matmul(
     block_m: int = 64,
     block_k: int | None = None,
     stages: int | None = None,
+    deferred_release: bool = False,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Rows of x [A, K] bf16 sorted by expert (group_sizes int32 [E], summing to A) against INT4 expert weights
@@ -304,8 +323,10 @@ def grouped_int4_matmul(
     [A, N], row a = x[a] @ W[e(a)]^T; on the Mosaic GPU backend (Hopper), the weights dequantised in the
     registers (module docstring). block_m: token rows per tile (64 or 128; a prefill chunk's 2,048 tokens x
     top-8 over 384 experts is ~43 rows an expert); block_k: K elements per pipeline step (None: the largest of
-    256 / 128 / 64 dividing K); stages: ring slots (None: as many as fit); interpret: Mosaic GPU interpret mode
-    (None: on the CPU backend)."""
+    256 / 128 / 64 dividing K); stages: ring slots (None: as many as fit); deferred_release: a compute
+    warpgroup leaves each step's wgmmas in flight into the next step and releases the step's slot one step
+    later (`wgmma_wait(groups)`; needs 2 slots and 2 K steps), instead of waiting for them before the next
+    step's dequantisation; interpret: Mosaic GPU interpret mode (None: on the CPU backend)."""
     if not isinstance(weight, Int4Weight):
         raise ValueError(f"grouped_int4_matmul takes an Int4Weight, got {type(weight).__name__}")
     if layer is None:
@@ -338,6 +359,8 @@ def grouped_int4_matmul(
         stages = fit_stages(block_m, block_k, k)
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
+    if deferred_release and (stages < 2 or k // block_k < 2):
+        deferred_release = False  # one slot, or one K step: nothing to overlap
     nbytes = smem_bytes(block_m, block_k, stages, interpret)
     if nbytes > SMEM_BUDGET:
         raise ValueError(
@@ -353,6 +376,7 @@ def grouped_int4_matmul(
         block_m=block_m,
         block_k=block_k,
         stages=stages,
+        deferred_release=deferred_release,
         interpret=interpret,
     )
 

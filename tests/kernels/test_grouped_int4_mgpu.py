@@ -18,7 +18,8 @@ from tests.kernels.mosaic_interpret import run_in_subprocess
 
 # name: (group sizes, N, K, scale dtype, kwargs). Empty experts (first, middle, last), an expert over several
 # row blocks, experts sharing a block, A not a multiple of the block (zeros past A), one row, the ring's steady
-# state (4 K steps through 2 slots), more slots than K steps, block_m 128, float32 scales, stacked layers.
+# state (4 K steps through 2 slots), more slots than K steps, block_m 128, float32 scales, stacked layers, the
+# deferred slot release.
 CASES = {
     "ragged_bm64": ([5, 0, 70, 9, 1, 0], 128, 256, "bfloat16", dict(block_k=128)),
     "steady_ring": ([0, 33, 31, 64], 256, 512, "bfloat16", dict(block_k=128, stages=2)),
@@ -26,6 +27,9 @@ CASES = {
     "bm128_f32_scales": ([40, 100, 3], 128, 256, "float32", dict(block_m=128, block_k=64)),
     "more_stages_than_steps": ([17, 18], 128, 128, "bfloat16", dict(block_k=64, stages=4)),
     "layer_of_three": ([12, 0, 52], 128, 256, "bfloat16", dict(block_k=128, layer=2)),
+    # each step's slot released one step later (2 and 3 slots over 4 K steps; with one K step it is a no-op)
+    "deferred_two_slots": ([0, 33, 31, 64], 128, 512, "bfloat16", dict(block_k=128, stages=2, deferred_release=True)),
+    "deferred_three_slots": ([9, 60], 128, 256, "bfloat16", dict(block_k=64, stages=3, deferred_release=True)),
 }
 TOLERANCE = 1e-2  # ||y - ref|| / ||ref|| and max |y - ref| / max |ref|: bf16 output (interpret: ~1e-7)
 
@@ -150,6 +154,7 @@ def test_bad_shapes():
         (16384, 2048, 7168, {}),  # K2.6 gate / up at a 2,048-token chunk
         (16384, 7168, 2048, {}),  # down
         (16384, 2048, 7168, dict(block_m=128, block_k=128)),
+        (16384, 2048, 7168, dict(deferred_release=True)),
         (100, 256, 512, dict(block_k=64, stages=2)),
     ],
 )
@@ -185,6 +190,7 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the co
         ("down", 7168, 2048, {}),
         ("gate_bm128", 2048, 7168, dict(block_m=128, block_k=128)),
         ("down_bk128", 7168, 2048, dict(block_k=128)),
+        ("gate_deferred", 2048, 7168, dict(deferred_release=True)),
     ],
 )
 def test_compiled_on_gpu(name, n, k, kwargs):
