@@ -270,6 +270,13 @@ def test_prefill_chunking_rule():
     assert dispatch.prefill_chunk(0, dispatch.PREFILL_CHUNK) is None
     assert dispatch.prefill_chunk(0, dispatch.PREFILL_CHUNK + 1) == dispatch.PREFILL_CHUNK
     assert dispatch.prefill_chunk(100, 100) is None and dispatch.prefill_chunk(100, 101) == 100
+    # targets with routed experts: ~8,192 tokens a chunk over the batch (each chunk streams every expert once),
+    # never below PREFILL_CHUNK; an explicit chunk wins
+    assert [dispatch.moe_prefill_chunk(b) for b in (1, 2, 3, 4, 64)] == [8192, 4096, 2048, 2048, 2048]
+    assert dispatch.prefill_chunk(0, dispatch.PREFILL_CHUNK + 1, moe=True) is None
+    assert dispatch.prefill_chunk(0, 8193, moe=True) == 8192
+    assert dispatch.prefill_chunk(0, 8193, moe=True, batch=2) == 4096
+    assert dispatch.prefill_chunk(100, 101, moe=True) == 100
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):
             DecodeOptions(prefill_chunk=bad)

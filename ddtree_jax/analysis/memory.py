@@ -44,8 +44,8 @@ or with `attention_impl="xla"` one layer's float32 scores and probabilities [row
 Caches are assumed updated in place (donated), so they are counted once.
 
 Workspace of the prefill of a `context`-token prompt (per device, `prefill` in the plan): the engine
-prefills in chunks of P = `dispatch.PREFILL_CHUNK` tokens when the prompt is longer than that (else P =
-the whole prompt): float32 logits [rows, V] (the head runs at each row's last prompt token only) plus
+prefills in chunks of P = `dispatch.prefill_chunk(0, S, moe, batch)` tokens when the prompt is longer than that
+(`PREFILL_CHUNK`; for a target with routed experts about `PREFILL_TOKENS_MOE` / batch; else P = the whole prompt): float32 logits [rows, V] (the head runs at each row's last prompt token only) plus
 the local shard, the bool mask [rows, P, S], the residual / FFN buffers of P
 rows, the tapped features of P rows, and the attention core at the rule's choice for P queries against S
 keys (`dispatch.attention_impl`): "blockwise" holds one key block's float32 scores and probabilities
@@ -551,7 +551,9 @@ def plan_memory(
     }
     if isinstance(c, DeepSeekV3Config):  # absorbed queries [rows, T, H_local, kv_lora + rope] and outputs, f32
         act["attention"] += 2 * tokens * heads_local * key_dim * 4
-    prefill = _prefill_workspace(c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn)
+    prefill = _prefill_workspace(
+        c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn, batch=batch
+    )
     return MemoryPlan(
         layout=layout,
         batch=batch,
@@ -570,11 +572,13 @@ def plan_memory(
     )
 
 
-def _prefill_workspace(c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn) -> dict:
+def _prefill_workspace(
+    c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn, batch: int = 1
+) -> dict:
     """The prefill's workspace per device (module docstring): one chunk of P tokens against S keys."""
     if context == 0:
         return {}
-    chunk = dispatch.prefill_chunk(0, context) or context
+    chunk = dispatch.prefill_chunk(0, context, moe=getattr(c, "n_routed_experts", 0) > 0, batch=batch) or context
     tokens = rows * chunk
     keys = context
     attention = dispatch.attention_impl("auto", queries=chunk, keys=keys, backend_name=PLANNED_BACKEND)
