@@ -45,9 +45,11 @@ Caches are assumed updated in place (donated), so they are counted once.
 
 Workspace of the prefill of a `context`-token prompt (per device, `prefill` in the plan): the engine
 prefills in chunks of P = `dispatch.prefill_chunk(0, S, moe, batch)` tokens when the prompt is longer than that
-(`PREFILL_CHUNK`; for a target with routed experts about `PREFILL_TOKENS_MOE` / batch; else P = the whole prompt): float32 logits [rows, V] (the head runs at each row's last prompt token only) plus
-the local shard, the bool mask [rows, P, S], the residual / FFN buffers of P
-rows, the tapped features of P rows, and the attention core at the rule's choice for P queries against S
+(`PREFILL_CHUNK`; for a target with routed experts about `PREFILL_TOKENS_MOE` / batch; else P = the whole
+prompt): float32 logits [rows, V] (the head runs at each row's last prompt token only) plus the local shard,
+the bool mask [rows, P, S], the residual / FFN buffers of P rows, the tapped features of P rows, for routed
+experts the chunk's A = rows x P x top-k assignment rows grouped by expert and their outputs ([A, hidden] bf16
+each) and the grouped INT4 kernel's tile-major output (64-row tiles), and the attention core at the rule's choice for P queries against S
 keys (`dispatch.attention_impl`): "blockwise" holds one key block's float32 scores and probabilities
 [rows, H / model, P, 1024] and the accumulator [rows, H / model, P, Dv]; dense XLA the whole
 [rows, H / model, P, S]; where "auto" takes the causal flash-attention kernel (`dispatch.
@@ -72,6 +74,7 @@ from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.dispatch import ATTENTION_IMPLS
 from ddtree_jax.sharding.rules import MODEL, RULES
+from ddtree_kernels import grouped_int4_mgpu
 from ddtree_kernels.quant import FP8_BLOCK, INT4_GROUP
 from ddtree_kernels.tiling import TARGET_PROGRAMS
 from ddtree_kernels.tree_attention import MAX_BLOCK_M
@@ -629,6 +632,14 @@ def _prefill_workspace(
         )
     if isinstance(c, DeepSeekV3Config):  # the chunk's queries and outputs, f32
         core += 2 * tokens * heads_local * key_dim * 4
+    routed = 0
+    if getattr(c, "n_routed_experts", 0):
+        # the grouped path ("pallas"): the chunk's rows grouped by expert and their outputs [A, hidden] bf16
+        # (A = tokens x top-k), plus the grouped INT4 kernel's tile-major output (64-row tiles, one partial a
+        # non-empty expert: `grouped_int4_mgpu.max_tiles`)
+        assignments = tokens * c.num_experts_per_tok
+        tiles = grouped_int4_mgpu.max_tiles(assignments, c.n_routed_experts, 64)
+        routed = (2 * assignments + 64 * tiles) * c.hidden_size * 2
     return {
         "logits": rows * c.vocab_size * 4 + rows * vocab_local * 2,  # the last prompt token of each row
         "attention_mask": tokens * keys,
@@ -638,6 +649,7 @@ def _prefill_workspace(
         * c.hidden_size
         * 2,
         "ffn": 3 * tokens * ffn * 4,
+        "routed_experts": routed,
         "attention": core,
     }
 

@@ -170,7 +170,9 @@ def test_max_context_is_the_boundary_and_shrinks_with_batch():
     contexts = [max_context(k2, drafter=drafter, layout="tp8", batch=b, budget=64) for b in (1, 2, 4, 8, 16)]
     assert all(a >= b for a, b in zip(contexts, contexts[1:])), contexts
     assert contexts[0] > k2.max_position_embeddings  # at batch 1 the model's 262,144 positions bind, not memory
-    assert 60_000 < contexts[3] < 75_000  # the prefill's ~9 GB workspace per device at batch 8 counts too
+    # the prefill's workspace per device at batch 8 counts too (~9 GB before the routed experts' [A, hidden]
+    # buffers were counted; 56,127 tokens since)
+    assert 50_000 < contexts[3] < 62_000
     s = contexts[3]
     assert plan_memory(k2, drafter=drafter, layout="tp8", batch=8, context=s, budget=64).fits
     assert not plan_memory(k2, drafter=drafter, layout="tp8", batch=8, context=s + 1, budget=64).fits
