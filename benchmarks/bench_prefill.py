@@ -151,7 +151,7 @@ def bench_prefill(
             "kinds": kinds,
             "ops": ops,  # every op (a prefill launches a few hundred distinct ones)
         }
-    chunk_len = dispatch.prefill_chunk(chunk, context, moe=getattr(config, "n_routed_experts", 0) > 0)
+    chunk_len = dispatch.target_prefill_chunk(config, chunk, context, batch=1)
     flops = prefill_flops(config, context, head_rows=1 if chunk_len is None else -(-context // chunk_len))
     total = flops["matmul"] + flops["attention"]
     return {

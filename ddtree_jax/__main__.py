@@ -465,7 +465,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         default=0,
-        help="prompt tokens per prefill chunk (default 0: auto, chunks of 2,048 beyond 2,048 tokens)",
+        help="prompt tokens per prefill chunk (default 0: auto, chunks of 2,048 beyond 2,048 tokens; MoE targets "
+        "~8,192 tokens over the batch)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
     parser.add_argument(

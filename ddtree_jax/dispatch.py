@@ -34,7 +34,7 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
-              experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 1.4x the
+              experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 2.3x the
               Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel.
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
   tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
@@ -163,8 +163,10 @@ AUTO_TREE_TOPK_CHUNKED = False
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
 # The grouped INT4 expert matmul of prefill-sized calls (more than MOSAIC_GROUPED_MIN_ROWS assignments an expert
 # on average): the Mosaic GPU kernel (`grouped_int4_mgpu`) where it takes the shapes; on the H200 at a 2,048-token
-# K2.6 chunk (16,384 assignments over 384 experts, bd4ff85) 4,952 / 5,313 us (gate / down) against the Triton
-# kernel's one-dot tiling at 7,009 / 7,728.
+# K2.6 chunk (16,384 assignments over 384 experts, ~43 an expert; efb2e2f) 2,998 / 3,354 us (gate / down) against
+# the Triton kernel's one-dot tiling at 7,003 / 7,719. The threshold is the Triton prefill tiling's, not measured
+# for this kernel; under "ep" the count includes the assignments routed to other devices' experts (run as local
+# expert 0's rows), so a B = 8 tree verify may take it: also not measured.
 AUTO_MOSAIC_GROUPED = True
 MOSAIC_GROUPED_MIN_ROWS = 32
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
@@ -397,6 +399,11 @@ def prefill_chunk(requested: int, prompt_len: int, moe: bool = False, batch: int
         raise ValueError(f"prefill_chunk must be an int >= 0 (0: auto), got {requested!r}")
     chunk = requested or (moe_prefill_chunk(batch) if moe else PREFILL_CHUNK)
     return chunk if prompt_len > chunk else None
+
+
+def target_prefill_chunk(config, requested: int, prompt_len: int, batch: int = 1) -> int | None:
+    """`prefill_chunk` for a target config: MoE (routed experts) or not, read from the config."""
+    return prefill_chunk(requested, prompt_len, moe=getattr(config, "n_routed_experts", 0) > 0, batch=batch)
 
 
 def moe_prefill_chunk(batch: int) -> int:

@@ -44,7 +44,7 @@ or with `attention_impl="xla"` one layer's float32 scores and probabilities [row
 Caches are assumed updated in place (donated), so they are counted once.
 
 Workspace of the prefill of a `context`-token prompt (per device, `prefill` in the plan): the engine
-prefills in chunks of P = `dispatch.prefill_chunk(0, S, moe, batch)` tokens when the prompt is longer than that
+prefills in chunks of P = `dispatch.target_prefill_chunk(config, 0, S, batch)` tokens when the prompt is longer than that
 (`PREFILL_CHUNK`; for a target with routed experts about `PREFILL_TOKENS_MOE` / batch; else P = the whole
 prompt): float32 logits [rows, V] (the head runs at each row's last prompt token only) plus the local shard,
 the bool mask [rows, P, S], the residual / FFN buffers of P rows, the tapped features of P rows, for routed
@@ -75,6 +75,7 @@ from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.dispatch import ATTENTION_IMPLS
 from ddtree_jax.sharding.rules import MODEL, RULES
 from ddtree_kernels import grouped_int4_mgpu
+from ddtree_kernels.decode_matmul import max_row_tiles
 from ddtree_kernels.quant import FP8_BLOCK, INT4_GROUP
 from ddtree_kernels.tiling import TARGET_PROGRAMS
 from ddtree_kernels.tree_attention import MAX_BLOCK_M
@@ -507,7 +508,10 @@ def plan_memory(
     slots = budget + 1
     rows = -(-batch // layout.data)
     tokens = rows * slots
-    cache_rows = -(-(context + slots) // dispatch.CACHE_ROW_MULTIPLE) * dispatch.CACHE_ROW_MULTIPLE  # whole blocks
+    # a chunked prefill pads the prompt to whole chunks (`engine.generate.prefill`), then whole 128-row blocks
+    chunk = dispatch.target_prefill_chunk(c, 0, context, batch)
+    padded = context if chunk is None else -(-context // chunk) * chunk
+    cache_rows = -(-(padded + slots) // dispatch.CACHE_ROW_MULTIPLE) * dispatch.CACHE_ROW_MULTIPLE
     kv = rows * cache_rows * cache_bytes_per_token(c, layout, cache_dtype)
 
     drafter_weights = drafter_cache = 0
@@ -554,8 +558,9 @@ def plan_memory(
     }
     if isinstance(c, DeepSeekV3Config):  # absorbed queries [rows, T, H_local, kv_lora + rope] and outputs, f32
         act["attention"] += 2 * tokens * heads_local * key_dim * 4
+    int4_experts = (expert_format or default_expert_format(c)) == "int4"
     prefill = _prefill_workspace(
-        c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn, batch=batch
+        c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn, batch, int4_experts
     )
     return MemoryPlan(
         layout=layout,
@@ -576,12 +581,12 @@ def plan_memory(
 
 
 def _prefill_workspace(
-    c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn, batch: int = 1
+    c, drafter, rows, context, vocab_local, heads_local, value_dim, key_dim, ffn, batch: int = 1, int4_experts=False
 ) -> dict:
     """The prefill's workspace per device (module docstring): one chunk of P tokens against S keys."""
     if context == 0:
         return {}
-    chunk = dispatch.prefill_chunk(0, context, moe=getattr(c, "n_routed_experts", 0) > 0, batch=batch) or context
+    chunk = dispatch.target_prefill_chunk(c, 0, context, batch) or context
     tokens = rows * chunk
     keys = context
     attention = dispatch.attention_impl("auto", queries=chunk, keys=keys, backend_name=PLANNED_BACKEND)
@@ -635,11 +640,13 @@ def _prefill_workspace(
     routed = 0
     if getattr(c, "n_routed_experts", 0):
         # the grouped path ("pallas"): the chunk's rows grouped by expert and their outputs [A, hidden] bf16
-        # (A = tokens x top-k), plus the grouped INT4 kernel's tile-major output (64-row tiles, one partial a
-        # non-empty expert: `grouped_int4_mgpu.max_tiles`)
+        # (A = tokens x top-k), plus for INT4 experts the Mosaic grouped kernel's tile-major output
+        # [max_row_tiles x block_m, hidden] (`grouped_int4_mgpu`)
         assignments = tokens * c.num_experts_per_tok
-        tiles = grouped_int4_mgpu.max_tiles(assignments, c.n_routed_experts, 64)
-        routed = (2 * assignments + 64 * tiles) * c.hidden_size * 2
+        routed = 2 * assignments * c.hidden_size * 2
+        if int4_experts:
+            block_m = grouped_int4_mgpu.DEFAULT_BLOCK_M
+            routed += block_m * max_row_tiles(assignments, c.n_routed_experts, block_m) * c.hidden_size * 2
     return {
         "logits": rows * c.vocab_size * 4 + rows * vocab_local * 2,  # the last prompt token of each row
         "attention_mask": tokens * keys,

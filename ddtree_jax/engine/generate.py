@@ -73,12 +73,10 @@ def prefill(
     """Target prefill; the first token from the plain sampler; the drafter's context from the prompt's
     tapped hidden states.
 
-    A prompt longer than `dispatch.prefill_chunk(options.prefill_chunk, T, moe, B)` tokens is prefilled in chunks
-    of that size (`_chunked_prefill`): the same caches and first token, memory of one chunk."""
+    A prompt longer than `dispatch.target_prefill_chunk(target_config, options.prefill_chunk, T, B)` tokens is
+    prefilled in chunks of that size (`_chunked_prefill`): the same caches and first token, memory of one chunk."""
     batch, prompt_len = prompts.shape
-    chunk = dispatch.prefill_chunk(
-        options.prefill_chunk, prompt_len, moe=getattr(target_config, "n_routed_experts", 0) > 0, batch=batch
-    )
+    chunk = dispatch.target_prefill_chunk(target_config, options.prefill_chunk, prompt_len, batch)
     padded_len = prompt_len if chunk is None else -(-prompt_len // chunk) * chunk
     capacity = cache_capacity(padded_len, max_new_tokens, method, budget, block_size)
     target = target_module(target_config)

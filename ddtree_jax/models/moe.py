@@ -230,9 +230,10 @@ def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
 
 
 def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
-    """As `routed_ragged`, with `ddtree_kernels.decode_matmul.grouped_matmul` for the three expert matmuls:
-    INT4 / FP8 experts stay packed and are dequantised in registers; experts no assignment chose are
-    never read. Interpret mode off GPU (slow: for tests)."""
+    """As `routed_ragged`, with grouped kernels for the three expert matmuls: INT4 / FP8 experts stay packed and
+    are dequantised in registers; experts no assignment chose are never read. INT4 experts at prefill sizes on
+    GPU take `ddtree_kernels.grouped_int4_mgpu.grouped_int4_matmul` (`dispatch.grouped_int4_kernel`), the rest
+    `ddtree_kernels.decode_matmul.grouped_matmul`. Interpret mode off GPU (slow: for tests)."""
     tokens, k = experts.shape
     num_experts = p["expert_gate"].shape[0]
     flat = experts.reshape(-1)

@@ -430,11 +430,28 @@ def _grouped_kernel(
         )
 
 
-def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array:
-    """int32 [3, max_tiles]: (expert, first row, rows) of the row tiles covering each group's rows, in
-    expert order; unused tiles have rows 0. group_sizes int32 [E], rows sorted by expert."""
+def _tile_counts(group_sizes: jax.Array, block_m: int, align: int):
+    """Per group: its first row, its first tile's first row (the first row rounded down to a multiple of
+    `align`) and its tiles (0 for a group without rows)."""
     starts = jnp.cumsum(group_sizes) - group_sizes
-    tiles_per = (group_sizes + block_m - 1) // block_m
+    base = starts // align * align
+    tiles = jnp.where(group_sizes > 0, (starts + group_sizes - base + block_m - 1) // block_m, 0)
+    return starts, base, tiles
+
+
+def max_row_tiles(rows: int, experts: int, block_m: int) -> int:
+    """The row tiles (`row_tiles`, align <= 8 <= block_m) `rows` rows over `experts` groups can need, at most:
+    rows // block_m full tiles plus one partial tile a non-empty group, and one spare (a bound the tests
+    check on random and adversarial group sizes)."""
+    return rows // block_m + min(experts, rows) + 1
+
+
+def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int, align: int = 1) -> jax.Array:
+    """int32 [3, max_tiles]: (expert, first row, rows of that expert in the tile) of the tiles of block_m rows
+    covering each group's rows, in expert order; unused tiles have rows 0. A group's tiles start at its first
+    row rounded down to a multiple of `align` (1: at its first row; the Mosaic kernel's 8-row TMA tiles need
+    8), so a tile may begin with rows of the previous group. group_sizes int32 [E], rows sorted by expert."""
+    starts, base, tiles_per = _tile_counts(group_sizes, block_m, align)
     tile_start = jnp.cumsum(tiles_per) - tiles_per  # first tile of each expert
     t = jnp.arange(max_tiles, dtype=jnp.int32)
     # compare_all: one [T, E] comparison. searchsorted's default ("scan") is a log2(E)-step while loop,
@@ -442,11 +459,21 @@ def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int) -> jax.Array
     expert = jnp.clip(
         jnp.searchsorted(tile_start + tiles_per, t, side="right", method="compare_all"), 0, group_sizes.shape[0] - 1
     )
-    within = t - tile_start[expert]
-    first = starts[expert] + within * block_m
-    rows = jnp.clip(group_sizes[expert] - within * block_m, 0, block_m)
-    rows = jnp.where(t < tiles_per.sum(), rows, 0)
-    return jnp.stack([expert.astype(jnp.int32), first.astype(jnp.int32), rows.astype(jnp.int32)])
+    first = base[expert] + (t - tile_start[expert]) * block_m
+    low = jnp.maximum(starts[expert], first)
+    high = jnp.minimum(starts[expert] + group_sizes[expert], first + block_m)
+    rows = jnp.where(t < tiles_per.sum(), high - low, 0)
+    return jnp.stack([expert, first, rows]).astype(jnp.int32)
+
+
+def row_tile_index(group_sizes: jax.Array, rows: int, block_m: int, align: int = 1) -> jax.Array:
+    """int32 [rows]: where row a sits in a tile-major buffer [max_tiles * block_m] of `row_tiles`' tiles (same
+    block_m and align): its tile times block_m plus its place in the tile."""
+    _, base, tiles_per = _tile_counts(group_sizes, block_m, align)
+    tile_start = jnp.cumsum(tiles_per) - tiles_per
+    expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
+    within = jnp.arange(rows, dtype=jnp.int32) - base[expert]
+    return ((tile_start[expert] + within // block_m) * block_m + within % block_m).astype(jnp.int32)
 
 
 def fit_grouped_tiles(tiles: GroupedTiles, kind: str, x_dtype, weight_dtype, scale_dtype, block_m: int) -> GroupedTiles:
@@ -466,7 +493,7 @@ def _grouped_block_m(rows: int, experts: int) -> int:
 def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -> tuple[int, int, int, int]:
     """(block_m, max_tiles, splits, k_per_split) for `rows` assignments over `experts` experts."""
     block_m = _grouped_block_m(rows, experts)
-    max_tiles = min(experts, rows) + rows // block_m + 1  # every non-empty group: one partial tile at most
+    max_tiles = max_row_tiles(rows, experts, block_m)
     k_tiles = pl.cdiv(k, tiles.block_k)
     if tiles.splits is None:
         splits = max(1, min(DECODE_SPLITS, k_tiles // 2)) if rows <= DECODE_ROWS else 1

@@ -8,7 +8,7 @@ Why: the Triton grouped kernel (`decode_matmul.grouped_matmul`) dequantises each
 memory and dots it at 63-69 TFLOP/s on a 2,048-token K2.6 chunk; the tensor cores do 990. Here the weights
 reach the tensor cores through the registers, as wgmma's A operand, dequantised on the way.
 
-Kernel (`plgpu.kernel`, grid (N / 128, row tiles), three warpgroups a CTA):
+Kernel (`plgpu.kernel`, grid (row tiles, N / 128), three warpgroups a CTA):
   operands  "swap A/B": the weight rows are wgmma's M (two compute warpgroups of 64 rows: a CTA owns 128
             output columns of one expert), the tile's token rows its N (block_m = 64 or 128), K the
             contraction. Per K step (block_k elements) a memory warpgroup TMA-loads the expert's INT4 tile
@@ -20,13 +20,14 @@ Kernel (`plgpu.kernel`, grid (N / 128, row tiles), three warpgroups a CTA):
             issues wgmma(acc, W_j [64, 32] registers, x_j^T [32, block_m]); the step's wgmmas run while the
             next group is dequantised. acc = y^T [64, block_m] float32.
   tiles     per expert, row tiles of block_m from its first row rounded down to a multiple of 8 (a TMA into
-            the 8-row-tiled x slot starts at a multiple of 8; `row_tiles`): an expert of up to block_m - 7
+            the 8-row-tiled x slot starts at a multiple of 8; `decode_matmul.row_tiles(align=8)`): an expert of
+            up to block_m - 7
             rows is one tile, so its weights stream once. A tile computes all its block_m rows (rows of the
             neighbouring experts, or zeros past A, computed and never kept). Each tile's [block_m, 128] output
             goes to its own slot of a tile-major buffer [T, block_m, N] (TMA store), and the wrapper gathers
-            every row from its tile (one XLA gather, [A, N]). T <= A / block_m + 2 E.
+            every row from its tile (one XLA gather, [A, N]). T <= A // block_m + E + 1 (`max_row_tiles`).
   grid      (row tiles, N / 128) with the column blocks fastest: the CTAs of one tile run side by side and read
-            its x rows from L2 (x re-read from HBM per column block would be 16 x A x K bytes at N = 2,048).
+            its x rows from L2 (x re-read from HBM per column block would be 16 x A x K x 2 bytes at N = 2,048).
   scales    the layer's scales transposed per call to [E, K / 32, N] (a row of 128 columns is one TMA box
             row; a warpgroup's 64 scales of group j load as one row vector).
   layer     with every layer's experts stacked ([L, E, N, K / 8]), the tile table carries the layer and the
@@ -54,14 +55,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_kernels.decode_matmul import grouped_matmul_reference
-from ddtree_kernels.mosaic_common import INTERPRET_PARAMS
+from ddtree_kernels.decode_matmul import grouped_matmul_reference, max_row_tiles, row_tile_index, row_tiles
+from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, layer_index
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 
 BLOCK_N = 128  # output columns (weight rows) per CTA: two compute warpgroups of 64, wgmma's M
 WG_ROWS = 64
 BLOCK_MS = (64, 128)  # token rows per tile: wgmma's N
+DEFAULT_BLOCK_M = 64  # 2.998 against 3.783 ms for 128 at a 2,048-token K2.6 chunk (gate, efb2e2f)
 ROW_ALIGN = 8  # a tile's first row: the x slot is tiled by 8 rows, and a TMA box starts on a whole tile
 DEFAULT_BLOCK_K = 256  # the widest K step; narrower where K needs it (`grouped_int4_matmul`)
 # shared memory a CTA may plan: the ring and the output tiles (barriers and Mosaic's own scratch below the rest)
@@ -70,22 +72,26 @@ _X_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))  # 
 _W_TRANSFORMS = (plgpu.TilingTransform((8, 32)),)  # int4: 32 elements = 16 bytes, one 128-byte tile of 8 rows
 
 
-def stage_bytes(block_m: int, block_k: int) -> int:
+def stage_bytes(block_m: int, block_k: int, scale_bytes: int = 2) -> int:
     """One ring slot: the INT4 tile [128, block_k], the x tile [block_m, block_k] bf16, the scales [block_k / 32,
-    128] bf16."""
-    return BLOCK_N * block_k // 2 + block_m * block_k * 2 + (block_k // INT4_GROUP) * BLOCK_N * 2
+    128] (bf16, or float32: scale_bytes 4)."""
+    return BLOCK_N * block_k // 2 + block_m * block_k * 2 + (block_k // INT4_GROUP) * BLOCK_N * scale_bytes
 
 
-def smem_bytes(block_m: int, block_k: int, stages: int, interpret: bool = False) -> int:
-    """A CTA's shared memory: the ring and the two output tiles [block_m, 64] bf16 (interpret mode: also the
-    staged A tiles [2, 64, 32] bf16)."""
-    extra = 2 * WG_ROWS * INT4_GROUP * 2 if interpret else 0
-    return stages * stage_bytes(block_m, block_k) + 2 * block_m * WG_ROWS * 2 + extra
+def _fixed_bytes(block_m: int, interpret: bool) -> int:
+    """Outside the ring: the two output tiles [block_m, 64] bf16 (interpret mode: also the staged A tiles [2, 64,
+    32] bf16)."""
+    return 2 * block_m * WG_ROWS * 2 + (2 * WG_ROWS * INT4_GROUP * 2 if interpret else 0)
 
 
-def fit_stages(block_m: int, block_k: int, k: int) -> int:
+def smem_bytes(block_m: int, block_k: int, stages: int, interpret: bool = False, scale_bytes: int = 2) -> int:
+    """A CTA's shared memory: the ring and `_fixed_bytes`."""
+    return stages * stage_bytes(block_m, block_k, scale_bytes) + _fixed_bytes(block_m, interpret)
+
+
+def fit_stages(block_m: int, block_k: int, k: int, interpret: bool = False, scale_bytes: int = 2) -> int:
     """The most ring slots (<= 4, <= the K steps) that fit SMEM_BUDGET."""
-    room = (SMEM_BUDGET - 2 * block_m * WG_ROWS * 2) // stage_bytes(block_m, block_k)
+    room = (SMEM_BUDGET - _fixed_bytes(block_m, interpret)) // stage_bytes(block_m, block_k, scale_bytes)
     return max(1, min(4, k // block_k, room))
 
 
@@ -210,67 +216,19 @@ def _kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _layer_index(layer, num_layers: int) -> jax.Array:
-    """int32 []: `layer` as `lax.dynamic_index_in_dim` reads it (negative from the end, then clamped)."""
-    layer = jnp.asarray(layer, jnp.int32)
-    return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
-
-
-def _tile_counts(group_sizes: jax.Array, block_m: int):
-    """Per expert: its first row, its first tile's first row (the first row rounded down to a multiple of
-    ROW_ALIGN) and its tiles (0 for an expert without rows)."""
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    base = starts // ROW_ALIGN * ROW_ALIGN
-    tiles_per = jnp.where(group_sizes > 0, (starts + group_sizes - base + block_m - 1) // block_m, 0)
-    return starts, base, tiles_per
-
-
-def max_tiles(rows: int, experts: int, block_m: int) -> int:
-    """The most row tiles `rows` rows over `experts` experts can make: sum over experts of
-    ceil((rows_e + 7) / block_m) <= rows / block_m + min(E, rows) (each non-empty expert adds at most one)."""
-    return rows // block_m + min(experts, rows) + 1
-
-
-def row_tiles(group_sizes: jax.Array, block_m: int, num_tiles: int) -> jax.Array:
-    """int32 [3, num_tiles]: (expert, first row, rows of the expert in the tile) of each tile, in expert
-    order; unused tiles have rows 0. group_sizes int32 [E], rows sorted by expert."""
-    starts, base, tiles_per = _tile_counts(group_sizes, block_m)
-    tile_start = jnp.cumsum(tiles_per) - tiles_per
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    # compare_all: one [T, E] comparison (the default search is a while loop that waits for the host on GPU)
-    expert = jnp.clip(
-        jnp.searchsorted(tile_start + tiles_per, t, side="right", method="compare_all"), 0, group_sizes.shape[0] - 1
-    )
-    first = base[expert] + (t - tile_start[expert]) * block_m
-    low = jnp.maximum(starts[expert], first)
-    high = jnp.minimum(starts[expert] + group_sizes[expert], first + block_m)
-    rows = jnp.where(t < tiles_per.sum(), high - low, 0)
-    return jnp.stack([expert, first, rows]).astype(jnp.int32)
-
-
-def row_index(group_sizes: jax.Array, rows: int, block_m: int) -> jax.Array:
-    """int32 [rows]: where row a sits in the tile-major output [T * block_m]: its tile (`row_tiles`' order)
-    times block_m plus its place in the tile."""
-    _, base, tiles_per = _tile_counts(group_sizes, block_m)
-    tile_start = jnp.cumsum(tiles_per) - tiles_per
-    expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
-    within = jnp.arange(rows, dtype=jnp.int32) - base[expert]
-    return ((tile_start[expert] + within // block_m) * block_m + within % block_m).astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "stages", "deferred_release", "interpret"))
 def _grouped_int4(x, packed, scale, group_sizes, layer, *, block_m, block_k, stages, deferred_release, interpret):
     rows, k = x.shape
     num_layers, experts, n, _ = packed.shape
-    layer = _layer_index(layer, num_layers)
+    layer = layer_index(layer, num_layers)
     group_sizes = group_sizes.astype(jnp.int32)
     # the stored words as int4 codes [L, E, N, K] (element k of a word in bits 4k..4k+3, XLA's int4 order)
     codes = lax.bitcast_convert_type(packed, jnp.int4).reshape(num_layers, experts, n, k)
     scale_t = jnp.swapaxes(lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False), 1, 2)  # [E, K / 32, N]
     if scale_t.dtype not in (jnp.bfloat16, jnp.float32):
         scale_t = scale_t.astype(jnp.float32)
-    num_tiles = max_tiles(rows, experts, block_m)
-    table = row_tiles(group_sizes, block_m, num_tiles)
+    num_tiles = max_row_tiles(rows, experts, block_m)
+    table = row_tiles(group_sizes, block_m, num_tiles, align=ROW_ALIGN)
     table = jnp.concatenate([table, jnp.broadcast_to(layer, (1, num_tiles))])
     # the rows in whole 8-row TMA tiles (no copy when A is a multiple of 8); compiled, the last tile's TMA past
     # them reads zeros, while the interpreter's slice would clamp and shift: there, room for the whole tile
@@ -303,7 +261,7 @@ def _grouped_int4(x, packed, scale, group_sizes, layer, *, block_m, block_k, sta
         thread_name="wg",
         interpret=INTERPRET_PARAMS if interpret else None,
     )(table, x_in, codes, scale_t)
-    return out.reshape(num_tiles * block_m, n)[row_index(group_sizes, rows, block_m)]
+    return out.reshape(num_tiles * block_m, n)[row_tile_index(group_sizes, rows, block_m, align=ROW_ALIGN)]
 
 
 def grouped_int4_matmul(
@@ -312,7 +270,7 @@ def grouped_int4_matmul(
     group_sizes: jax.Array,
     *,
     layer: jax.Array | int | None = None,
-    block_m: int = 64,
+    block_m: int = DEFAULT_BLOCK_M,
     block_k: int | None = None,
     stages: int | None = None,
     deferred_release: bool = False,
@@ -355,13 +313,15 @@ def grouped_int4_matmul(
     if block_k % 64 or k % block_k:
         raise ValueError(f"block_k = {block_k} must be a multiple of 64 dividing K = {k}")
     interpret = default_interpret(interpret)
+    # the scales as the kernel takes them: bf16 or float32 (other dtypes are widened to float32)
+    scale_bytes = 2 if weight.scale.dtype == jnp.bfloat16 else 4
     if stages is None:
-        stages = fit_stages(block_m, block_k, k)
+        stages = fit_stages(block_m, block_k, k, interpret, scale_bytes)
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
     if deferred_release and (stages < 2 or k // block_k < 2):
         deferred_release = False  # one slot, or one K step: nothing to overlap
-    nbytes = smem_bytes(block_m, block_k, stages, interpret)
+    nbytes = smem_bytes(block_m, block_k, stages, interpret, scale_bytes)
     if nbytes > SMEM_BUDGET:
         raise ValueError(
             f"stages = {stages} at block_m = {block_m}, block_k = {block_k} take {nbytes} bytes of shared memory, "

@@ -71,6 +71,7 @@ from ddtree_kernels.mosaic_common import (
     INTERPRET_PARAMS,
     accumulate,
     accumulate_from_smem,
+    layer_index,
     merge_splits,
     pack_mask,
     row_bits,
@@ -308,13 +309,6 @@ def _kernel(
         pl.when(wg < 2)(functools.partial(_compute, wg))
 
 
-def _layer_index(layer, num_layers: int) -> jax.Array:
-    """int32 []: `layer` as `lax.dynamic_index_in_dim` reads it (what the callers slice with otherwise): a
-    negative index counts from the end, then clamped into [0, num_layers)."""
-    layer = jnp.asarray(layer, jnp.int32)
-    return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
-
-
 def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: int | None) -> tuple[int, int]:
     """(splits, key blocks per split): by default enough CTAs (row blocks x splits x B) to fill the SMs once."""
     row_blocks = pl.cdiv(rows, BLOCK_M)
@@ -424,7 +418,7 @@ def _mla_tree_attention(
         interpret=INTERPRET_PARAMS if interpret else None,
     )(
         counts,
-        _layer_index(layer, num_layers).reshape(1),
+        layer_index(layer, num_layers).reshape(1),
         row_table,
         jnp.pad(q_latent.reshape(batch, rows, LATENT_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
         jnp.pad(q_rope.reshape(batch, rows, ROPE_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),

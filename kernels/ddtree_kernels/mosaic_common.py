@@ -1,6 +1,7 @@
 """What the Mosaic GPU attention kernels (`mla_attention_mgpu`, `gqa_attention_mgpu`, `prefill_attention_mgpu`)
 share: the P @ V accumulation with its interpret-mode form, the tree mask as bit words, each query row's bit,
-and the log-sum-exp merge of flash-decoding splits."""
+the log-sum-exp merge of flash-decoding splits; and the layer index of stacked operands read in place (also the
+grouped INT4 kernel's)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,13 @@ def row_bits(steps: int, heads_per_step: int, rows_pad: int) -> np.ndarray:
     t = np.arange(rows_pad) // heads_per_step
     bit = np.where(t < steps, np.left_shift(np.uint32(1), (t % 32).astype(np.uint32)), 0).astype(np.uint32)
     return np.stack([bit.view(np.int32), (t // 32).astype(np.int32)])
+
+
+def layer_index(layer, num_layers: int) -> jax.Array:
+    """int32 []: `layer` as `lax.dynamic_index_in_dim` reads it (what the callers slice with otherwise): a
+    negative index counts from the end, then clamped into [0, num_layers)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
 
 
 def merge_splits(partial: jax.Array, lse: jax.Array, axis: int) -> jax.Array:

@@ -85,33 +85,43 @@ def test_matches_reference(results, name):
     assert result["max_err"] < TOLERANCE and result["rel_err"] < TOLERANCE, result
 
 
-def test_tile_table_and_row_index():
-    """Every row is covered by exactly one tile of its expert, at its place in the tile (tiles start on a multiple
-    of 8 rows), row_index finds it, and an expert of up to block_m - 7 rows is one tile."""
-    from ddtree_kernels.grouped_int4_mgpu import max_tiles, row_index, row_tiles
+def _check_tiles(sizes, block_m):
+    """Every row covered by exactly one tile of its expert, at its place in the tile; tiles start on a multiple of
+    8 rows; the tile count is what each expert's span needs and within `max_row_tiles`."""
+    from ddtree_kernels.decode_matmul import max_row_tiles, row_tile_index, row_tiles
 
+    sizes = np.asarray(sizes)
+    experts, rows = len(sizes), int(sizes.sum())
+    num_tiles = max_row_tiles(rows, experts, block_m)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    expert, start, count = np.asarray(row_tiles(group_sizes, block_m, num_tiles, align=8))
+    index = np.asarray(row_tile_index(group_sizes, rows, block_m, align=8))
+    owner = np.repeat(np.arange(experts), sizes)
+    tile, offset = index // block_m, index % block_m
+    assert (count[tile] > 0).all()
+    assert (expert[tile] == owner).all()
+    assert (start[tile] + offset == np.arange(rows)).all()  # the tile holds the row in place
+    assert count.sum() == rows and (start % 8 == 0).all()
+    firsts = np.cumsum(sizes) - sizes
+    needed = sum(-(-(n + f % 8) // block_m) for n, f in zip(sizes, firsts) if n)
+    assert (count > 0).sum() == needed <= num_tiles
+    tiles_of = np.bincount(expert[count > 0], minlength=experts)
+    assert (tiles_of[(sizes > 0) & (sizes <= block_m - 7)] == 1).all()  # weights streamed once
+
+
+def test_tile_table_and_row_index():
     rng = np.random.default_rng(3)
     for block_m in (64, 128):
         for _ in range(20):
             experts = int(rng.integers(1, 12))
             sizes = rng.integers(0, 3 * block_m, experts) * rng.integers(0, 2, experts)
-            rows = int(sizes.sum())
-            if rows == 0:
-                continue
-            num_tiles = max_tiles(rows, experts, block_m)
-            expert, start, count = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), block_m, num_tiles))
-            index = np.asarray(row_index(jnp.asarray(sizes, jnp.int32), rows, block_m))
-            owner = np.repeat(np.arange(experts), sizes)
-            tile, offset = index // block_m, index % block_m
-            assert (count[tile] > 0).all()
-            assert (expert[tile] == owner).all()
-            assert (start[tile] + offset == np.arange(rows)).all()  # the tile holds the row in place
-            assert count.sum() == rows and (start % 8 == 0).all()
-            assert (count > 0).sum() == sum(
-                -(-(s + f % 8) // block_m) for s, f in zip(sizes, np.cumsum(sizes) - sizes) if s
-            )
-            tiles_of = np.bincount(expert[count > 0], minlength=experts)
-            assert (tiles_of[(sizes > 0) & (sizes <= block_m - 7)] == 1).all()
+            if sizes.sum():
+                _check_tiles(sizes, block_m)
+        # adversarial: every expert starting 7 rows into an 8-row tile, or spanning one row past a tile
+        _check_tiles([7] + [block_m] * 9, block_m)
+        _check_tiles([1] + [block_m - 1] * 12 + [1], block_m)
+        _check_tiles([7, block_m - 6] * 6, block_m)
+        _check_tiles([1] * 40, block_m)
 
 
 @pytest.mark.parametrize(

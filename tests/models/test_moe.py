@@ -199,7 +199,8 @@ def test_stacked_layers_reach_each_dispatch_in_place():
 def test_pallas_takes_the_mosaic_grouped_kernel_for_int4():
     """Where `dispatch.grouped_int4_kernel` says "mosaic" (on GPU: INT4 experts at prefill sizes), "pallas" runs
     the three expert matmuls on `grouped_int4_mgpu` (here interpreted, forced on, in an NPROC=8 subprocess: its
-    warpgroups are threads) and equals the reference; the kernel is really called (a spy counts its calls)."""
+    warpgroups are threads) and equals the reference, also on stacked layers read in place (`LayerOf`); the kernel
+    is really called (a spy counts its calls)."""
     from tests.kernels.mosaic_interpret import run_in_subprocess
 
     out = run_in_subprocess(
@@ -224,8 +225,15 @@ moe.grouped_int4_matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
 dispatch.grouped_int4_kernel = lambda *a, **k: "mosaic"
 got = np.asarray(moe.moe(config, p, x, impl="pallas"), np.float32)
 want = np.asarray(moe.moe_reference(config, p, x), np.float32)
-print(json.dumps({"calls": len(calls), "rel": float(np.linalg.norm(got - want) / np.linalg.norm(want))}))
+# the layer loops' form: every layer's experts stacked, this layer read in place (moe.LayerOf)
+stacked = dict(p)
+for name in EXPERTS:
+    stacked[name] = moe.LayerOf(jax.tree.map(lambda a: jnp.stack([a * 0 + 1, a]), p[name]), jnp.int32(1))
+got_stacked = np.asarray(moe.moe(config, stacked, x, impl="pallas"), np.float32)
+print(json.dumps({"calls": len(calls), "rel": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+                  "rel_stacked": float(np.linalg.norm(got_stacked - want) / np.linalg.norm(want))}))
 """
     )
-    assert out["calls"] == 3
+    assert out["calls"] == 6
     assert out["rel"] < 2e-2  # bf16 activations and intermediate rounding (the kernel alone: ~1e-7 in interpret mode)
+    assert out["rel_stacked"] < 2e-2
