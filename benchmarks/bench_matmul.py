@@ -133,6 +133,17 @@ MOSAIC_SWEEP = [
 ]
 
 
+def _rates(seconds: float, flops: float, nbytes: float, copy_bw: float) -> dict:
+    """A grouped call's time as us, TFLOP/s (prefill sizes are compute-bound), GB/s and the share of the copy
+    bandwidth."""
+    return {
+        "us": seconds * 1e6,
+        "TFLOPs": flops / seconds / 1e12,
+        "GBps": nbytes / seconds / 1e9,
+        "of_copy": nbytes / seconds / copy_bw,
+    }
+
+
 def tile_fields(row: dict) -> dict:
     """The `GroupedTiles` fields of a sweep row (its splits: None where the plan's rule chose them)."""
     fields = {f.name: row[f.name] for f in dataclasses.fields(GroupedTiles) if f.name in row}
@@ -198,10 +209,7 @@ def grouped_sweep(
                     "one_dot": tiles.one_dot,
                     "requested": dataclasses.asdict(requested),
                     "block_m": block_m,
-                    "us": seconds * 1e6,
-                    "TFLOPs": 2 * assign * n * k / seconds / 1e12,  # prefill sizes are compute-bound
-                    "GBps": nbytes / seconds / 1e9,
-                    "of_copy": nbytes / seconds / copy_bw,
+                    **_rates(seconds, 2 * assign * n * k, nbytes, copy_bw),
                 }
                 rows.append(row)
                 write_result(f"grouped_sweep_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
@@ -222,10 +230,7 @@ def grouped_sweep(
                     "K": k,
                     "assignments": assign,
                     "distinct_experts": distinct,
-                    "us": seconds * 1e6,
-                    "TFLOPs": 2 * assign * n * k / seconds / 1e12,
-                    "GBps": nbytes / seconds / 1e9,
-                    "of_copy": nbytes / seconds / copy_bw,
+                    **_rates(seconds, 2 * assign * n * k, nbytes, copy_bw),
                     "max_err": float(np.abs(y - y_triton).max() / np.abs(y_triton).max()),
                 }
                 rows.append(row)

@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ddtree_kernels.decode_matmul import grouped_matmul_reference, max_row_tiles, row_tile_index, row_tiles
-from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, layer_index
+from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, feed_ring, layer_index
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 
@@ -150,22 +150,7 @@ def _kernel(
                 s_ref.at[expert, pl.ds(i * groups, groups), pl.ds(n0, BLOCK_N)], s_smem.at[slot], barrier
             )
 
-        for i in range(min(stages, k_steps)):
-            load(i, i)
-
-        if k_steps > stages:
-
-            @pl.loop(stages, k_steps)
-            def _steady(i):
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(consumed.at[slot])
-                load(i, slot)
-
-        # observe the consumption of the last slots too (every phase of a barrier is observed by each of its
-        # waiters; interpret mode checks it)
-        @pl.loop(max(k_steps - stages, 0), k_steps)
-        def _drain(i):
-            plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+        feed_ring(load, k_steps, stages, consumed)
 
     @pl.when((count > 0) & (wg < 2))
     def _compute():

@@ -1,7 +1,7 @@
 """What the Mosaic GPU attention kernels (`mla_attention_mgpu`, `gqa_attention_mgpu`, `prefill_attention_mgpu`)
 share: the P @ V accumulation with its interpret-mode form, the tree mask as bit words, each query row's bit,
-the log-sum-exp merge of flash-decoding splits; and the layer index of stacked operands read in place (also the
-grouped INT4 kernel's)."""
+the log-sum-exp merge of flash-decoding splits; and, shared with the matmul kernels (`skinny_matmul_mgpu`,
+`grouped_int4_mgpu`), the memory warpgroup's TMA ring and the layer index of stacked operands read in place."""
 
 from __future__ import annotations
 
@@ -71,6 +71,27 @@ def row_bits(steps: int, heads_per_step: int, rows_pad: int) -> np.ndarray:
     t = np.arange(rows_pad) // heads_per_step
     bit = np.where(t < steps, np.left_shift(np.uint32(1), (t % 32).astype(np.uint32)), 0).astype(np.uint32)
     return np.stack([bit.view(np.int32), (t // 32).astype(np.int32)])
+
+
+def feed_ring(load, steps: int, stages: int, consumed) -> None:
+    """A memory warpgroup's TMA ring over `steps` (static) pipeline steps: `load(step, slot)` issues step's copies
+    into slot step % stages; the first `stages` at once, each later one once the compute warpgroups released its
+    slot (`consumed[slot]`, one phase a step); then the last slots' releases are observed too (every phase of a
+    barrier is observed by each of its waiters; interpret mode checks it)."""
+    for i in range(min(stages, steps)):
+        load(i, i)
+
+    if steps > stages:
+
+        @pl.loop(stages, steps)
+        def _steady(i):
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(consumed.at[slot])
+            load(i, slot)
+
+    @pl.loop(max(steps - stages, 0), steps)
+    def _drain(i):
+        plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
 
 
 def layer_index(layer, num_layers: int) -> jax.Array:

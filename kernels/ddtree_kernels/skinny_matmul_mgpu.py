@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_kernels.mosaic_common import INTERPRET_PARAMS
+from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, feed_ring
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 
 NUM_SMS = 132  # H200
@@ -208,22 +208,7 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + w * rows, rows), cols], w_smem.at[slot, w], loaded.at[slot])
             plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_smem.at[slot], loaded.at[slot])
 
-        for i in range(min(stages, k_steps)):
-            load(i, i)
-
-        if k_steps > stages:
-
-            @pl.loop(stages, k_steps)
-            def _steady(i):
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(consumed.at[slot])
-                load(i, slot)
-
-        # observe the consumption of the last blocks too (every phase of a barrier is observed by each of its
-        # waiters; interpret mode checks it)
-        @pl.loop(max(k_steps - stages, 0), k_steps)
-        def _drain(i):
-            plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+        feed_ring(load, k_steps, stages, consumed)
 
     @pl.when(wg < wgs)
     def _compute():
