@@ -2,7 +2,8 @@
 vs the Triton kernel (`tree_attention`) vs the models' XLA path (`tree_attention_reference`) vs the roofline.
 
 *mgpu_split_scores*: the same kernel with `split_scores=True` (each compute warpgroup scores half of each key
-block; `attention_mgpu_e6a12ce_split_scores.json` names it `mgpu_split`).
+block; `attention_mgpu_e6a12ce_split_scores.json` names it `mgpu_split`); *mgpu_overlap*: `overlap=True` (a block's
+scores issued with the previous block's value product, its softmax while that product runs).
 Cases: H = 8 (one TP8 shard) and 64 (one GPU) query heads over the one shared latent KV head, N = 17 and
 65 tree queries, contexts 8k and 32k, B = 1 (and B = 8 at H = 8). The cache holds context + N keys; every
 row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
@@ -86,6 +87,8 @@ ATTEND = {
     "mgpu_split_scores": jax.jit(
         lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, split_scores=True)
     ),
+    # overlap: block i's scores issued with block i - 1's value product, its softmax while that product runs
+    "mgpu_overlap": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, overlap=True)),
     "pallas": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention((ql, qr), (lat, rk), None, mask)),
     "xla": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention_reference((ql, qr), (lat, rk), None, mask)),
 }
@@ -148,7 +151,7 @@ def run_case(
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
-        for name in ("mgpu", "mgpu_split_scores", "xla"):
+        for name in ("mgpu", "mgpu_split_scores", "mgpu_overlap", "xla"):
             if name in impls:
                 profile_into(row, name, ATTEND[name], sets, profile_top)
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
@@ -229,7 +232,8 @@ def main() -> None:
             f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
             f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
             f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  split_scores {row['mgpu_split_scores_us']:8.1f} us"
-            f" (rel err {row.get('mgpu_split_scores_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
+            f" (rel err {row.get('mgpu_split_scores_rel_err', float('nan')):.1e})  overlap {row['mgpu_overlap_us']:8.1f} us"
+            f" (rel err {row.get('mgpu_overlap_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
             f"xla {row['xla_us']:8.1f} us"
             + (f"  [{errors}]" if errors else "")
             + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
@@ -242,7 +246,15 @@ def main() -> None:
             args.out,
         )
     header = ["variant", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "x roof", "rel err"]
-    header += ["split_scores us", "split_scores TFLOP/s", "pallas us", "xla us", "xla / mgpu"]
+    header += [
+        "split_scores us",
+        "split_scores TFLOP/s",
+        "overlap us",
+        "overlap TFLOP/s",
+        "pallas us",
+        "xla us",
+        "xla / mgpu",
+    ]
     table = [
         [
             r["variant"],
@@ -257,6 +269,8 @@ def main() -> None:
             f"{r['rel_err']:.1e}",
             r["mgpu_split_scores_us"],
             f"{r.get('mgpu_split_scores_TFLOPs', float('nan')):.0f}",
+            r["mgpu_overlap_us"],
+            f"{r.get('mgpu_overlap_TFLOPs', float('nan')):.0f}",
             r["pallas_us"],
             r["xla_us"],
             f"{r['xla_us'] / r['mgpu_us']:.2f}",

@@ -86,6 +86,7 @@ BLOCK_KV = 64  # keys per pipelined block (the only size that lowers: module doc
 HALF = LATENT_DIM // 2  # value columns per compute warpgroup
 NUM_SMS = 132  # H200
 MAX_STAGES = 4
+DEFAULT_OVERLAP = False  # FA3's intra-warpgroup overlap (`mla_tree_attention(overlap=)`): not yet measured
 SMEM_BUDGET = SMEM_LIMIT_BYTES - 4 * 1024  # leave room for barriers and the small tiles
 LOG2E = math.log2(math.e)
 
@@ -130,6 +131,7 @@ def _kernel(
     num_words: int,
     scale_log2: float,
     split_scores: bool,
+    overlap: bool,
     interpret: bool,
 ):
     # GMEM: counts_ref i32 [B, splits] key blocks of each split; rows_ref i32 [2, R_pad] per row: the bit
@@ -221,25 +223,44 @@ def _kernel(
         tile = (BLOCK_M, keys.size)
         row_stat = plgpu.Layout.WGMMA.reduce(1)
 
-        def body(i, carry):
-            acc, m, l = carry
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(kv_barriers.at[slot])
+        def issue_scores(acc_ref, slot):
+            """The block's scores [64, keys] into acc_ref: three wgmmas (two latent halves, the rope part)."""
+            for half in range(2):
+                plgpu.wgmma(acc_ref, ql_smem.at[half], lat_smem.at[slot, half, keys].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_rope_tile, rope_smem.at[slot, keys].transpose((1, 0)))
 
+        def block_scores(slot):
             def scores(acc_ref):
-                for half in range(2):
-                    plgpu.wgmma(acc_ref, ql_smem.at[half], lat_smem.at[slot, half, keys].transpose((1, 0)))
-                plgpu.wgmma(acc_ref, q_rope_tile, rope_smem.at[slot, keys].transpose((1, 0)))
+                issue_scores(acc_ref, slot)
                 return acc_ref[...]
 
-            s = pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
+            return pl.run_scoped(scores, plgpu.ACC(tile, jnp.float32))
+
+        def visible_scores(s, slot):
+            """Raw scores -> scale * log2(e) * s where the mask words let the row see the key, else -inf."""
             word = None
             for wd in range(num_words):
                 col = plgpu.load(words_smem.at[slot, wd, keys], layout=plgpu.Layout.WGMMA.reduce(0))
                 col = lax.broadcast_in_dim(col, tile, [1])
                 word = col if word is None else jnp.where(lax.broadcast_in_dim(row_word, tile, [0]) == wd, col, word)
             visible = (word & lax.broadcast_in_dim(row_bit, tile, [0])) != 0
-            s = jnp.where(visible, s * scale_log2, -jnp.inf)
+            return jnp.where(visible, s * scale_log2, -jnp.inf)
+
+        def online_softmax(s, m, l):
+            """One block's online-softmax update (no split_scores): s [64, keys] (visible_scores), running row
+            max m and sum l [64] -> (p bf16 [64, keys], m_new, l_new, alpha [64]: the factor for the accumulator)."""
+            m_new = jnp.maximum(m, s.max(axis=1))
+            base = jnp.maximum(m_new, -1e30)  # finite: rows that saw nothing yet get p = 0, not NaN
+            alpha = jnp.exp2(m - base)
+            p = jnp.exp2(s - lax.broadcast_in_dim(base, tile, [0]))
+            return p.astype(lat_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+
+        def body(i, carry):
+            acc, m, l = carry
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(kv_barriers.at[slot])
+
+            s = visible_scores(block_scores(slot), slot)
             block_max = s.max(axis=1)
             if split_scores:  # the block's row maxima over both halves: exchanged through shared memory
                 stat_smem.at[0, w][...] = block_max
@@ -282,7 +303,55 @@ def _kernel(
             plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_stat),
             plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_stat),
         )
-        acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+
+        def overlapped_loop(init):
+            """The loop with FA3's intra-warpgroup overlap (`overlap`): block i's scores are issued together with
+            block i - 1's value product, and block i's softmax runs while that product is still in flight. The
+            accumulator is rescaled by block i's alpha once the product has landed, so P of block i - 1 (held in
+            the registers, the product's A operand) was computed against the running max it is added under."""
+            acc0, m0, l0 = init
+            p_stage = None if p_smem is None else p_smem.at[w]
+
+            def pipeline():
+                plgpu.barrier_wait(kv_barriers.at[0])
+                p0, m1, l1, _ = online_softmax(visible_scores(block_scores(0), 0), m0, l0)
+
+                def step(i, carry):
+                    acc, p, m, l = carry
+                    slot, prev = lax.rem(i, stages), lax.rem(i + stages - 1, stages)
+                    plgpu.barrier_wait(kv_barriers.at[slot])
+                    if interpret:  # the same order, one product at a time (no register operand, no run_state)
+                        s = block_scores(slot)
+                        acc = accumulate(acc, p, lat_smem.at[prev, w], p_stage)
+                        p, m, l, alpha = online_softmax(visible_scores(s, slot), m, l)
+                    else:
+
+                        def overlapped(refs):
+                            acc_ref, s_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+                            issue_scores(s_ref, slot)  # three wgmma groups
+                            plgpu.wgmma(acc_ref, p_ref[...], lat_smem.at[prev, w])  # the fourth
+                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores landed; P @ V in flight
+                            update = online_softmax(visible_scores(s, slot), m_ref[...], l_ref[...])
+                            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = update
+
+                        zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA)
+                        state = (plgpu.ACC.init(acc), plgpu.ACC.init(zeros), p, m, l, m)
+                        acc, _, p, m, l, alpha = pl.run_state(overlapped)(state)  # waits for the product
+                    plgpu.barrier_arrive(consumed_barriers.at[prev])
+                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p, m, l
+
+                acc, p, m, l = lax.fori_loop(1, num_blocks, step, (acc0, p0, m1, l1))
+                last = lax.rem(num_blocks - 1, stages)
+                acc = accumulate(acc, p, lat_smem.at[last, w], p_stage)
+                plgpu.barrier_arrive(consumed_barriers.at[last])
+                return acc, m, l
+
+            return lax.cond(num_blocks > 0, pipeline, lambda: init)
+
+        if overlap and not split_scores:
+            acc, m, l = overlapped_loop(init)
+        else:
+            acc, m, l = lax.fori_loop(0, num_blocks, body, init)
         # both warpgroups are done reading the query tile before it holds the output
         plgpu.barrier_arrive(done_barrier)
         plgpu.barrier_wait(done_barrier)
@@ -319,7 +388,7 @@ def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: 
     return pl.cdiv(total, per_split), per_split
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "split_scores", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "split_scores", "overlap", "interpret"))
 def _mla_tree_attention(
     q_latent,
     q_rope,
@@ -334,6 +403,7 @@ def _mla_tree_attention(
     block_kv,
     num_splits,
     split_scores,
+    overlap,
     interpret,
 ):
     # latent [L, B, S, 1, 512], rope_key [L, B, S, 1, 64]: every layer's caches; layer int32 [] the one read
@@ -381,6 +451,7 @@ def _mla_tree_attention(
         num_words=num_words,
         scale_log2=scale * LOG2E,
         split_scores=split_scores,
+        overlap=overlap,
         interpret=interpret,
     )
     partial, lse = plgpu.kernel(
@@ -462,6 +533,7 @@ def mla_tree_attention(
     block_kv: int = BLOCK_KV,
     num_splits: int | None = None,
     split_scores: bool = False,
+    overlap: bool = DEFAULT_OVERLAP,
     layer: jax.Array | int | None = None,
     packed_mask: PackedTreeMask | None = None,
     interpret: bool | None = None,
@@ -478,6 +550,9 @@ def mla_tree_attention(
       split_scores: each compute warpgroup scores half of each key block's keys (not all of them, as by
         default) and the two exchange row maxima, sums and P through shared memory: a third fewer tensor-core
         FLOPs a block, two warpgroup barriers more (module docstring).
+      overlap: (without split_scores) each compute warpgroup issues a block's scores together with the previous
+        block's value product and runs the block's softmax while that product is in flight (FA3's
+        intra-warpgroup overlap; module docstring).
       layer: with every layer's caches stacked, latent [L, B, S, 1, 512] and rope_key [L, B, S, 1, 64], the
         layer to read (int32 scalar, may be traced: a layer scan's counter; as `lax.dynamic_index_in_dim` reads
         it: negative from the end, then clamped into [0, L)). The kernel
@@ -568,6 +643,7 @@ def mla_tree_attention(
         block_kv=block_kv,
         num_splits=num_splits,
         split_scores=bool(split_scores),
+        overlap=bool(overlap),
         interpret=default_interpret(interpret),
     )
 

@@ -29,6 +29,13 @@ CASES = {
     # split_scores: each compute warpgroup scores half of a block's keys, P and row statistics exchanged
     "split_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, split_scores=True)),
     "split_t33_h2_two_words": (1, 33, 2, 130, (128,), dict(num_splits=2, split_scores=True)),
+    # overlap: block i's scores issued with block i - 1's value product (FA3's intra-warpgroup overlap); a split
+    # of 0 blocks (length 0: the pipeline skipped), of 1 (prologue and epilogue only), a ring that wraps (5 blocks,
+    # 4 slots), two mask words, a stacked layer
+    "overlap_t9_h8_empty_row": (2, 9, 8, 200, (0, 190), dict(num_splits=2, overlap=True)),
+    "overlap_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, overlap=True)),
+    "overlap_t9_h16_one_split": (1, 9, 16, 300, (297,), dict(num_splits=1, overlap=True)),
+    "overlap_t33_h2_stacked": (1, 33, 2, 192, (150,), dict(num_splits=1, stack=(2, 1), overlap=True)),
     # layer=: every layer's caches stacked [L, B, S, 1, ...] (L = 3), layer 2 / 0 read in place, traced
     "stacked_layer2": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 2))),
     "stacked_layer0_split": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 0), split_scores=True)),
@@ -38,12 +45,20 @@ CASES = {
     "packed_t9_h16": (1, 9, 16, 300, (297,), dict(num_splits=2, packed=True)),
 }
 TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities
+# compiled on the GPU only (too slow to interpret): the K2.6 TP8 shard's verify shapes, long enough for every split
+# to run its pipeline in the steady state
+GPU_CASES = {
+    "gpu_t17_h8_8k": (1, 17, 8, 8192, (8150,), dict()),
+    "gpu_t17_h8_8k_overlap": (1, 17, 8, 8192, (8150,), dict(overlap=True)),
+    "gpu_t65_h64_2k_overlap": (2, 65, 64, 2048, (2000, 3), dict(overlap=True)),
+    "gpu_t9_h8_stacked_overlap": (2, 9, 8, 4096, (4000, 1), dict(stack=(4, 3), overlap=True)),
+}
 
 
 def run_case(name: str) -> dict:
     from ddtree_kernels.mla_attention_mgpu import mla_tree_attention, mla_tree_attention_reference, pack_tree_mask
 
-    batch, steps, heads, capacity, lengths, kwargs = CASES[name]
+    batch, steps, heads, capacity, lengths, kwargs = {**CASES, **GPU_CASES}[name]
     kwargs = dict(kwargs)
     packed = kwargs.pop("packed", False)
     num_layers, layer = kwargs.pop("stack", (None, None))
@@ -86,6 +101,18 @@ def test_matches_reference(results, name):
     assert result["shape"] == [batch, steps, heads, 512]
     assert result["finite"]
     assert result["empty_rows_zero"], result
+    assert result["rel_err"] < TOLERANCE, result
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a Hopper GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES) + list(GPU_CASES))
+def test_compiled_on_gpu(name):
+    """Every interpret-mode case, and the shard's long-context shapes, compiled on the GPU against the twin."""
+    batch, steps, heads, *_ = {**CASES, **GPU_CASES}[name]
+    result = run_case(name)
+    assert result["shape"] == [batch, steps, heads, 512]
+    assert result["finite"] and result["empty_rows_zero"], result
     assert result["rel_err"] < TOLERANCE, result
 
 
@@ -133,9 +160,11 @@ def test_rejects_bad_shapes(change, message):
         mla_tree_attention(**arrays, mask=mask, **kwargs)
 
 
-@pytest.mark.parametrize("split_scores", [False, True])
+@pytest.mark.parametrize(
+    "variant", [dict(), dict(split_scores=True), dict(overlap=True)], ids=["default", "split", "overlap"]
+)
 @pytest.mark.parametrize("steps, heads, capacity", [(17, 8, 8256), (7, 4, 128), (9, 16, 300), (65, 64, 1088)])
-def test_lowers_for_gpu(steps, heads, capacity, split_scores):
+def test_lowers_for_gpu(steps, heads, capacity, variant):
     """The compiled kernel (not the interpreter) lowers to Mosaic GPU for "cuda" on this CPU machine, TMA
     tiling included: T * H = 28 (not a multiple of 8) failed here and on the H200 before the rows were padded;
     S = 300 is padded to whole key blocks by the wrapper. The lowering also checks the shared memory (232,448
@@ -150,7 +179,7 @@ def test_lowers_for_gpu(steps, heads, capacity, split_scores):
         jax.ShapeDtypeStruct((2, capacity, 1, 64), jnp.bfloat16),
         jax.ShapeDtypeStruct((2, steps, capacity), jnp.bool_),
     )
-    attend = jax.jit(lambda *a: mla_tree_attention(*a, split_scores=split_scores, interpret=False))
+    attend = jax.jit(lambda *a: mla_tree_attention(*a, **variant, interpret=False))
     assert "mosaic_gpu" in attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
