@@ -64,10 +64,21 @@ def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 
 def write_layer_rows(stack: jax.Array, layer, new: jax.Array, start: jax.Array) -> jax.Array:
-    """stack [L, B, S, ...] with new [B, T, ...] written into layer `layer` at rows start[b] .. start[b] + T - 1:
-    one scatter into the stack in place (no slice of the layer copied out and written back). Rows past S
-    are dropped (callers check room first: `check_room`)."""
+    """stack [L, B, S, ...] with new [B, T, ...] written into layer `layer` at rows start[b] .. start[b] + T - 1,
+    in place (no slice of the layer copied out and written back). Callers check room first (`check_room`): a
+    write that would pass S is clamped onto the last rows at B = 1, as `write_rows`' dynamic_update_slice
+    clamps, and its rows past S dropped at B > 1.
+
+    B = 1: one dynamic_update_slice. A scatter there (one index) becomes XLA's bounds-checked form: the old
+    row read out, selected against the new one, written back (one H200 step: three kernels a cache a layer
+    instead of one). B > 1: one scatter."""
     batch, steps = new.shape[:2]
+    if batch == 1:
+        layer = jnp.asarray(layer, jnp.int32)
+        layer = jnp.where(layer < 0, layer + stack.shape[0], layer)  # negative from the end, as the scatter reads it
+        index = (layer, jnp.int32(0), start[0].astype(jnp.int32))
+        index += (jnp.int32(0),) * (stack.ndim - 3)
+        return lax.dynamic_update_slice(stack, new[None].astype(stack.dtype), index)
     rows = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(batch, dtype=start.dtype)[:, None], (batch, steps))
     return stack.at[layer, batch_index, rows].set(new.astype(stack.dtype), mode="drop")

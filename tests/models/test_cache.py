@@ -1,5 +1,6 @@
 """models.cache: the row writes into the stacked caches, against plain numpy on random data."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,6 +22,24 @@ def test_write_layer_rows_writes_one_layer_of_the_stack_at_each_rows_start():
         # the same as writing into the layer's slice (the per-layer `write_rows`) and putting it back
         sliced = np.asarray(write_rows(jnp.asarray(stack[layer]), jnp.asarray(new), jnp.asarray(start)))
         np.testing.assert_array_equal(got[layer], sliced)
+
+
+def test_write_layer_rows_at_one_row_is_one_in_place_update():
+    """B = 1 (the decode step at batch 1): a dynamic_update_slice, equal to the scatter's rows for every layer
+    (traced, and negative from the end); the program reads no old rows (no scatter, no slice)."""
+    rng = np.random.default_rng(4)
+    layers, capacity, dim = 3, 13, 6
+    stack = rng.standard_normal((layers, 1, capacity, 1, dim)).astype(np.float32)
+    for steps, start in ((1, 0), (1, 12), (5, 4), (5, 8)):  # the last rows, and a write ending at the capacity
+        new = rng.standard_normal((1, steps, 1, dim)).astype(np.float32)
+        write = jax.jit(write_layer_rows)
+        for layer in (0, 2, -1):
+            got = np.asarray(write(jnp.asarray(stack), jnp.int32(layer), jnp.asarray(new), jnp.asarray([start])))
+            want = stack.copy()
+            want[layer, 0, start : start + steps] = new[0]
+            np.testing.assert_array_equal(got, want)
+    text = write.lower(jnp.asarray(stack), jnp.int32(0), jnp.asarray(new), jnp.asarray([start])).as_text()
+    assert "dynamic_update_slice" in text and "scatter" not in text and "stablehlo.dynamic_slice" not in text
 
 
 def test_write_layer_rows_casts_to_the_cache_dtype():
