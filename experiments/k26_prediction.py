@@ -3,8 +3,9 @@
 A **prediction**, not a measurement (issue #26, item 4): the 8-GPU kind is not lent. Inputs:
 
 1. The TP8 shard's fused decode step measured on one H200 (`experiments/tp_shard_step.py` JSON: rows with
-   B, context, method, budget, attn_impl, step_ms, collectives_ms = the real 8-GPU step's all-reduces and
-   gathers priced by `analysis.roofline.step_cost(layout="tp8")`). Predicted TP8 step = step_ms +
+   B, context, method, budget, attn_impl, loop_step_ms (the step in the on-device loop, as `generate` runs it;
+   older JSONs: step_ms, called from the host), collectives_ms = the real 8-GPU step's all-reduces and
+   gathers priced by `analysis.roofline.step_cost(layout="tp8")`). Predicted TP8 step = the measured step +
    collectives_ms (what one GPU computes plus what the other seven add by communication, no overlap).
    Where a (B, context, method, budget) was measured more than once, the fastest attention column is used.
 2. Acceptance, tokens per step (the bonus token included): the chain's tau from the public
@@ -54,12 +55,18 @@ def acceptance_ratios(e2e: dict) -> dict[int, float]:
     return {budget: value / chain for (method, budget), value in tps.items() if method == "ddtree"}
 
 
+def measured_ms(row: dict) -> float:
+    """A shard row's step: in the on-device loop as `generate` runs it (`loop_step_ms`, since `28d0418`), else
+    the step called from the host (`step_ms`: the runs before the loop column existed, host dispatch included)."""
+    return row["loop_step_ms"] if row.get("loop_step_ms") is not None else row["step_ms"]
+
+
 def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict]:
     """(B, context, method, budget) -> the fastest measured row (over attention columns)."""
     best = {}
     for row in rows:
         key = (row["B"], row["context"], row["method"], row.get("budget"))
-        if key not in best or row["step_ms"] < best[key]["step_ms"]:
+        if key not in best or measured_ms(row) < measured_ms(best[key]):
             best[key] = row
     return best
 
@@ -72,8 +79,8 @@ def predict(shard_rows: list[dict], ratios: dict[int, float], chain_taus, max_ta
         ar = steps.get((batch, context, "ar", None))
         if ar is None:
             continue  # no AR step at this (B, context): nothing to compare with
-        ar_ms = ar["step_ms"] + ar["collectives_ms"]
-        step_ms = row["step_ms"] + row["collectives_ms"]
+        ar_ms = measured_ms(ar) + ar["collectives_ms"]
+        step_ms = measured_ms(row) + row["collectives_ms"]
         for chain_tau in chain_taus:
             if method == "ar":
                 tau = 1.0
@@ -92,7 +99,8 @@ def predict(shard_rows: list[dict], ratios: dict[int, float], chain_taus, max_ta
                     "chain_tau": chain_tau,
                     "tau": tau,
                     "acceptance_ratio": ratios.get(budget) if method == "ddtree" else None,
-                    "shard_step_ms": row["step_ms"],
+                    "shard_step_ms": measured_ms(row),
+                    "shard_step_timing": "loop" if row.get("loop_step_ms") is not None else "host",
                     "collectives_ms": row["collectives_ms"],
                     "predicted_step_ms": step_ms,
                     "tokens_per_s": batch * tau / step_ms * 1e3,

@@ -36,6 +36,19 @@ def test_ratio_tau_step_and_break_even():
     assert rows["ar", 3.0]["tokens_per_s"] == pytest.approx(100.0)
 
 
+def test_the_loop_step_is_used_where_measured():
+    """Rows with the on-device loop's step (`loop_step_ms`) are predicted from it, not from the host-called step."""
+    shard = [
+        {"B": 1, "context": 4096, "method": "ar", "budget": None, "step_ms": 11.0, "loop_step_ms": 9.0},
+        {"B": 1, "context": 4096, "method": "chain", "budget": None, "step_ms": 23.0, "loop_step_ms": 19.0},
+    ]
+    for row in shard:
+        row["collectives_ms"] = 1.0
+    rows = {r["method"]: r for r in predict(shard, {}, [4.0])}
+    assert rows["ar"]["predicted_step_ms"] == 10.0 and rows["ar"]["shard_step_timing"] == "loop"
+    assert rows["chain"]["predicted_step_ms"] == 20.0 and rows["chain"]["break_even_tau"] == pytest.approx(2.0)
+
+
 def test_the_script_on_the_archived_runs(tmp_path):
     archive = "benchmarks/results_archive/"
     assert (
