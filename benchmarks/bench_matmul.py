@@ -128,8 +128,8 @@ PREFILL_SWEEP_TILES = [
 MOSAIC_SWEEP = [
     dict(block_m=64, block_k=256),
     dict(block_m=64, block_k=256, deferred_release=True),
-    dict(block_m=64, block_k=128, deferred_release=True),
-    dict(block_m=128, block_k=128),
+    dict(block_m=128, block_k=256),
+    dict(block_m=32, block_k=256),
 ]
 
 

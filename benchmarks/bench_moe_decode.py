@@ -15,7 +15,8 @@ sets take disjoint experts from one random permutation, so no call finds the pre
 the 50 MB L2 (together >= 2 x L2). Time per call = the program's span on the device / sets (no host
 dispatch; the rows archived before `7ba6e57` are wall times / sets).
 Variants: "kernels" (moe_decode: gate_up + down), "gate_up", "down" (the kernels alone), "gather",
-"pallas" (the models' paths, same weights). Correctness: max |out - ref| / max |ref| on set 0 against the
+"pallas" (the models' paths, same weights), "mosaic" (`moe.routed_gathered_mosaic`: the Mosaic GPU decode form,
+`grouped_int4_mgpu.gathered_int4_matmul`, for gate, up and down). Correctness: max |out - ref| / max |ref| on set 0 against the
 float32 twin (`moe_decode_reference`; the "gather" / "pallas" paths round gate / up to bf16, ~1e-2).
 A variant that fails to compile or run records its error and the run goes on. --sweep also times other
 tilings of each kernel alone (us and rel. error per tiling).
@@ -44,7 +45,7 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.op_profile import device_seconds
-from ddtree_jax.models.moe import routed_gather, routed_pallas
+from ddtree_jax.models.moe import routed_gather, routed_gathered_mosaic, routed_pallas
 from ddtree_kernels.moe_decode import (
     DOWN_TILES,
     GATE_UP_TILES,
@@ -163,7 +164,11 @@ def variant(name: str, gate_up_tiles: DecodeTiles | None = None, down_tiles: Dec
     def pallas(p, x, chosen, weights, act):
         return routed_pallas(p, x, chosen, weights)
 
-    return {"kernels": kernels, "gate_up": gate_up, "down": down, "gather": gather, "pallas": pallas}[name]
+    def mosaic(p, x, chosen, weights, act):
+        return routed_gathered_mosaic(list(_experts(p)), None, x, chosen, weights)
+
+    variants = {"kernels": kernels, "gate_up": gate_up, "down": down, "gather": gather, "pallas": pallas}
+    return {**variants, "mosaic": mosaic}[name]
 
 
 def reference(name: str, p, x, chosen, weights, act):
@@ -200,13 +205,14 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
     sets = input_sets(experts, hidden, width, tokens, key, total_b)
     row["sets"] = len(sets)
     nbytes = {"kernels": total_b, "gate_up": gate_up_b, "down": down_b, "gather": total_b, "pallas": total_b}
+    nbytes["mosaic"] = total_b
     refs = {}
     for name in ("kernels", "gate_up", "down"):  # the twins on set 0 (a failure only loses the error column)
         try:
             refs[name] = jax.block_until_ready(jax.jit(functools.partial(reference, name))(params, *sets[0]))
         except Exception as err:  # noqa: BLE001
             row[f"{name}_reference_error"] = f"{type(err).__name__}: {str(err)[:400]}"
-    for name in ("kernels", "gate_up", "down", "gather", "pallas"):
+    for name in ("kernels", "gate_up", "down", "gather", "pallas", "mosaic"):
         fn = variant(name)
         try:
             ref_name = name if name in ("gate_up", "down") else "kernels"
@@ -220,7 +226,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:400]}"
             traceback.print_exc()
-    for name in ("kernels", "pallas"):
+    for name in ("kernels", "pallas", "mosaic"):
         row[f"{name}_vs_gather"] = row[f"{name}_us"] / row["gather_us"]
     refs.pop("kernels", None)
     if sweep:
@@ -283,7 +289,10 @@ def main() -> None:
             errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
             print(
                 f"I={width:5d} T={tokens} A={row['A']:2d}: {row['MB']:7.1f} MB, roof {row['roofline_us']:7.1f} us | "
-                + "  ".join(f"{n} {row[f'{n}_us']:7.1f} us" for n in ("kernels", "gate_up", "down", "gather", "pallas"))
+                + "  ".join(
+                    f"{n} {row[f'{n}_us']:7.1f} us"
+                    for n in ("kernels", "gate_up", "down", "gather", "pallas", "mosaic")
+                )
                 + f" | kernels {row.get('kernels_of_roofline', float('nan')):.2f}x roof, "
                 f"{row['kernels_vs_gather']:.2f}x gather" + (f"  [{errors}]" if errors else ""),
                 flush=True,

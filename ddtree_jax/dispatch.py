@@ -169,6 +169,10 @@ GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, ex
 # expert 0's rows), so a B = 8 tree verify may take it: also not measured.
 AUTO_MOSAIC_GROUPED = True
 MOSAIC_GROUPED_MIN_ROWS = 32
+# inside the "decode" MoE path (`moe.routed_decode`): INT4 experts on GPU take the Mosaic decode form
+# (`grouped_int4_mgpu.gathered_int4_matmul`: one 8-row tile an assignment, scales and codes read in place, K split
+# over the SMs), written in session 23 and not yet timed against the Triton `moe_decode` kernels it replaces there
+MOSAIC_DECODE_MAX_ASSIGNMENTS = 256
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
@@ -373,11 +377,32 @@ def grouped_int4_kernel(rows: int, weight_shape: tuple[int, ...], x_dtype, backe
     """Which kernel runs a grouped INT4 expert matmul of `rows` assignments over weights [..., E, N, K] (the
     "pallas" MoE path): "mosaic" (`grouped_int4_mgpu.grouped_int4_matmul`) on GPU for bf16 rows at prefill
     sizes (> MOSAIC_GROUPED_MIN_ROWS an expert on average) and shapes it takes (N a multiple of its 128-column
-    CTA, K of its 64-element steps), else "triton" (`decode_matmul.grouped_matmul`)."""
+    CTA, K of its 256-element steps), else "triton" (`decode_matmul.grouped_matmul`)."""
     experts, n, k = weight_shape[-3:]
-    takes = n % grouped_int4_mgpu.BLOCK_N == 0 and k % 64 == 0 and jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
+    takes = (
+        n % grouped_int4_mgpu.BLOCK_N == 0
+        and k % grouped_int4_mgpu.SCALE_STEP == 0
+        and jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
+    )
     prefill_sized = rows > MOSAIC_GROUPED_MIN_ROWS * experts
     return "mosaic" if AUTO_MOSAIC_GROUPED and _on_gpu(backend_name) and takes and prefill_sized else "triton"
+
+
+def decode_moe_kernel(
+    assignments: int, weight_shapes: list[tuple[int, ...]], x_dtype, backend_name: str | None = None
+) -> str:
+    """Which kernels run the "decode" MoE path's INT4 expert matmuls (`moe.routed_decode`) for `assignments`
+    (token, expert) pairs over the gate / up / down weights [..., E, N, K]: "mosaic" (`grouped_int4_mgpu.
+    gathered_int4_matmul`) on GPU for bf16 activations, up to MOSAIC_DECODE_MAX_ASSIGNMENTS, on shapes it takes
+    (N a multiple of its 128-column CTA, K of its 256-element steps); else "triton" (`moe_decode`, which takes up
+    to its MAX_ASSIGNMENTS and falls back to "gather" above)."""
+    takes = all(
+        shape[-2] % grouped_int4_mgpu.BLOCK_N == 0 and shape[-1] % grouped_int4_mgpu.SCALE_STEP == 0
+        for shape in weight_shapes
+    )
+    bf16 = jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
+    fits = assignments <= MOSAIC_DECODE_MAX_ASSIGNMENTS
+    return "mosaic" if _on_gpu(backend_name) and takes and bf16 and fits else "triton"
 
 
 def local_expert_impl(assignments: int, local_experts: int, backend_name: str | None = None) -> str:

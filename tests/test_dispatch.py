@@ -110,6 +110,17 @@ def test_gpu_rules_and_their_thresholds():
         dict(backend_name="cpu"),
     ):
         assert dispatch.grouped_int4_kernel(**{**chunk, **gpu, **change}) == "triton", change
+    # inside "decode": the Mosaic decode form on GPU for bf16 INT4 shapes it takes, up to its assignment bound
+    k26_tp8 = [(61, 384, 256, 7168), (61, 384, 256, 7168), (61, 384, 7168, 256)]
+    assert dispatch.decode_moe_kernel(8, k26_tp8, jnp.bfloat16, **gpu) == "mosaic"
+    for change in (
+        dict(assignments=dispatch.MOSAIC_DECODE_MAX_ASSIGNMENTS + 1),
+        dict(weight_shapes=[(384, 256, 7168), (384, 256, 7168), (384, 7168, 128)]),
+        dict(x_dtype=jnp.float32),
+        dict(backend_name="cpu"),
+    ):
+        args = {"assignments": 8, "weight_shapes": k26_tp8, "x_dtype": jnp.bfloat16, **gpu, **change}
+        assert dispatch.decode_moe_kernel(**args) == "triton", change
     assert dispatch.verify_impl("auto", **gpu) == "pallas"
     # explicit choices pass through on any backend
     assert dispatch.attention_impl("pallas", queries=512, mla=True, backend_name="cpu") == "pallas"

@@ -13,11 +13,14 @@ and k experts per token there are N = M * k (token, expert) assignments:
   dequantised (N slots, spare ones empty); else all E are dequantised in XLA. This is the interface the
   Pallas INT4 grouped kernel fills in: XLA on GPU expands ragged_dot into a dense product over every
   group (G * N rows), k times the reference's work once N >= E.
-- "decode": `ddtree_kernels.moe_decode`, two kernels that read the chosen experts' INT4 codes in place
-  (the expert id read inside the kernel; a LayerOf's layer too): gate / up + SiLU, then the weighted
-  down projection summed per token. For INT4 experts and at most `moe_decode.MAX_ASSIGNMENTS`
-  assignments (decode and small trees); other weights or more assignments take "gather". Explicit only
-  until measured on the GPU (not an "auto" choice yet).
+- "decode": kernels that read the chosen experts' INT4 codes in place (the expert id read inside the kernel;
+  a LayerOf's layer too). On GPU, bf16, up to `dispatch.MOSAIC_DECODE_MAX_ASSIGNMENTS` assignments
+  (`dispatch.decode_moe_kernel`): the Mosaic GPU decode form (`grouped_int4_mgpu.gathered_int4_matmul`, one
+  tile an assignment, scales read in place, K split over the SMs) for gate, up and down, SiLU and the
+  weighted sum in XLA (`routed_gathered_mosaic`). Else `ddtree_kernels.moe_decode` (Triton): gate / up + SiLU,
+  then the weighted down projection summed per token, for at most `moe_decode.MAX_ASSIGNMENTS` assignments.
+  Other weights or more assignments take "gather". Explicit only until measured on the GPU (not an "auto"
+  choice yet).
 - "auto" (prefill / tree-forward default), static from the shapes (`dispatch.moe_impl`): off GPU "gather" while
   N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 16, else "pallas" (the grouped
   kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep"). Inside "pallas",
@@ -61,7 +64,7 @@ from ddtree_jax.models.layers import contract, linear, swiglu
 from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
 from ddtree_kernels.decode_matmul import grouped_matmul
-from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
+from ddtree_kernels.grouped_int4_mgpu import gathered_int4_matmul, grouped_int4_matmul
 from ddtree_kernels.moe_decode import MAX_ASSIGNMENTS, flat_assignments, moe_decode
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
 from ddtree_kernels.tiling import dot_precision
@@ -188,11 +191,31 @@ def routed_decode(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     if any(stacked) and not all(stacked):
         raise ValueError(f"the routed experts must be all LayerOf or none, got LayerOf for {stacked} of {names}")
     stored = [p[name].stack if isinstance(p[name], LayerOf) else p[name] for name in names]
-    if experts.size > MAX_ASSIGNMENTS or not all(isinstance(w, Int4Weight) for w in stored):
+    if not all(isinstance(w, Int4Weight) for w in stored):
         return routed_gather(p, x, experts, weights)
     layer = p["expert_gate"].layer if isinstance(p["expert_gate"], LayerOf) else None
+    if dispatch.decode_moe_kernel(experts.size, [w.shape for w in stored], x.dtype) == "mosaic":
+        return routed_gathered_mosaic(stored, layer, x, experts, weights)
+    if experts.size > MAX_ASSIGNMENTS:
+        return routed_gather(p, x, experts, weights)
     flat_experts, tokens, flat_weights = flat_assignments(experts, weights)
     return moe_decode(x, *stored, flat_experts, tokens, flat_weights, layer)
+
+
+def routed_gathered_mosaic(stored: list, layer, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """The "decode" path on the Mosaic GPU decode form (`grouped_int4_mgpu.gathered_int4_matmul`): each (token,
+    expert) assignment its own tile, its expert's INT4 codes and scales read in place (stacked layers too), no
+    sort, no gather of weights. stored: the gate / up / down Int4Weights ([E, ...] or every layer's [L, E, ...]
+    with `layer`); x [M, D] bf16, experts / weights [M, k] -> [M, D]."""
+    gate_w, up_w, down_w = stored
+    tokens, k = experts.shape
+    ids = experts.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # [M k, D]: row a is token a // k
+    gate = gathered_int4_matmul(rows, gate_w, ids, layer=layer)
+    up = gathered_int4_matmul(rows, up_w, ids, layer=layer)
+    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    out = gathered_int4_matmul(act, down_w, ids, layer=layer).reshape(tokens, k, -1)
+    return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 
 # lhs [N, in] ragged over N, rhs [G, out, in] (the stored [out, in] layout) -> [N, out]

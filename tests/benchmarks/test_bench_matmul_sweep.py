@@ -58,7 +58,7 @@ def test_grouped_sweep_times_the_mosaic_kernel(tmp_path):
         f"os.environ['OUT'] = {str(tmp_path)!r}\n"
         "from benchmarks.bench_matmul import PREFILL_SWEEP_TILES, grouped_sweep\n"
         "rows = grouped_sweep([4], float('nan'), jax.random.key(0), 't', tiles_list=PREFILL_SWEEP_TILES[:1],\n"
-        "    experts=4, projections=(('gate', 128, 256),), mosaic_list=[dict(block_m=64, block_k=128)])\n"
+        "    experts=4, projections=(('gate', 128, 256),), mosaic_list=[dict(block_m=64, block_k=256)])\n"
         "print(json.dumps(rows))"
     )
     triton, mosaic = out

@@ -19,17 +19,26 @@ from tests.kernels.mosaic_interpret import run_in_subprocess
 # name: (group sizes, N, K, scale dtype, kwargs). Empty experts (first, middle, last), an expert over several
 # row blocks, experts sharing a block, A not a multiple of the block (zeros past A), one row, the ring's steady
 # state (4 K steps through 2 slots), more slots than K steps, block_m 128, float32 scales, stacked layers, the
-# deferred slot release.
+# deferred slot release, small tiles with K split over CTAs (float32 partial sums).
 CASES = {
-    "ragged_bm64": ([5, 0, 70, 9, 1, 0], 128, 256, "bfloat16", dict(block_k=128)),
-    "steady_ring": ([0, 33, 31, 64], 256, 512, "bfloat16", dict(block_k=128, stages=2)),
-    "one_row": ([0, 1, 0], 128, 256, "bfloat16", dict(block_k=256)),
-    "bm128_f32_scales": ([40, 100, 3], 128, 256, "float32", dict(block_m=128, block_k=64)),
-    "more_stages_than_steps": ([17, 18], 128, 128, "bfloat16", dict(block_k=64, stages=4)),
-    "layer_of_three": ([12, 0, 52], 128, 256, "bfloat16", dict(block_k=128, layer=2)),
-    # each step's slot released one step later (2 and 3 slots over 4 K steps; with one K step it is a no-op)
-    "deferred_two_slots": ([0, 33, 31, 64], 128, 512, "bfloat16", dict(block_k=128, stages=2, deferred_release=True)),
-    "deferred_three_slots": ([9, 60], 128, 256, "bfloat16", dict(block_k=64, stages=3, deferred_release=True)),
+    "ragged_bm64": ([5, 0, 70, 9, 1, 0], 128, 512, "bfloat16", dict()),
+    "steady_ring": ([0, 33, 31, 64], 128, 1024, "bfloat16", dict(stages=2)),
+    "one_row": ([0, 1, 0], 128, 256, "bfloat16", dict()),
+    "bm128_f32_scales": ([40, 100, 3], 128, 256, "float32", dict(block_m=128)),
+    "more_stages_than_steps": ([17, 18], 128, 256, "bfloat16", dict(block_m=16, stages=4)),
+    "layer_of_three": ([12, 0, 52], 128, 512, "bfloat16", dict(layer=2)),
+    # each step's slot released one step later (2 and 3 slots over 4 and 3 K steps)
+    "deferred_two_slots": ([0, 33, 31, 64], 128, 1024, "bfloat16", dict(stages=2, deferred_release=True)),
+    "deferred_three_slots": ([9, 60], 128, 768, "bfloat16", dict(stages=3, deferred_release=True)),
+    "bm16_k_splits": ([3, 0, 20, 7], 128, 1024, "bfloat16", dict(block_m=16, k_splits=2)),
+    "bm8_four_splits_f32": ([1, 2, 0, 9], 256, 1024, "float32", dict(block_m=8, k_splits=4)),
+}
+# the decode form (`gathered_int4_matmul`): name: (experts of the rows (E = max + 1 unless stated), N, K, scale
+# dtype, kwargs). A repeated expert, A not a multiple of 8, an out-of-range id (clamped, as the twin), the
+# default K splits, a stacked layer.
+GATHERED = {
+    "gathered_8_default_splits": ([5, 1, 5, 3, 0, 2, 7, 6], 256, 1024, "bfloat16", dict(layer=1)),
+    "gathered_11_one_split_f32": ([2, 0, 1, 3, 3, 1, 0, 2, 9, 1, 2], 128, 512, "float32", dict(k_splits=1, experts=4)),
 }
 TOLERANCE = 1e-2  # ||y - ref|| / ||ref|| and max |y - ref| / max |ref|: bf16 output (interpret: ~1e-7)
 
@@ -49,14 +58,30 @@ def _inputs(name, sizes, n, k, scale_dtype, layers=None):
 
 
 def run_case(name: str) -> dict:
-    from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul, grouped_int4_matmul_reference
+    from ddtree_kernels.grouped_int4_mgpu import (
+        gathered_int4_matmul,
+        gathered_int4_matmul_reference,
+        grouped_int4_matmul,
+        grouped_int4_matmul_reference,
+    )
 
-    sizes, n, k, scale_dtype, kwargs = CASES[name]
-    kwargs = dict(kwargs)
-    layer = kwargs.pop("layer", None)
-    x, weight, group_sizes = _inputs(name, sizes, n, k, scale_dtype, layers=3 if layer is not None else None)
-    out = grouped_int4_matmul(x, weight, group_sizes, layer=layer, interpret=True, **kwargs)
-    ref = np.asarray(grouped_int4_matmul_reference(x, weight, group_sizes, layer=layer), np.float32)
+    if name in GATHERED:
+        ids, n, k, scale_dtype, kwargs = GATHERED[name]
+        kwargs = dict(kwargs)
+        layer = kwargs.pop("layer", None)
+        num_experts = kwargs.pop("experts", max(ids) + 1)
+        x, weight, _ = _inputs(name, [1] * num_experts, n, k, scale_dtype, layers=2 if layer is not None else None)
+        x = jnp.asarray(np.random.default_rng(zlib.crc32(name.encode()) + 1).normal(size=(len(ids), k)), jnp.bfloat16)
+        experts = jnp.asarray(ids, jnp.int32)
+        out = gathered_int4_matmul(x, weight, experts, layer=layer, interpret=True, **kwargs)
+        ref = np.asarray(gathered_int4_matmul_reference(x, weight, experts, layer=layer), np.float32)
+    else:
+        sizes, n, k, scale_dtype, kwargs = CASES[name]
+        kwargs = dict(kwargs)
+        layer = kwargs.pop("layer", None)
+        x, weight, group_sizes = _inputs(name, sizes, n, k, scale_dtype, layers=3 if layer is not None else None)
+        out = grouped_int4_matmul(x, weight, group_sizes, layer=layer, interpret=True, **kwargs)
+        ref = np.asarray(grouped_int4_matmul_reference(x, weight, group_sizes, layer=layer), np.float32)
     y = np.asarray(out, np.float32)
     return {
         "shape": list(y.shape),
@@ -68,7 +93,7 @@ def run_case(name: str) -> dict:
 
 
 def _main():  # the subprocess: every case, one JSON line
-    print(json.dumps({name: run_case(name) for name in CASES}))
+    print(json.dumps({name: run_case(name) for name in [*CASES, *GATHERED]}))
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +108,25 @@ def test_matches_reference(results, name):
     assert result["shape"] == [sum(sizes), n] and result["dtype"] == "bfloat16"
     assert result["finite"]
     assert result["max_err"] < TOLERANCE and result["rel_err"] < TOLERANCE, result
+
+
+@pytest.mark.parametrize("name", list(GATHERED))
+def test_gathered_matches_reference(results, name):
+    ids, n, *_ = GATHERED[name]
+    result = results[name]
+    assert result["shape"] == [len(ids), n] and result["dtype"] == "bfloat16"
+    assert result["finite"]
+    assert result["max_err"] < TOLERANCE and result["rel_err"] < TOLERANCE, result
+
+
+def test_decode_k_splits_fill_the_sms():
+    """The decode form's default split: the fewest dividing K's steps with >= 132 CTAs, else every step."""
+    from ddtree_kernels.grouped_int4_mgpu import decode_k_splits
+
+    assert decode_k_splits(8, 256, 7168) == 14  # K2.6 TP8 gate at one token: 16 CTAs x 14 splits of 2 steps
+    assert decode_k_splits(8, 7168, 256) == 1  # down: 8 x 56 = 448 CTAs already
+    assert decode_k_splits(136, 256, 7168) == 1  # a 17-token tree: 272 CTAs
+    assert decode_k_splits(8, 256, 1024) == 4  # 64 CTAs at most: every step its own split
 
 
 def _check_tiles(sizes, block_m):
@@ -127,8 +171,10 @@ def test_tile_table_and_row_index():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(block_m=32), "block_m must be one of"),
-        (dict(block_k=96), "block_k = 96 must be a multiple of 64"),
+        (dict(block_m=48), "block_m must be one of"),
+        (dict(block_k=128), "block_k = 128 must be a multiple of 256"),
+        (dict(k_splits=2), "a multiple of block_k x k_splits = 256 x 2"),
+        (dict(k_splits=0), "k_splits must be >= 1"),
         (dict(stages=0), "stages must be >= 1"),
         (dict(stages=9), "bytes of shared memory"),
     ],
@@ -149,13 +195,17 @@ def test_bad_shapes():
         grouped_int4_matmul(x.astype(jnp.float32), weight, sizes)
     with pytest.raises(ValueError, match="one entry per expert"):
         grouped_int4_matmul(x, weight, sizes[:1])
-    with pytest.raises(ValueError, match="takes an Int4Weight"):
+    with pytest.raises(ValueError, match="take an Int4Weight"):
         grouped_int4_matmul(x, weight.dequantize(jnp.bfloat16), sizes)
     with pytest.raises(ValueError, match="pass layer="):
         grouped_int4_matmul(x, jax.tree.map(lambda a: a[None], weight), sizes)
     _, narrow, _ = _inputs("narrow", [3, 5], 64, 256, "bfloat16")
     with pytest.raises(ValueError, match="N = 64 must be a multiple of 128"):
         grouped_int4_matmul(x, narrow, sizes)
+    from ddtree_kernels.grouped_int4_mgpu import gathered_int4_matmul
+
+    with pytest.raises(ValueError, match=r"experts must be int32 \[A\] = \(8,\)"):
+        gathered_int4_matmul(x, weight, jnp.zeros((3,), jnp.int32))
 
 
 @pytest.mark.parametrize(
@@ -163,27 +213,34 @@ def test_bad_shapes():
     [
         (16384, 2048, 7168, {}),  # K2.6 gate / up at a 2,048-token chunk
         (16384, 7168, 2048, {}),  # down
-        (16384, 2048, 7168, dict(block_m=128, block_k=128)),
+        (16384, 2048, 7168, dict(block_m=128)),
         (16384, 2048, 7168, dict(deferred_release=True)),
-        (100, 256, 512, dict(block_k=64, stages=2)),
+        (100, 256, 512, dict(stages=2, block_m=16, k_splits=2)),
+        (8, 256, 7168, dict(gathered=True)),  # the decode form at the K2.6 TP8 shard's gate / up
+        (8, 7168, 256, dict(gathered=True)),  # and down
     ],
 )
 def test_lowers_for_gpu(rows, n, k, kwargs):
     """The compiled kernel lowers to Mosaic GPU for "cuda" on this CPU machine: the int4 TMA boxes, the
-    UPCAST_4X loads and the register A operand, the transposed output store, the shared memory."""
-    from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
+    UPCAST_4X loads and the register A operand, the scales read as stored and transposed in shared memory, the
+    transposed output store (float32 partial sums with K splits), the shared memory."""
+    from ddtree_kernels.grouped_int4_mgpu import gathered_int4_matmul, grouped_int4_matmul
     from ddtree_kernels.quant import Int4Weight
 
-    experts = 384 if rows > 1000 else 4
+    kwargs = dict(kwargs)
+    gathered = kwargs.pop("gathered", False)
+    experts = 384 if rows > 1000 or gathered else 4
 
-    def call(x, packed, scale, sizes):
-        return grouped_int4_matmul(x, Int4Weight(packed, scale), sizes, interpret=False, **kwargs)
+    def call(x, packed, scale, ids):
+        if gathered:
+            return gathered_int4_matmul(x, Int4Weight(packed, scale), ids, interpret=False, **kwargs)
+        return grouped_int4_matmul(x, Int4Weight(packed, scale), ids, interpret=False, **kwargs)
 
     args = (
         jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
         jax.ShapeDtypeStruct((experts, n, k // 8), jnp.int32),
         jax.ShapeDtypeStruct((experts, n, k // 32), jnp.bfloat16),
-        jax.ShapeDtypeStruct((experts,), jnp.int32),
+        jax.ShapeDtypeStruct((rows if gathered else experts,), jnp.int32),
     )
     assert "mosaic_gpu" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -198,8 +255,8 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the co
     [
         ("gate", 2048, 7168, {}),
         ("down", 7168, 2048, {}),
-        ("gate_bm128", 2048, 7168, dict(block_m=128, block_k=128)),
-        ("down_bk128", 7168, 2048, dict(block_k=128)),
+        ("gate_bm128", 2048, 7168, dict(block_m=128)),
+        ("down_split2", 7168, 2048, dict(k_splits=2)),
         ("gate_deferred", 2048, 7168, dict(deferred_release=True)),
     ],
 )
@@ -218,6 +275,32 @@ def test_compiled_on_gpu(name, n, k, kwargs):
     # weights [A, N, K] would take 100+ GB; the twin itself is compared on the CPU cases above)
     dense_w = weight.dequantize(jnp.bfloat16)[1].transpose(0, 2, 1)  # [E, K, N]
     ref = np.asarray(jax.lax.ragged_dot(x, dense_w, group_sizes, preferred_element_type=jnp.float32), np.float32)
+    assert y.shape == ref.shape and np.isfinite(y).all()
+    assert np.abs(y - ref).max() / np.abs(ref).max() < TOLERANCE
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < TOLERANCE
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name, assignments, n, k",
+    [
+        ("tp8_gate_one_token", 8, 256, 7168),  # K2.6 TP8 shard: gate / up at one token (14 K splits)
+        ("tp8_down_one_token", 8, 7168, 256),  # down
+        ("tp8_gate_tree_17", 136, 256, 7168),  # a 17-token tree step
+    ],
+)
+def test_gathered_compiled_on_gpu(name, assignments, n, k):
+    """The decode form compiled at the K2.6 TP8 shard's expert shapes (384 experts, random ids with repeats,
+    a stacked layer read in place) against its twin."""
+    from ddtree_kernels.grouped_int4_mgpu import gathered_int4_matmul, gathered_int4_matmul_reference
+
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    _, weight, _ = _inputs(name, [1] * 384, n, k, "bfloat16", layers=2)
+    x = jnp.asarray(rng.normal(size=(assignments, k)), jnp.bfloat16)
+    experts = jnp.asarray(rng.integers(0, 384, assignments), jnp.int32)
+    y = np.asarray(gathered_int4_matmul(x, weight, experts, layer=1), np.float32)
+    ref = np.asarray(gathered_int4_matmul_reference(x, weight, experts, layer=1), np.float32)
     assert y.shape == ref.shape and np.isfinite(y).all()
     assert np.abs(y - ref).max() / np.abs(ref).max() < TOLERANCE
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < TOLERANCE

@@ -200,7 +200,8 @@ def test_pallas_takes_the_mosaic_grouped_kernel_for_int4():
     """Where `dispatch.grouped_int4_kernel` says "mosaic" (on GPU: INT4 experts at prefill sizes), "pallas" runs
     the three expert matmuls on `grouped_int4_mgpu` (here interpreted, forced on, in an NPROC=8 subprocess: its
     warpgroups are threads) and equals the reference, also on stacked layers read in place (`LayerOf`); the kernel
-    is really called (a spy counts its calls)."""
+    is really called (a spy counts its calls). Where `dispatch.decode_moe_kernel` says "mosaic", "decode" runs
+    them on the decode form (`gathered_int4_matmul`), stacked layers read in place."""
     from tests.kernels.mosaic_interpret import run_in_subprocess
 
     out = run_in_subprocess(
@@ -212,13 +213,13 @@ from ddtree_jax.models import deepseek_v3, moe
 from ddtree_kernels.quant import quantize_int4
 from tests.models.test_moe import CONFIG, EXPERTS
 
-config = dataclasses.replace(CONFIG, hidden_size=128, moe_intermediate_size=128, n_routed_experts=4,
+config = dataclasses.replace(CONFIG, hidden_size=256, moe_intermediate_size=256, n_routed_experts=4,
                              num_experts_per_tok=2, n_group=1, topk_group=1)
 params = deepseek_v3.init_params(config, jax.random.key(3))
 p = jax.tree.map(lambda w: w[0], params["moe_layers"])
 for name in EXPERTS:
     p[name] = quantize_int4(np.asarray(p[name]))
-x = (jax.random.normal(jax.random.key(4), (40, 128)) * 2).astype(jnp.bfloat16)
+x = (jax.random.normal(jax.random.key(4), (40, 256)) * 2).astype(jnp.bfloat16)
 calls = []
 real = moe.grouped_int4_matmul
 moe.grouped_int4_matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
@@ -230,10 +231,20 @@ stacked = dict(p)
 for name in EXPERTS:
     stacked[name] = moe.LayerOf(jax.tree.map(lambda a: jnp.stack([a * 0 + 1, a]), p[name]), jnp.int32(1))
 got_stacked = np.asarray(moe.moe(config, stacked, x, impl="pallas"), np.float32)
-print(json.dumps({"calls": len(calls), "rel": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
-                  "rel_stacked": float(np.linalg.norm(got_stacked - want) / np.linalg.norm(want))}))
+# "decode" on the Mosaic decode form (forced on; 4 tokens x top-2: 8 assignments, each its own tile), stacked too
+gathered = []
+real_gathered = moe.gathered_int4_matmul
+moe.gathered_int4_matmul = lambda *a, **k: gathered.append(1) or real_gathered(*a, **k)
+dispatch.decode_moe_kernel = lambda *a, **k: "mosaic"
+few = x[:4]
+want_few = np.asarray(moe.moe_reference(config, p, few), np.float32)
+got_decode = np.asarray(moe.moe(config, stacked, few, impl="decode"), np.float32)
+rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+print(json.dumps({"calls": len(calls), "rel": rel(got, want), "rel_stacked": rel(got_stacked, want),
+                  "gathered_calls": len(gathered), "rel_decode": rel(got_decode, want_few)}))
 """
     )
+    assert out["gathered_calls"] == 3 and out["rel_decode"] < 2e-2  # the decode form: gate, up, down
     assert out["calls"] == 6
     assert out["rel"] < 2e-2  # bf16 activations and intermediate rounding (the kernel alone: ~1e-7 in interpret mode)
     assert out["rel_stacked"] < 2e-2
