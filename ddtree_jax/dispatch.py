@@ -169,9 +169,11 @@ GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, ex
 # expert 0's rows), so a B = 8 tree verify may take it: also not measured.
 AUTO_MOSAIC_GROUPED = True
 MOSAIC_GROUPED_MIN_ROWS = 32
-# inside the "decode" MoE path (`moe.routed_decode`): INT4 experts on GPU take the Mosaic decode form
-# (`grouped_int4_mgpu.gathered_int4_matmul`: one 8-row tile an assignment, scales and codes read in place, K split
-# over the SMs), written in session 23 and not yet timed against the Triton `moe_decode` kernels it replaces there
+# inside the "decode" MoE path (`moe.routed_decode`): the Mosaic decode form (`grouped_int4_mgpu.
+# gathered_int4_matmul`: one 8-row tile an assignment, scales and codes read in place, K split over the SMs) is
+# off: on the H200 (21a7ef0, K2.6 TP8 shard experts) it took 53.3 us at one token (8 assignments) and 139.4 at four,
+# against the Triton `moe_decode` kernels' 29.1 / 75.3 and the gather path's 41.7 / 156.6 (BENCHMARKS.md)
+AUTO_MOSAIC_DECODE = False
 MOSAIC_DECODE_MAX_ASSIGNMENTS = 256
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
@@ -393,16 +395,16 @@ def decode_moe_kernel(
 ) -> str:
     """Which kernels run the "decode" MoE path's INT4 expert matmuls (`moe.routed_decode`) for `assignments`
     (token, expert) pairs over the gate / up / down weights [..., E, N, K]: "mosaic" (`grouped_int4_mgpu.
-    gathered_int4_matmul`) on GPU for bf16 activations, up to MOSAIC_DECODE_MAX_ASSIGNMENTS, on shapes it takes
-    (N a multiple of its 128-column CTA, K of its 256-element steps); else "triton" (`moe_decode`, which takes up
-    to its MAX_ASSIGNMENTS and falls back to "gather" above)."""
+    gathered_int4_matmul`) where AUTO_MOSAIC_DECODE is on (off: measured slower), on GPU for bf16 activations, up to
+    MOSAIC_DECODE_MAX_ASSIGNMENTS, on shapes it takes (N a multiple of its 128-column CTA, K of its 256-element
+    steps); else "triton" (`moe_decode`, which takes up to its MAX_ASSIGNMENTS and falls back to "gather" above)."""
     takes = all(
         shape[-2] % grouped_int4_mgpu.BLOCK_N == 0 and shape[-1] % grouped_int4_mgpu.SCALE_STEP == 0
         for shape in weight_shapes
     )
     bf16 = jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
     fits = assignments <= MOSAIC_DECODE_MAX_ASSIGNMENTS
-    return "mosaic" if _on_gpu(backend_name) and takes and bf16 and fits else "triton"
+    return "mosaic" if AUTO_MOSAIC_DECODE and _on_gpu(backend_name) and takes and bf16 and fits else "triton"
 
 
 def local_expert_impl(assignments: int, local_experts: int, backend_name: str | None = None) -> str:

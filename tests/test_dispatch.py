@@ -18,7 +18,7 @@ def test_every_rule_is_xla_off_gpu():
         assert dispatch.moe_impl(1000, 384, backend_name=backend) == "reference"
 
 
-def test_gpu_rules_and_their_thresholds():
+def test_gpu_rules_and_their_thresholds(monkeypatch):
     gpu = dict(backend_name="gpu")
     most, short, short_keys = (
         dispatch.AUTO_PALLAS_GQA_QUERIES,
@@ -110,8 +110,11 @@ def test_gpu_rules_and_their_thresholds():
         dict(backend_name="cpu"),
     ):
         assert dispatch.grouped_int4_kernel(**{**chunk, **gpu, **change}) == "triton", change
-    # inside "decode": the Mosaic decode form on GPU for bf16 INT4 shapes it takes, up to its assignment bound
+    # inside "decode": the Mosaic decode form (when switched on) on GPU for bf16 INT4 shapes it takes, up to its
+    # assignment bound; off by default (measured slower than the Triton kernels)
     k26_tp8 = [(61, 384, 256, 7168), (61, 384, 256, 7168), (61, 384, 7168, 256)]
+    assert dispatch.decode_moe_kernel(8, k26_tp8, jnp.bfloat16, **gpu) == "triton"
+    monkeypatch.setattr(dispatch, "AUTO_MOSAIC_DECODE", True)
     assert dispatch.decode_moe_kernel(8, k26_tp8, jnp.bfloat16, **gpu) == "mosaic"
     for change in (
         dict(assignments=dispatch.MOSAIC_DECODE_MAX_ASSIGNMENTS + 1),

@@ -14,13 +14,13 @@ and k experts per token there are N = M * k (token, expert) assignments:
   Pallas INT4 grouped kernel fills in: XLA on GPU expands ragged_dot into a dense product over every
   group (G * N rows), k times the reference's work once N >= E.
 - "decode": kernels that read the chosen experts' INT4 codes in place (the expert id read inside the kernel;
-  a LayerOf's layer too). On GPU, bf16, up to `dispatch.MOSAIC_DECODE_MAX_ASSIGNMENTS` assignments
-  (`dispatch.decode_moe_kernel`): the Mosaic GPU decode form (`grouped_int4_mgpu.gathered_int4_matmul`, one
-  tile an assignment, scales read in place, K split over the SMs) for gate, up and down, SiLU and the
-  weighted sum in XLA (`routed_gathered_mosaic`). Else `ddtree_kernels.moe_decode` (Triton): gate / up + SiLU,
-  then the weighted down projection summed per token, for at most `moe_decode.MAX_ASSIGNMENTS` assignments.
-  Other weights or more assignments take "gather". Explicit only until measured on the GPU (not an "auto"
-  choice yet).
+  a LayerOf's layer too). `ddtree_kernels.moe_decode` (Triton): gate / up + SiLU, then the weighted down
+  projection summed per token, for at most `moe_decode.MAX_ASSIGNMENTS` assignments. With
+  `dispatch.AUTO_MOSAIC_DECODE` on (off: slower on the H200), on GPU, bf16, up to
+  `dispatch.MOSAIC_DECODE_MAX_ASSIGNMENTS` assignments (`dispatch.decode_moe_kernel`), the Mosaic GPU decode form
+  instead (`grouped_int4_mgpu.gathered_int4_matmul`: one tile an assignment, scales read in place, K split over
+  the SMs) for gate, up and down, SiLU and the weighted sum in XLA (`routed_gathered_mosaic`). Other weights or
+  more assignments take "gather". Explicit only (not an "auto" choice: it ties the gather path in the step).
 - "auto" (prefill / tree-forward default), static from the shapes (`dispatch.moe_impl`): off GPU "gather" while
   N <= n_routed_experts, else "reference"; on GPU "gather" while N <= 16, else "pallas" (the grouped
   kernel; under a mesh it runs on the TP split, so an EP-sharded model should say "ep"). Inside "pallas",

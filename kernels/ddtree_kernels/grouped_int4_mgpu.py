@@ -1,4 +1,4 @@
-"""Grouped (MoE) INT4 matmul for prefill-sized calls as a Mosaic GPU (Hopper: TMA + wgmma) Pallas kernel.
+"""Grouped (MoE) INT4 matmul as a Mosaic GPU (Hopper: TMA + wgmma) Pallas kernel: prefill-sized calls, and a decode form.
 
   y[a] = x[a] @ W[e(a)]^T,  x bf16 [A, K] rows sorted by expert (group_sizes int32 [E]),  W INT4 group-32 as
   `quant.Int4Weight` stores it (packed int32 [L, E, N, K / 8]: the codes c = q + 8, element k of a word in
@@ -8,17 +8,19 @@ Why: the Triton grouped kernel (`decode_matmul.grouped_matmul`) dequantises each
 memory and dots it at 63-69 TFLOP/s on a 2,048-token K2.6 chunk; the tensor cores do 990. Here the weights
 reach the tensor cores through the registers, as wgmma's A operand, dequantised on the way.
 
-Kernel (`plgpu.kernel`, grid (row tiles, N / 128), three warpgroups a CTA):
+Kernel (`plgpu.kernel`, grid (row tiles, K splits, N / 128), three warpgroups a CTA):
   operands  "swap A/B": the weight rows are wgmma's M (two compute warpgroups of 64 rows: a CTA owns 128
-            output columns of one expert), the tile's token rows its N (block_m = 64 or 128), K the
+            output columns of one expert), the tile's token rows its N (block_m = 8 ... 128), K the
             contraction. Per K step (block_k elements) a memory warpgroup TMA-loads the expert's INT4 tile
-            [128, block_k], the tile's x rows [block_m, block_k] and the scales [block_k / 32, 128] into a ring
-            of `stages` shared-memory slots. Each compute warpgroup then, for each 32-wide scale group j of
-            the step: loads its [64, 32] codes (WGMMA_UPCAST_4X: 8 nibbles a thread), widens them to int8,
-            maps the stored code to q = c - 8 with one XOR (the int8 of the signed nibble v is c or c - 16;
-            v ^ -8 == c - 8), converts to bf16, multiplies by its rows' scales (a row vector, broadcast) and
-            issues wgmma(acc, W_j [64, 32] registers, x_j^T [32, block_m]); the step's wgmmas run while the
-            next group is dequantised. acc = y^T [64, block_m] float32.
+            [128, block_k], the tile's x rows [block_m, block_k] and the scales as stored [128, block_k / 32]
+            into a ring of `stages` shared-memory slots. Each compute warpgroup then transposes its [64, block_k /
+            32] scales through the registers into its own [block_k / 32, 64] buffer (two, used in turn; a
+            warpgroup barrier before they are read), and for each 32-wide scale group j of the step: loads its
+            [64, 32] codes (WGMMA_UPCAST_4X: 8 nibbles a thread), widens them to int8, maps the stored code to
+            q = c - 8 with one XOR (the int8 of the signed nibble v is c or c - 16; v ^ -8 == c - 8), converts
+            to bf16, multiplies by its rows' scales (row j of its buffer, a row vector, broadcast) and issues
+            wgmma(acc, W_j [64, 32] registers, x_j^T [32, block_m]); the step's wgmmas run while the next group
+            is dequantised. acc = y^T [64, block_m] float32.
   tiles     per expert, row tiles of block_m from its first row rounded down to a multiple of 8 (a TMA into
             the 8-row-tiled x slot starts at a multiple of 8; `decode_matmul.row_tiles(align=8)`): an expert of
             up to block_m - 7
@@ -26,15 +28,26 @@ Kernel (`plgpu.kernel`, grid (row tiles, N / 128), three warpgroups a CTA):
             neighbouring experts, or zeros past A, computed and never kept). Each tile's [block_m, 128] output
             goes to its own slot of a tile-major buffer [T, block_m, N] (TMA store), and the wrapper gathers
             every row from its tile (one XLA gather, [A, N]). T <= A // block_m + E + 1 (`max_row_tiles`).
-  grid      (row tiles, N / 128) with the column blocks fastest: the CTAs of one tile run side by side and read
-            its x rows from L2 (x re-read from HBM per column block would be 16 x A x K x 2 bytes at N = 2,048).
-  scales    the layer's scales transposed per call to [E, K / 32, N] (a row of 128 columns is one TMA box
-            row; a warpgroup's 64 scales of group j load as one row vector).
+  K splits  `k_splits` CTAs share a tile's K (each its K / k_splits), writing float32 partial sums [S, T,
+            block_m, N] that the wrapper adds: for calls of few tiles, so that their weights stream on every SM.
+  grid      (row tiles, K splits, N / 128) with the column blocks fastest: the CTAs of one tile run side by
+            side and read its x rows from L2 (x re-read from HBM per column block would be 16 x A x K x 2 bytes
+            at N = 2,048).
+  scales    read in place, as `Int4Weight` stores them ([L, E, N, K / 32]; a step's [128, block_k / 32] box has
+            16-byte rows at block_k 256): no per-call copy (the first version transposed the layer's scales in
+            XLA every call, 352 MB a K2.6 projection). block_k is therefore a multiple of 256 (the [64, block_k
+            / 32] register tile is whole 8-column tiles).
   layer     with every layer's experts stacked ([L, E, N, K / 8]), the tile table carries the layer and the
-            codes are read in place (no per-call copy of a layer's experts).
+            codes and scales are read in place (no per-call copy of a layer's experts).
 
-Constraints (ValueError otherwise): x bf16 [A, K]; N % 128 == 0; K % block_k == 0; block_k a multiple of 64
-(the x tile's 64-byte swizzle spans 32 elements, one scale group); block_m in (64, 128).
+The decode form, `gathered_int4_matmul(x [A, K], weight, experts [A])`: each (token, expert) assignment is its
+own tile of 8 rows (wgmma's smallest N; the 8-row block of x around its row, only that row kept), so there is no
+sort, no group table and no gather of weights; K is split (`decode_k_splits`) until the grid covers the SMs.
+For the few assignments of a decode step (the K2.6 TP8 shard at one token: 8 experts x 2 x 256 gate / up rows
+and 7,168 down rows, ~22 MB of codes).
+
+Constraints (ValueError otherwise): x bf16 [A, K]; N % 128 == 0; block_k a multiple of 256 and K of block_k x
+k_splits; block_m in (8, 16, 32, 64, 128).
 
 Interpret mode (CPU; `interpret=None` picks it there): jax 0.11's interpreter takes no wgmma operand from the
 registers, so there each group's dequantised tile is staged through shared memory (`a_smem`) and read from
@@ -42,7 +55,7 @@ there: the same values. Start the process with NPROC=8 on a machine with fewer t
 run as threads that block in host callbacks).
 
 `grouped_int4_matmul_reference` is the twin (`decode_matmul.grouped_matmul_reference`: each row against its
-expert's dequantised weights).
+expert's dequantised weights); `gathered_int4_matmul_reference` the decode form's.
 """
 
 from __future__ import annotations
