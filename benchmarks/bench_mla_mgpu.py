@@ -3,7 +3,8 @@ vs the Triton kernel (`tree_attention`) vs the models' XLA path (`tree_attention
 
 *mgpu_split_scores*: the same kernel with `split_scores=True` (each compute warpgroup scores half of each key
 block; `attention_mgpu_e6a12ce_split_scores.json` names it `mgpu_split`); *mgpu_overlap*: `overlap=True` (a block's
-scores issued with the previous block's value product, its softmax while that product runs).
+scores issued with the previous block's value product, its softmax while that product runs); *mgpu_alternate*:
+`alternate=True` (blocks in pairs, each compute warpgroup scoring one, P exchanged: FlashMLA's schedule).
 Cases: H = 8 (one TP8 shard) and 64 (one GPU) query heads over the one shared latent KV head, N = 17 and
 65 tree queries, contexts 8k and 32k, B = 1 (and B = 8 at H = 8). The cache holds context + N keys; every
 row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
@@ -89,6 +90,8 @@ ATTEND = {
     ),
     # overlap: block i's scores issued with block i - 1's value product, its softmax while that product runs
     "mgpu_overlap": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, overlap=True)),
+    # alternate: key blocks in pairs, one scored by each compute warpgroup, P exchanged (FlashMLA's schedule)
+    "mgpu_alternate": jax.jit(lambda ql, qr, lat, rk, mask: mla_tree_attention(ql, qr, lat, rk, mask, alternate=True)),
     "pallas": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention((ql, qr), (lat, rk), None, mask)),
     "xla": jax.jit(lambda ql, qr, lat, rk, mask: tree_attention_reference((ql, qr), (lat, rk), None, mask)),
 }
@@ -151,7 +154,7 @@ def run_case(
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
-        for name in ("mgpu", "mgpu_split_scores", "mgpu_overlap", "xla"):
+        for name in ("mgpu", "mgpu_split_scores", "mgpu_overlap", "mgpu_alternate", "xla"):
             if name in impls:
                 profile_into(row, name, ATTEND[name], sets, profile_top)
     for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
@@ -233,7 +236,8 @@ def main() -> None:
             f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
             f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  split_scores {row['mgpu_split_scores_us']:8.1f} us"
             f" (rel err {row.get('mgpu_split_scores_rel_err', float('nan')):.1e})  overlap {row['mgpu_overlap_us']:8.1f} us"
-            f" (rel err {row.get('mgpu_overlap_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
+            f" (rel err {row.get('mgpu_overlap_rel_err', float('nan')):.1e})  alternate {row['mgpu_alternate_us']:8.1f} us"
+            f" (rel err {row.get('mgpu_alternate_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
             f"xla {row['xla_us']:8.1f} us"
             + (f"  [{errors}]" if errors else "")
             + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
@@ -251,6 +255,7 @@ def main() -> None:
         "split_scores TFLOP/s",
         "overlap us",
         "overlap TFLOP/s",
+        "alternate us",
         "pallas us",
         "xla us",
         "xla / mgpu",
@@ -271,6 +276,7 @@ def main() -> None:
             f"{r.get('mgpu_split_scores_TFLOPs', float('nan')):.0f}",
             r["mgpu_overlap_us"],
             f"{r.get('mgpu_overlap_TFLOPs', float('nan')):.0f}",
+            r["mgpu_alternate_us"],
             r["pallas_us"],
             r["xla_us"],
             f"{r['xla_us'] / r['mgpu_us']:.2f}",

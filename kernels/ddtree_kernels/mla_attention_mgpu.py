@@ -25,6 +25,14 @@ and row sums, through shared memory under two barriers a block, and each multipl
 the value columns. P lives in the rope queries' tile, which is tiled by half a key block so each half is whole
 tiles; compiled, the rope queries are loaded into registers first (the register operand of their wgmma) and P
 is loaded back into registers for the value wgmma (a shared-memory operand must match the latent's swizzle).
+overlap=True (opt-in; on one H200 15-37% slower): FA3's intra-warpgroup overlap, block i's scores issued with
+block i - 1's value product and block i's softmax run while that product is in flight.
+alternate=True (opt-in, not yet timed): FlashMLA's schedule. The key blocks go in pairs; compute warpgroup 0
+scores the first, warpgroup 1 the second (each score computed once, as split_scores, but with no lock step on
+the scores). WG 0 publishes its P and row max through shared memory; WG 1, its scores issued meanwhile, continues
+the online softmax from WG 0's max and publishes its P and max; both then multiply both blocks' P by their half
+of the values. One exchange tile (the rope queries', freed once both hold them in registers) is enough: WG 1
+reads WG 0's P into registers before writing its own, and WG 0 writes the next pair's only after reading WG 1's.
 The mask is passed as bit words: word[b, w, s] holds mask[b, 32 w + i, s] (and s < kv_lengths[b]) in bit
 i, so a key block costs 4 bytes a key per 32 tree queries against 1,152 bytes of latent + rope, and any
 dense mask is exact (prefix, tree ancestors, ragged lengths).
@@ -91,13 +99,14 @@ SMEM_BUDGET = SMEM_LIMIT_BYTES - 4 * 1024  # leave room for barriers and the sma
 LOG2E = math.log2(math.e)
 
 
-def _stages(block_kv: int, num_words: int = 1, split_scores: bool = False) -> int:
+def _stages(block_kv: int, num_words: int = 1, split_scores: bool = False, alternate: bool = False) -> int:
     """Key-block slots in shared memory: as many as fit beside the query tile (at most MAX_STAGES); a stage
     holds the block's latent + rope keys and its `num_words` mask words (T / 32 of them). split_scores adds
     the exchanged row statistics f32 [2, 2, 64]; its probabilities [64, block_kv] reuse the rope queries'
     tile (held in registers once loaded), which a separate buffer would push past the shared memory (the CPU
     lowering of that form asked for 235,584 bytes)."""
     resident = 2 * BLOCK_M * (LATENT_DIM + ROPE_DIM) + (4 * 4 * BLOCK_M if split_scores else 0)
+    resident += 2 * 4 * BLOCK_M if alternate else 0  # the pair's row maxima (P: the rope queries' tile)
     per_stage = 2 * block_kv * (LATENT_DIM + ROPE_DIM) + 4 * num_words * block_kv
     return min(MAX_STAGES, (SMEM_BUDGET - resident) // per_stage)
 
@@ -132,6 +141,7 @@ def _kernel(
     scale_log2: float,
     split_scores: bool,
     overlap: bool,
+    alternate: bool,
     interpret: bool,
 ):
     # GMEM: counts_ref i32 [B, splits] key blocks of each split; rows_ref i32 [2, R_pad] per row: the bit
@@ -147,9 +157,15 @@ def _kernel(
     #   each compute warpgroup's probabilities (see `mosaic_common.accumulate`). extra, split_scores:
     #   stat_smem f32 [2, 2, 64] (row max, row sum) x warpgroup; exchange_barriers [2] (max, then P and sums);
     #   interpret mode: p_smem [64, block_kv] (compiled: P is qr_smem's tile), each warpgroup writing its half
-    #   of the keys.
-    stat_smem = exchange_barriers = p_smem = None
-    if split_scores:  # compiled: P takes the rope queries' tile once they are in registers
+    #   of the keys. extra, alternate: stat_smem f32 [2, 64] (the row max after each block of the pair);
+    #   exchange_barriers [2] (WG 0's P and max ready; WG 1's); interpret mode: p_x [64, block_kv] the exchanged P
+    #   (compiled: qr_smem's tile), p_smem [2, 64, block_kv] each warpgroup's staged P.
+    stat_smem = exchange_barriers = p_smem = p_x = None
+    if alternate:
+        stat_smem, exchange_barriers, *rest = extra
+        assert block_kv == ROPE_DIM, (block_kv, ROPE_DIM)
+        p_x, p_smem = rest if interpret else (qr_smem, None)
+    elif split_scores:  # compiled: P takes the rope queries' tile once they are in registers
         stat_smem, exchange_barriers, *rest = extra
         # P [64, block_kv] in the rope queries' [64, 64] tile: the same shape while block_kv == ROPE_DIM == 64
         assert block_kv == ROPE_DIM, (block_kv, ROPE_DIM)
@@ -217,7 +233,8 @@ def _kernel(
         # compiled split_scores: the rope queries [64, 64] as the register operand of their wgmma (32 registers
         # a thread), their tile then free for P (the first P is written after both warpgroups pass the first
         # exchange barrier, so after both loaded them)
-        q_rope_tile = plgpu.load(qr_smem, layout=plgpu.Layout.WGMMA) if split_scores and not interpret else qr_smem
+        in_registers = (split_scores or alternate) and not interpret
+        q_rope_tile = plgpu.load(qr_smem, layout=plgpu.Layout.WGMMA) if in_registers else qr_smem
         # split_scores: this warpgroup scores only its half of each key block's keys (no score computed twice)
         keys = pl.ds(w * (block_kv // 2), block_kv // 2) if split_scores else pl.ds(0, block_kv)
         tile = (BLOCK_M, keys.size)
@@ -348,7 +365,98 @@ def _kernel(
 
             return lax.cond(num_blocks > 0, pipeline, lambda: init)
 
-        if overlap and not split_scores:
+        def alternate_loop(init):
+            """`alternate`: the key blocks in pairs, warpgroup 0 scoring the first and warpgroup 1 the second, so each
+            score is computed once and neither warpgroup waits for the other's scores. WG 0 publishes its P and
+            row max; WG 1 (its scores issued meanwhile) continues the online softmax from WG 0's max, publishes its
+            P and max, and both multiply both P by their half of the values. One exchange tile suffices: WG 1 reads
+            WG 0's P into registers before it writes its own, and WG 0 writes the next pair's P only after reading
+            WG 1's. P is summed as rounded to bf16 (the values multiplied), so both warpgroups keep equal sums."""
+            stat_first, stat_second = stat_smem.at[0], stat_smem.at[1]
+            p_stage = None if p_smem is None else p_smem.at[w]
+            minus_inf = plgpu.layout_cast(jnp.full(tile, -jnp.inf, jnp.float32), plgpu.Layout.WGMMA)
+
+            def rows_of(v):
+                return lax.broadcast_in_dim(v, tile, [0])
+
+            def load_p():
+                return p_x[...] if interpret else plgpu.load(p_x, layout=plgpu.Layout.WGMMA)
+
+            def pv(acc, alpha, p, slot):  # acc * alpha + p @ values[slot, this warpgroup's half]
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                return accumulate(acc, p, lat_smem.at[slot, wg], p_stage)
+
+            def pair(j, carry):
+                acc, m, l = carry
+                first = 2 * j
+                has_second = first + 1 < num_blocks
+                slot0, slot1 = lax.rem(first, stages), lax.rem(first + 1, stages)
+                if w == 0:
+                    plgpu.barrier_wait(kv_barriers.at[slot0])
+                    s0 = visible_scores(block_scores(slot0), slot0)
+                    m0 = jnp.maximum(m, s0.max(axis=1))
+                    base0 = jnp.maximum(m0, -1e30)  # finite: rows that saw nothing yet get p = 0, not NaN
+                    p0 = jnp.exp2(s0 - rows_of(base0)).astype(lat_smem.dtype)
+                    stat_first[...] = m0
+                    p_x[...] = p0
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(exchange_barriers.at[0])
+                    alpha0 = jnp.exp2(m - base0)
+                    acc = pv(acc, alpha0, p0, slot0)
+                    l = l * alpha0 + p0.astype(jnp.float32).sum(axis=1)
+                    plgpu.barrier_arrive(consumed_barriers.at[slot0])
+                    plgpu.barrier_wait(exchange_barriers.at[1])
+
+                    def second():
+                        m1 = plgpu.load(stat_second, layout=row_stat)
+                        alpha1 = jnp.exp2(m0 - jnp.maximum(m1, -1e30))
+                        p1 = load_p()
+                        plgpu.barrier_wait(kv_barriers.at[slot1])
+                        acc1 = pv(acc, alpha1, p1, slot1)
+                        plgpu.barrier_arrive(consumed_barriers.at[slot1])
+                        return acc1, m1, l * alpha1 + p1.astype(jnp.float32).sum(axis=1)
+
+                    return lax.cond(has_second, second, lambda: (acc, m0, l))
+
+                def scores_second():
+                    plgpu.barrier_wait(kv_barriers.at[slot1])
+                    return visible_scores(block_scores(slot1), slot1)
+
+                s1 = lax.cond(has_second, scores_second, lambda: minus_inf)  # issued before WG 0's P is in
+                plgpu.barrier_wait(exchange_barriers.at[0])
+                m0 = plgpu.load(stat_first, layout=row_stat)
+                p0 = load_p()
+                base0 = jnp.maximum(m0, -1e30)
+                m1 = jnp.maximum(m0, s1.max(axis=1))
+                base1 = jnp.maximum(m1, -1e30)
+                p1 = jnp.exp2(s1 - rows_of(base1)).astype(lat_smem.dtype)  # zeros without a second block
+                stat_second[...] = m1
+                p_x[...] = p1
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(exchange_barriers.at[1])
+                alpha0, alpha1 = jnp.exp2(m - base0), jnp.exp2(m0 - base1)
+                plgpu.barrier_wait(kv_barriers.at[slot0])
+                acc = pv(acc, alpha0, p0, slot0)
+                plgpu.barrier_arrive(consumed_barriers.at[slot0])
+                l = l * alpha0 + p0.astype(jnp.float32).sum(axis=1)
+
+                def second():
+                    acc1 = pv(acc, alpha1, p1, slot1)
+                    plgpu.barrier_arrive(consumed_barriers.at[slot1])
+                    return acc1, l * alpha1 + p1.astype(jnp.float32).sum(axis=1)
+
+                acc, l = lax.cond(has_second, second, lambda: (acc, l))
+                return acc, m1, l
+
+            return lax.fori_loop(0, (num_blocks + 1) // 2, pair, init)
+
+        if alternate:
+            # both warpgroups hold their rope queries in registers before the tile takes P (done_barrier's first
+            # phase; its second is the one below)
+            plgpu.barrier_arrive(done_barrier)
+            plgpu.barrier_wait(done_barrier)
+            acc, m, l = alternate_loop(init)
+        elif overlap and not split_scores:
             acc, m, l = overlapped_loop(init)
         else:
             acc, m, l = lax.fori_loop(0, num_blocks, body, init)
@@ -371,11 +479,27 @@ def _kernel(
 
         plgpu.wait_smem_to_gmem(0)
 
-    if split_scores:
+    if split_scores or alternate:
         for w in range(2):
             pl.when(wg == w)(functools.partial(_compute, w))
     else:
         pl.when(wg < 2)(functools.partial(_compute, wg))
+
+
+def _extra_scratch(split_scores: bool, alternate: bool, interpret: bool, block_kv: int, dtype) -> tuple:
+    """The kernel's `extra` scratch (its GMEM / SMEM comment). Interpret mode: P in buffers of its own (the rope
+    queries stay in shared memory there: no register operand)."""
+    p_tiled = dict(transforms=(plgpu.TilingTransform((8, block_kv)), plgpu.SwizzleTransform(2 * block_kv)))
+    p_half_tiled = dict(transforms=(plgpu.TilingTransform((8, block_kv // 2)), plgpu.SwizzleTransform(block_kv)))
+    staged = (plgpu.SMEM((2, BLOCK_M, block_kv), dtype, **p_tiled),) if interpret else ()
+    if alternate:
+        exchanged = (plgpu.SMEM((BLOCK_M, block_kv), dtype, **p_tiled),) if interpret else ()
+        stats = (plgpu.SMEM((2, BLOCK_M), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=2))
+        return stats + exchanged + staged
+    if split_scores:
+        halves = (plgpu.SMEM((BLOCK_M, block_kv), dtype, **p_half_tiled),) if interpret else ()
+        return (plgpu.SMEM((2, 2, BLOCK_M), jnp.float32), plgpu.Barrier(num_arrivals=2, num_barriers=2)) + halves
+    return staged
 
 
 def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: int | None) -> tuple[int, int]:
@@ -388,7 +512,10 @@ def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: 
     return pl.cdiv(total, per_split), per_split
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "num_splits", "split_scores", "overlap", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_kv", "num_splits", "split_scores", "overlap", "alternate", "interpret"),
+)
 def _mla_tree_attention(
     q_latent,
     q_rope,
@@ -404,6 +531,7 @@ def _mla_tree_attention(
     num_splits,
     split_scores,
     overlap,
+    alternate,
     interpret,
 ):
     # latent [L, B, S, 1, 512], rope_key [L, B, S, 1, 64]: every layer's caches; layer int32 [] the one read
@@ -429,7 +557,7 @@ def _mla_tree_attention(
     rows_pad = row_blocks * BLOCK_M
     splits, per_split = split_plan(batch, rows, capacity, block_kv, num_splits)
     num_words = pl.cdiv(steps, 32)
-    stages = _stages(block_kv, num_words, split_scores)
+    stages = _stages(block_kv, num_words, split_scores, alternate)
     dtype = q_latent.dtype
 
     kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, capacity)
@@ -441,7 +569,6 @@ def _mla_tree_attention(
     row_table = jnp.asarray(row_bits(steps, heads, rows_pad))
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    p_transforms = (plgpu.TilingTransform((8, block_kv)), plgpu.SwizzleTransform(2 * block_kv))
     p_half_tiled = dict(transforms=(plgpu.TilingTransform((8, block_kv // 2)), plgpu.SwizzleTransform(block_kv)))
     kernel = functools.partial(
         _kernel,
@@ -452,6 +579,7 @@ def _mla_tree_attention(
         scale_log2=scale * LOG2E,
         split_scores=split_scores,
         overlap=overlap,
+        alternate=alternate,
         interpret=interpret,
     )
     partial, lse = plgpu.kernel(
@@ -474,13 +602,7 @@ def _mla_tree_attention(
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
         )
-        + (
-            # interpret mode: P in its own buffer (the rope queries stay in shared memory: no register operand)
-            (plgpu.SMEM((2, 2, BLOCK_M), jnp.float32), plgpu.Barrier(num_arrivals=2, num_barriers=2))
-            + ((plgpu.SMEM((BLOCK_M, block_kv), dtype, **p_half_tiled),) if interpret else ())
-            if split_scores
-            else ((plgpu.SMEM((2, BLOCK_M, block_kv), dtype, transforms=p_transforms),) if interpret else ())
-        ),
+        + _extra_scratch(split_scores, alternate, interpret, block_kv, dtype),
         grid=(row_blocks, splits, batch),
         grid_names=("rows", "split", "batch"),
         num_threads=3,
@@ -534,6 +656,7 @@ def mla_tree_attention(
     num_splits: int | None = None,
     split_scores: bool = False,
     overlap: bool = DEFAULT_OVERLAP,
+    alternate: bool = False,
     layer: jax.Array | int | None = None,
     packed_mask: PackedTreeMask | None = None,
     interpret: bool | None = None,
@@ -553,6 +676,9 @@ def mla_tree_attention(
       overlap: (without split_scores) each compute warpgroup issues a block's scores together with the previous
         block's value product and runs the block's softmax while that product is in flight (FA3's
         intra-warpgroup overlap; module docstring).
+      alternate: the key blocks in pairs, compute warpgroup 0 scoring the first and 1 the second (each score once,
+        no lock step), P and row maxima exchanged through shared memory, both warpgroups multiplying both blocks'
+        P by their value half (FlashMLA's schedule; module docstring). Excludes split_scores and overlap.
       layer: with every layer's caches stacked, latent [L, B, S, 1, 512] and rope_key [L, B, S, 1, 64], the
         layer to read (int32 scalar, may be traced: a layer scan's counter; as `lax.dynamic_index_in_dim` reads
         it: negative from the end, then clamped into [0, L)). The kernel
@@ -609,9 +735,13 @@ def mla_tree_attention(
         raise ValueError(
             f"block_kv must be 64 (wgmma contracts the value product over whole 64-key tiles), got {block_kv}"
         )
+    if alternate and (split_scores or overlap):
+        raise ValueError(
+            f"alternate excludes split_scores and overlap (got split_scores={split_scores}, overlap={overlap})"
+        )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if _stages(block_kv, -(-steps // 32), split_scores) < 2:
+    if _stages(block_kv, -(-steps // 32), split_scores, alternate) < 2:
         raise ValueError(
             f"T = {steps} tree queries need {-(-steps // 32)} mask words a key: fewer than 2 pipeline stages of "
             f"{block_kv} keys fit in shared memory (the kernel is for decode / verify steps: T <= ~600)"
@@ -644,6 +774,7 @@ def mla_tree_attention(
         num_splits=num_splits,
         split_scores=bool(split_scores),
         overlap=bool(overlap),
+        alternate=bool(alternate),
         interpret=default_interpret(interpret),
     )
 

@@ -36,6 +36,12 @@ CASES = {
     "overlap_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, overlap=True)),
     "overlap_t9_h16_one_split": (1, 9, 16, 300, (297,), dict(num_splits=1, overlap=True)),
     "overlap_t33_h2_stacked": (1, 33, 2, 192, (150,), dict(num_splits=1, stack=(2, 1), overlap=True)),
+    # alternate: blocks in pairs, one scored by each compute warpgroup (P and maxima exchanged); an empty split, odd
+    # block counts (1, 3, 5: the last block unpaired), a ring that wraps (5 blocks, 2 slots), two mask words, a stack
+    "alt_t9_h8_empty_row": (2, 9, 8, 200, (0, 190), dict(num_splits=2, alternate=True)),
+    "alt_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, alternate=True)),
+    "alt_t9_h16_one_split": (1, 9, 16, 300, (297,), dict(num_splits=1, alternate=True)),
+    "alt_t33_h2_stacked": (1, 33, 2, 192, (150,), dict(num_splits=1, stack=(2, 1), alternate=True)),
     # layer=: every layer's caches stacked [L, B, S, 1, ...] (L = 3), layer 2 / 0 read in place, traced
     "stacked_layer2": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 2))),
     "stacked_layer0_split": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 0), split_scores=True)),
@@ -52,6 +58,8 @@ GPU_CASES = {
     "gpu_t17_h8_8k_overlap": (1, 17, 8, 8192, (8150,), dict(overlap=True)),
     "gpu_t65_h64_2k_overlap": (2, 65, 64, 2048, (2000, 3), dict(overlap=True)),
     "gpu_t9_h8_stacked_overlap": (2, 9, 8, 4096, (4000, 1), dict(stack=(4, 3), overlap=True)),
+    "gpu_t17_h8_8k_alternate": (1, 17, 8, 8192, (8150,), dict(alternate=True)),
+    "gpu_t65_h64_2k_alternate": (2, 65, 64, 2048, (2000, 3), dict(alternate=True)),
 }
 
 
@@ -134,6 +142,7 @@ def test_cases_cover_empty_and_single_key_rows():
         (dict(block_kv=32), "block_kv must be 64 .* got 32"),  # interprets, but does not lower for the GPU
         (dict(q_latent=(1, 700, 2, 512), q_rope=(1, 700, 2, 64), mask=(1, 700, 40)), "T = 700 tree queries"),
         (dict(num_splits=0), "num_splits must be >= 1, got 0"),
+        (dict(alternate=True, split_scores=True), "alternate excludes split_scores and overlap"),
         (dict(kv_lengths=(2,)), "kv_lengths must be"),
         (dict(layer=1), "with layer= latent and rope_key are every layer's caches"),
         (dict(layer=1, latent=(2, 1, 40, 1, 512), rope_key=(2, 1, 40, 1, 64)), "S = 40 must be a multiple of"),
@@ -150,7 +159,7 @@ def test_rejects_bad_shapes(change, message):
     shapes.update({k: v for k, v in change.items() if k in shapes})
     arrays = {k: jnp.zeros(v, jnp.bfloat16 if k.startswith("q") else dtype) for k, v in shapes.items()}
     mask = jnp.ones(change.get("mask", (1, 3, arrays["latent"].shape[-3])), bool)
-    kwargs = {k: change[k] for k in ("block_kv", "num_splits", "layer") if k in change}
+    kwargs = {k: change[k] for k in ("block_kv", "num_splits", "layer", "alternate", "split_scores") if k in change}
     if "packed_mask" in change:
         words, lengths = change["packed_mask"]
         kwargs["packed_mask"] = (jnp.zeros(words, jnp.int32), jnp.zeros(lengths, jnp.int32))
@@ -161,7 +170,9 @@ def test_rejects_bad_shapes(change, message):
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(), dict(split_scores=True), dict(overlap=True)], ids=["default", "split", "overlap"]
+    "variant",
+    [dict(), dict(split_scores=True), dict(overlap=True), dict(alternate=True)],
+    ids=["default", "split", "overlap", "alternate"],
 )
 @pytest.mark.parametrize("steps, heads, capacity", [(17, 8, 8256), (7, 4, 128), (9, 16, 300), (65, 64, 1088)])
 def test_lowers_for_gpu(steps, heads, capacity, variant):
