@@ -174,7 +174,9 @@ MOSAIC_GROUPED_MIN_ROWS = 32
 # off: on the H200 (21a7ef0, K2.6 TP8 shard experts) it took 53.3 us at one token (8 assignments) and 139.4 at four,
 # against the Triton `moe_decode` kernels' 29.1 / 75.3 and the gather path's 41.7 / 156.6 (BENCHMARKS.md)
 AUTO_MOSAIC_DECODE = False
-MOSAIC_DECODE_MAX_ASSIGNMENTS = 256
+# the measured range (8 and 32 assignments); each assignment streams its expert once, repeats included (no
+# deduplication), so a tree's hundreds of assignments belong to the grouped kernel
+MOSAIC_DECODE_MAX_ASSIGNMENTS = 32
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 

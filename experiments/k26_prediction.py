@@ -61,10 +61,20 @@ def measured_ms(row: dict) -> float:
     return row["loop_step_ms"] if row.get("loop_step_ms") is not None else row["step_ms"]
 
 
+def timing(row: dict) -> str:
+    """ "loop" (the on-device loop's step) or "host" (the host-called step of older JSONs)."""
+    return "loop" if row.get("loop_step_ms") is not None else "host"
+
+
 def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict]:
-    """(B, context, method, budget) -> the fastest measured row (over attention columns)."""
+    """(B, context, method, budget) -> the fastest measured row (over attention columns). The two timings are
+    never compared: where any row of the given JSONs has the loop step, only loop-timed rows are used (a
+    host-called step holds the host's dispatch, so it would lose to any loop row and mix commits silently)."""
+    kind = "loop" if any(timing(row) == "loop" for row in rows) else "host"
     best = {}
     for row in rows:
+        if timing(row) != kind:
+            continue
         key = (row["B"], row["context"], row["method"], row.get("budget"))
         if key not in best or measured_ms(row) < measured_ms(best[key]):
             best[key] = row
@@ -100,7 +110,8 @@ def predict(shard_rows: list[dict], ratios: dict[int, float], chain_taus, max_ta
                     "tau": tau,
                     "acceptance_ratio": ratios.get(budget) if method == "ddtree" else None,
                     "shard_step_ms": measured_ms(row),
-                    "shard_step_timing": "loop" if row.get("loop_step_ms") is not None else "host",
+                    "shard_step_timing": timing(row),
+                    "ar_timing": timing(ar),
                     "collectives_ms": row["collectives_ms"],
                     "predicted_step_ms": step_ms,
                     "tokens_per_s": batch * tau / step_ms * 1e3,

@@ -118,7 +118,8 @@ def test_gpu_rules_and_their_thresholds(monkeypatch):
     assert dispatch.decode_moe_kernel(8, k26_tp8, jnp.bfloat16, **gpu) == "mosaic"
     for change in (
         dict(assignments=dispatch.MOSAIC_DECODE_MAX_ASSIGNMENTS + 1),
-        dict(weight_shapes=[(384, 256, 7168), (384, 256, 7168), (384, 7168, 128)]),
+        dict(weight_shapes=[(384, 256, 7168), (384, 256, 7168), (384, 7168, 128)]),  # K not whole 256-steps
+        dict(weight_shapes=[(384, 200, 7168), (384, 200, 7168), (384, 7168, 256)]),  # N not whole 128-row CTAs
         dict(x_dtype=jnp.float32),
         dict(backend_name="cpu"),
     ):

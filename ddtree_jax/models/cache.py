@@ -65,13 +65,14 @@ def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 def write_layer_rows(stack: jax.Array, layer, new: jax.Array, start: jax.Array) -> jax.Array:
     """stack [L, B, S, ...] with new [B, T, ...] written into layer `layer` at rows start[b] .. start[b] + T - 1,
-    in place (no slice of the layer copied out and written back). Callers check room first (`check_room`): a
-    write that would pass S is clamped onto the last rows at B = 1, as `write_rows`' dynamic_update_slice
-    clamps, and its rows past S dropped at B > 1.
+    in place (no slice of the layer copied out and written back). Callers check room first (`check_room`) and
+    pass a layer in [-L, L): out of range, B = 1 clamps as `write_rows`' dynamic_update_slice does (a write
+    past S shifted back onto the last T rows, a layer past the stack onto its last layer), B > 1 drops the
+    rows past S (and a layer past the stack).
 
     B = 1: one dynamic_update_slice. A scatter there (one index) becomes XLA's bounds-checked form: the old
-    row read out, selected against the new one, written back (one H200 step: three kernels a cache a layer
-    instead of one). B > 1: one scatter."""
+    row read out, then selected against the new one and written back (one H200 step: two kernels a cache a
+    layer instead of one). B > 1: one scatter."""
     batch, steps = new.shape[:2]
     if batch == 1:
         layer = jnp.asarray(layer, jnp.int32)

@@ -100,7 +100,7 @@ def _run(
     layer_loop "unrolled": a Python loop (one copy of the layer per layer in the program). "scan":
     `lax.scan` over the stacked layer parameters and the layer index (the program holds one layer).
     Both carry the full stacked cache.k / cache.v [L, B, S, H, D] and write layer l's new rows into
-    them in place (`write_layer_rows`: one scatter into the stack), then attend slice l (no layer slice
+    them in place (`write_layer_rows`: one in-place write into the stack), then attend slice l (no layer slice
     copied out, written and put back).
     """
     if layer_loop not in LAYER_LOOPS:

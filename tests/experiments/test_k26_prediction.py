@@ -47,6 +47,24 @@ def test_the_loop_step_is_used_where_measured():
     rows = {r["method"]: r for r in predict(shard, {}, [4.0])}
     assert rows["ar"]["predicted_step_ms"] == 10.0 and rows["ar"]["shard_step_timing"] == "loop"
     assert rows["chain"]["predicted_step_ms"] == 20.0 and rows["chain"]["break_even_tau"] == pytest.approx(2.0)
+    assert rows["chain"]["ar_timing"] == "loop"
+
+
+def test_host_and_loop_timings_are_never_mixed():
+    """Older JSONs hold only the host-called step (`loop_step_ms` absent or None): alone they are predicted from it;
+    beside loop-timed rows they are left out (a host-called step would lose to any loop row and mix commits)."""
+    host = [
+        {"B": 1, "context": 4096, "method": "ar", "budget": None, "step_ms": 11.0, "loop_step_ms": None},
+        {"B": 1, "context": 4096, "method": "chain", "budget": None, "step_ms": 23.0},
+    ]
+    loop = [{"B": 1, "context": 4096, "method": "ar", "budget": None, "step_ms": 12.0, "loop_step_ms": 10.0}]
+    for row in host + loop:
+        row["collectives_ms"] = 1.0
+    alone = {r["method"]: r for r in predict(host, {}, [4.0])}
+    assert alone["ar"]["predicted_step_ms"] == 12.0 and alone["chain"]["predicted_step_ms"] == 24.0
+    assert alone["chain"]["shard_step_timing"] == alone["chain"]["ar_timing"] == "host"
+    mixed = predict(host + loop, {}, [4.0])
+    assert [(r["method"], r["predicted_step_ms"]) for r in mixed] == [("ar", 11.0)]  # the host chain row left out
 
 
 def test_the_script_on_the_archived_runs(tmp_path):

@@ -48,13 +48,16 @@ def tree_mask(rng, steps: int, capacity: int, kv_lengths) -> np.ndarray:
 
 
 def compare(out, ref, mask) -> dict:
-    """A case's result against its twin: shape, ||out - ref|| / ||ref||, finiteness, and whether the rows
-    that see no key (mask [B, T, S]) are exactly zero."""
+    """A case's result against its twin: shape, ||out - ref|| / ||ref|| (over the case and the worst of its
+    (batch row, tree query, head) rows that see a key), finiteness, and whether the rows that see no key (mask
+    [B, T, S]) are exactly zero."""
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     empty = ~np.asarray(mask).any(-1)  # [B, T] rows that see no key
+    row_err = np.linalg.norm(out - ref, axis=-1)[~empty] / np.maximum(np.linalg.norm(ref, axis=-1)[~empty], 1e-30)
     return {
         "shape": list(out.shape),
         "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+        "max_row_err": float(row_err.max()) if row_err.size else 0.0,
         "finite": bool(np.isfinite(out).all()),
         "empty_rows_zero": bool((out[empty] == 0).all()),
         "empty_rows": int(empty.sum()),

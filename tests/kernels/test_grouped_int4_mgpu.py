@@ -32,6 +32,13 @@ CASES = {
     "deferred_three_slots": ([9, 60], 128, 768, "bfloat16", dict(stages=3, deferred_release=True)),
     "bm16_k_splits": ([3, 0, 20, 7], 128, 1024, "bfloat16", dict(block_m=16, k_splits=2)),
     "bm8_four_splits_f32": ([1, 2, 0, 9], 256, 1024, "float32", dict(block_m=8, k_splits=4)),
+    "deferred_with_splits": (
+        [5, 20, 0],
+        128,
+        1024,
+        "bfloat16",
+        dict(block_m=32, k_splits=2, stages=2, deferred_release=True),
+    ),
 }
 # the decode form (`gathered_int4_matmul`): name: (experts of the rows (E = max + 1 unless stated), N, K, scale
 # dtype, kwargs). A repeated expert, A not a multiple of 8, an out-of-range id (clamped, as the twin), the
@@ -218,6 +225,7 @@ def test_bad_shapes():
         (100, 256, 512, dict(stages=2, block_m=16, k_splits=2)),
         (8, 256, 7168, dict(gathered=True)),  # the decode form at the K2.6 TP8 shard's gate / up
         (8, 7168, 256, dict(gathered=True)),  # and down
+        (100, 256, 1024, dict(scale_dtype=jnp.float32, k_splits=2)),  # float32 scales: 32-byte scale boxes
     ],
 )
 def test_lowers_for_gpu(rows, n, k, kwargs):
@@ -229,6 +237,7 @@ def test_lowers_for_gpu(rows, n, k, kwargs):
 
     kwargs = dict(kwargs)
     gathered = kwargs.pop("gathered", False)
+    scale_dtype = kwargs.pop("scale_dtype", jnp.bfloat16)
     experts = 384 if rows > 1000 or gathered else 4
 
     def call(x, packed, scale, ids):
@@ -239,7 +248,7 @@ def test_lowers_for_gpu(rows, n, k, kwargs):
     args = (
         jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
         jax.ShapeDtypeStruct((experts, n, k // 8), jnp.int32),
-        jax.ShapeDtypeStruct((experts, n, k // 32), jnp.bfloat16),
+        jax.ShapeDtypeStruct((experts, n, k // 32), scale_dtype),
         jax.ShapeDtypeStruct((rows if gathered else experts,), jnp.int32),
     )
     assert "mosaic_gpu" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

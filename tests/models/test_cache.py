@@ -42,6 +42,20 @@ def test_write_layer_rows_at_one_row_is_one_in_place_update():
     assert "dynamic_update_slice" in text and "scatter" not in text and "stablehlo.dynamic_slice" not in text
 
 
+def test_write_layer_rows_at_one_row_clamps_out_of_range_writes():
+    """Out of range at B = 1 (callers check room first: `check_room`): a write that would pass S lands on the last T
+    rows, as `write_rows`' dynamic_update_slice puts it, and a layer past the stack on its last layer."""
+    rng = np.random.default_rng(6)
+    stack = rng.standard_normal((3, 1, 13, 1, 4)).astype(np.float32)
+    new = rng.standard_normal((1, 5, 1, 4)).astype(np.float32)
+    got = np.asarray(write_layer_rows(jnp.asarray(stack), jnp.int32(3), jnp.asarray(new), jnp.asarray([11])))
+    want = stack.copy()
+    want[2, 0, 8:13] = new[0]
+    np.testing.assert_array_equal(got, want)
+    sliced = np.asarray(write_rows(jnp.asarray(stack[2]), jnp.asarray(new), jnp.asarray([11])))
+    np.testing.assert_array_equal(got[2], sliced)
+
+
 def test_write_layer_rows_casts_to_the_cache_dtype():
     stack = jnp.zeros((2, 1, 6, 1, 2), jnp.bfloat16)
     new = jnp.full((1, 2, 1, 2), 1.5, jnp.float32)
