@@ -273,6 +273,22 @@ def mla_attention_kernel(
     return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits else "triton"
 
 
+# the Mosaic MLA kernel's schedule inside the models (`mla_schedule_options`): "default" (each compute warpgroup
+# scores every key block: the fastest measured at N = 17), "split_scores" (each scores half a block, lock-stepped:
+# 5.7-7.3% faster at N = 65 with 64 heads), "overlap" (FA3's intra-warpgroup overlap: 15-37% slower), "alternate"
+# (FlashMLA's pairs: not yet compiled on the GPU). A research knob (`tp_shard_step --mla-schedule`), not an auto choice.
+MLA_SCHEDULES = ("default", "split_scores", "overlap", "alternate")
+MLA_SCHEDULE = "default"
+
+
+def mla_schedule_options(schedule: str | None = None) -> dict[str, bool]:
+    """`mla_attention_mgpu.mla_tree_attention`'s schedule flags for `schedule` (None: MLA_SCHEDULE)."""
+    schedule = MLA_SCHEDULE if schedule is None else schedule
+    if schedule not in MLA_SCHEDULES:
+        raise ValueError(f"unknown MLA kernel schedule {schedule!r}; expected one of {MLA_SCHEDULES}")
+    return {name: schedule == name for name in MLA_SCHEDULES[1:]}
+
+
 def gqa_attention_kernel(
     *,
     queries: int | None,

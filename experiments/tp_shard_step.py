@@ -37,6 +37,7 @@ from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, markdown_table, write_result
 from benchmarks.k26_model import k26_config, random_int4_target
 from benchmarks.op_profile import format_profile
+from ddtree_jax import dispatch
 from ddtree_jax.analysis.roofline import step_cost
 from ddtree_jax.analysis.tp_shard import tp_shard_config
 from ddtree_jax.engine.drafters import DFlashDrafter
@@ -85,9 +86,17 @@ def main() -> None:
     parser.add_argument("--layer-loop", default="auto", help="DecodeOptions.layer_loop")
     parser.add_argument("--moe-impl", default="auto", help="DecodeOptions.moe_impl")
     parser.add_argument(
+        "--mla-schedule",
+        default=None,
+        choices=dispatch.MLA_SCHEDULES,
+        help="the Mosaic MLA kernel's schedule (dispatch.MLA_SCHEDULES; default: dispatch.MLA_SCHEDULE)",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args()
+    if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
+        dispatch.MLA_SCHEDULE = args.mla_schedule
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -146,6 +155,7 @@ def main() -> None:
                 )
                 row.update(
                     layers=shard.num_layers,
+                    mla_schedule=dispatch.MLA_SCHEDULE,
                     init_s=init_s,
                     collectives_ms=cost.collectives_s * 1e3,
                     shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,

@@ -125,6 +125,13 @@ def test_gpu_rules_and_their_thresholds(monkeypatch):
     ):
         args = {"assignments": 8, "weight_shapes": k26_tp8, "x_dtype": jnp.bfloat16, **gpu, **change}
         assert dispatch.decode_moe_kernel(**args) == "triton", change
+    # the Mosaic MLA kernel's schedule: one flag at most, from the module's research knob
+    assert dispatch.mla_schedule_options() == dict(split_scores=False, overlap=False, alternate=False)
+    assert dispatch.mla_schedule_options("alternate") == dict(split_scores=False, overlap=False, alternate=True)
+    monkeypatch.setattr(dispatch, "MLA_SCHEDULE", "split_scores")
+    assert dispatch.mla_schedule_options() == dict(split_scores=True, overlap=False, alternate=False)
+    with pytest.raises(ValueError, match="unknown MLA kernel schedule 'fast'"):
+        dispatch.mla_schedule_options("fast")
     assert dispatch.verify_impl("auto", **gpu) == "pallas"
     # explicit choices pass through on any backend
     assert dispatch.attention_impl("pallas", queries=512, mla=True, backend_name="cpu") == "pallas"

@@ -214,7 +214,7 @@ def sharded_mla_attention(
     first. packed_mask: `pack_tree_mask(mask)`, packed once by a caller that attends under one mask in every
     layer (the Mosaic kernel reads it instead of packing mask again). The kernel is
     `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
-    P = 64, the Triton kernel otherwise."""
+    P = 64 (its schedule: `dispatch.MLA_SCHEDULE`), the Triton kernel otherwise."""
     dtype = q_latent.dtype
     bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
     mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rope.shape[-1])) == "mosaic"
@@ -232,7 +232,15 @@ def sharded_mla_attention(
     def per_shard(ql, qr, lat, rk, m, w, n, i):
         packed = PackedTreeMask(w, n)
         return mla_tree_attention(
-            ql, qr, lat, rk, m, scale=scale, layer=i if lat.ndim == 5 else None, packed_mask=packed
+            ql,
+            qr,
+            lat,
+            rk,
+            m,
+            scale=scale,
+            layer=i if lat.ndim == 5 else None,
+            packed_mask=packed,
+            **dispatch.mla_schedule_options(),
         )
 
     return shard_call(

@@ -23,9 +23,11 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     argv = ["tp_shard_step", "--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1"]
     argv += ["--methods", "ar,ddtree", "--budgets", "4", "--contexts", "32", "--batches", "1", "--repeats", "1"]
-    argv += ["--profile-top", "3"]
+    argv += ["--profile-top", "3", "--mla-schedule", "alternate"]
     monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(tp_shard_step.dispatch, "MLA_SCHEDULE", "default")  # restored after: main() sets it
     tp_shard_step.main()
+    assert tp_shard_step.dispatch.MLA_SCHEDULE == "alternate"
     [(args, kwargs, (full, _, pair))] = built
     assert args == (2, 1, 2) and kwargs == {"tiny": True, "dtype": jax.numpy.float32}
     assert pair.target_config.num_heads == full.num_heads // 2
@@ -33,7 +35,7 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 4)]
     for r in rows:
-        assert r["step_ms"] > 0 and r["collectives_ms"] > 0
+        assert r["step_ms"] > 0 and r["collectives_ms"] > 0 and r["mla_schedule"] == "alternate"
         # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
         # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
         assert r["loop_steps"] == 16 and np.isfinite(r["loop_step_ms"])

@@ -398,7 +398,8 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
     )
     calls = []
 
-    def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None):
+    def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None, **schedule):
+        assert schedule == dispatch.mla_schedule_options()  # the kernel's schedule flags, from the dispatch knob
         calls.append((latent.shape, layer is not None))
         if layer is not None:
             latent, rope_key = latent[layer], rope_key[layer]
