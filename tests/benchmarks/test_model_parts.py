@@ -45,9 +45,13 @@ def test_device_seconds_counts_each_call_of_the_program_once():
     four = per_call_timeline(fn, sets)
     assert four["calls"] == 4 and four["events_per_call"] == pytest.approx(one["events_per_call"])
     assert four["span_us_per_call"] == pytest.approx(four["busy_us_per_call"] + four["idle_us_per_call"])
-    # per call, not per program: four calls' span per call is near one call's, far from four times it
-    assert four["span_us_per_call"] < 3 * one["span_us_per_call"]
-    assert 0 < device_seconds(fn, sets, runs=1) * 1e6 < 3 * one["span_us_per_call"]
+    # per call, not per program: four calls' span per call is near one call's, far from four times it. Each span
+    # is the least of 3 traced programs: on CI's 2 loaded cores (the other pytest worker) one program's span
+    # can stretch 3x (a single sample failed there: 1,855 against 3 x 605 us)
+    one_us = min(per_call_timeline(fn, sets[:1])["span_us_per_call"] for _ in range(3))
+    four_us = min(per_call_timeline(fn, sets)["span_us_per_call"] for _ in range(3))
+    assert four_us < 3 * one_us
+    assert 0 < device_seconds(fn, sets, runs=3) * 1e6 < 3 * one_us  # the median of 3 programs, per call
     shared = (jnp.ones((384, 384)),)
     assert per_call_timeline(lambda s, a, b: fn(a + s, b), sets, shared)["calls"] == 4
 
