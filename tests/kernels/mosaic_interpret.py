@@ -62,3 +62,12 @@ def compare(out, ref, mask) -> dict:
         "empty_rows_zero": bool((out[empty] == 0).all()),
         "empty_rows": int(empty.sum()),
     }
+
+
+def assert_close(y, ref, tolerance: float) -> None:
+    """A compiled kernel's output y against its reference: same shape, finite, and within `tolerance` both as the
+    largest error over the largest value and as ||y - ref|| / ||ref||."""
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    assert y.shape == ref.shape and np.isfinite(y).all()
+    assert np.abs(y - ref).max() / np.abs(ref).max() < tolerance
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tolerance
