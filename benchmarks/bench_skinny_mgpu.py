@@ -17,6 +17,11 @@ speed-up = XLA us / kernel us; `*_wall_us`: the wall time of the same in-jit cal
 `model_us`: the plan's `estimate_seconds` (to recalibrate the model). Correctness: max |y - ref| / max |ref| (and the Frobenius relative error)
 against `skinny_matmul_reference` on input set 0 (bf16 output: expect ~4e-3).
 
+--stacked L: every weight stacked [L, N, K] as a model's layer scan holds it, both variants timed inside a
+`lax.scan` over the L layers: "xla" scans the stack as its input (each layer's weight sliced out, as the
+models' scans do; XLA copies a slice it cannot fuse into its GEMM), "mgpu" reads each layer in place
+(`skinny_matmul(..., layer=)`); `*_us` is per layer. --weights k26_q_a,k26_kv_a,k26_o_shard: the K2.6 TP8
+shard's attention projections (q_a / kv_a replicated, o_proj's 1/8 rows).
 --sweep: also time the kernel at other tilings (--sweep-block-n x --sweep-block-k x --sweep-splits, each at
 the most stages that fit) and print the best against the default `plan`.
 --small: a CPU smoke run (tiny shapes, interpret mode, wall-clock `common.in_jit_seconds`, 2 sets): checks that
@@ -69,6 +74,9 @@ WEIGHTS = {  # name: (N, K)
     "gate_up": (12288, 4096),
     "down": (4096, 12288),
     "lm_head": (151936, 4096),
+    "k26_q_a": (1536, 7168),  # Kimi K2.6 q_a_proj (replicated under TP)
+    "k26_kv_a": (576, 7168),  # kv_a_proj_with_mqa (replicated)
+    "k26_o_shard": (7168, 1024),  # o_proj, one TP8 shard's columns (8 heads x 128)
 }
 ROWS = (1, 17, 65, 128)
 QUICK_WEIGHTS = ("qo_proj", "gate_up", "down")
@@ -87,13 +95,15 @@ def num_sets(nbytes: float, small: bool) -> int:
     return min(MAX_SETS, max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes)))
 
 
-def input_sets(m: int, n: int, k: int, count: int, key) -> list[tuple]:
-    """`count` (x, w) sets, each fresh: x ~ N(0, 1), w ~ N(0, 1) / sqrt(K) (outputs of order 1)."""
+def input_sets(m: int, n: int, k: int, count: int, key, layers: int = 0) -> list[tuple]:
+    """`count` (x, w) sets, each fresh: x ~ N(0, 1), w ~ N(0, 1) / sqrt(K) (outputs of order 1); w [N, K], or
+    [layers, N, K] with layers."""
     out = []
     for i in range(count):
         kx, kw = jax.random.split(jax.random.fold_in(key, i))
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-        w = (jax.random.normal(kw, (n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        w_shape = (layers, n, k) if layers else (n, k)
+        w = (jax.random.normal(kw, w_shape, jnp.float32) * k**-0.5).astype(jnp.bfloat16)
         out.append((x, w))
     return out
 
@@ -122,11 +132,29 @@ def sweep_configs(m: int, n: int, k: int, block_ns, block_ks, splits_list) -> li
     return out
 
 
+def scanned(matmul_layer):
+    """(x [M, K], stack [L, N, K]) -> [L, M, N]: matmul_layer(x, stack, layer) in a lax.scan over the layers."""
+
+    def run(x, stack):
+        def step(_, layer):
+            return None, matmul_layer(x, stack, layer)
+
+        return jax.lax.scan(step, None, jnp.arange(stack.shape[0], dtype=jnp.int32))[1]
+
+    return run
+
+
+def scanned_xla(x, stack):
+    """The models' form: the stack scanned as the loop's input (each layer's weight sliced out), x @ w.T."""
+    return jax.lax.scan(lambda _, w: (None, x @ w.T), None, stack)[1]
+
+
 def run_case(name: str, m: int, n: int, k: int, key, args) -> dict:
     flops, nbytes = counts(m, n, k)
     roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
     block_n, block_k, stages, splits = plan(m, n, k)
-    sets_count = num_sets(nbytes, args.small)
+    layers = args.stacked
+    sets_count = num_sets(nbytes * max(layers, 1), args.small)
     row = {
         "weight": name,
         "N": n,
@@ -141,24 +169,33 @@ def run_case(name: str, m: int, n: int, k: int, key, args) -> dict:
         "grid": [n // block_n, splits],
         "model_us": estimate_seconds(m, n, k, block_n, block_k, stages, splits) * 1e6,
         "smem_bytes": smem_bytes(m, block_n, block_k, stages, splits),
+        "stacked_layers": layers,
     }
     interpret = True if args.small else None
-    variants = {
-        "mgpu": jax.jit(lambda x, w: skinny_matmul(x, w, interpret=interpret)),
-        "xla": jax.jit(lambda x, w: x @ w.T),
-    }
-    sets = input_sets(m, n, k, sets_count, key)
+    if layers:  # per layer of a scan over the stack (`scanned`): the kernel in place, XLA on scanned slices
+        variants = {
+            "mgpu": jax.jit(scanned(lambda x, w, layer: skinny_matmul(x, w, layer=layer, interpret=interpret))),
+            "xla": jax.jit(scanned_xla),
+        }
+        reference = jax.jit(scanned(lambda x, w, layer: skinny_matmul_reference(x, w, layer=layer)))
+    else:
+        variants = {
+            "mgpu": jax.jit(lambda x, w: skinny_matmul(x, w, interpret=interpret)),
+            "xla": jax.jit(lambda x, w: x @ w.T),
+        }
+        reference = skinny_matmul_reference
+    sets = input_sets(m, n, k, sets_count, key, layers)
     timer = _timer(args.small)
-    ref = skinny_matmul_reference(*sets[0])
+    ref = reference(*sets[0])
     for variant, fn in variants.items():
         try:
             out = fn(*sets[0])
             row[f"{variant}_max_err"] = max_relative_error(out, ref)
             row[f"{variant}_rel_err"] = relative_error(out, ref)
-            seconds = timer(fn, sets, 3)
+            seconds = timer(fn, sets, 3) / max(layers, 1)
             row[f"{variant}_us"] = seconds * 1e6
             if not args.small:  # wall time of the same in-jit calls (CUDA graphs on, host sync included)
-                row[f"{variant}_wall_us"] = in_jit_seconds(fn, sets) * 1e6
+                row[f"{variant}_wall_us"] = in_jit_seconds(fn, sets) * 1e6 / max(layers, 1)
             row[f"{variant}_GBps"] = nbytes / seconds / 1e9
             row[f"{variant}_of_roof"] = roof_s / seconds
         except Exception as err:  # noqa: BLE001 - a variant that fails to compile or run is a result
@@ -166,7 +203,7 @@ def run_case(name: str, m: int, n: int, k: int, key, args) -> dict:
         for metric in ("us", "wall_us", "GBps", "of_roof", "max_err", "rel_err"):
             row.setdefault(f"{variant}_{metric}", float("nan"))
     row["speedup"] = row["xla_us"] / row["mgpu_us"]
-    if args.sweep:
+    if args.sweep and not layers:
         block_ns = [int(v) for v in args.sweep_block_n.split(",") if v]
         block_ks = [int(v) for v in args.sweep_block_k.split(",") if v]
         splits_list = [int(v) for v in args.sweep_splits.split(",") if v]
@@ -219,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="", help=f"comma list of {sorted(WEIGHTS)} (default: all)")
     parser.add_argument("--rows", default="", help="comma list of M (default 1,17,65,128; --quick 65)")
     parser.add_argument("--sweep", action="store_true", help="also time other tilings of the kernel")
+    parser.add_argument(
+        "--stacked", type=int, default=0, help="L: weights stacked [L, N, K], timed per layer of a scan (docstring)"
+    )
     parser.add_argument("--sweep-block-n", default=",".join(map(str, BLOCK_NS)))
     parser.add_argument("--sweep-block-k", default="64,128")
     parser.add_argument("--sweep-splits", default="1,2,4,8,16")
@@ -233,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = []
     key = jax.random.key(0)
-    name = f"skinny_mgpu_{args.commit}" + ("_small" if args.small else "")
+    if args.stacked and args.sweep:
+        raise SystemExit("--sweep times unstacked weights; leave out --stacked")
+    name = (
+        f"skinny_mgpu_{args.commit}"
+        + ("_small" if args.small else "")
+        + (f"_stacked{args.stacked}" if args.stacked else "")
+    )
     for weight, m, n, k in cases(args):
         row = run_case(weight, m, n, k, jax.random.fold_in(key, m * 7919 + n + k), args)
         results.append(row)

@@ -154,6 +154,13 @@ AUTO_MOSAIC_MATMUL = False
 # of session 16) the kernel led XLA by 4-25% on Qwen3-8B's q / o, gate / up and down, and lost on the 1,024-row
 # k / v projections (0.52-0.96x): too few 64-row stripes to stream the weight without a split-K sum after it
 MOSAIC_MATMUL_MIN_OUT = 2048
+# The DeepSeek-V3 layer scan slices each layer's parameters out of their stacks; XLA fuses that slice into most
+# GEMMs, but copies q_a_proj (K2.6: 1,536 x 7,168, 22 MB, replicated under TP) out of its stack in every layer
+# for its split-K Triton GEMM (one H200 4-layer profile: 10.7 us a layer, beside a 6.5 us GEMM). These
+# projections go to the layer stacked instead (`stacked_in_place`), read in place by the skinny kernel.
+IN_PLACE_PROJECTIONS = ("q_a_proj",)
+IN_PLACE_MAX_ROWS = 256  # the skinny kernel's rows (B x T); prefill chunks keep the sliced XLA GEMM
+AUTO_IN_PLACE = False  # not yet measured in the whole step
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
 TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)
 # ... but only when AUTO_TREE_TOPK_CHUNKED: on the H200 (V = 151,936, L = 15, bf16, bench_tree_V151936_7ba6e57.json)
@@ -350,13 +357,32 @@ def weights_dtype(requested: str, backend_name: str | None = None) -> str:
     return "checkpoint" if _on_gpu(backend_name) else "float32"
 
 
-def mosaic_matmul_fits(rows: int, weight_shape: tuple[int, ...] | None) -> bool:
-    """Whether `skinny_matmul_mgpu.skinny_matmul` takes x [rows, K] @ W[N, K]^T as it is (1..MAX_ROWS rows, N and
-    K whole 64-element tiles: the weight is never padded) and N >= MOSAIC_MATMUL_MIN_OUT (where it measured faster)."""
+def skinny_takes(rows: int, weight_shape: tuple[int, ...] | None) -> bool:
+    """Whether `skinny_matmul_mgpu.skinny_matmul` takes x [rows, K] @ W[N, K]^T as it is: 1..MAX_ROWS rows, N and
+    K whole 64-element tiles (the weight is never padded)."""
     if weight_shape is None or len(weight_shape) != 2:
         return False
     n, k = weight_shape
-    return 1 <= rows <= skinny_matmul_mgpu.MAX_ROWS and n % 64 == 0 and k % 64 == 0 and n >= MOSAIC_MATMUL_MIN_OUT
+    return 1 <= rows <= skinny_matmul_mgpu.MAX_ROWS and n % 64 == 0 and k % 64 == 0
+
+
+def mosaic_matmul_fits(rows: int, weight_shape: tuple[int, ...] | None) -> bool:
+    """`skinny_takes` and N >= MOSAIC_MATMUL_MIN_OUT (where it measured faster than XLA on an unstacked weight)."""
+    return skinny_takes(rows, weight_shape) and weight_shape[0] >= MOSAIC_MATMUL_MIN_OUT
+
+
+def matmul_in_place(
+    rows: int, weight_shape: tuple[int, ...], *, quantized: bool, bfloat16: bool, backend_name: str | None = None
+) -> bool:
+    """Whether `models.layers.linear` reads a layer of stacked weights (a `LayerOf`) in place: on GPU, by the
+    Mosaic skinny kernel, for a dense bf16 product it takes (`skinny_takes`); elsewhere the layer is sliced."""
+    return _on_gpu(backend_name) and not quantized and bfloat16 and skinny_takes(rows, weight_shape)
+
+
+def stacked_in_place(name: str, rows: int, backend_name: str | None = None) -> bool:
+    """Whether a layer scan passes the dense projection `name` stacked (a `LayerOf`, read in place by `linear`)
+    for `rows` token rows: AUTO_IN_PLACE, on GPU, for the IN_PLACE_PROJECTIONS."""
+    return AUTO_IN_PLACE and name in IN_PLACE_PROJECTIONS and _on_gpu(backend_name) and rows <= IN_PLACE_MAX_ROWS
 
 
 def matmul_impl(

@@ -92,11 +92,20 @@ def main() -> None:
         help="the Mosaic MLA kernel's schedule (dispatch.MLA_SCHEDULES; default: dispatch.MLA_SCHEDULE)",
     )
     parser.add_argument(
+        "--in-place",
+        default=None,
+        choices=("on", "off"),
+        help="pass dispatch.IN_PLACE_PROJECTIONS to the layers stacked, read in place by the skinny kernel "
+        "(dispatch.AUTO_IN_PLACE; default: its value)",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args()
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
         dispatch.MLA_SCHEDULE = args.mla_schedule
+    if args.in_place is not None:  # read by the models at trace time (`deepseek_v3._run`)
+        dispatch.AUTO_IN_PLACE = args.in_place == "on"
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -156,6 +165,7 @@ def main() -> None:
                 row.update(
                     layers=shard.num_layers,
                     mla_schedule=dispatch.MLA_SCHEDULE,
+                    in_place=dispatch.AUTO_IN_PLACE,
                     init_s=init_s,
                     collectives_ms=cost.collectives_s * 1e3,
                     shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,

@@ -448,8 +448,10 @@ def _run(
         if not count:
             continue
         # the routed experts stay stacked (loop invariants) and reach the layer as LayerOf(stack, layer): the
-        # grouped kernel reads its layer in place instead of a per-layer slice copy (models/moe.py)
-        stacks = {name: params[kind][name] for name in EXPERT_AXES if name in params[kind]}
+        # grouped kernel reads its layer in place instead of a per-layer slice copy (models/moe.py); so do the
+        # dense projections `dispatch.stacked_in_place` names (read in place by `linear`)
+        in_place = [name for name in params[kind] if dispatch.stacked_in_place(name, tokens.size)]
+        stacks = {name: params[kind][name] for name in (*EXPERT_AXES, *in_place) if name in params[kind]}
         rest = {name: value for name, value in params[kind].items() if name not in stacks}
         xs = (rest, jnp.arange(count, dtype=jnp.int32))
 

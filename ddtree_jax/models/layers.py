@@ -6,12 +6,17 @@ fastest for one-token matmuls on the H200).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from ddtree_jax import dispatch
+from ddtree_jax.sharding.regions import rows as row_spec
+from ddtree_jax.sharding.regions import shard_call
 from ddtree_kernels.decode_matmul import matmul, matmul_reference
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 from ddtree_kernels.skinny_matmul_mgpu import skinny_matmul
@@ -31,12 +36,66 @@ def contract(spec: str, a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=dot_precision(jnp.result_type(a, b)), **kwargs)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `layer` (int32 []) of every layer's stacked weights `stack` [L, ...] (array or quantised
+    weight), not sliced out. The model's layer loops pass the routed experts this way (the grouped kernel
+    reads the layer in place and "gather" indexes (layer, expert) in one gather, where a slice would copy
+    the layer's experts, 8.4 GB per K2.6 INT4 layer, before every Pallas call), and the dense projections
+    `dispatch.stacked_in_place` names (`linear` reads them in place, see there). Paths that need the whole
+    layer anyway slice it (`get`)."""
+
+    stack: Any
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    def get(self):
+        return jax.tree.map(lambda a: a[self.layer], self.stack)
+
+
+def _linear_in_place(x: jax.Array, weight: LayerOf) -> jax.Array:
+    """x [..., in] @ weight.stack[weight.layer].T by the Mosaic skinny kernel reading the layer in place (a
+    per-shard program under a mesh: rows split as x's batch, the weight whole, as the dense projections that
+    take this path are replicated)."""
+
+    def per_shard(x, stack, layer):
+        flat = x.reshape(-1, x.shape[-1])
+        return skinny_matmul(flat, stack, layer=layer).reshape(*x.shape[:-1], stack.shape[-2])
+
+    stack_spec = PartitionSpec(*([None] * weight.stack.ndim))
+    return shard_call(
+        per_shard,
+        (x, weight.stack, weight.layer),
+        (row_spec(x.ndim), stack_spec, PartitionSpec()),
+        row_spec(x.ndim),
+    )
+
+
 def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:
     """x [..., in] @ weight[out, in].T -> [..., out]; a quantised weight (`ddtree_kernels.quant`) is
     dequantised to x's dtype first in "xla" (`ddtree_kernels.decode_matmul.matmul_reference`); "pallas"
     streams it through `ddtree_kernels.decode_matmul.matmul` (dequantised in registers; interpret mode
     off GPU); "mosaic" a dense bf16 weight through `ddtree_kernels.skinny_matmul_mgpu.skinny_matmul` on GPU
-    (else XLA); "auto": `dispatch.matmul_impl`. float32 inputs are computed at float32."""
+    (else XLA); "auto": `dispatch.matmul_impl`. float32 inputs are computed at float32.
+
+    weight may be a `LayerOf` (a layer of stacked weights, as a layer scan passes the projections
+    `dispatch.stacked_in_place` names): on GPU, where the skinny kernel takes the product
+    (`dispatch.matmul_in_place`), it reads the layer in place, whatever `impl` says (the scan chose it);
+    anywhere else the layer is sliced out and `impl` applies."""
+    if isinstance(weight, LayerOf):
+        quantized = isinstance(weight.stack, (Int4Weight, Fp8BlockWeight))
+        if dispatch.matmul_in_place(
+            math.prod(x.shape[:-1]),
+            weight.shape,
+            quantized=quantized,
+            bfloat16=not quantized and x.dtype == jnp.bfloat16 and weight.stack.dtype == jnp.bfloat16,
+        ):
+            return _linear_in_place(x, weight)
+        weight = weight.get()
     quantized = isinstance(weight, (Int4Weight, Fp8BlockWeight))
     rows = math.prod(x.shape[:-1])
     choice = dispatch.matmul_impl(

@@ -48,9 +48,7 @@ On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +58,7 @@ from jax.sharding import PartitionSpec
 from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS
-from ddtree_jax.models.layers import contract, linear, swiglu
+from ddtree_jax.models.layers import LayerOf, contract, linear, swiglu  # noqa: F401  (LayerOf re-exported)
 from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
 from ddtree_kernels.decode_matmul import grouped_matmul
@@ -76,26 +74,6 @@ EXPERT_AXES = {
     "expert_up": ("experts", "expert_mlp", "embed"),
     "expert_down": ("experts", "embed", "expert_mlp"),
 }
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerOf:
-    """Layer `layer` (int32 []) of every MoE layer's stacked expert weights `stack` [L, E, ...] (array or
-    quantised weight), not sliced out. The model's layer loops pass the routed experts this way: the
-    grouped kernel reads the layer in place and "gather" indexes (layer, expert) in one gather, where a
-    slice would copy the layer's experts (8.4 GB per K2.6 INT4 layer) before every Pallas call. Paths
-    that need the whole layer anyway ("reference", "ragged" over all experts) slice it (`get`)."""
-
-    stack: Any
-    layer: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.stack.shape[1:])
-
-    def get(self):
-        return jax.tree.map(lambda a: a[self.layer], self.stack)
 
 
 def _layer(weight):

@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, feed_ring
+from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, feed_ring, layer_index
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 
 NUM_SMS = 132  # H200
@@ -170,6 +170,7 @@ def plan(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def _kernel(
+    layer_ref,
     x_ref,
     w_ref,
     o_ref,
@@ -184,7 +185,8 @@ def _kernel(
     k_steps: int,
     stages: int,
 ):
-    # GMEM: x_ref bf16 [M_pad, K] (zero rows past M); w_ref bf16 [N, K]; o_ref [splits, M, N] (float32 partials
+    # GMEM: layer_ref i32 [1] the layer read; x_ref bf16 [M_pad, K] (zero rows past M); w_ref bf16 [L, N, K]
+    #   every layer's weights (L = 1 for one weight), read in place; o_ref [splits, M, N] (float32 partials
     #   when splits > 1, else bf16 y).
     # SMEM (`smem`, a union of the ring and the output tile):
     #   ring: w_smem bf16 [stages, wgs, rows, block_k] each slot's W tile, one [rows, block_k] per compute WG;
@@ -201,11 +203,13 @@ def _kernel(
     @pl.when(wg == wgs)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
+        layer = layer_ref[0]
 
         def load(i, slot):
             cols = pl.ds(k0 + i * block_k, block_k)
             for w in range(wgs):
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + w * rows, rows), cols], w_smem.at[slot, w], loaded.at[slot])
+                rows_w = pl.ds(n0 + w * rows, rows)
+                plgpu.copy_gmem_to_smem(w_ref.at[layer, rows_w, cols], w_smem.at[slot, w], loaded.at[slot])
             plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_smem.at[slot], loaded.at[slot])
 
         feed_ring(load, k_steps, stages, consumed)
@@ -240,9 +244,10 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "stages", "splits", "interpret"))
-def _skinny_matmul(x, w, *, block_n, block_k, stages, splits, interpret):
+def _skinny_matmul(x, w, layer, *, block_n, block_k, stages, splits, interpret):
+    # w [L, N, K] every layer's weights; layer int32 [1] the one read
     m, k = x.shape
-    n = w.shape[0]
+    n = w.shape[1]
     m_pad = padded_rows(m)
     if m_pad != m:  # TMA tiles the rows by 8 and wgmma's N is a multiple of 8: zero rows (cheap, M_pad x K)
         x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
@@ -271,22 +276,29 @@ def _skinny_matmul(x, w, *, block_n, block_k, stages, splits, interpret):
         num_threads=wgs + 1,
         thread_name="wg",
         interpret=INTERPRET_PARAMS if interpret else None,
-    )(x, w)
+    )(layer, x, w)
     if splits == 1:
         return out.reshape(m, n)
     return out.sum(axis=0).astype(x.dtype)
 
 
-def _check(x, w, block_n, block_k, stages, splits) -> None:
+def _check(x, w, layer, block_n, block_k, stages, splits) -> None:
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {x.shape}")
-    if w.ndim != 2:
-        raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
+    if layer is None and w.ndim != 2:
+        raise ValueError(f"w must be 2-D [N, K] (stacked [L, N, K] weights take layer=), got shape {w.shape}")
+    if layer is not None:
+        if w.ndim != 3:
+            raise ValueError(f"with layer= w must be every layer's weights [L, N, K], got shape {w.shape}")
+        if jnp.ndim(layer) != 0:
+            raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+        if not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"layer must be an integer, got {jnp.result_type(layer)}")
     for name, a in (("x", x), ("w", w)):
         if a.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
     m, k = x.shape
-    n, k_w = w.shape
+    n, k_w = w.shape[-2:]
     if k != k_w:
         raise ValueError(f"x has K = {k} but w [N, K] has K = {k_w}")
     if not 1 <= m <= MAX_ROWS:
@@ -320,6 +332,7 @@ def skinny_matmul(
     x: jax.Array,
     w: jax.Array,
     *,
+    layer: jax.Array | int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     stages: int | None = None,
@@ -330,15 +343,20 @@ def skinny_matmul(
 
     Args:
       x: bf16 [M, K], 1 <= M <= 256 token rows.
-      w: bf16 [N, K] ("out, in"); N % block_n == 0 and K % (block_k * splits) == 0 (never padded).
+      w: bf16 [N, K] ("out, in"); N % block_n == 0 and K % (block_k * splits) == 0 (never padded). With
+        layer=, every layer's weights stacked, [L, N, K].
+      layer: the layer of a stacked w to use (int32 scalar, may be traced: a layer scan's counter), read in
+        place by the kernel's TMA. Slicing it out first (as a scan over stacked weights does) copies the
+        layer's whole weight on every call (a kernel takes each operand as one buffer). Read as
+        `lax.dynamic_index_in_dim` reads it (`mosaic_common.layer_index`: negative from the end, then clamped).
       block_n, block_k, stages, splits: the tiling (module docstring); None takes `plan(M, N, K)`'s value
         (stages: as many as fit (`fit_stages`) when the rest of the tiling is given and differs from the plan).
       interpret: Mosaic GPU interpret mode (None: on the CPU backend).
     Returns:
       bf16 [M, N] (float32 accumulation).
     """
-    if x.ndim == 2 and w.ndim == 2 and None in (block_n, block_k, stages, splits):
-        m, n, k = x.shape[0], w.shape[0], x.shape[1]
+    if x.ndim == 2 and w.ndim in (2, 3) and None in (block_n, block_k, stages, splits):
+        m, n, k = x.shape[0], w.shape[-2], x.shape[1]
         tiling = plan(m, n, k)
         block_n = tiling[0] if block_n is None else block_n
         block_k = tiling[1] if block_k is None else block_k
@@ -347,12 +365,26 @@ def skinny_matmul(
             same = (block_n, block_k, splits) == (tiling[0], tiling[1], tiling[3])
             valid = block_k in BLOCK_KS and splits >= 1
             stages = tiling[2] if same or not valid else fit_stages(m, block_n, block_k, splits, k)
-    _check(x, w, block_n, block_k, stages, splits)
+    _check(x, w, layer, block_n, block_k, stages, splits)
+    if layer is None:
+        stack, index = w[None], jnp.zeros((1,), jnp.int32)
+    else:
+        stack = w
+        index = layer_index(layer, w.shape[0]).reshape(1)
     return _skinny_matmul(
-        x, w, block_n=block_n, block_k=block_k, stages=stages, splits=splits, interpret=default_interpret(interpret)
+        x,
+        stack,
+        index,
+        block_n=block_n,
+        block_k=block_k,
+        stages=stages,
+        splits=splits,
+        interpret=default_interpret(interpret),
     )
 
 
-def skinny_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """The twin in plain XLA: x @ w.T with float32 accumulation, in x's dtype."""
+def skinny_matmul_reference(x: jax.Array, w: jax.Array, *, layer: jax.Array | int | None = None) -> jax.Array:
+    """The twin in plain XLA: x @ w.T (w[layer].T with layer=) with float32 accumulation, in x's dtype."""
+    if layer is not None:
+        w = lax.dynamic_index_in_dim(w, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
     return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -31,28 +31,36 @@ CASES = {
     "m24_one_step_splits": (24, 128, 512, dict(block_k=128, splits=4)),
     "m130_rows": (130, 128, 256, {}),
     "m256_max": (256, 64, 128, dict(block_n=64, block_k=64)),
+    # stacked weights [L, N, K] read at `layer` in place (layers: L, a test-only key): a middle layer, the last
+    # by a negative index (as lax.dynamic_index_in_dim reads it), with K splits
+    "m1_stacked_layer1": (1, 128, 256, dict(layers=3, layer=1)),
+    "m17_stacked_last_splits2": (17, 128, 512, dict(layers=4, layer=-1, splits=2)),
 }
 TOLERANCE = 1e-2  # max |y - ref| / max |ref| and ||y - ref|| / ||ref||: bf16 output rounding (measured <= 4e-3)
 
 
-def _inputs(name: str, m: int, n: int, k: int):
+def _inputs(name: str, m: int, n: int, k: int, layers: int | None = None):
+    """x bf16 [M, K] and w bf16 [N, K] (every layer different, [L, N, K], with layers)."""
     seed = zlib.crc32(name.encode())
     kx, kw = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-    w = (jax.random.normal(kw, (n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+    w_shape = (n, k) if layers is None else (layers, n, k)
+    w = (jax.random.normal(kw, w_shape, jnp.float32) * k**-0.5).astype(jnp.bfloat16)
     return x, w
 
 
-def run_case(name: str) -> dict:
+def run_case(name: str, interpret: bool = True) -> dict:
     from ddtree_kernels.skinny_matmul_mgpu import skinny_matmul, skinny_matmul_reference
 
     m, n, k, kwargs = CASES[name]
-    x, w = _inputs(name, m, n, k)
-    y = np.asarray(skinny_matmul(x, w, interpret=True, **kwargs), np.float32)
-    ref = np.asarray(skinny_matmul_reference(x, w), np.float32)
+    kwargs = dict(kwargs)
+    x, w = _inputs(name, m, n, k, kwargs.pop("layers", None))
+    out = skinny_matmul(x, w, interpret=interpret, **kwargs)
+    y = np.asarray(out, np.float32)
+    ref = np.asarray(skinny_matmul_reference(x, w, layer=kwargs.get("layer")), np.float32)
     return {
         "shape": list(y.shape),
-        "dtype": str(skinny_matmul(x, w, interpret=True, **kwargs).dtype),
+        "dtype": str(out.dtype),
         "finite": bool(np.isfinite(y).all()),
         "max_err": float(np.abs(y - ref).max() / np.abs(ref).max()),
         "rel_err": float(np.linalg.norm(y - ref) / np.linalg.norm(ref)),
@@ -169,7 +177,16 @@ def _zeros(shape, dtype=jnp.bfloat16):
     "x_shape, w_shape, dtype, kwargs, message",
     [
         ((4,), (128, 4), None, {}, r"x must be 2-D \[M, K\], got shape \(4,\)"),
-        ((1, 128), (2, 128, 128), None, {}, r"w must be 2-D \[N, K\], got shape \(2, 128, 128\)"),
+        ((1, 128), (2, 128, 128), None, {}, r"w must be 2-D \[N, K\] \(stacked .* take layer=\), got shape \(2, 128"),
+        ((1, 128), (128, 128), None, dict(layer=0), r"with layer= w must be every layer's weights \[L, N, K\]"),
+        (
+            (1, 128),
+            (2, 128, 128),
+            None,
+            dict(layer=jnp.zeros(2, jnp.int32)),
+            r"layer must be a scalar, got shape \(2,\)",
+        ),
+        ((1, 128), (2, 128, 128), None, dict(layer=1.0), "layer must be an integer, got float"),
         ((1, 128), (128, 128), "x", {}, "x must be bfloat16, got float32"),
         ((1, 128), (128, 128), "w", {}, "w must be bfloat16, got float32"),
         ((1, 128), (128, 256), None, {}, r"x has K = 128 but w \[N, K\] has K = 256"),
@@ -219,6 +236,24 @@ def test_lowers_for_gpu(m, n, k, kwargs):
     assert "mosaic_gpu" in matmul.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_stacked_layer_lowers_for_gpu_under_a_scan():
+    """A layer scan's traced counter reaches the kernel as the TMA's layer index: the stacked weights are one
+    operand of the Mosaic call (no slice of them in the program)."""
+    from ddtree_kernels.skinny_matmul_mgpu import skinny_matmul
+
+    def scan(x, w):
+        def step(h, layer):
+            return skinny_matmul(h, w, layer=layer, interpret=False), None
+
+        return jax.lax.scan(step, x, jnp.arange(w.shape[0], dtype=jnp.int32))[0]
+
+    args = (jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), jax.ShapeDtypeStruct((3, 256, 256), jnp.bfloat16))
+    text = jax.jit(scan).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    slices = [line for line in text.splitlines() if "slice %" in line and "3x256x256" in line]
+    assert not slices, slices
+
+
 def test_benchmark_small_runs(tmp_path):
     """benchmarks/bench_skinny_mgpu.py --small (tiny shapes, interpret mode) runs end to end and writes its JSON."""
     out = run_in_subprocess(
@@ -226,13 +261,16 @@ def test_benchmark_small_runs(tmp_path):
         "from benchmarks import bench_skinny_mgpu as b\n"
         f"code = b.main(['--small', '--commit', 'test', '--out', {str(tmp_path)!r}])\n"
         f"rows = json.load(open({os.path.join(str(tmp_path), 'skinny_mgpu_test_small.json')!r}))['rows']\n"
-        "print(json.dumps({'code': code, 'rows': rows}))"
+        f"stacked_code = b.main(['--small', '--stacked', '2', '--commit', 'test', '--out', {str(tmp_path)!r}])\n"
+        f"stacked = json.load(open({os.path.join(str(tmp_path), 'skinny_mgpu_test_small_stacked2.json')!r}))['rows']\n"
+        "print(json.dumps({'code': code, 'rows': rows, 'stacked_code': stacked_code, 'stacked': stacked}))"
     )
-    assert out["code"] == 0
-    assert len(out["rows"]) == 4
-    for row in out["rows"]:
+    assert out["code"] == 0 and out["stacked_code"] == 0
+    assert len(out["rows"]) == 4 and len(out["stacked"]) == 4
+    for row in out["rows"] + out["stacked"]:
         assert row["mgpu_max_err"] < TOLERANCE and row["xla_max_err"] < TOLERANCE, row
         assert row["mgpu_us"] > 0 and row["xla_us"] > 0 and "mgpu_error" not in row
+    assert {row["stacked_layers"] for row in out["stacked"]} == {2}
 
 
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a Hopper GPU")
@@ -252,6 +290,35 @@ def test_compiled_on_gpu(weight, m):
     ref = np.asarray(skinny_matmul_reference(x, w), np.float32)
     assert y.shape == (m, n)
     assert_close(y, ref, TOLERANCE)
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [name for name in CASES if "stacked" in name])
+def test_compiled_stacked_cases_on_gpu(name):
+    result = run_case(name, interpret=False)
+    assert result["finite"] and result["max_err"] < TOLERANCE and result["rel_err"] < TOLERANCE, result
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (1, 17, 65))
+def test_compiled_k26_q_a_proj_in_a_layer_scan_on_gpu(m):
+    """K2.6's q_a_proj (1,536 x 7,168, every layer stacked) at the scan's traced layer, against the twin."""
+    from ddtree_kernels.skinny_matmul_mgpu import skinny_matmul, skinny_matmul_reference
+
+    x, w = _inputs(f"q_a{m}", m, 1536, 7168, layers=3)
+
+    def scan(matmul):
+        def step(_, layer):
+            return None, matmul(x, w, layer=layer)
+
+        return jax.jit(lambda: jax.lax.scan(step, None, jnp.arange(3, dtype=jnp.int32))[1])()
+
+    y, ref = np.asarray(scan(skinny_matmul), np.float32), np.asarray(scan(skinny_matmul_reference), np.float32)
+    assert y.shape == (3, m, 1536)
+    for layer in range(3):
+        assert_close(y[layer], ref[layer], TOLERANCE)
 
 
 @requires_gpu

@@ -210,3 +210,35 @@ def test_scanned_layers_equal_the_unrolled_loop(tiny_params):
             jnp.array([6, 2], jnp.int32),
             layer_loop="while",
         )
+
+
+def test_projections_passed_stacked_equal_the_sliced_layers(tiny_params, monkeypatch):
+    """The layer scan hands the projections `dispatch.stacked_in_place` names to the layer as a LayerOf
+    (read in place on GPU); off GPU `linear` slices the layer out, so the step equals the default exactly."""
+    from ddtree_jax import dispatch
+    from ddtree_jax.models import layers
+    from ddtree_jax.tree import ancestor_mask, build_tree
+
+    rng = np.random.default_rng(6)
+    prefix = jnp.asarray(rng.integers(0, 50, (2, 6)), jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 5, jnp.array([3, 5], jnp.int32))
+    seen = []
+    sliced = layers.LayerOf.get
+
+    def get(self):  # records which weights reached `linear` stacked
+        seen.append(self.stack.shape)
+        return sliced(self)
+
+    def run():
+        cache = deepseek_v3.create_cache(TINY, 2, 24, jnp.float32)
+        _, _, cache = deepseek_v3.prefill(TINY, tiny_params, cache, prefix, jnp.array([6, 4], jnp.int32))
+        return deepseek_v3.tree_forward(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))[:2]
+
+    want = run()
+    monkeypatch.setattr(dispatch, "stacked_in_place", lambda name, rows: name == "q_a_proj")
+    monkeypatch.setattr(layers.LayerOf, "get", get)
+    got = run()
+    q_a = tiny_params["moe_layers"]["q_a_proj"].shape
+    assert q_a in seen and tiny_params["dense_layers"]["q_a_proj"].shape in seen
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -133,3 +133,51 @@ def test_qwen3_tree_verify_on_the_mosaic_matmul_equals_the_xla_path_on_gpu():
         )[0]
     )
     assert "mosaic_gpu" in verify.lower(cache).as_text()  # the Mosaic GPU kernel's custom call, not XLA's dot
+
+
+def test_a_stacked_layer_off_gpu_is_its_slice():
+    """linear(x, LayerOf(stack, layer)) off GPU slices the layer: exactly linear(x, stack[layer]), every impl."""
+    from ddtree_jax.models.layers import LayerOf
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.bfloat16)
+    stack = jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.bfloat16)
+    for impl in ("xla", "auto", "mosaic"):
+        got = linear(x, LayerOf(stack, jnp.int32(2)), impl)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(linear(x, stack[2], impl), np.float32))
+
+
+def test_a_stacked_layer_on_gpu_is_read_in_place(monkeypatch):
+    """Where `dispatch.matmul_in_place` holds (on GPU), a LayerOf weight under a layer scan lowers to the skinny
+    kernel's custom call over the whole stack, with no slice of it (lowered for "cuda" here)."""
+    from ddtree_jax import dispatch
+    from ddtree_jax.models.layers import LayerOf
+
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda backend_name=None: True)
+    assert dispatch.matmul_in_place(17, (1536, 7168), quantized=False, bfloat16=True)
+    assert not dispatch.matmul_in_place(17, (1536, 7168), quantized=True, bfloat16=False)
+    assert not dispatch.matmul_in_place(300, (1536, 7168), quantized=False, bfloat16=True)  # > 256 rows
+    assert not dispatch.matmul_in_place(17, (1536, 7168), quantized=False, bfloat16=False)
+
+    def scan(x, stack):
+        def step(h, layer):
+            return linear(h, LayerOf(stack, layer))[..., : h.shape[-1]], None
+
+        return jax.lax.scan(step, x, jnp.arange(stack.shape[0], dtype=jnp.int32))[0]
+
+    args = (jax.ShapeDtypeStruct((1, 2, 256), jnp.bfloat16), jax.ShapeDtypeStruct((3, 512, 256), jnp.bfloat16))
+    text = jax.jit(scan).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert not [line for line in text.splitlines() if "slice %" in line and "3x512x256" in line]
+
+
+def test_stacked_in_place_names_the_measured_projections(monkeypatch):
+    from ddtree_jax import dispatch
+
+    monkeypatch.setattr(dispatch, "AUTO_IN_PLACE", True)
+    assert dispatch.stacked_in_place("q_a_proj", 17, backend_name="gpu")
+    assert not dispatch.stacked_in_place("q_a_proj", 17, backend_name="cpu")
+    assert not dispatch.stacked_in_place("q_a_proj", dispatch.IN_PLACE_MAX_ROWS + 1, backend_name="gpu")
+    assert not dispatch.stacked_in_place("o_proj", 17, backend_name="gpu")
+    monkeypatch.setattr(dispatch, "AUTO_IN_PLACE", False)
+    assert not dispatch.stacked_in_place("q_a_proj", 17, backend_name="gpu")
