@@ -20,7 +20,9 @@ against `skinny_matmul_reference` on input set 0 (bf16 output: expect ~4e-3).
 --stacked L: every weight stacked [L, N, K] as a model's layer scan holds it, both variants timed inside a
 `lax.scan` over the L layers: "xla" scans the stack as its input (each layer's weight sliced out, as the
 models' scans do; XLA copies a slice it cannot fuse into its GEMM), "mgpu" reads each layer in place
-(`skinny_matmul(..., layer=)`); `*_us` is per layer. --weights k26_q_a,k26_kv_a,k26_o_shard: the K2.6 TP8
+(`skinny_matmul(..., layer=)`); `*_us` is per layer, the device's busy time in kernels (`op_profile.
+device_busy_seconds`: the scan's gaps between iterations, its predicate read back to the host, left out; a first
+run timed the span and measured that gap, ~20 us a layer for both). --weights k26_q_a,k26_kv_a,k26_o_shard: the K2.6 TP8
 shard's attention projections (q_a / kv_a replicated, o_proj's 1/8 rows).
 --sweep: also time the kernel at other tilings (--sweep-block-n x --sweep-block-k x --sweep-splits, each at
 the most stages that fit) and print the best against the default `plan`.
@@ -49,7 +51,7 @@ from benchmarks.common import (
     relative_error,
     write_result,
 )
-from benchmarks.op_profile import device_seconds
+from benchmarks.op_profile import device_busy_seconds, device_seconds
 from ddtree_kernels.skinny_matmul_mgpu import (
     BLOCK_KS,
     BLOCK_NS,
@@ -112,9 +114,11 @@ def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err)[:300]}"
 
 
-def _timer(small: bool):
+def _timer(small: bool, stacked: bool = False):
     if small:  # the CPU has no device timeline worth reading: wall time of the in-jit calls
         return lambda fn, sets, runs: in_jit_seconds(fn, sets, runs=1)
+    if stacked:  # kernels only: the scan's per-iteration gaps (its predicate read back) are the loop's, not the layer's
+        return lambda fn, sets, runs: device_busy_seconds(fn, sets, runs=runs)
     return lambda fn, sets, runs: device_seconds(fn, sets, runs=runs)
 
 
@@ -185,7 +189,7 @@ def run_case(name: str, m: int, n: int, k: int, key, args) -> dict:
         }
         reference = skinny_matmul_reference
     sets = input_sets(m, n, k, sets_count, key, layers)
-    timer = _timer(args.small)
+    timer = _timer(args.small, bool(layers))
     ref = reference(*sets[0])
     for variant, fn in variants.items():
         try:

@@ -183,6 +183,15 @@ def device_seconds(fn, sets: list[tuple], *, shared: tuple = (), runs: int = 3) 
     return spans[len(spans) // 2] * 1e-6
 
 
+def device_busy_seconds(fn, sets: list[tuple], *, shared: tuple = (), runs: int = 3) -> float:
+    """Seconds the device spends in kernels per call of fn(*shared, *set): the median over `runs` traced programs
+    of `per_call_timeline`'s busy time (the gaps between kernels left out). For a program whose gaps are not the
+    call's own cost: a `lax.scan` of calls, whose while loop reads its predicate back to the host every iteration
+    when kernels launch one by one, a gap of the loop, not of what it runs."""
+    busy = sorted(per_call_timeline(fn, sets, shared)["busy_us_per_call"] for _ in range(runs))
+    return busy[len(busy) // 2] * 1e-6
+
+
 def profile_into(row: dict, name: str, fn, sets: list[tuple], top: int) -> None:
     """The kernel benchmarks' `--profile-top` for one variant `name`: fn's device time per op on the first set
     (`op_times`; its `top` largest ops in row[name_profile], their sum in row[name_device_us]) and the in-jit

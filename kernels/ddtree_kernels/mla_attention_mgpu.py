@@ -27,7 +27,7 @@ tiles; compiled, the rope queries are loaded into registers first (the register 
 is loaded back into registers for the value wgmma (a shared-memory operand must match the latent's swizzle).
 overlap=True (opt-in; on one H200 15-37% slower): FA3's intra-warpgroup overlap, block i's scores issued with
 block i - 1's value product and block i's softmax run while that product is in flight.
-alternate=True (opt-in, not yet timed): FlashMLA's schedule. The key blocks go in pairs; compute warpgroup 0
+alternate=True (opt-in; on one H200 12-19% slower, BENCHMARKS.md): FlashMLA's schedule. The key blocks go in pairs; compute warpgroup 0
 scores the first, warpgroup 1 the second (each score computed once, as split_scores, but with no lock step on
 the scores). WG 0 publishes its P and row max through shared memory; WG 1, its scores issued meanwhile, continues
 the online softmax from WG 0's max and publishes its P and max; both then multiply both blocks' P by their half
