@@ -30,7 +30,11 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               weights: XLA (the kernel slowed the whole Qwen3-8B forward: 15.9 against 10.0 ms at T = 1);
               "mosaic" takes the Mosaic GPU weight-streaming kernel (`skinny_matmul_mgpu`) for bf16 weights of
               >= MOSAIC_MATMUL_MIN_OUT rows (1.04-1.25x XLA per product at 65 rows on the H200), "auto" not yet
-              (AUTO_MOSAIC_MATMUL: not measured inside a whole forward).
+              (AUTO_MOSAIC_MATMUL: not measured inside a whole forward). In the DeepSeek-V3 layer scan on GPU,
+              the dense projections IN_PLACE_PROJECTIONS names reach the layer stacked and the skinny kernel
+              reads their layer in place (`stacked_in_place`), where XLA copied them out of their stacks every
+              layer (q_a_proj at 1 row, every dense weight at 8+): the K2.6 shard's 4-layer step 4.5% (AR) and
+              6% (DDTree 16) less device time; under a mesh only the replicated q_a / kv_a.
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
@@ -154,13 +158,28 @@ AUTO_MOSAIC_MATMUL = False
 # of session 16) the kernel led XLA by 4-25% on Qwen3-8B's q / o, gate / up and down, and lost on the 1,024-row
 # k / v projections (0.52-0.96x): too few 64-row stripes to stream the weight without a split-K sum after it
 MOSAIC_MATMUL_MIN_OUT = 2048
-# The DeepSeek-V3 layer scan slices each layer's parameters out of their stacks; XLA fuses that slice into most
-# GEMMs, but copies q_a_proj (K2.6: 1,536 x 7,168, 22 MB, replicated under TP) out of its stack in every layer
-# for its split-K Triton GEMM (one H200 4-layer profile: 10.7 us a layer, beside a 6.5 us GEMM). These
-# projections go to the layer stacked instead (`stacked_in_place`), read in place by the skinny kernel.
-IN_PLACE_PROJECTIONS = ("q_a_proj",)
-IN_PLACE_MAX_ROWS = 256  # the skinny kernel's rows (B x T); prefill chunks keep the sliced XLA GEMM
-AUTO_IN_PLACE = False  # not yet measured in the whole step
+# The DeepSeek-V3 layer scan slices each layer's parameters out of their stacks. At one token row XLA fuses that
+# slice into its GEMMs, except q_a_proj's (K2.6: 1,536 x 7,168, 22 MB), copied out of the stack every layer for a
+# split-K Triton GEMM (one H200 4-layer profile: 10.7 us a layer beside a 6.5 us GEMM); at 8+ rows (chain, trees)
+# it copies every dense weight of the layer (the dumped HLO of the 4-layer shard's chain step: kv_a, q_b, o_proj,
+# the router and the shared expert, ~44 MB a layer, as async copies). These projections go to the layer stacked
+# instead (`stacked_in_place`), read in place by the skinny kernel, from the row counts given here.
+IN_PLACE_PROJECTIONS = {
+    "q_a_proj": 1,
+    **dict.fromkeys(("kv_a_proj", "q_b_proj", "o_proj", "shared_gate", "shared_up", "shared_down"), 8),
+    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 8),  # the dense layers' FFN
+}
+# ... of them, those replicated under tensor parallelism (the rule table's "q_lora" / "kv_lora" / "embed" axes,
+# never split over "model"): the only ones taken under a mesh (`models.layers` runs the kernel per shard on the
+# whole weight)
+IN_PLACE_REPLICATED = ("q_a_proj", "kv_a_proj")
+IN_PLACE_MAX_ROWS = 65  # the most rows measured (B x T); larger calls keep the sliced XLA GEMM
+# Measured on one H200, the K2.6 TP8 shard's 4-layer step (command buffers off, device time): AR, q_a_proj in
+# place, 631 -> 603 and 633 -> 605 us in two runs; DDTree 16 (17 rows), every projection above in place, 2,168 ->
+# 2,040 us (q_a_proj alone: 2,175, a tie). Per projection in a layer scan (bench_skinny_mgpu --stacked 8, kernels'
+# busy time): q_a 1.54-1.68x XLA at 1-65 rows; kv_a 0.65x at 1 row, 1.18-1.22x at 9-65; o_proj's shard 0.82x at
+# 1 row, 1.70-1.88x at 9-65. The chain's 8 rows: the same copies in its dumped HLO, not timed whole.
+AUTO_IN_PLACE = True
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
 TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)
 # ... but only when AUTO_TREE_TOPK_CHUNKED: on the H200 (V = 151,936, L = 15, bf16, bench_tree_V151936_7ba6e57.json)
@@ -379,10 +398,15 @@ def matmul_in_place(
     return _on_gpu(backend_name) and not quantized and bfloat16 and skinny_takes(rows, weight_shape)
 
 
-def stacked_in_place(name: str, rows: int, backend_name: str | None = None) -> bool:
+def stacked_in_place(name: str, rows: int, *, sharded: bool = False, backend_name: str | None = None) -> bool:
     """Whether a layer scan passes the dense projection `name` stacked (a `LayerOf`, read in place by `linear`)
-    for `rows` token rows: AUTO_IN_PLACE, on GPU, for the IN_PLACE_PROJECTIONS."""
-    return AUTO_IN_PLACE and name in IN_PLACE_PROJECTIONS and _on_gpu(backend_name) and rows <= IN_PLACE_MAX_ROWS
+    for `rows` token rows: AUTO_IN_PLACE, on GPU, for the IN_PLACE_PROJECTIONS from their row counts up to
+    IN_PLACE_MAX_ROWS; under a mesh (`sharded`) only the IN_PLACE_REPLICATED ones."""
+    if not (AUTO_IN_PLACE and name in IN_PLACE_PROJECTIONS and _on_gpu(backend_name)):
+        return False
+    if sharded and name not in IN_PLACE_REPLICATED:
+        return False
+    return IN_PLACE_PROJECTIONS[name] <= rows <= IN_PLACE_MAX_ROWS
 
 
 def matmul_impl(

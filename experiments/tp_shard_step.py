@@ -99,6 +99,11 @@ def main() -> None:
         "(dispatch.AUTO_IN_PLACE; default: its value)",
     )
     parser.add_argument(
+        "--in-place-projections",
+        default=None,
+        help="name:min_rows,... replacing dispatch.IN_PLACE_PROJECTIONS (e.g. q_a_proj:1,o_proj:9)",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args()
@@ -106,6 +111,11 @@ def main() -> None:
         dispatch.MLA_SCHEDULE = args.mla_schedule
     if args.in_place is not None:  # read by the models at trace time (`deepseek_v3._run`)
         dispatch.AUTO_IN_PLACE = args.in_place == "on"
+    if args.in_place_projections is not None:
+        pairs = [item.split(":") for item in args.in_place_projections.split(",") if item]
+        if any(len(pair) != 2 or not pair[1].isdigit() for pair in pairs):
+            raise SystemExit(f"--in-place-projections takes name:min_rows,..., got {args.in_place_projections!r}")
+        dispatch.IN_PLACE_PROJECTIONS = {name: int(rows) for name, rows in pairs}
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -166,6 +176,7 @@ def main() -> None:
                     layers=shard.num_layers,
                     mla_schedule=dispatch.MLA_SCHEDULE,
                     in_place=dispatch.AUTO_IN_PLACE,
+                    in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
                     init_s=init_s,
                     collectives_ms=cost.collectives_s * 1e3,
                     shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,

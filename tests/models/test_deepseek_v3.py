@@ -235,10 +235,19 @@ def test_projections_passed_stacked_equal_the_sliced_layers(tiny_params, monkeyp
         return deepseek_v3.tree_forward(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))[:2]
 
     want = run()
-    monkeypatch.setattr(dispatch, "stacked_in_place", lambda name, rows: name == "q_a_proj")
+    asked = []
+
+    def stacked_in_place(name, rows, *, sharded=False):
+        asked.append((name, rows, sharded))
+        return name in ("q_a_proj", "o_proj")
+
+    monkeypatch.setattr(dispatch, "stacked_in_place", stacked_in_place)
     monkeypatch.setattr(layers.LayerOf, "get", get)
     got = run()
-    q_a = tiny_params["moe_layers"]["q_a_proj"].shape
-    assert q_a in seen and tiny_params["dense_layers"]["q_a_proj"].shape in seen
+    for stack in ("dense_layers", "moe_layers"):
+        for name in ("q_a_proj", "o_proj"):
+            assert tiny_params[stack][name].shape in seen, (stack, name)
+    assert {rows for _, rows, _ in asked} == {2 * 6, 2 * tree.tokens.shape[1]}  # B x T: the prefill, the verify
+    assert not any(sharded for *_, sharded in asked)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
