@@ -34,7 +34,7 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               the dense projections IN_PLACE_PROJECTIONS names reach the layer stacked and the skinny kernel
               reads their layer in place (`stacked_in_place`), where XLA copied them out of their stacks every
               layer (q_a_proj at 1 row, every dense weight at 8+): the K2.6 shard's 4-layer step 4.5% (AR) and
-              6% (DDTree 16) less device time; under a mesh only the replicated q_a / kv_a.
+              6% (DDTree 16) less device time.
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
@@ -169,10 +169,6 @@ IN_PLACE_PROJECTIONS = {
     **dict.fromkeys(("kv_a_proj", "q_b_proj", "o_proj", "shared_gate", "shared_up", "shared_down"), 8),
     **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 8),  # the dense layers' FFN
 }
-# ... of them, those replicated under tensor parallelism (the rule table's "q_lora" / "kv_lora" / "embed" axes,
-# never split over "model"): the only ones taken under a mesh (`models.layers` runs the kernel per shard on the
-# whole weight)
-IN_PLACE_REPLICATED = ("q_a_proj", "kv_a_proj")
 IN_PLACE_MAX_ROWS = 65  # the most rows measured (B x T); larger calls keep the sliced XLA GEMM
 # Measured on one H200, the K2.6 TP8 shard's 4-layer step (command buffers off, device time): AR, q_a_proj in
 # place, 631 -> 603 and 633 -> 605 us in two runs; DDTree 16 (17 rows), every projection above in place, 2,168 ->
@@ -398,13 +394,11 @@ def matmul_in_place(
     return _on_gpu(backend_name) and not quantized and bfloat16 and skinny_takes(rows, weight_shape)
 
 
-def stacked_in_place(name: str, rows: int, *, sharded: bool = False, backend_name: str | None = None) -> bool:
+def stacked_in_place(name: str, rows: int, backend_name: str | None = None) -> bool:
     """Whether a layer scan passes the dense projection `name` stacked (a `LayerOf`, read in place by `linear`)
     for `rows` token rows: AUTO_IN_PLACE, on GPU, for the IN_PLACE_PROJECTIONS from their row counts up to
-    IN_PLACE_MAX_ROWS; under a mesh (`sharded`) only the IN_PLACE_REPLICATED ones."""
+    IN_PLACE_MAX_ROWS (under a mesh as well: `linear` reads each shard's part, `models.layers._linear_in_place`)."""
     if not (AUTO_IN_PLACE and name in IN_PLACE_PROJECTIONS and _on_gpu(backend_name)):
-        return False
-    if sharded and name not in IN_PLACE_REPLICATED:
         return False
     return IN_PLACE_PROJECTIONS[name] <= rows <= IN_PLACE_MAX_ROWS
 

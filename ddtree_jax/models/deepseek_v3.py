@@ -40,7 +40,6 @@ from ddtree_jax.models.layers import (
     yarn_mscale,
 )
 from ddtree_jax.models.moe import EXPERT_AXES, LayerOf, moe, moe_reference, route  # noqa: F401  (route re-exported)
-from ddtree_jax.sharding.regions import context_mesh
 from ddtree_kernels.quant import dense
 
 
@@ -451,15 +450,16 @@ def _run(
         # the routed experts stay stacked (loop invariants) and reach the layer as LayerOf(stack, layer): the
         # grouped kernel reads its layer in place instead of a per-layer slice copy (models/moe.py); so do the
         # dense projections `dispatch.stacked_in_place` names (read in place by `linear`)
-        sharded = context_mesh() is not None
-        in_place = [name for name in params[kind] if dispatch.stacked_in_place(name, tokens.size, sharded=sharded)]
+        in_place = [name for name in params[kind] if dispatch.stacked_in_place(name, tokens.size)]
         stacks = {name: params[kind][name] for name in (*EXPERT_AXES, *in_place) if name in params[kind]}
         rest = {name: value for name, value in params[kind].items() if name not in stacks}
         xs = (rest, jnp.arange(count, dtype=jnp.int32))
+        # a projection's logical axes (its spec under a mesh, `layers._linear_in_place`); the experts' are theirs
+        axes = {name: param_axes(c)[kind][name][1:] for name in in_place}
 
-        def step(carry, inputs, kind=kind, stacks=stacks, first=first):
+        def step(carry, inputs, kind=kind, stacks=stacks, first=first, axes=axes):
             p, layer = inputs
-            p = {**p, **{name: LayerOf(stack, layer) for name, stack in stacks.items()}}
+            p = {**p, **{name: LayerOf(stack, layer, axes.get(name)) for name, stack in stacks.items()}}
             return layer_fn(kind)(carry, (p, first + layer))
 
         if layer_loop == "scan":

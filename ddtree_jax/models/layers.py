@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ddtree_jax import dispatch
-from ddtree_jax.sharding.regions import rows as row_spec
-from ddtree_jax.sharding.regions import shard_call
+from ddtree_jax.sharding.regions import context_mesh, fit_specs, shard_call
+from ddtree_jax.sharding.rules import DATA, partition_spec
 from ddtree_kernels.decode_matmul import matmul, matmul_reference
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
 from ddtree_kernels.skinny_matmul_mgpu import skinny_matmul
@@ -44,10 +44,12 @@ class LayerOf:
     reads the layer in place and "gather" indexes (layer, expert) in one gather, where a slice would copy
     the layer's experts, 8.4 GB per K2.6 INT4 layer, before every Pallas call), and the dense projections
     `dispatch.stacked_in_place` names (`linear` reads them in place, see there). Paths that need the whole
-    layer anyway slice it (`get`)."""
+    layer anyway slice it (`get`). axes (static): one layer's logical axis names, which a dense projection
+    read in place under a mesh needs (its partition spec from the rule table); None for the experts."""
 
     stack: Any
     layer: jax.Array
+    axes: tuple[str, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -58,21 +60,26 @@ class LayerOf:
 
 
 def _linear_in_place(x: jax.Array, weight: LayerOf) -> jax.Array:
-    """x [..., in] @ weight.stack[weight.layer].T by the Mosaic skinny kernel reading the layer in place (a
-    per-shard program under a mesh: rows split as x's batch, the weight whole, as the dense projections that
-    take this path are replicated)."""
+    """x [..., in] @ weight.stack[weight.layer].T by the Mosaic skinny kernel reading the layer in place. Under a
+    mesh, a per-shard program (`sharding.regions.shard_call`): x's rows split as its batch, the weight as the TP
+    rule table splits it (`weight.axes`: [out, in] logical axes), x's last dimension as the weight's "in"; a
+    weight split along "in" (o_proj, down projections) sums its partial products over "model"."""
+    out_axis, in_axis = partition_spec(weight.axes, "tp") if weight.axes is not None else (None, None)
+    lead = [DATA] + [None] * (x.ndim - 2) if x.ndim > 1 else []
+    args = (x, weight.stack, weight.layer)
+    specs = (PartitionSpec(*lead, in_axis), PartitionSpec(None, out_axis, in_axis), PartitionSpec())
+    out_spec = PartitionSpec(*lead, out_axis)
+    mesh = context_mesh()
+    # an "in" axis the mesh does not divide falls back to replication (`fit_specs`, in x and the weight alike):
+    # then each shard holds whole products, nothing to sum
+    summed = in_axis is not None and mesh is not None and in_axis not in fit_specs(mesh, args, specs, out_spec)[2]
 
     def per_shard(x, stack, layer):
         flat = x.reshape(-1, x.shape[-1])
-        return skinny_matmul(flat, stack, layer=layer).reshape(*x.shape[:-1], stack.shape[-2])
+        out = skinny_matmul(flat, stack, layer=layer).reshape(*x.shape[:-1], stack.shape[-2])
+        return jax.lax.psum(out, in_axis) if summed else out
 
-    stack_spec = PartitionSpec(*([None] * weight.stack.ndim))
-    return shard_call(
-        per_shard,
-        (x, weight.stack, weight.layer),
-        (row_spec(x.ndim), stack_spec, PartitionSpec()),
-        row_spec(x.ndim),
-    )
+    return shard_call(per_shard, args, specs, out_spec, reduce_axes=(in_axis,) if summed else ())
 
 
 def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:

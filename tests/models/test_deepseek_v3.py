@@ -237,8 +237,8 @@ def test_projections_passed_stacked_equal_the_sliced_layers(tiny_params, monkeyp
     want = run()
     asked = []
 
-    def stacked_in_place(name, rows, *, sharded=False):
-        asked.append((name, rows, sharded))
+    def stacked_in_place(name, rows):
+        asked.append((name, rows))
         return name in ("q_a_proj", "o_proj")
 
     monkeypatch.setattr(dispatch, "stacked_in_place", stacked_in_place)
@@ -247,7 +247,6 @@ def test_projections_passed_stacked_equal_the_sliced_layers(tiny_params, monkeyp
     for stack in ("dense_layers", "moe_layers"):
         for name in ("q_a_proj", "o_proj"):
             assert tiny_params[stack][name].shape in seen, (stack, name)
-    assert {rows for _, rows, _ in asked} == {2 * 6, 2 * tree.tokens.shape[1]}  # B x T: the prefill, the verify
-    assert not any(sharded for *_, sharded in asked)
+    assert {rows for _, rows in asked} == {2 * 6, 2 * tree.tokens.shape[1]}  # B x T: the prefill, the verify
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

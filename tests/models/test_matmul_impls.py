@@ -182,23 +182,15 @@ def test_stacked_in_place_names_the_measured_projections(monkeypatch):
     assert not dispatch.stacked_in_place("q_a_proj", dispatch.IN_PLACE_MAX_ROWS + 1, **gpu)
     assert not dispatch.stacked_in_place("o_proj", 7, **gpu) and dispatch.stacked_in_place("o_proj", 8, **gpu)
     assert not dispatch.stacked_in_place("kv_b_proj", 17, **gpu)
-    # under a mesh only the weights tensor parallelism replicates (the kernel runs per shard on the whole weight)
-    assert dispatch.stacked_in_place("q_a_proj", 17, sharded=True, **gpu)
-    assert not dispatch.stacked_in_place("o_proj", 17, sharded=True, **gpu)
     monkeypatch.setattr(dispatch, "AUTO_IN_PLACE", False)
     assert not dispatch.stacked_in_place("q_a_proj", 17, **gpu)
 
 
-def test_in_place_replicated_names_are_replicated_by_the_rule_table():
-    """IN_PLACE_REPLICATED must name weights whose logical axes the TP rule table never splits."""
+def test_in_place_projections_are_the_models_parameters():
     from ddtree_jax import dispatch
     from ddtree_jax.models import deepseek_v3
-    from ddtree_jax.sharding.rules import MODEL, partition_spec
     from tests.models.test_deepseek_v3 import CONFIG
 
-    shapes = deepseek_v3.param_shapes(CONFIG)["moe_layers"]
-    for name in dispatch.IN_PLACE_REPLICATED:
-        _, axes = shapes[name]
-        assert MODEL not in jax.tree.leaves(tuple(partition_spec(axes[1:], "tp"))), (name, axes)
+    shapes = deepseek_v3.param_shapes(CONFIG)
     for name in dispatch.IN_PLACE_PROJECTIONS:
-        assert name in shapes or name in deepseek_v3.param_shapes(CONFIG)["dense_layers"], name
+        assert name in shapes["moe_layers"] or name in shapes["dense_layers"], name

@@ -122,3 +122,29 @@ def test_fit_specs_and_shard_call(mesh):
         np.testing.assert_allclose(np.asarray(got), np.asarray(x.sum(-1)))
         with pytest.raises(ValueError, match="mesh axis 'model' .* does not divide"):
             shard_call(row_sums, (jnp.zeros((2, 6)),), (P("data", "model"),), P("data"), reduce_axes=("model",))
+
+
+def test_projections_read_in_place_per_shard_equal_unsharded(params, mesh, unsharded, monkeypatch):
+    """The dense projections a layer scan hands over stacked (`dispatch.stacked_in_place`), read in place per
+    shard under the TP mesh (`layers._linear_in_place`: each shard's part of the stack, partial products of a
+    weight split along its input summed over "model"), equal the unsharded model. The skinny kernel (GPU only)
+    is replaced by its twin with the same arguments; the twin's own tests are the kernel's."""
+    from ddtree_jax.models import layers
+    from ddtree_kernels.skinny_matmul_mgpu import skinny_matmul_reference
+
+    shapes = []
+
+    def twin(x, stack, *, layer):
+        shapes.append(tuple(stack.shape))
+        return skinny_matmul_reference(x, stack, layer=layer)
+
+    monkeypatch.setattr(dispatch, "stacked_in_place", lambda name, rows: name in dispatch.IN_PLACE_PROJECTIONS)
+    monkeypatch.setattr(dispatch, "matmul_in_place", lambda *args, **kwargs: True)
+    monkeypatch.setattr(layers, "skinny_matmul", twin)
+    sharded = shard_params(params, deepseek_v3.param_axes(CONFIG), mesh, "tp")
+    got = prefill_verify(sharded, mesh, in_mesh_context=True, attn_impl="pallas", moe_impl="pallas")
+    _close(got, unsharded)
+    moe_layers = CONFIG.num_layers - CONFIG.first_k_dense_replace
+    heads_v = CONFIG.num_heads * CONFIG.v_head_dim
+    assert (moe_layers, CONFIG.hidden_size, heads_v // 4) in shapes  # o_proj: its input split 4 ways, summed
+    assert (moe_layers, CONFIG.q_lora_rank, CONFIG.hidden_size) in shapes  # q_a_proj: replicated, whole
