@@ -21,9 +21,10 @@ against `skinny_matmul_reference` on input set 0 (bf16 output: expect ~4e-3).
 `lax.scan` over the L layers: "xla" scans the stack as its input (each layer's weight sliced out, as the
 models' scans do; XLA copies a slice it cannot fuse into its GEMM), "mgpu" reads each layer in place
 (`skinny_matmul(..., layer=)`); `*_us` is per layer, the device's busy time in kernels (`op_profile.
-device_busy_seconds`: the scan's gaps between iterations, its predicate read back to the host, left out; a first
+device_busy_seconds`: every gap between kernels left out, the scan's between iterations, its predicate read back to
+the host, among them; a first
 run timed the span and measured that gap, ~20 us a layer for both). --weights k26_q_a,k26_kv_a,k26_o_shard: the K2.6 TP8
-shard's attention projections (q_a / kv_a replicated, o_proj's 1/8 rows).
+shard's attention projections (q_a / kv_a replicated, o_proj's 1/8 columns: K = 1,024 of 8,192).
 --sweep: also time the kernel at other tilings (--sweep-block-n x --sweep-block-k x --sweep-splits, each at
 the most stages that fit) and print the best against the default `plan`.
 --small: a CPU smoke run (tiny shapes, interpret mode, wall-clock `common.in_jit_seconds`, 2 sets): checks that

@@ -33,7 +33,7 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               (AUTO_MOSAIC_MATMUL: not measured inside a whole forward). In the DeepSeek-V3 layer scan on GPU,
               the dense projections IN_PLACE_PROJECTIONS names reach the layer stacked and the skinny kernel
               reads their layer in place (`stacked_in_place`), where XLA copied them out of their stacks every
-              layer (q_a_proj at 1 row, every dense weight at 8+): the K2.6 shard's 4-layer step 4.5% (AR) and
+              layer (q_a_proj at 1 row, every dense weight but the router at 8+): the K2.6 shard's 4-layer step 4.5% (AR) and
               6% (DDTree 16) less device time.
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
@@ -163,7 +163,8 @@ MOSAIC_MATMUL_MIN_OUT = 2048
 # split-K Triton GEMM (one H200 4-layer profile: 10.7 us a layer beside a 6.5 us GEMM); at 8+ rows (chain, trees)
 # it copies every dense weight of the layer (the dumped HLO of the 4-layer shard's chain step: kv_a, q_b, o_proj,
 # the router and the shared expert, ~44 MB a layer, as async copies). These projections go to the layer stacked
-# instead (`stacked_in_place`), read in place by the skinny kernel, from the row counts given here.
+# instead (`stacked_in_place`), read in place by the skinny kernel, from the row counts given here; the router
+# stays sliced (`moe.route` computes in float32: not the skinny kernel's bf16).
 IN_PLACE_PROJECTIONS = {
     "q_a_proj": 1,
     **dict.fromkeys(("kv_a_proj", "q_b_proj", "o_proj", "shared_gate", "shared_up", "shared_down"), 8),
@@ -174,7 +175,8 @@ IN_PLACE_MAX_ROWS = 65  # the most rows measured (B x T); larger calls keep the 
 # place, 631 -> 603 and 633 -> 605 us in two runs; DDTree 16 (17 rows), every projection above in place, 2,168 ->
 # 2,040 us (q_a_proj alone: 2,175, a tie). Per projection in a layer scan (bench_skinny_mgpu --stacked 8, kernels'
 # busy time): q_a 1.54-1.68x XLA at 1-65 rows; kv_a 0.65x at 1 row, 1.18-1.22x at 9-65; o_proj's shard 0.82x at
-# 1 row, 1.70-1.88x at 9-65. The chain's 8 rows: the same copies in its dumped HLO, not timed whole.
+# 1 row, 1.70-1.88x at 9-65. The chain's 8 rows: the same copies in its dumped HLO; its whole step timed with
+# q_a_proj alone in place (1,943 us), not yet with the whole table nor against all sliced.
 AUTO_IN_PLACE = True
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
 TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)
@@ -185,8 +187,9 @@ AUTO_TREE_TOPK_CHUNKED = False
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
 # The grouped INT4 expert matmul of prefill-sized calls (more than MOSAIC_GROUPED_MIN_ROWS assignments an expert
 # on average): the Mosaic GPU kernel (`grouped_int4_mgpu`) where it takes the shapes; on the H200 at a 2,048-token
-# K2.6 chunk (16,384 assignments over 384 experts, ~43 an expert; efb2e2f) 2,998 / 3,354 us (gate / down) against
-# the Triton kernel's one-dot tiling at 7,003 / 7,719. The threshold is the Triton prefill tiling's, not measured
+# K2.6 chunk (16,384 assignments over 384 experts, ~43 an expert; 39f2627, scales read in place) 3,182 / 3,563 us
+# (gate / down) against the Triton kernel's one-dot tiling at 6,996 / 7,708 (its best tiling of that sweep: 5,258 /
+# 5,096). The threshold is the Triton prefill tiling's, not measured
 # for this kernel; under "ep" the count includes the assignments routed to other devices' experts (run as local
 # expert 0's rows), so a B = 8 tree verify may take it: also not measured.
 AUTO_MOSAIC_GROUPED = True
@@ -299,6 +302,13 @@ def mla_attention_kernel(
 # scores every key block: the fastest measured at N = 17), "split_scores" (each scores half a block, lock-stepped:
 # 5.7-7.3% faster at N = 65 with 64 heads), "overlap" (FA3's intra-warpgroup overlap: 15-37% slower), "alternate"
 # (FlashMLA's pairs: not yet compiled on the GPU). A research knob (`tp_shard_step --mla-schedule`), not an auto choice.
+# Absorbed MLA's two per-head products with W_UK / W_UV (q_latent = q_nope . W_UK, out = o_latent . W_UV^T) at
+# up to this many token rows (B x T) written as a broadcast product and a sum (a column reduction over W_UK's
+# rows, a row reduction over W_UV's), not as dots. In the K2.6 shard's AR step (1 row) XLA rewrites the dots as
+# reductions that want both weights transposed to [H, kv_lora, 128] and transposes them every layer (2.9 + 3.6 us,
+# `input_transpose_fusion{,.1}` in its HLO); at 8 rows it runs GEMMs on the stored layout. 0: the dots everywhere
+# (not yet timed on the GPU: `tp_shard_step --mla-reduce-rows 1`).
+MLA_REDUCE_MAX_ROWS = 0
 MLA_SCHEDULES = ("default", "split_scores", "overlap", "alternate")
 MLA_SCHEDULE = "default"
 

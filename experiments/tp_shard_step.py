@@ -104,6 +104,12 @@ def main() -> None:
         help="name:min_rows,... replacing dispatch.IN_PLACE_PROJECTIONS (e.g. q_a_proj:1,o_proj:9)",
     )
     parser.add_argument(
+        "--mla-reduce-rows",
+        type=int,
+        default=None,
+        help="dispatch.MLA_REDUCE_MAX_ROWS: absorbed MLA's W_UK / W_UV products as reductions up to these rows",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args()
@@ -111,10 +117,20 @@ def main() -> None:
         dispatch.MLA_SCHEDULE = args.mla_schedule
     if args.in_place is not None:  # read by the models at trace time (`deepseek_v3._run`)
         dispatch.AUTO_IN_PLACE = args.in_place == "on"
+    if args.mla_reduce_rows is not None:  # read by the models at trace time (`deepseek_v3._mla_attend`)
+        dispatch.MLA_REDUCE_MAX_ROWS = args.mla_reduce_rows
     if args.in_place_projections is not None:
         pairs = [item.split(":") for item in args.in_place_projections.split(",") if item]
         if any(len(pair) != 2 or not pair[1].isdigit() for pair in pairs):
             raise SystemExit(f"--in-place-projections takes name:min_rows,..., got {args.in_place_projections!r}")
+        known = set(deepseek_v3.param_shapes(k26_config(1, args.tiny))["moe_layers"]) | {
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        }
+        unknown = sorted({name for name, _ in pairs} - known)
+        if unknown:
+            raise SystemExit(f"--in-place-projections: unknown parameters {unknown}; choose from {sorted(known)}")
         dispatch.IN_PLACE_PROJECTIONS = {name: int(rows) for name, rows in pairs}
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
@@ -177,6 +193,7 @@ def main() -> None:
                     mla_schedule=dispatch.MLA_SCHEDULE,
                     in_place=dispatch.AUTO_IN_PLACE,
                     in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
+                    mla_reduce_max_rows=dispatch.MLA_REDUCE_MAX_ROWS,
                     init_s=init_s,
                     collectives_ms=cost.collectives_s * 1e3,
                     shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,

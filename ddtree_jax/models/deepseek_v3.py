@@ -186,7 +186,10 @@ def forward_logits(config: DeepSeekV3Config, params: dict, input_ids: jax.Array)
 
 
 def _check_matmul_impl(matmul_impl: str) -> None:
-    """This family's dense projections run in XLA for now (its routed experts have moe_impl="pallas")."""
+    """This family takes matmul_impl "xla" / "auto" only: its dense projections run in XLA, except those its layer
+    scan reads in place on GPU (`dispatch.stacked_in_place`, the skinny Mosaic kernel; governed by
+    `dispatch.AUTO_IN_PLACE` like the routed experts' in-place reads, whatever matmul_impl says); its routed
+    experts have moe_impl."""
     if matmul_impl not in ("xla", "auto"):
         raise NotImplementedError(
             f"matmul_impl={matmul_impl!r} is not wired into the DeepSeek-V3 family yet; "
@@ -298,7 +301,8 @@ def _mla_attend(
         latent_cache, rope_cache = one_layer(latent_cache), one_layer(rope_cache)
         out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl, causal_start)
         return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
-    q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, kv_lora]
+    reduce = batch * steps <= dispatch.MLA_REDUCE_MAX_ROWS  # the products as reductions (dispatch's note)
+    q_latent = _absorb_query(q_nope, w_uk) if reduce else contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, r]
     float32 = q_latent.dtype == jnp.float32 or latent_cache.dtype == jnp.float32
     impl = dispatch.attention_impl(
         attn_impl,
@@ -332,8 +336,22 @@ def _mla_attend(
             scale=softmax_scale(c),
             impl="blockwise" if blockwise else "xla",
         )
-    out = contract("bthr,hvr->bthv", out_latent, w_uv)
+    out = _expand_values(out_latent, w_uv) if reduce else contract("bthr,hvr->bthv", out_latent, w_uv)
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
+
+
+def _absorb_query(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
+    """q_nope [B, T, H, nope] . W_UK [H, nope, r] -> [B, T, H, r] as a broadcast product summed over nope (float32
+    accumulation, q_nope's dtype out): a column reduction reading W_UK as stored."""
+    product = q_nope.astype(jnp.float32)[..., :, None] * w_uk.astype(jnp.float32)
+    return product.sum(axis=-2).astype(q_nope.dtype)
+
+
+def _expand_values(out_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
+    """out_latent [B, T, H, r] . W_UV [H, v, r]^T -> [B, T, H, v] as a broadcast product summed over r (float32
+    accumulation): a row reduction reading W_UV as stored."""
+    product = out_latent.astype(jnp.float32)[..., None, :] * w_uv.astype(jnp.float32)
+    return product.sum(axis=-1).astype(out_latent.dtype)
 
 
 def _mla_expanded(config, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl, causal_start=None):

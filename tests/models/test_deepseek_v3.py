@@ -250,3 +250,29 @@ def test_projections_passed_stacked_equal_the_sliced_layers(tiny_params, monkeyp
     assert {rows for _, rows in asked} == {2 * 6, 2 * tree.tokens.shape[1]}  # B x T: the prefill, the verify
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_absorbed_products_as_reductions_equal_the_dots(tiny_params, monkeypatch):
+    """dispatch.MLA_REDUCE_MAX_ROWS: W_UK / W_UV applied as broadcast products and sums = the dots (float32)."""
+    from ddtree_jax import dispatch
+    from ddtree_jax.tree import ancestor_mask, build_tree
+
+    rng = np.random.default_rng(8)
+    prefix = jnp.asarray(rng.integers(0, 50, (2, 6)), jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 5, jnp.array([4, 6], jnp.int32))
+
+    def run():
+        cache = deepseek_v3.create_cache(TINY, 2, 24, jnp.float32)
+        _, _, cache = deepseek_v3.prefill(TINY, tiny_params, cache, prefix, jnp.array([6, 3], jnp.int32))
+        return deepseek_v3.tree_forward(TINY, tiny_params, cache, tree.tokens, tree.depths, ancestor_mask(tree))[:2]
+
+    want = run()
+    monkeypatch.setattr(dispatch, "MLA_REDUCE_MAX_ROWS", 1 << 20)
+    got = run()
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    q_nope = jnp.asarray(rng.standard_normal((1, 1, 3, 4)), jnp.float32)
+    w_uk = jnp.asarray(rng.standard_normal((3, 4, 5)), jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(deepseek_v3._absorb_query(q_nope, w_uk)), np.einsum("bthn,hnr->bthr", q_nope, w_uk), rtol=1e-6
+    )
