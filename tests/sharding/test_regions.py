@@ -138,7 +138,8 @@ def test_projections_read_in_place_per_shard_equal_unsharded(params, mesh, unsha
         shapes.append(tuple(stack.shape))
         return skinny_matmul_reference(x, stack, layer=layer)
 
-    monkeypatch.setattr(dispatch, "stacked_in_place", lambda name, rows: name in dispatch.IN_PLACE_PROJECTIONS)
+    names = {**dispatch.IN_PLACE_PROJECTIONS, **dispatch.IN_PLACE_PENDING}  # every split kind: out, in, none
+    monkeypatch.setattr(dispatch, "stacked_in_place", lambda name, rows: name in names)
     monkeypatch.setattr(dispatch, "matmul_in_place", lambda *args, **kwargs: True)
     monkeypatch.setattr(layers, "skinny_matmul", twin)
     sharded = shard_params(params, deepseek_v3.param_axes(CONFIG), mesh, "tp")
