@@ -23,7 +23,7 @@ models' scans do; XLA copies a slice it cannot fuse into its GEMM), "mgpu" reads
 (`skinny_matmul(..., layer=)`); `*_us` is per layer, the device's busy time in kernels (`op_profile.
 device_busy_seconds`: every gap between kernels left out, the scan's between iterations, its predicate read back to
 the host, among them; a first
-run timed the span and measured that gap, ~20 us a layer for both). --weights k26_q_a,k26_kv_a,k26_o_shard: the K2.6 TP8
+run timed the span and measured that gap, ~20 us a layer for both). --weights k26_q_a,k26_kv_a,k26_o_shard (and the k26_* rest): the K2.6 TP8
 shard's attention projections (q_a / kv_a replicated, o_proj's 1/8 columns: K = 1,024 of 8,192).
 --sweep: also time the kernel at other tilings (--sweep-block-n x --sweep-block-k x --sweep-splits, each at
 the most stages that fit) and print the best against the default `plan`.
@@ -80,6 +80,13 @@ WEIGHTS = {  # name: (N, K)
     "k26_q_a": (1536, 7168),  # Kimi K2.6 q_a_proj (replicated under TP)
     "k26_kv_a": (576, 7168),  # kv_a_proj_with_mqa (replicated)
     "k26_o_shard": (7168, 1024),  # o_proj, one TP8 shard's columns (8 heads x 128)
+    # the rest of the shard's dense projections (dispatch.IN_PLACE_PENDING): q_b (8 heads x 192 rows), the shared
+    # expert's gate / up and down (256 of 2,048 columns), the dense layer's FFN (2,304 of 18,432)
+    "k26_q_b_shard": (1536, 1536),
+    "k26_shared_gate_up": (256, 7168),
+    "k26_shared_down": (7168, 256),
+    "k26_dense_gate_up": (2304, 7168),
+    "k26_dense_down": (7168, 2304),
 }
 ROWS = (1, 17, 65, 128)
 QUICK_WEIGHTS = ("qo_proj", "gate_up", "down")
