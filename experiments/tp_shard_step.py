@@ -123,11 +123,8 @@ def main() -> None:
         pairs = [item.split(":") for item in args.in_place_projections.split(",") if item]
         if any(len(pair) != 2 or not pair[1].isdigit() for pair in pairs):
             raise SystemExit(f"--in-place-projections takes name:min_rows,..., got {args.in_place_projections!r}")
-        known = set(deepseek_v3.param_shapes(k26_config(1, args.tiny))["moe_layers"]) | {
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        }
+        shapes = deepseek_v3.param_shapes(k26_config(1, args.tiny))
+        known = set(shapes["dense_layers"]) | set(shapes["moe_layers"])
         unknown = sorted({name for name, _ in pairs} - known)
         if unknown:
             raise SystemExit(f"--in-place-projections: unknown parameters {unknown}; choose from {sorted(known)}")

@@ -473,7 +473,8 @@ def _run(
         rest = {name: value for name, value in params[kind].items() if name not in stacks}
         xs = (rest, jnp.arange(count, dtype=jnp.int32))
         # a projection's logical axes (its spec under a mesh, `layers._linear_in_place`); the experts' are theirs
-        axes = {name: param_axes(c)[kind][name][1:] for name in in_place}
+        layer_axes = param_axes(c)[kind] if in_place else {}
+        axes = {name: layer_axes[name][1:] for name in in_place}
 
         def step(carry, inputs, kind=kind, stacks=stacks, first=first, axes=axes):
             p, layer = inputs
