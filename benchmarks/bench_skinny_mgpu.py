@@ -80,7 +80,7 @@ WEIGHTS = {  # name: (N, K)
     "k26_q_a": (1536, 7168),  # Kimi K2.6 q_a_proj (replicated under TP)
     "k26_kv_a": (576, 7168),  # kv_a_proj_with_mqa (replicated)
     "k26_o_shard": (7168, 1024),  # o_proj, one TP8 shard's columns (8 heads x 128)
-    # the rest of the shard's dense projections (dispatch.IN_PLACE_PENDING): q_b (8 heads x 192 rows), the shared
+    # the rest of the shard's dense projections in dispatch.IN_PLACE_PROJECTIONS: q_b (8 heads x 192 rows), the shared
     # expert's gate / up and down (256 of 2,048 columns), the dense layer's FFN (2,304 of 18,432)
     "k26_q_b_shard": (1536, 1536),
     "k26_shared_gate_up": (256, 7168),

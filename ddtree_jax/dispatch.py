@@ -33,8 +33,8 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               (AUTO_MOSAIC_MATMUL: not measured inside a whole forward). In the DeepSeek-V3 layer scan on GPU,
               the dense projections IN_PLACE_PROJECTIONS names reach the layer stacked and the skinny kernel
               reads their layer in place (`stacked_in_place`), where XLA copied them out of their stacks every
-              layer (q_a_proj at 1 row, every dense weight but the router at 8+): q_a_proj from 1 row, kv_a /
-              o_proj from 8 (IN_PLACE_PENDING, opt-in: the rest). The K2.6 shard's 4-layer step: 4.5% less
+              layer (q_a_proj at 1 row, every dense weight but the router at 8+): q_a_proj and the dense FFN
+              from 1 row, kv_a / q_b / o_proj and the shared expert from 8. The K2.6 shard's 4-layer step: 4.5% less
               device time (AR); 6% (DDTree 16, both tables).
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
@@ -166,21 +166,20 @@ MOSAIC_MATMUL_MIN_OUT = 2048
 # the router and the shared expert, ~44 MB a layer, as async copies). These projections go to the layer stacked
 # instead (`stacked_in_place`), read in place by the skinny kernel, from the row counts given here; the router
 # stays sliced (`moe.route` computes in float32: not the skinny kernel's bf16).
-IN_PLACE_PROJECTIONS = {"q_a_proj": 1, "kv_a_proj": 8, "o_proj": 8}
-# ... and these, timed in the whole step with the ones above (the DDTree 16 line below) but not yet checked against
-# the twin at their shapes on the GPU (`test_compiled_k26_shard_projections_stacked_on_gpu`, not yet run): opt-in
-# (`tp_shard_step --in-place-projections`) until then
-IN_PLACE_PENDING = {
-    **dict.fromkeys(("q_b_proj", "shared_gate", "shared_up", "shared_down"), 8),
-    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 8),  # the dense layers' FFN
+IN_PLACE_PROJECTIONS = {
+    "q_a_proj": 1,
+    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 1),  # the dense layers' FFN: 1.76-2.16x XLA at 1-65 rows
+    **dict.fromkeys(("kv_a_proj", "o_proj", "q_b_proj", "shared_gate", "shared_up", "shared_down"), 8),
 }
 IN_PLACE_MAX_ROWS = 65  # the most rows measured (B x T); larger calls keep the sliced XLA GEMM
 # Measured on one H200, the K2.6 TP8 shard's 4-layer step (command buffers off, device time): AR, q_a_proj in
 # place, 631 -> 603 and 633 -> 605 us in two runs; DDTree 16 (17 rows), the projections of both tables in place,
 # 2,168 -> 2,040 us (q_a_proj alone: 2,175, a tie; this table alone: not timed). Per projection in a layer scan (bench_skinny_mgpu --stacked 8, kernels'
 # busy time): q_a 1.54-1.68x XLA at 1-65 rows; kv_a 0.65x at 1 row, 1.18-1.22x at 9-65; o_proj's shard 0.82x at
-# 1 row, 1.70-1.88x at 9-65. The chain's 8 rows: the same copies in its dumped HLO; its whole step timed with
-# q_a_proj alone in place (1,943 us), not yet with the whole table nor against all sliced.
+# 1 row, 1.70-1.88x at 9-65; q_b's shard 0.64x at 1 row, 1.11-1.18x at 9-65; the shared expert's gate / up 0.55x
+# at 1, 1.08-1.17x at 9-65, its down 0.73x at 1, 1.20-1.35x at 9-65; the dense FFN's gate / up 1.76-1.89x and down
+# 2.07-2.16x at 1-65 rows (every shape checked against the twin compiled on the GPU,
+# `test_compiled_k26_shard_projections_stacked_on_gpu`). The chain's 8 rows: the same copies in its dumped HLO.
 AUTO_IN_PLACE = True
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
 TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)

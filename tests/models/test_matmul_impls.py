@@ -188,7 +188,8 @@ def test_stacked_in_place_names_the_measured_projections(monkeypatch):
 
 
 def test_the_in_place_table_as_measured():
-    """The thresholds dispatch states were measured (q_a from 1 row; kv_a and o_proj lost to XLA at 1 row)."""
+    """The thresholds dispatch states were measured (q_a and the dense FFN from 1 row; kv_a, q_b, o_proj and the
+    shared expert lost to XLA at 1 row)."""
     from ddtree_jax import dispatch
 
     gpu = dict(backend_name="gpu")
@@ -198,8 +199,10 @@ def test_the_in_place_table_as_measured():
     assert not dispatch.stacked_in_place("o_proj", 7, **gpu) and dispatch.stacked_in_place("o_proj", 65, **gpu)
     assert not dispatch.stacked_in_place("o_proj", 66, **gpu)
     assert not dispatch.stacked_in_place("router", 17, **gpu)  # float32 in `moe.route`
-    for name in dispatch.IN_PLACE_PENDING:  # opt-in until their compiled tests ran
-        assert not dispatch.stacked_in_place(name, 17, **gpu), name
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert dispatch.stacked_in_place(name, 1, **gpu), name
+    for name in ("q_b_proj", "shared_gate", "shared_up", "shared_down"):
+        assert not dispatch.stacked_in_place(name, 1, **gpu) and dispatch.stacked_in_place(name, 9, **gpu), name
 
 
 def test_in_place_projections_are_the_models_parameters():
@@ -208,5 +211,5 @@ def test_in_place_projections_are_the_models_parameters():
     from tests.models.test_deepseek_v3 import CONFIG
 
     shapes = deepseek_v3.param_shapes(CONFIG)
-    for name in {**dispatch.IN_PLACE_PROJECTIONS, **dispatch.IN_PLACE_PENDING}:
+    for name in dispatch.IN_PLACE_PROJECTIONS:
         assert name in shapes["moe_layers"] or name in shapes["dense_layers"], name
