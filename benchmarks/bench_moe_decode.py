@@ -14,9 +14,7 @@ Timing (`op_profile.device_seconds`, as benchmarks/bench_mla_mgpu.py): one jitte
 sets take disjoint experts from one random permutation, so no call finds the previous call's experts in
 the 50 MB L2 (together >= 2 x L2). Time per call = the program's span on the device / sets (no host
 dispatch; the rows archived before `7ba6e57` are wall times / sets).
-Variants: "kernels" (moe_decode: gate_up + down, two launches: a split gate_up hands its float32 partials to the
-down kernel, which applies SiLU), "unfused" (moe_decode_gate_up then moe_decode_down: the split partials summed
-by an XLA op in between, the path before `moe_decode` fused it), "gate_up", "down" (the kernels alone), "gather",
+Variants: "kernels" (moe_decode: gate_up + down), "gate_up", "down" (the kernels alone), "gather",
 "pallas" (the models' paths, same weights), "mosaic" (`moe.routed_gathered_mosaic`: the Mosaic GPU decode form,
 `grouped_int4_mgpu.gathered_int4_matmul`, for gate, up and down). Correctness: max |out - ref| / max |ref| on set 0 against the
 float32 twin (`moe_decode_reference`; the "gather" / "pallas" paths round gate / up to bf16, ~1e-2).
@@ -152,11 +150,6 @@ def variant(name: str, gate_up_tiles: DecodeTiles | None = None, down_tiles: Dec
     def kernels(p, x, chosen, weights, act):
         return moe_decode(x, *_experts(p), *flat_assignments(chosen, weights), gate_up_tiles=gate_up_tiles)
 
-    def unfused(p, x, chosen, weights, act):
-        experts, tokens, w = flat_assignments(chosen, weights)
-        act = moe_decode_gate_up(x, p["expert_gate"], p["expert_up"], experts, tokens, tiles=gate_up_tiles)
-        return moe_decode_down(act, p["expert_down"], experts, tokens, w, x.shape[0], tiles=down_tiles)
-
     def gate_up(p, x, chosen, weights, act):
         experts, tokens, _ = flat_assignments(chosen, weights)
         return moe_decode_gate_up(x, p["expert_gate"], p["expert_up"], experts, tokens, tiles=gate_up_tiles)
@@ -174,14 +167,7 @@ def variant(name: str, gate_up_tiles: DecodeTiles | None = None, down_tiles: Dec
     def mosaic(p, x, chosen, weights, act):
         return routed_gathered_mosaic(list(_experts(p)), None, x, chosen, weights)
 
-    variants = {
-        "kernels": kernels,
-        "unfused": unfused,
-        "gate_up": gate_up,
-        "down": down,
-        "gather": gather,
-        "pallas": pallas,
-    }
+    variants = {"kernels": kernels, "gate_up": gate_up, "down": down, "gather": gather, "pallas": pallas}
     return {**variants, "mosaic": mosaic}[name]
 
 
@@ -218,14 +204,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
     }
     sets = input_sets(experts, hidden, width, tokens, key, total_b)
     row["sets"] = len(sets)
-    nbytes = {
-        "kernels": total_b,
-        "unfused": total_b,
-        "gate_up": gate_up_b,
-        "down": down_b,
-        "gather": total_b,
-        "pallas": total_b,
-    }
+    nbytes = {"kernels": total_b, "gate_up": gate_up_b, "down": down_b, "gather": total_b, "pallas": total_b}
     nbytes["mosaic"] = total_b
     refs = {}
     for name in ("kernels", "gate_up", "down"):  # the twins on set 0 (a failure only loses the error column)
@@ -233,7 +212,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
             refs[name] = jax.block_until_ready(jax.jit(functools.partial(reference, name))(params, *sets[0]))
         except Exception as err:  # noqa: BLE001
             row[f"{name}_reference_error"] = f"{type(err).__name__}: {str(err)[:400]}"
-    for name in ("kernels", "unfused", "gate_up", "down", "gather", "pallas", "mosaic"):
+    for name in ("kernels", "gate_up", "down", "gather", "pallas", "mosaic"):
         fn = variant(name)
         try:
             ref_name = name if name in ("gate_up", "down") else "kernels"
@@ -247,7 +226,7 @@ def run_case(params, shapes: dict, width: int, tokens: int, copy_bw: float, key,
             row[f"{name}_us"] = float("nan")
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:400]}"
             traceback.print_exc()
-    for name in ("kernels", "unfused", "pallas", "mosaic"):
+    for name in ("kernels", "pallas", "mosaic"):
         row[f"{name}_vs_gather"] = row[f"{name}_us"] / row["gather_us"]
     refs.pop("kernels", None)
     if sweep:
@@ -312,7 +291,7 @@ def main() -> None:
                 f"I={width:5d} T={tokens} A={row['A']:2d}: {row['MB']:7.1f} MB, roof {row['roofline_us']:7.1f} us | "
                 + "  ".join(
                     f"{n} {row[f'{n}_us']:7.1f} us"
-                    for n in ("kernels", "unfused", "gate_up", "down", "gather", "pallas", "mosaic")
+                    for n in ("kernels", "gate_up", "down", "gather", "pallas", "mosaic")
                 )
                 + f" | kernels {row.get('kernels_of_roofline', float('nan')):.2f}x roof, "
                 f"{row['kernels_vs_gather']:.2f}x gather" + (f"  [{errors}]" if errors else ""),
@@ -323,7 +302,7 @@ def main() -> None:
                     print(f"    sweep {label}: {row[f'sweep_{label}_us']}", flush=True)
             write_result(f"moe_decode_{args.commit}", {"rows": results, **config}, args.commit, args.out)
         del params
-    header = ["I", "T", "A", "MB", "roof us", "kernels us", "GB/s", "x roof", "x gather", "rel err", "unfused us"]
+    header = ["I", "T", "A", "MB", "roof us", "kernels us", "GB/s", "x roof", "x gather", "rel err"]
     header += ["gate_up us", "x roof", "down us", "x roof", "gather us", "pallas us", "pallas x gather"]
 
     def f(row, name, fmt=".2f"):
@@ -342,7 +321,6 @@ def main() -> None:
             f(r, "kernels_of_roofline"),
             f(r, "kernels_vs_gather"),
             f(r, "kernels_rel_err", ".1e"),
-            f(r, "unfused_us"),
             r["gate_up_us"],
             f(r, "gate_up_of_roofline"),
             r["down_us"],

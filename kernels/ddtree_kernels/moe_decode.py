@@ -12,9 +12,7 @@ int32 ref and offsets the weight refs. No gather, no sort, no copy.
       act[a] = silu(x[t] @ gate[e]^T) * (x[t] @ up[e]^T),  e = experts[a], t = tokens[a]   (float32 sums)
   moe_decode_down(act [A, I], down [E, H, I], experts, tokens, weights [A], num_tokens=T) -> out [T, H]
       out[t] = sum over a with tokens[a] = t of weights[a] * act[a] @ down[e]^T              (float32 sums)
-  moe_decode = both, two launches: when gate_up splits K its float32 partials go straight to the down kernel,
-      which sums them and applies SiLU (act rounded to x's dtype, as moe_decode_gate_up rounds it);
-      the `*_reference` twins dequantise the chosen experts (`quant.dense`) and use jnp.
+  moe_decode = both;  the `*_reference` twins dequantise the chosen experts (`quant.dense`) and use jnp.
   `flat_assignments(experts [T, k], weights [T, k])` gives the (experts, tokens, weights) [A] the kernels take.
 
 Design. Rows of one output are matrix-vector products (M = 1 per assignment): no tensor cores, the
@@ -35,9 +33,7 @@ thread holds).
     [BN, BK / 8] float32 per-word partial sums, summed over words at the end. S = 1: silu(g) * u in the
     kernel, act stored in x's dtype (one launch). S > 1 (chosen so that the grid fills the GPU, when
     I / BN x A is small, e.g. the TP8 shard at one token): float32 partials [S, A, I] of gate and up,
-    summed (and silu-ed) by one small XLA fusion in `moe_decode_gate_up`, by the down kernel in `moe_decode`
-    (its activation planes are made from the S partials of each K step: 2 S small loads and a sigmoid per
-    activation element, against the BN x BK weight codes of the step).
+    summed (and silu-ed) by one small XLA fusion.
   down: grid (H / BN column tiles). A program loops over every assignment and K tile (one flattened
     loop, A x ceil(I / BK) steps, Triton-pipelined), reads assignment a's expert, token and routing
     weight from refs, and adds weights[a] x its [BN] partial into row tokens[a] of a [T_pad, BN] float32
@@ -250,30 +246,16 @@ def _gate_up_kernel(
         out_refs[1][...] = u
 
 
-def _act_planes_from_partials(gate_ref, up_ref, a, w0, words: int, nwords: int, splits: int, act_dtype):
-    """As `_act_planes`, for act = silu(g) * u computed here from the gate_up kernel's float32 partial sums
-    (g, u = sums over the S splits), rounded to act_dtype as `moe_decode_gate_up` rounds act: the same
-    numbers the unfused path hands the down kernel, without its XLA op in between. gate_ref, up_ref: f32
-    [S, A, I / 8, 8]."""
-    ok = (w0 + jnp.arange(words)) < nwords
-    planes = []
-    for j in range(8):
-        g = u = None
-        for s in range(splits):
-            g_s = plgpu.load(gate_ref.at[jnp.int32(s), a, pl.ds(w0, words), jnp.int32(j)], mask=ok, other=0)
-            u_s = plgpu.load(up_ref.at[jnp.int32(s), a, pl.ds(w0, words), jnp.int32(j)], mask=ok, other=0)
-            g, u = (g_s, u_s) if g is None else (g + g_s, u + u_s)
-        act = (g * jax.nn.sigmoid(g) * u).astype(act_dtype).astype(jnp.float32)
-        planes.append(act * _plane_factor(j))
-    return planes
-
-
 def _down_kernel(
     experts_ref,
     tokens_ref,
     layer_ref,
     weights_ref,
-    *refs,
+    act_ref,
+    packed_ref,
+    scale_ref,
+    o_ref,
+    *,
     n: int,
     k: int,
     block_n: int,
@@ -282,19 +264,11 @@ def _down_kernel(
     num_tokens: int,
     num_layers: int,
     token_rows: int,
-    splits: int,
-    act_dtype,
 ):
     # experts_ref, tokens_ref: i32 [A]; layer_ref: i32 [1]; weights_ref: f32 [A] routing weights
-    # refs = act_ref, packed_ref, scale_ref, o_ref (splits = 0), or gate_ref, up_ref, packed_ref, ... (splits >= 1):
-    # act_ref: [A, I / 8, 8] the assignments' activations (x's dtype), viewed by word;
-    # gate_ref, up_ref: f32 [S, A, I / 8, 8] the gate_up kernel's partial sums (act = silu(g) * u made here)
+    # act_ref: [A, I / 8, 8] the assignments' activations (x's dtype), viewed by word
     # packed_ref: i32 [L, E, H, I / 8]; scale_ref: [L, E, H, I / 32]
     # o_ref: [T_pad, BN] (x's dtype) this program's columns of every token
-    if splits:
-        gate_ref, up_ref, packed_ref, scale_ref, o_ref = refs
-    else:
-        act_ref, packed_ref, scale_ref, o_ref = refs
     n_tile = pl.program_id(0)
     n0 = n_tile * block_n
     words = block_k // 8
@@ -307,17 +281,14 @@ def _down_kernel(
         expert, token, layer = _ids(
             experts_ref, tokens_ref, layer_ref, a, num_experts=num_experts, num_tokens=num_tokens, num_layers=num_layers
         )
-        if splits:
-            xs = _act_planes_from_partials(gate_ref, up_ref, a, w0, words, k // 8, splits, act_dtype)
-        else:
-            xs = _act_planes(act_ref, a, w0, words, k // 8)
+        xs = _act_planes(act_ref, a, w0, words, k // 8)
         part = _tile_matvec(
             packed_ref, scale_ref, layer, expert, n0, w0, xs, n=n, k=k, block_n=block_n, block_k=block_k
         )
         part = part.sum(axis=1) * weights_ref[a]  # [BN]
         return acc + jnp.where(token_row == token, part[None, :], 0.0)
 
-    steps = (gate_ref.shape[1] if splits else act_ref.shape[0]) * k_steps
+    steps = act_ref.shape[0] * k_steps
     acc = lax.fori_loop(0, steps, body, jnp.zeros((token_rows, block_n), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
@@ -380,9 +351,21 @@ def _check_activation(x, label: str) -> None:
         raise ValueError(f"{label} must be bfloat16 or float32, got {x.dtype}")
 
 
-def _gate_up_call(x, gate, up, experts, tokens, layer, tiles: DecodeTiles | None, interpret: bool | None):
-    """The gate_up kernel's launch: (act [A, I_pad] in x's dtype, 1) when it does not split K, else ((gate,
-    up) float32 partial sums [S, A, I_pad], S), and I (`moe_decode_gate_up`'s arguments, checked here)."""
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def moe_decode_gate_up(
+    x: jax.Array,
+    gate: Int4Weight,
+    up: Int4Weight,
+    experts: jax.Array,
+    tokens: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    tiles: DecodeTiles | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """act [A, I] (x's dtype) = silu(x[tokens] @ gate[experts]^T) * (x[tokens] @ up[experts]^T), float32
+    sums. x [T, H] bf16 / f32; gate, up: Int4Weight [E, I, H] (or [L, E, I, H] with layer = an int32
+    scalar, may be traced: read in place); experts, tokens: int [A], A <= MAX_ASSIGNMENTS."""
     _check_activation(x, "x")
     gate, layer_ids, num_layers = _stacked(gate, layer, "gate")
     up, _, _ = _stacked(up, layer, "up")
@@ -435,97 +418,10 @@ def _gate_up_call(x, gate, up, experts, tokens, layer, tiles: DecodeTiles | None
         interpret=default_interpret(interpret),
         name="moe_decode_gate_up",
     )(*inputs)
-    return (out if splits == 1 else tuple(out)), splits, n
-
-
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def moe_decode_gate_up(
-    x: jax.Array,
-    gate: Int4Weight,
-    up: Int4Weight,
-    experts: jax.Array,
-    tokens: jax.Array,
-    layer: jax.Array | int | None = None,
-    *,
-    tiles: DecodeTiles | None = None,
-    interpret: bool | None = None,
-) -> jax.Array:
-    """act [A, I] (x's dtype) = silu(x[tokens] @ gate[experts]^T) * (x[tokens] @ up[experts]^T), float32
-    sums. x [T, H] bf16 / f32; gate, up: Int4Weight [E, I, H] (or [L, E, I, H] with layer = an int32
-    scalar, may be traced: read in place); experts, tokens: int [A], A <= MAX_ASSIGNMENTS."""
-    out, splits, n = _gate_up_call(x, gate, up, experts, tokens, layer, tiles, interpret)
     if splits > 1:
         g, u = out[0].sum(axis=0), out[1].sum(axis=0)
         out = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)
     return out[:, :n]
-
-
-def _down_call(act, down, experts, tokens, weights, num_tokens: int, layer, tiles, interpret, act_dtype):
-    """The down kernel's launch (`moe_decode_down`'s arguments, checked here). act: [A, I] in act_dtype, or
-    the gate_up kernel's float32 partials (gate, up) [S, A, I_pad] (act made from them in the kernel)."""
-    partials = isinstance(act, tuple)
-    if partials:
-        gate_parts, up_parts = act
-        splits, count = gate_parts.shape[:2]
-    else:
-        _check_activation(act, "act")
-        splits, count = 0, act.shape[0]
-    down, layer_ids, num_layers = _stacked(down, layer, "down")
-    if _check_assignments(experts, tokens, weights) != count:
-        raise ValueError(f"act holds {count} assignments, experts {experts.shape[0]}")
-    num_experts, n, k = down.shape[1:]
-    if partials:
-        if gate_parts.shape[2] < k or up_parts.shape != gate_parts.shape:
-            raise ValueError(f"gate / up partials {gate_parts.shape} / {up_parts.shape} do not cover I = {k}")
-        act_inputs = tuple(part[:, :, :k].reshape(splits, count, k // 8, 8) for part in (gate_parts, up_parts))
-    else:
-        if act.shape != (count, k):
-            raise ValueError(f"act must be [A, I] = ({count}, {k}) for down of shape {down.shape}, got {act.shape}")
-        act_inputs = (act.reshape(count, k // 8, 8),)
-    if not 1 <= num_tokens <= MAX_ASSIGNMENTS:
-        raise ValueError(f"num_tokens must be 1 .. {MAX_ASSIGNMENTS}, got {num_tokens}")
-    tiles = tiles or DOWN_TILES
-    tiles.check("down tiles")
-    if tiles.splits not in (None, 1):
-        raise ValueError(
-            f"the down kernel has no K splits (one launch, no atomics): splits must be 1, got {tiles.splits}"
-        )
-    block_k = _block_k(tiles, k)
-    stages = _stages(tiles, block_k, 1, jnp.float32 if partials else act_dtype, down.scale.dtype)
-    n_tiles = pl.cdiv(n, tiles.block_n)
-    token_rows = _pow2_at_least(num_tokens)
-    inputs = (
-        experts.astype(jnp.int32),
-        tokens.astype(jnp.int32),
-        layer_ids,
-        weights.astype(jnp.float32),
-        *act_inputs,
-        down.packed,
-        down.scale,
-    )
-    out = pl.pallas_call(
-        functools.partial(
-            _down_kernel,
-            n=n,
-            k=k,
-            block_n=tiles.block_n,
-            block_k=block_k,
-            num_experts=num_experts,
-            num_tokens=num_tokens,
-            num_layers=num_layers,
-            token_rows=token_rows,
-            splits=splits,
-            act_dtype=act_dtype,
-        ),
-        grid=(n_tiles,),
-        in_specs=[_whole(a.shape) for a in inputs],
-        out_specs=pl.BlockSpec((token_rows, tiles.block_n), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((token_rows, n_tiles * tiles.block_n), act_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=stages),
-        interpret=default_interpret(interpret),
-        name="moe_decode_down",
-    )(*inputs)
-    return out[:num_tokens, :n]
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "tiles", "interpret"))
@@ -545,7 +441,53 @@ def moe_decode_down(
     weights[a] * act[a] @ down[experts[a]]^T (float32 sums; tokens no assignment names get 0). act [A, I]
     bf16 / f32; down: Int4Weight [E, H, I] (or [L, E, H, I] with layer); weights: float [A]."""
     _check_activation(act, "act")
-    return _down_call(act, down, experts, tokens, weights, num_tokens, layer, tiles, interpret, act.dtype)
+    down, layer_ids, num_layers = _stacked(down, layer, "down")
+    count = _check_assignments(experts, tokens, weights)
+    num_experts, n, k = down.shape[1:]
+    if act.shape != (count, k):
+        raise ValueError(f"act must be [A, I] = ({count}, {k}) for down of shape {down.shape}, got {act.shape}")
+    if not 1 <= num_tokens <= MAX_ASSIGNMENTS:
+        raise ValueError(f"num_tokens must be 1 .. {MAX_ASSIGNMENTS}, got {num_tokens}")
+    tiles = tiles or DOWN_TILES
+    tiles.check("down tiles")
+    if tiles.splits not in (None, 1):
+        raise ValueError(
+            f"the down kernel has no K splits (one launch, no atomics): splits must be 1, got {tiles.splits}"
+        )
+    block_k = _block_k(tiles, k)
+    stages = _stages(tiles, block_k, 1, act.dtype, down.scale.dtype)
+    n_tiles = pl.cdiv(n, tiles.block_n)
+    token_rows = _pow2_at_least(num_tokens)
+    inputs = (
+        experts.astype(jnp.int32),
+        tokens.astype(jnp.int32),
+        layer_ids,
+        weights.astype(jnp.float32),
+        act.reshape(count, k // 8, 8),
+        down.packed,
+        down.scale,
+    )
+    out = pl.pallas_call(
+        functools.partial(
+            _down_kernel,
+            n=n,
+            k=k,
+            block_n=tiles.block_n,
+            block_k=block_k,
+            num_experts=num_experts,
+            num_tokens=num_tokens,
+            num_layers=num_layers,
+            token_rows=token_rows,
+        ),
+        grid=(n_tiles,),
+        in_specs=[_whole(a.shape) for a in inputs],
+        out_specs=pl.BlockSpec((token_rows, tiles.block_n), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((token_rows, n_tiles * tiles.block_n), act.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=stages),
+        interpret=default_interpret(interpret),
+        name="moe_decode_down",
+    )(*inputs)
+    return out[:num_tokens, :n]
 
 
 @functools.partial(jax.jit, static_argnames=("gate_up_tiles", "down_tiles", "interpret"))
@@ -563,13 +505,12 @@ def moe_decode(
     down_tiles: DecodeTiles | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """The routed part of a MoE layer, x [T, H] -> [T, H] (x's dtype): the gate_up kernel, then the down
-    kernel; two launches, also when gate_up splits K (the down kernel then sums its float32 partials and
-    applies SiLU itself, rounding act to x's dtype as `moe_decode_gate_up` does: no XLA op in between)."""
-    act, splits, n = _gate_up_call(x, gate, up, experts, tokens, layer, gate_up_tiles, interpret)
-    if splits == 1:
-        act = act[:, :n]
-    return _down_call(act, down, experts, tokens, weights, x.shape[0], layer, down_tiles, interpret, x.dtype)
+    """The routed part of a MoE layer, x [T, H] -> [T, H] (x's dtype): `moe_decode_gate_up` then
+    `moe_decode_down` (two kernel launches, three when the gate_up kernel splits K)."""
+    act = moe_decode_gate_up(x, gate, up, experts, tokens, layer, tiles=gate_up_tiles, interpret=interpret)
+    return moe_decode_down(
+        act, down, experts, tokens, weights, x.shape[0], layer, tiles=down_tiles, interpret=interpret
+    )
 
 
 def flat_assignments(experts: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -156,33 +156,6 @@ def test_the_layer_stacked_form_reads_the_traced_layer():
     assert rel_err(run(jnp.int32(2)), ref) > 0.1  # another layer is another result
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_split_gate_up_hands_its_partials_to_the_down_kernel(dtype):
-    """moe_decode with a K-split gate_up is two kernels and nothing in between (the down kernel sums the float32
-    partials and applies SiLU), with the numbers of the unfused path (gate_up's XLA sum, act rounded to x's
-    dtype, then down) and of the twin."""
-    rng = np.random.default_rng(23)
-    tokens = 2
-    gate, up, down = experts_of(rng, E, H, I)
-    experts, toks, weights = routing(rng, tokens)
-    x = jnp.asarray(rng.standard_normal((tokens, H)), dtype)
-
-    def fused(x):
-        return moe_decode(x, gate, up, down, experts, toks, weights, gate_up_tiles=SPLIT, down_tiles=DOWN)
-
-    got = fused(x)
-    act = moe_decode_gate_up(x, gate, up, experts, toks, tiles=SPLIT)
-    unfused = moe_decode_down(act, down, experts, toks, weights, tokens, tiles=DOWN)
-    assert got.dtype == dtype and rel_err(got, unfused) <= {jnp.float32: 1e-6, jnp.bfloat16: 8e-3}[dtype]
-    assert rel_err(got, moe_decode_reference(x, gate, up, down, experts, toks, weights)) < TOL[dtype]
-    primitives = [eqn.primitive.name for eqn in jax.make_jaxpr(fused)(x).eqns]
-    inner = jax.make_jaxpr(fused)(x).eqns[0].params["jaxpr"].eqns  # moe_decode's own jit
-    names = [eqn.primitive.name for eqn in inner]
-    assert names.count("pallas_call") == 2, names
-    assert "logistic" not in names and "reduce_sum" not in names, names  # no SiLU or split sum outside the kernels
-    assert primitives.count("pjit") + primitives.count("jit") == 1
-
-
 def test_a_wrong_expert_is_caught():
     """The comparison can fail: the kernel at other expert ids disagrees with the twin."""
     rng = np.random.default_rng(13)
