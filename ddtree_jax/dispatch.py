@@ -34,8 +34,8 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               the dense projections IN_PLACE_PROJECTIONS names reach the layer stacked and the skinny kernel
               reads their layer in place (`stacked_in_place`), where XLA copied them out of their stacks every
               layer (q_a_proj at 1 row, every dense weight but the router at 8+): q_a_proj and the dense FFN
-              from 1 row, kv_a / q_b / o_proj and the shared expert from 8. The K2.6 shard's 4-layer step: 4.5% less
-              device time (AR); 6% (DDTree 16, both tables).
+              from 1 row, kv_a / q_b / o_proj and the shared expert from 8. The K2.6 shard's 61-layer step at
+              4k: AR 8.91 -> 8.49 ms, DDTree 16 23.20 -> 20.97 ms (the same run, off against on).
   moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
@@ -168,7 +168,7 @@ MOSAIC_MATMUL_MIN_OUT = 2048
 # stays sliced (`moe.route` computes in float32: not the skinny kernel's bf16).
 IN_PLACE_PROJECTIONS = {
     "q_a_proj": 1,
-    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 1),  # the dense layers' FFN: 1.76-2.16x XLA at 1-65 rows
+    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 1),  # the dense layers' FFN
     **dict.fromkeys(("kv_a_proj", "o_proj", "q_b_proj", "shared_gate", "shared_up", "shared_down"), 8),
 }
 IN_PLACE_MAX_ROWS = 65  # the most rows measured (B x T); larger calls keep the sliced XLA GEMM
@@ -179,7 +179,9 @@ IN_PLACE_MAX_ROWS = 65  # the most rows measured (B x T); larger calls keep the 
 # 1 row, 1.70-1.88x at 9-65; q_b's shard 0.64x at 1 row, 1.11-1.18x at 9-65; the shared expert's gate / up 0.55x
 # at 1, 1.08-1.17x at 9-65, its down 0.73x at 1, 1.20-1.35x at 9-65; the dense FFN's gate / up 1.76-1.89x and down
 # 2.07-2.16x at 1-65 rows (every shape checked against the twin compiled on the GPU,
-# `test_compiled_k26_shard_projections_stacked_on_gpu`). The chain's 8 rows: the same copies in its dumped HLO.
+# `test_compiled_k26_shard_projections_stacked_on_gpu`; in the 4-layer AR step the dense FFN's three in-place calls
+# tie XLA's fused gate / up GEMM + down: 35.5 against 33.7 us). The chain's 8 rows: the same copies in its dumped
+# HLO. The 61-layer step at 4k, off -> on: AR 8.91 -> 8.49 ms, DDTree 16 23.20 -> 20.97 ms.
 AUTO_IN_PLACE = True
 TREE_TOPK_MAX_ROW = MAX_ROW  # the top-K kernel holds rows up to this long; longer ones are cut into chunks
 TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chunk`)
