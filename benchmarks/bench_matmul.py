@@ -18,7 +18,8 @@ width, K step, split-K, warps, stages) on the K2.6 gate and down expert shapes a
 printing the default against the best per case (GB/s, and TFLOP/s: `--grouped-sweep 2048 --grouped-tiles
 prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments). `--grouped-impl mosaic` also
 times the Mosaic GPU INT4 kernel (`ddtree_kernels.grouped_int4_mgpu`, `MOSAIC_SWEEP` tilings) on the same
-inputs, side by side, with its error against the Triton kernel's output.
+inputs, side by side, with its error against the Triton kernel's output. `--grouped-shape shard
+--grouped-tiles shard` sweeps one TP8 shard's expert shapes (1/8 of the intermediate) over `SHARD_SWEEP_TILES`.
 
 Usage: python -m benchmarks.bench_matmul --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
        python -m benchmarks.bench_matmul --commit C --grouped-sweep 1,4,9,17
@@ -108,6 +109,28 @@ SWEEP_TILES = [
 ]
 
 
+# `--grouped-tiles shard`, for one TP8 shard's experts (`--grouped-shape shard`: gate / up [256, 7168], down
+# [7168, 256]; 8-520 assignments): narrower columns and more K splits (the gate's 28 K steps), wider columns for
+# the down projection's one K step, more warps and stages
+SHARD_SWEEP_TILES = [
+    GroupedTiles(block_n=bn, block_k=bk, splits=sp)
+    for bn in (16, 32, 64, 128, 256)
+    for bk in (256, 512)
+    for sp in (1, 2, 4, 7, 14)
+] + [
+    GroupedTiles(block_n=bn, num_warps=w, num_stages=st, splits=sp)
+    for bn in (32, 64, 128)
+    for w, st in ((8, 3), (4, 2), (4, 4), (2, 3))
+    for sp in (4, 7)
+]
+
+# the expert shapes `--grouped-sweep` times: K2.6 whole (one GPU) or one TP8 shard's 1/8 of the intermediate
+GROUPED_SHAPES = {
+    "full": (("gate", 2048, 7168), ("down", 7168, 2048)),
+    "shard": (("gate", 256, 7168), ("down", 7168, 256)),
+}
+
+
 # `--grouped-tiles prefill`, for prefill chunks (2,048 tokens x top-8 over 384 experts: ~43 rows an expert, 64-row
 # tiles): the one-dot form (each K step one dot over the 8 nibble planes side by side, not 8 dots of K / 8), more
 # warps, other column widths; each as it fits the shared memory at 64 rows (`fit_grouped_tiles`: 512-wide K steps
@@ -182,6 +205,8 @@ def grouped_sweep(
                 block_m = grouped_plan(assign, experts, n, k, requested)[0]
                 # what runs: the K step and stages cut to the shared memory, as grouped_matmul does
                 tiles = fit_grouped_tiles(requested, "int4", jnp.bfloat16, jnp.int32, jnp.bfloat16, block_m)
+                # what runs, splits included (K = 256 leaves one split whatever was asked)
+                tiles = dataclasses.replace(tiles, splits=grouped_plan(assign, experts, n, k, tiles)[2])
                 if tiles in seen:
                     print(f"grouped {proj} T={tokens} {requested}: runs as an earlier tiling ({tiles}), skipped")
                     continue
@@ -203,7 +228,8 @@ def grouped_sweep(
                     "block_n": tiles.block_n,
                     "block_k": tiles.block_k,
                     "splits": splits,
-                    "splits_rule": tiles.splits is None,
+                    "splits_rule": requested.splits is None,
+                    "effective": dataclasses.asdict(tiles),
                     "num_warps": tiles.num_warps,
                     "num_stages": tiles.num_stages,
                     "one_dot": tiles.one_dot,
@@ -246,7 +272,14 @@ def grouped_sweep(
             best = min(case, key=lambda r: r["us"])
             # the default at this size: the decode tiling, or PREFILL_GROUPED_TILES at > 32 assignments an expert
             default_tiles = default_grouped_tiles(weight, tokens * 8)
-            default = next((r for r in case if GroupedTiles(**tile_fields(r)) == default_tiles), best)
+            default_block_m = grouped_plan(tokens * 8, experts, n, k, default_tiles)[0]
+            default_tiles = fit_grouped_tiles(
+                default_tiles, "int4", jnp.bfloat16, jnp.int32, jnp.bfloat16, default_block_m
+            )
+            default_tiles = dataclasses.replace(
+                default_tiles, splits=grouped_plan(tokens * 8, experts, n, k, default_tiles)[2]
+            )
+            default = next((r for r in case if r["effective"] == dataclasses.asdict(default_tiles)), best)
             print(
                 f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
                 f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "
@@ -273,9 +306,15 @@ def main() -> None:
     parser.add_argument(
         "--grouped-tiles",
         default="decode",
-        choices=("decode", "prefill", "prefill-default"),
-        help="the tilings --grouped-sweep times: SWEEP_TILES (decode), PREFILL_SWEEP_TILES (e.g. --grouped-sweep "
-        "2048) or PREFILL_GROUPED_TILES alone (prefill-default)",
+        choices=("decode", "shard", "prefill", "prefill-default"),
+        help="the tilings --grouped-sweep times: SWEEP_TILES (decode), SHARD_SWEEP_TILES (shard), "
+        "PREFILL_SWEEP_TILES (e.g. --grouped-sweep 2048) or PREFILL_GROUPED_TILES alone (prefill-default)",
+    )
+    parser.add_argument(
+        "--grouped-shape",
+        default="full",
+        choices=tuple(GROUPED_SHAPES),
+        help="the expert shapes --grouped-sweep times: K2.6 whole (full) or one TP8 shard's (shard)",
     )
     parser.add_argument(
         "--grouped-impl",
@@ -299,7 +338,9 @@ def main() -> None:
                 "decode": SWEEP_TILES,
                 "prefill": PREFILL_SWEEP_TILES,
                 "prefill-default": [PREFILL_GROUPED_TILES],
+                "shard": SHARD_SWEEP_TILES,
             }[args.grouped_tiles],
+            projections=GROUPED_SHAPES[args.grouped_shape],
             mosaic_list=MOSAIC_SWEEP if args.grouped_impl == "mosaic" else (),
         )
         return

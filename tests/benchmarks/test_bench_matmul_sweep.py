@@ -67,3 +67,26 @@ def test_grouped_sweep_times_the_mosaic_kernel(tmp_path):
     assert abs(mosaic["TFLOPs"] - 2 * 32 * 128 * 256 / (mosaic["us"] * 1e-6) / 1e12) < 1e-9
     assert mosaic["max_err"] < 1e-2  # bf16 outputs of two kernels on the same inputs
     assert len(json.loads((tmp_path / "grouped_sweep_t.json").read_text())["rows"]) == 2
+
+
+def test_grouped_sweep_times_each_plan_once(tmp_path, monkeypatch):
+    """Requests that differ only in K splits a one-K-step shape cannot use (the TP8 shard's down projection, K = 256)
+    run as one plan: timed once, the row holding the splits that ran and the default found among the rows."""
+    from benchmarks.bench_matmul import GroupedTiles
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    tiles = [GroupedTiles(block_n=32, block_k=256, splits=s) for s in (None, 1, 4, 7)]
+    rows = grouped_sweep(
+        [2], float("nan"), jax.random.key(0), "t", tiles_list=tiles, experts=8, projections=(("down", 64, 256),)
+    )
+    assert len(rows) == 1
+    assert rows[0]["splits"] == 1 and rows[0]["effective"]["splits"] == 1 and rows[0]["splits_rule"]
+
+
+def test_shard_sweep_tiles_are_valid_int4_tilings():
+    from benchmarks.bench_matmul import GROUPED_SHAPES, SHARD_SWEEP_TILES
+
+    assert len(set(SHARD_SWEEP_TILES)) == len(SHARD_SWEEP_TILES)
+    for tiles in SHARD_SWEEP_TILES:
+        tiles.check("int4")
+    assert GROUPED_SHAPES["shard"] == (("gate", 256, 7168), ("down", 7168, 256))
