@@ -8,6 +8,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3
@@ -28,12 +29,24 @@ def k26_config(layers: int, tiny: bool = False) -> DeepSeekV3Config:
     return dataclasses.replace(preset("kimi-k2.6"), num_layers=layers, tapped_layers=taps)
 
 
-def random_int4_target(config: DeepSeekV3Config, key: jax.Array, dtype) -> dict:
+ROUTER_BIASES = ("zero", "random")
+
+
+def random_int4_target(config: DeepSeekV3Config, key: jax.Array, dtype, router_bias: str = "zero") -> dict:
     """`deepseek_v3.init_params` with each routed expert stack [L, E, N, K] as random INT4 codes (int32
     [L, E, N, K / 8]) and constant group scales ([L, E, N, K / INT4_GROUP] of 0.002 in `dtype`). The dense
     experts are never built (`init_params(skip=EXPERTS)`) and the codes are drawn one layer at a time
     (`lax.map`), so under jit the temporaries stay one layer's size: a 61-layer TP8 shard (~76 GB) can be
-    initialised on one H200."""
+    initialised on one H200.
+
+    router_bias: "zero" (the default) sets the routers' correction bias to 0; "random" keeps `init_params`'
+    draw (normal x 0.3, there so the model tests exercise the bias). On random weights that draw outweighs the
+    token-dependent scores, so every token picks nearly the same experts: the 17 rows of a tree routed to 39-42
+    distinct experts of their 136 assignments in a 4-layer TP8 shard, 103-110 with the bias zero, ~118 for
+    uniform draws (`routing_spread`). A trained model's bias balances the experts' load instead, so with the
+    random draw a multi-row step (chain, tree) would read ~3x fewer experts than it does in a real run."""
+    if router_bias not in ROUTER_BIASES:
+        raise ValueError(f"router_bias must be one of {ROUTER_BIASES}, got {router_bias!r}")
     params = deepseek_v3.init_params(config, key, dtype, skip=EXPERTS)
     shapes = deepseek_v3.param_shapes(config)["moe_layers"]
     moe = dict(params["moe_layers"])
@@ -47,4 +60,30 @@ def random_int4_target(config: DeepSeekV3Config, key: jax.Array, dtype) -> dict:
         keys = jax.random.split(jax.random.fold_in(key, 100 + i), shape[0])
         packed = jax.lax.map(lambda k: jax.random.randint(k, layer, -(2**31), 2**31 - 1, jnp.int32), keys)
         moe[name] = Int4Weight(packed, jnp.full(shape[:-1] + (shape[-1] // INT4_GROUP,), 0.002, dtype))
+    if router_bias == "zero" and "router_bias" in moe:
+        moe["router_bias"] = jnp.zeros_like(moe["router_bias"])
     return {**params, "moe_layers": moe}
+
+
+def routing_spread(config: DeepSeekV3Config, params: dict, tokens: int = 48, rows: int = 17, seed: int = 3) -> list:
+    """Per MoE layer, the distinct experts the last `rows` of a `tokens`-long random sequence route to (a
+    tree's or a chain's rows), from a full forward (`deepseek_v3.forward_logits`): the routing that a benchmark
+    on these weights exercises. -> [(distinct, assignments)] one per MoE layer."""
+    from ddtree_jax.models import moe as moe_module
+
+    seen = []
+    route = moe_module.route
+
+    def recording_route(c, router, bias, x):
+        experts, weights = route(c, router, bias, x)
+        jax.debug.callback(lambda e: seen.append(np.asarray(e)), experts)
+        return experts, weights
+
+    ids = jax.random.randint(jax.random.key(seed), (1, tokens), 0, config.vocab_size)
+    moe_module.route = recording_route
+    try:
+        jax.block_until_ready(deepseek_v3.forward_logits(config, params, ids))
+    finally:
+        moe_module.route = route
+    last = [e.reshape(-1, e.shape[-1])[-rows:] for e in seen]
+    return [(len(np.unique(e)), e.size) for e in last]

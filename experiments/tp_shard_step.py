@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, markdown_table, write_result
-from benchmarks.k26_model import k26_config, random_int4_target
+from benchmarks.k26_model import ROUTER_BIASES, k26_config, random_int4_target
 from benchmarks.op_profile import format_profile
 from ddtree_jax import dispatch
 from ddtree_jax.analysis.roofline import step_cost
@@ -47,14 +47,17 @@ from ddtree_jax.options import DecodeOptions
 from experiments.sharded_run import drafter_config
 
 
-def shard_pair(layers: int, drafter_layers: int, model_size: int, *, tiny: bool, dtype, seed: int = 0):
-    """(full target config, full drafter config, the shard Pair) with the shard's weights made on the device."""
+def shard_pair(
+    layers: int, drafter_layers: int, model_size: int, *, tiny: bool, dtype, seed: int = 0, router_bias: str = "zero"
+):
+    """(full target config, full drafter config, the shard Pair) with the shard's weights made on the device;
+    router_bias: `random_int4_target`'s (zero: a load-balanced spread of experts over a step's rows)."""
     full = k26_config(layers, tiny)
     full_drafter = drafter_config(full, drafter_layers, tiny)
     target = tp_shard_config(full, model_size)
     drafter = tp_shard_config(full_drafter, model_size, target_hidden=full.hidden_size)
     key = jax.random.key(seed)
-    params = jax.jit(lambda k: random_int4_target(target, k, dtype))(key)
+    params = jax.jit(lambda k: random_int4_target(target, k, dtype, router_bias))(key)
     drafter_params = jax.jit(lambda k: dflash.init_params(drafter, target.hidden_size, k, dtype))(
         jax.random.fold_in(key, 1)
     )
@@ -110,6 +113,13 @@ def main() -> None:
         help="dispatch.MLA_REDUCE_MAX_ROWS: absorbed MLA's W_UK / W_UV products as reductions up to these rows",
     )
     parser.add_argument(
+        "--router-bias",
+        default="zero",
+        choices=ROUTER_BIASES,
+        help="the routers' correction bias (random_int4_target): zero spreads a step's rows over the experts as a "
+        "trained model does; random (before 2026-12-04) sent every row to nearly the same ~40 experts",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args()
@@ -134,7 +144,7 @@ def main() -> None:
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     start = time.perf_counter()
     full, full_drafter, pair = shard_pair(
-        args.layers, args.drafter_layers, args.model_size, tiny=args.tiny, dtype=dtype
+        args.layers, args.drafter_layers, args.model_size, tiny=args.tiny, dtype=dtype, router_bias=args.router_bias
     )
     jax.block_until_ready(pair.target_params)
     init_s = time.perf_counter() - start
@@ -191,6 +201,7 @@ def main() -> None:
                     in_place=dispatch.AUTO_IN_PLACE,
                     in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
                     mla_reduce_max_rows=dispatch.MLA_REDUCE_MAX_ROWS,
+                    router_bias=args.router_bias,
                     init_s=init_s,
                     collectives_ms=cost.collectives_s * 1e3,
                     shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,

@@ -132,3 +132,23 @@ def test_op_kinds_of_a_compiled_program_cover_what_it_launches():
     kinds = op_kinds(fn.lower(*args).compile().as_text())
     table = {r["kind"]: r for r in kind_table(op_times(fn, *args, runs=1), kinds)}
     assert "gemm" in table and "sort" in table and "other" not in table, table
+
+
+def test_random_int4_target_router_bias_and_routing_spread():
+    """The routers' correction bias: zero by default (a load-balanced spread of a step's rows over the experts),
+    init_params' random draw on request, a bad name refused; routing_spread counts the distinct experts each MoE
+    layer's last rows route to (never more than the experts or the assignments)."""
+    from benchmarks.k26_model import routing_spread
+
+    config = k26_config(3, tiny=True)  # 1 dense + 2 MoE layers
+    zero = jax.jit(lambda k: random_int4_target(config, k, jnp.float32))(jax.random.key(0))
+    drawn = jax.jit(lambda k: random_int4_target(config, k, jnp.float32, "random"))(jax.random.key(0))
+    assert not zero["moe_layers"]["router_bias"].any()
+    assert float(jnp.abs(drawn["moe_layers"]["router_bias"]).min()) > 0
+    with pytest.raises(ValueError, match="router_bias must be one of .* got 'uniform'"):
+        random_int4_target(config, jax.random.key(0), jnp.float32, "uniform")
+    spread = routing_spread(config, zero, tokens=24, rows=9)
+    assert len(spread) == 2
+    for distinct, assignments in spread:
+        assert assignments == 9 * config.num_experts_per_tok
+        assert config.num_experts_per_tok <= distinct <= min(config.n_routed_experts, assignments)

@@ -29,13 +29,14 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     tp_shard_step.main()
     assert tp_shard_step.dispatch.MLA_SCHEDULE == "alternate"
     [(args, kwargs, (full, _, pair))] = built
-    assert args == (2, 1, 2) and kwargs == {"tiny": True, "dtype": jax.numpy.float32}
+    assert args == (2, 1, 2) and kwargs == {"tiny": True, "dtype": jax.numpy.float32, "router_bias": "zero"}
     assert pair.target_config.num_heads == full.num_heads // 2
     assert pair.target_params["embed"].shape[0] == full.vocab_size // 2  # its half of the vocabulary
     rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 4)]
     for r in rows:
         assert r["step_ms"] > 0 and r["collectives_ms"] > 0 and r["mla_schedule"] == "alternate"
+        assert r["router_bias"] == "zero"
         # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
         # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
         assert r["loop_steps"] == 16 and np.isfinite(r["loop_step_ms"])

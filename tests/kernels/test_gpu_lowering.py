@@ -101,11 +101,24 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
     ]  # the default for the call's size (`default_grouped_tiles(weight, rows)`: the prefill one at 16,384)
     if kind == "int4":  # the one-dot form (8 nibble planes side by side), at a prefill chunk's tiling too
         tilings += [GroupedTiles(one_dot=True), GroupedTiles(block_n=128, block_k=1024, num_warps=8, one_dot=True)]
-    for rows, tiles in itertools.product((8, 136, 16384), tilings):  # one token (split-K), a tree, a prefill chunk
+    cases = [(weight, rows, tiles) for rows, tiles in itertools.product((8, 136, 16384), tilings)]
+    if kind == "int4":  # one TP8 shard's gate / up [256, 7168] and down [7168, 256]: their own decode defaults
+        cases += [
+            (
+                Int4Weight(
+                    spec((layers, experts, n_, k_ // 8), jnp.int32), spec((layers, experts, n_, k_ // 32), jnp.bfloat16)
+                ),
+                rows,
+                None,
+            )
+            for n_, k_ in ((256, 7168), (7168, 256))
+            for rows in (72, 136, 520)
+        ]
+    for weight, rows, tiles in cases:  # one token (split-K), a tree, a prefill chunk
         tiles = tiles or default_grouped_tiles(weight, rows)
         text = (
             _grouped_2d.trace(
-                spec((rows, k), jnp.bfloat16),
+                spec((rows, weight.shape[-1]), jnp.bfloat16),
                 weight,
                 spec((experts,), jnp.int32),
                 spec((), jnp.int32),

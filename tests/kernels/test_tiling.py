@@ -4,13 +4,16 @@ precision contract (float32 at float32) holds for the references."""
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ddtree_kernels import decode_matmul, tiling, tree_attention
 from ddtree_kernels.decode_matmul import (
+    NARROW_GROUPED_TILES,
     PREFILL_GROUPED_TILES,
+    SHORT_K_GROUPED_TILES,
     GroupedTiles,
     default_grouped_tiles,
     fit_grouped_tiles,
@@ -93,9 +96,20 @@ def test_the_estimate_bounds_what_triton_asked_the_h200_for():
 
 def test_default_grouped_tiles_per_format():
     fp8 = Fp8BlockWeight(jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), jnp.ones((2, 1, 1), jnp.float32))
-    int4 = Int4Weight(jnp.zeros((2, 128, 16), jnp.int32), jnp.ones((2, 128, 4), jnp.bfloat16))
     assert default_grouped_tiles(fp8).block_k == 128
-    assert default_grouped_tiles(int4) == GroupedTiles()
+
+    def int4(n, k, experts=384):  # shapes only: the choice reads nothing else
+        return Int4Weight(
+            jax.ShapeDtypeStruct((experts, n, k // 8), jnp.int32),
+            jax.ShapeDtypeStruct((experts, n, k // 32), jnp.bfloat16),
+        )
+
+    # K2.6 whole, one TP8 shard's gate / up and down, a tiny expert (short K wins over narrow)
+    assert default_grouped_tiles(int4(2048, 7168), 136) == GroupedTiles()
+    assert default_grouped_tiles(int4(256, 7168), 136) == NARROW_GROUPED_TILES
+    assert default_grouped_tiles(int4(7168, 256), 136) == SHORT_K_GROUPED_TILES
+    assert default_grouped_tiles(int4(128, 128)) == SHORT_K_GROUPED_TILES
+    assert default_grouped_tiles(int4(256, 7168), 16384) == PREFILL_GROUPED_TILES  # 43 rows an expert: prefill
 
 
 @pytest.mark.parametrize("dtype,itemsize", [(jnp.bfloat16, 2), (jnp.float32, 4)])
