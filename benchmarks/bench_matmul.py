@@ -36,6 +36,7 @@ import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
 from ddtree_kernels.decode_matmul import (
+    DEQUANT_MODES,
     PREFILL_GROUPED_TILES,
     GroupedTiles,
     default_grouped_tiles,
@@ -122,6 +123,14 @@ SHARD_SWEEP_TILES = [
     for bn in (32, 64, 128)
     for w, st in ((8, 3), (4, 2), (4, 4), (2, 3))
     for sp in (4, 7)
+]
+
+# `--grouped-tiles dequant`: the conversion-free dequantisations (`decode_matmul.DEQUANT_MODES`) at the shard's
+# defaults and two neighbours (`--grouped-shape shard`; the K = 256 down projection runs each as its one K step)
+DEQUANT_SWEEP_TILES = [
+    GroupedTiles(block_n=bn, block_k=bk, splits=sp, num_stages=st, dequant=mode)
+    for mode in DEQUANT_MODES
+    for bn, bk, sp, st in ((64, 512, 14, 3), (128, 256, 14, 3), (64, 256, 1, 2))
 ]
 
 # the expert shapes `--grouped-sweep` times: K2.6 whole (one GPU) or one TP8 shard's 1/8 of the intermediate
@@ -233,6 +242,7 @@ def grouped_sweep(
                     "num_warps": tiles.num_warps,
                     "num_stages": tiles.num_stages,
                     "one_dot": tiles.one_dot,
+                    "dequant": tiles.dequant,
                     "requested": dataclasses.asdict(requested),
                     "block_m": block_m,
                     **_rates(seconds, 2 * assign * n * k, nbytes, copy_bw),
@@ -285,7 +295,7 @@ def grouped_sweep(
                 f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "
                 f"({100 * best['of_copy']:4.0f}%, {best['TFLOPs']:.0f} TFLOP/s) at "
                 f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
-                f"stages {best['num_stages']} one_dot {best['one_dot']}",
+                f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']}",
                 flush=True,
             )
     return rows
@@ -306,8 +316,9 @@ def main() -> None:
     parser.add_argument(
         "--grouped-tiles",
         default="decode",
-        choices=("decode", "shard", "prefill", "prefill-default"),
+        choices=("decode", "shard", "dequant", "prefill", "prefill-default"),
         help="the tilings --grouped-sweep times: SWEEP_TILES (decode), SHARD_SWEEP_TILES (shard), "
+        "DEQUANT_SWEEP_TILES (dequant: the conversion-free INT4 dequantisations), "
         "PREFILL_SWEEP_TILES (e.g. --grouped-sweep 2048) or PREFILL_GROUPED_TILES alone (prefill-default)",
     )
     parser.add_argument(
@@ -339,6 +350,7 @@ def main() -> None:
                 "prefill": PREFILL_SWEEP_TILES,
                 "prefill-default": [PREFILL_GROUPED_TILES],
                 "shard": SHARD_SWEEP_TILES,
+                "dequant": DEQUANT_SWEEP_TILES,
             }[args.grouped_tiles],
             projections=GROUPED_SHAPES[args.grouped_shape],
             mosaic_list=MOSAIC_SWEEP if args.grouped_impl == "mosaic" else (),

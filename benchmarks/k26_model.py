@@ -41,9 +41,9 @@ def random_int4_target(config: DeepSeekV3Config, key: jax.Array, dtype, router_b
 
     router_bias: "zero" (the default) sets the routers' correction bias to 0; "random" keeps `init_params`'
     draw (normal x 0.3, there so the model tests exercise the bias). On random weights that draw outweighs the
-    token-dependent scores, so every token picks nearly the same experts: the 17 rows of a tree routed to 39-42
-    distinct experts of their 136 assignments in a 4-layer TP8 shard, 103-110 with the bias zero, ~118 for
-    uniform draws (`routing_spread`). A trained model's bias balances the experts' load instead, so with the
+    token-dependent scores, so every token picks nearly the same experts: the 17 rows of a tree routed to 35-40
+    distinct experts of their 136 assignments in a 4-layer TP8 shard, 110-115 with the bias zero, 114.6 expected
+    of uniform draws (`experiments/routing_spread.py`). A trained model's bias balances the experts' load instead, so with the
     random draw a multi-row step (chain, tree) would read ~3x fewer experts than it does in a real run."""
     if router_bias not in ROUTER_BIASES:
         raise ValueError(f"router_bias must be one of {ROUTER_BIASES}, got {router_bias!r}")

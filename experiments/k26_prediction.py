@@ -137,6 +137,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def column_colours(rows: list[dict]) -> dict:
+    """(method, budget or 0) -> a matplotlib colour, one per column of the B = 1 rows, the same in every panel (a
+    panel lacking a budget must not shift the others' colours)."""
+    columns = sorted({(r["method"], r["budget"] or 0) for r in rows if r["B"] == 1})
+    return {column: f"C{i}" for i, column in enumerate(columns)}
+
+
 def plot(rows: list[dict], path: str) -> None:
     """tokens/s against the chain's tau, one line per column, one panel per (temperature, context)."""
     import matplotlib
@@ -145,13 +152,20 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["temperature"], r["context"]) for r in rows if r["B"] == 1})
+    colours = column_colours(rows)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (temperature, context) in zip(axes[0], panels):
         mine = [r for r in rows if r["B"] == 1 and r["temperature"] == temperature and r["context"] == context]
         for column in sorted({(r["method"], r["budget"] or 0) for r in mine}):
             points = [r for r in mine if (r["method"], r["budget"] or 0) == column]
             label = column[0] if column[0] != "ddtree" else f"DDTree {column[1]}"
-            ax.plot([r["chain_tau"] for r in points], [r["tokens_per_s"] for r in points], marker="o", label=label)
+            ax.plot(
+                [r["chain_tau"] for r in points],
+                [r["tokens_per_s"] for r in points],
+                marker="o",
+                label=label,
+                color=colours[column],
+            )
         ax.set_title(f"T = {temperature:g}, context {context:,} (prediction)")
         ax.set_xlabel("chain tau (Kimi-K2.5-DFlash, block 8)")
         ax.set_ylabel("tokens/s, B = 1, TP8")

@@ -310,6 +310,17 @@ GROUPED_BLOCK_N = 128
 DECODE_SPLITS = 4  # K splits while the step has at most DECODE_ROWS rows (decode and tree verify)
 DECODE_ROWS = 512
 
+# How the grouped kernel turns an INT4 nibble c into its bf16-activation dot's weight (c - 8) * scale:
+# "convert": integer subtract, int -> float32 convert, scale, float32 -> bf16 convert (two conversions a weight;
+#   Hopper issues conversions at a fraction of its integer / float rate, so at decode sizes they may bound the call);
+# "magic_bf16": c OR 0x4300 read as a bf16 is 128 + c exactly (no conversion), then (v - 136) * scale in bf16: the
+#   same rounding as "convert" (the exact float32 product rounded once to bf16);
+# "magic_f32": c OR 0x4B000000 read as a float32 is 2^23 + c exactly, (v - 2^23 - 8) * scale in float32, and a
+#   TF32 dot against the activations widened to float32 (no weight rounded to bf16: TF32 keeps 10 mantissa bits).
+DEQUANT_MODES = ("convert", "magic_bf16", "magic_f32")
+BF16_MAGIC = 0x4300  # bf16 bits of 128.0: OR a nibble c into them -> the bf16 128 + c
+F32_MAGIC = 0x4B000000  # float32 bits of 2^23: OR c into them -> the float32 2^23 + c
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupedTiles:
@@ -319,7 +330,9 @@ class GroupedTiles:
     at decode sizes); num_warps / num_stages: Triton's. one_dot (INT4 only): each K step is one dot of
     K = block_k (the tile's 8 nibble planes dequantised side by side into one [block_n, block_k] tile, the
     activations laid out to match: within each block_k tile plane-major) instead of 8 dots of K = block_k / 8,
-    one per plane (the default: no relayout of the activations)."""
+    one per plane (the default: no relayout of the activations). dequant (INT4, bf16 activations, per-plane
+    dots): how a nibble c becomes the weight (c - 8) * scale, see DEQUANT_MODES; float32 activations always take
+    "convert"."""
 
     block_n: int = GROUPED_BLOCK_N
     block_k: int = BLOCK_K
@@ -327,6 +340,7 @@ class GroupedTiles:
     num_warps: int = 4
     num_stages: int = 3
     one_dot: bool = False
+    dequant: str = "convert"
 
     def check(self, kind: str) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -344,6 +358,13 @@ class GroupedTiles:
             raise ValueError(f"splits must be >= 1 or None, got {self.splits}")
         if self.one_dot and kind != "int4":
             raise ValueError(f"one_dot applies to INT4 weights only, got {kind} weights")
+        if self.dequant not in DEQUANT_MODES:
+            raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {self.dequant!r}")
+        if self.dequant != "convert" and (kind != "int4" or self.one_dot):
+            raise ValueError(
+                f"dequant {self.dequant!r} applies to INT4 weights with per-plane dots (one_dot=False), got "
+                f"{kind} weights, one_dot={self.one_dot}"
+            )
 
 
 def _grouped_kernel(
@@ -359,6 +380,7 @@ def _grouped_kernel(
     k_per_split: int,
     precision,
     one_dot: bool = False,
+    dequant: str = "convert",
 ):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
@@ -388,8 +410,21 @@ def _grouped_kernel(
                     scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
                     mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
                     other=0.0,
-                ).astype(jnp.float32)
+                ).astype(x_ref.dtype if dequant == "magic_bf16" else jnp.float32)
                 scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
+                if dequant != "convert":  # bf16 activations (GroupedTiles.check, _grouped_2d)
+                    for plane in range(8):
+                        nibble = (packed >> (4 * plane)) & 0xF
+                        xs = x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)]
+                        if dequant == "magic_bf16":
+                            v = lax.bitcast_convert_type((nibble | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
+                            w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
+                            acc = acc + _dot_t(xs, w, precision)
+                        else:
+                            v = lax.bitcast_convert_type(nibble | F32_MAGIC, jnp.float32)
+                            w = (v - float(2**23 + 8)) * scale
+                            acc = acc + _dot_t(xs.astype(jnp.float32), w, lax.Precision.DEFAULT)  # TF32
+                    return acc
                 if one_dot:  # the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot of K = BK
                     shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
                     codes = (packed[:, None, :] >> shifts) & 0xF
@@ -542,6 +577,7 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             k_per_split=k_per_split,
             precision=precision,
             one_dot=one_dot,
+            dequant=tiles.dequant if kind == "int4" and x.dtype == jnp.bfloat16 else "convert",
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],

@@ -84,9 +84,11 @@ def test_grouped_sweep_times_each_plan_once(tmp_path, monkeypatch):
 
 
 def test_shard_sweep_tiles_are_valid_int4_tilings():
-    from benchmarks.bench_matmul import GROUPED_SHAPES, SHARD_SWEEP_TILES
+    from benchmarks.bench_matmul import DEQUANT_SWEEP_TILES, GROUPED_SHAPES, SHARD_SWEEP_TILES
 
-    assert len(set(SHARD_SWEEP_TILES)) == len(SHARD_SWEEP_TILES)
-    for tiles in SHARD_SWEEP_TILES:
-        tiles.check("int4")
+    for tiles_list in (SHARD_SWEEP_TILES, DEQUANT_SWEEP_TILES):
+        assert len(set(tiles_list)) == len(tiles_list)
+        for tiles in tiles_list:
+            tiles.check("int4")
+    assert {t.dequant for t in DEQUANT_SWEEP_TILES} == {"convert", "magic_bf16", "magic_f32"}
     assert GROUPED_SHAPES["shard"] == (("gate", 256, 7168), ("down", 7168, 256))

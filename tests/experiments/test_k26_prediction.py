@@ -88,3 +88,16 @@ def test_the_script_on_the_archived_runs(tmp_path):
     assert all(r["break_even_tau"] >= 1.0 for r in data["rows"] if r["method"] != "ar")
     with pytest.raises(SystemExit):
         main(["--shard", "x", "--e2e", "y", "--chain-taus", "0.5"])
+
+
+def test_each_column_keeps_its_colour_in_every_panel():
+    from experiments.k26_prediction import column_colours
+
+    def row(context, method, budget, b=1):
+        return {"B": b, "context": context, "method": method, "budget": budget}
+
+    rows = [row(4096, "chain", None), row(4096, "ddtree", 32), row(4096, "ddtree", 64), row(32768, "ddtree", 64)]
+    rows.append(row(4096, "ddtree", 128, b=8))  # not plotted: no colour
+    colours = column_colours(rows)
+    assert set(colours) == {("chain", 0), ("ddtree", 32), ("ddtree", 64)}
+    assert len(set(colours.values())) == 3

@@ -161,6 +161,45 @@ def test_grouped_narrow_and_short_k_defaults_match_the_reference(shape, rows):
         assert np.abs(got - ref).max() / np.abs(ref).max() < tol, dtype
 
 
+@pytest.mark.parametrize("dequant", ["magic_bf16", "magic_f32"])
+@pytest.mark.parametrize("rows", [1, 17, 70])
+def test_grouped_int4_dequant_modes_match_the_reference(dequant, rows):
+    """The conversion-free dequantisations (DEQUANT_MODES) on bf16 activations: split K with a short last split,
+    crowded and empty experts. magic_bf16 rounds each weight as "convert" does, so its output is the same bits;
+    magic_f32 (TF32 dot, weights not rounded to bf16) is within the bf16 tolerance. float32 activations take
+    "convert" whatever is asked (bits equal to the default's)."""
+    rng = np.random.default_rng(rows + len(dequant))
+    experts, n, k = 6, 150, 3 * 512 - 96
+    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
+    if rows >= 17:
+        sizes[0] += sizes[1:3].sum()
+        sizes[1:3] = 0
+    w = _expert_weights(rng, experts, n, k, "int4")
+    w = type(w)(w.packed, w.scale.astype(jnp.bfloat16))  # bf16 scales, as the checkpoints store them
+    base = GroupedTiles(block_n=64, block_k=512, splits=3)
+    tiles = dataclasses.replace(base, dequant=dequant)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes), tiles=tiles), np.float32)
+    ref = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(sizes)), np.float32)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
+    if dequant == "magic_bf16":
+        np.testing.assert_array_equal(got, np.asarray(grouped_matmul(x, w, jnp.asarray(sizes), tiles=base), np.float32))
+    x32 = x.astype(jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(grouped_matmul(x32, w, jnp.asarray(sizes), tiles=tiles)),
+        np.asarray(grouped_matmul(x32, w, jnp.asarray(sizes), tiles=base)),
+    )
+
+
+def test_grouped_dequant_modes_are_checked():
+    with pytest.raises(ValueError, match="dequant must be one of .* got 'fast'"):
+        GroupedTiles(dequant="fast").check("int4")
+    with pytest.raises(ValueError, match="applies to INT4 weights with per-plane dots .* fp8 weights"):
+        GroupedTiles(block_k=128, dequant="magic_f32").check("fp8")
+    with pytest.raises(ValueError, match="one_dot=True"):
+        GroupedTiles(dequant="magic_bf16", one_dot=True).check("int4")
+
+
 @pytest.mark.parametrize("rows", [1, 40, 150])
 @pytest.mark.parametrize(
     "tiles",

@@ -7,6 +7,7 @@ failures show up in CI, not first on the GPU. It reaches into jax._src (private)
 moves.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -113,6 +114,11 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
             )
             for n_, k_ in ((256, 7168), (7168, 256))
             for rows in (72, 136, 520)
+        ]
+        gate = cases[-6][0]  # the shard's gate at 72 rows under each conversion-free dequantisation
+        cases += [
+            (gate, 72, dataclasses.replace(default_grouped_tiles(gate, 72), dequant=mode))
+            for mode in ("magic_bf16", "magic_f32")
         ]
     for weight, rows, tiles in cases:  # one token (split-K), a tree, a prefill chunk
         tiles = tiles or default_grouped_tiles(weight, rows)

@@ -168,7 +168,10 @@ def test_the_one_dot_estimate_bounds_what_triton_asked_the_h200_for():
 def test_int4_prefill_chunks_default_to_the_one_dot_tiling():
     """PREFILL_GROUPED_TILES where the assignments fill 64-row tiles (> 32 an expert on average), the decode
     tiling below: one token, a 64-node tree (520 assignments), a 2,048-token chunk over 384 experts."""
-    int4 = Int4Weight(jnp.zeros((384, 64, 32), jnp.int32), jnp.ones((384, 64, 8), jnp.bfloat16))
+    int4 = Int4Weight(  # K2.6's whole gate (shapes only): neither narrow nor short-K
+        jax.ShapeDtypeStruct((384, 2048, 7168 // 8), jnp.int32),
+        jax.ShapeDtypeStruct((384, 2048, 7168 // 32), jnp.bfloat16),
+    )
     assert default_grouped_tiles(int4, 8) == GroupedTiles()
     assert default_grouped_tiles(int4, 520) == GroupedTiles()
     assert default_grouped_tiles(int4, 384 * 32) == GroupedTiles()
