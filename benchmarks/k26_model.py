@@ -68,7 +68,8 @@ def random_int4_target(config: DeepSeekV3Config, key: jax.Array, dtype, router_b
 def routing_spread(config: DeepSeekV3Config, params: dict, tokens: int = 48, rows: int = 17, seed: int = 3) -> list:
     """Per MoE layer, the distinct experts the last `rows` of a `tokens`-long random sequence route to (a
     tree's or a chain's rows), from a full forward (`deepseek_v3.forward_logits`): the routing that a benchmark
-    on these weights exercises. -> [(distinct, assignments)] one per MoE layer."""
+    on these weights exercises (recorded by wrapping `moe.route` for the one forward; restored after).
+    -> [(distinct, assignments)] one per MoE layer."""
     from ddtree_jax.models import moe as moe_module
 
     seen = []

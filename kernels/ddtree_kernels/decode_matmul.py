@@ -311,12 +311,13 @@ DECODE_SPLITS = 4  # K splits while the step has at most DECODE_ROWS rows (decod
 DECODE_ROWS = 512
 
 # How the grouped kernel turns an INT4 nibble c into its bf16-activation dot's weight (c - 8) * scale:
-# "convert": integer subtract, int -> float32 convert, scale, float32 -> bf16 convert (two conversions a weight;
-#   Hopper issues conversions at a fraction of its integer / float rate, so at decode sizes they may bound the call);
+# "convert": integer subtract, int -> float32 convert, scale, float32 -> bf16 convert (two type conversions a
+#   weight; the SMs issue conversions at a lower rate than integer / float arithmetic, so at decode sizes they may
+#   bound the call: the hypothesis `bench_matmul --grouped-tiles dequant` tests);
 # "magic_bf16": c OR 0x4300 read as a bf16 is 128 + c exactly (no conversion), then (v - 136) * scale in bf16: the
 #   same rounding as "convert" (the exact float32 product rounded once to bf16);
 # "magic_f32": c OR 0x4B000000 read as a float32 is 2^23 + c exactly, (v - 2^23 - 8) * scale in float32, and a
-#   TF32 dot against the activations widened to float32 (no weight rounded to bf16: TF32 keeps 10 mantissa bits).
+#   TF32 dot against the activations widened to float32 (the weight rounded to TF32's 10 mantissa bits, not bf16's 7).
 DEQUANT_MODES = ("convert", "magic_bf16", "magic_f32")
 BF16_MAGIC = 0x4300  # bf16 bits of 128.0: OR a nibble c into them -> the bf16 128 + c
 F32_MAGIC = 0x4B000000  # float32 bits of 2^23: OR c into them -> the float32 2^23 + c
