@@ -382,61 +382,76 @@ def _grouped_kernel(
     precision,
     one_dot: bool = False,
     dequant: str = "convert",
+    pair_offset: int | None = None,
 ):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
     #   [A_pad, K_pad], each block_k tile's columns plane-major: column j * block_k / 8 + w holds k = 8 w + j)
     # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
-    #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place
-    # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows
+    #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place. With
+    #   pair_offset (INT4, per-plane dots): two INT4 weights of one shape (gate, up): (packed, scale, packed, scale)
+    # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows; with pair_offset
+    #   [S, A_pad, 2 N_pad], the second weight's columns from pair_offset = N_pad
     *weight_refs, o_ref = refs
     n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert, first, count, layer = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile], tile_ref[3, tile]
     rows = n_tile * block_n + jnp.arange(block_n)
     row_ok = (rows < n)[:, None]
+    words, groups = block_k // 8, block_k // INT4_GROUP
+
+    def int4_tiles(packed_ref, scale_ref, k0):
+        """The step's codes i32 [BN, W] and scales [BN, W] (each group's scale repeated over its 4 words)."""
+        packed = plgpu.load(
+            packed_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
+            mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :],
+            other=0,
+        )
+        scale = plgpu.load(
+            scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
+            mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
+            other=0.0,
+        ).astype(x_ref.dtype if dequant == "magic_bf16" else jnp.float32)
+        scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
+        return packed, scale
+
+    def int4_plane_dots(packed, scale, x_planes, acc):
+        """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T."""
+        for plane in range(8):
+            nibble = (packed >> (4 * plane)) & 0xF
+            xs = x_planes[plane]
+            if dequant == "magic_bf16":  # bf16 activations (GroupedTiles.check, _grouped_2d)
+                v = lax.bitcast_convert_type((nibble | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
+                w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
+                acc = acc + _dot_t(xs, w, precision)
+            elif dequant == "magic_f32":
+                v = lax.bitcast_convert_type(nibble | F32_MAGIC, jnp.float32)
+                w = (v - float(2**23 + 8)) * scale
+                acc = acc + _dot_t(xs.astype(jnp.float32), w, lax.Precision.DEFAULT)  # TF32
+            else:
+                w = ((nibble - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
+                acc = acc + _dot_t(xs, w, precision)
+        return acc
 
     @pl.when(count > 0)
     def _():
         def body(i, acc):
             k0 = split * k_per_split + i * block_k
-            if kind == "int4":
-                packed_ref, scale_ref = weight_refs
-                words, groups = block_k // 8, block_k // INT4_GROUP
-                packed = plgpu.load(
-                    packed_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
-                    mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :],
-                    other=0,
+            if kind == "int4" and not one_dot:
+                x_planes = [x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)] for plane in range(8)]
+                if pair_offset is not None:  # the x tile loaded once for both weights
+                    first_acc, second_acc = acc
+                    first_acc = int4_plane_dots(*int4_tiles(*weight_refs[:2], k0), x_planes, first_acc)
+                    second_acc = int4_plane_dots(*int4_tiles(*weight_refs[2:], k0), x_planes, second_acc)
+                    return first_acc, second_acc
+                return int4_plane_dots(*int4_tiles(*weight_refs, k0), x_planes, acc)
+            if kind == "int4":  # one_dot: the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot
+                packed, scale = int4_tiles(*weight_refs, k0)
+                shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
+                codes = (packed[:, None, :] >> shifts) & 0xF
+                w = ((codes - 8).astype(jnp.float32) * scale[:, None, :]).astype(x_ref.dtype)
+                return acc + _dot_t(
+                    x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.reshape(block_n, block_k), precision
                 )
-                scale = plgpu.load(
-                    scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
-                    mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
-                    other=0.0,
-                ).astype(x_ref.dtype if dequant == "magic_bf16" else jnp.float32)
-                scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
-                if dequant != "convert":  # bf16 activations (GroupedTiles.check, _grouped_2d)
-                    for plane in range(8):
-                        nibble = (packed >> (4 * plane)) & 0xF
-                        xs = x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)]
-                        if dequant == "magic_bf16":
-                            v = lax.bitcast_convert_type((nibble | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
-                            w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
-                            acc = acc + _dot_t(xs, w, precision)
-                        else:
-                            v = lax.bitcast_convert_type(nibble | F32_MAGIC, jnp.float32)
-                            w = (v - float(2**23 + 8)) * scale
-                            acc = acc + _dot_t(xs.astype(jnp.float32), w, lax.Precision.DEFAULT)  # TF32
-                    return acc
-                if one_dot:  # the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot of K = BK
-                    shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
-                    codes = (packed[:, None, :] >> shifts) & 0xF
-                    w = ((codes - 8).astype(jnp.float32) * scale[:, None, :]).astype(x_ref.dtype)
-                    return acc + _dot_t(
-                        x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.reshape(block_n, block_k), precision
-                    )
-                for plane in range(8):
-                    w = ((((packed >> (4 * plane)) & 0xF) - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
-                    acc = acc + _dot_t(x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)], w, precision)
-                return acc
             w_ref = weight_refs[0]
             cols = k0 + jnp.arange(block_k)
             w = plgpu.load(
@@ -457,13 +472,17 @@ def _grouped_kernel(
                 )
             return acc + _dot_t(x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.astype(x_ref.dtype), precision)
 
-        acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        acc = lax.fori_loop(0, k_per_split // block_k, body, zeros if pair_offset is None else (zeros, zeros))
         out_rows = first + jnp.arange(block_m)
-        plgpu.store(
-            o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)],
-            acc,
-            mask=(out_rows < first + count)[:, None],
-        )
+        mask = (out_rows < first + count)[:, None]
+        if pair_offset is None:
+            plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=mask)
+        else:
+            for offset, part in zip((0, pair_offset), acc):
+                plgpu.store(
+                    o_ref.at[split, pl.ds(first, block_m), pl.ds(offset + n_tile * block_n, block_n)], part, mask=mask
+                )
 
 
 def _tile_counts(group_sizes: jax.Array, block_m: int, align: int):
@@ -539,16 +558,25 @@ def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: GroupedTiles):
-    # weight: stacked [L, E, N, K] (a plain [E, N, K] arrives as L = 1, layer 0); layer: int32 []
+def _grouped_2d(x, weights, group_sizes, layer, *, interpret: bool, tiles: GroupedTiles):
+    # weights: one or two (INT4, same shape: `grouped_matmul_pair`) stacked [L, E, N, K] (a plain [E, N, K]
+    # arrives as L = 1, layer 0); layer: int32 []. -> y [A, N] (a tuple of two with two weights)
+    weight, pair = weights[0], len(weights) == 2
     rows, k = x.shape
     experts, n = weight.shape[1], weight.shape[-2]
     kind = _weight_kind(weight)
     tiles.check(kind)
     precision = dot_precision(x.dtype)
-    tiles = fit_grouped_tiles(
-        tiles, kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight), grouped_plan(rows, experts, n, k, tiles)[0]
+    # a pair's step holds two weight tiles of block_n rows: fitted as one of 2 block_n
+    fitted = fit_grouped_tiles(
+        dataclasses.replace(tiles, block_n=tiles.block_n * len(weights)),
+        kind,
+        x.dtype,
+        _stored_dtype(weight),
+        _scale_dtype(weight),
+        grouped_plan(rows, experts, n, k, tiles)[0],
     )
+    tiles = dataclasses.replace(tiles, block_k=fitted.block_k, num_stages=fitted.num_stages)
     block_m, max_tiles, splits, k_per_split = grouped_plan(rows, experts, n, k, tiles)
     tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
     tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
@@ -561,7 +589,8 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
         tiled = x_pad.reshape(a_pad, k_pad // tiles.block_k, tiles.block_k // 8, 8).transpose(0, 1, 3, 2)
         inputs = (tiled.reshape(a_pad, k_pad), weight.packed, weight.scale)
     elif kind == "int4":
-        inputs = (x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1), weight.packed, weight.scale)
+        planes = x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1)
+        inputs = (planes,) + tuple(a for w in weights for a in (w.packed, w.scale))
     elif kind == "fp8":
         inputs = (x_pad, weight.weight, weight.scale_inv)
     else:
@@ -579,16 +608,20 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             precision=precision,
             one_dot=one_dot,
             dequant=tiles.dequant if kind == "int4" and x.dtype == jnp.bfloat16 else "convert",
+            pair_offset=n_tiles * tiles.block_n if pair else None,
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],
-        out_specs=_whole((splits, a_pad, n_tiles * tiles.block_n)),
-        out_shape=jax.ShapeDtypeStruct((splits, a_pad, n_tiles * tiles.block_n), jnp.float32),
+        out_specs=_whole((splits, a_pad, len(weights) * n_tiles * tiles.block_n)),
+        out_shape=jax.ShapeDtypeStruct((splits, a_pad, len(weights) * n_tiles * tiles.block_n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name=f"grouped_matmul_{kind}",
+        name=f"grouped_matmul_{kind}" + ("_pair" if pair else ""),
     )(tile_table, *inputs)
     # rows no tile covers (the padding) hold garbage in every split: sliced off before they are read
+    if pair:
+        offset = n_tiles * tiles.block_n
+        return tuple(out[:, :rows, o : o + n].sum(axis=0).astype(x.dtype) for o in (0, offset))
     return out[:, :rows, :n].sum(axis=0).astype(x.dtype)
 
 
@@ -611,19 +644,27 @@ def grouped_matmul(
     traced: a scan's counter). The kernel reads that layer in place: slicing it out first would copy
     the layer's experts (8.4 GB for a K2.6 INT4 layer) on every call, since a Pallas call takes each
     operand as one buffer."""
+    weight, layer = _grouped_operands(x, weight, group_sizes, layer, "grouped_matmul")
+    tiles = tiles or default_grouped_tiles(weight, x.shape[0])
+    return _grouped_2d(
+        x, (weight,), group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
+    )
+
+
+def _grouped_operands(x, weight, group_sizes, layer, name: str):
+    """(weight stacked [L, E, N, K], layer) after the shape checks of a grouped call (a plain [E, N, K] weight
+    becomes L = 1, layer 0)."""
     shape = weight.shape
     if layer is None:
         if len(shape) != 3:
             raise ValueError(
-                f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape} "
+                f"{name} takes stacked expert weights [E, N, K], got shape {shape} "
                 "(all layers' [L, E, N, K]: pass layer=)"
             )
         weight = jax.tree.map(lambda a: a[None], weight)  # L = 1: a bitcast
         layer = 0
     elif len(shape) != 4:
-        raise ValueError(
-            f"with layer= grouped_matmul takes every layer's expert weights [L, E, N, K], got shape {shape}"
-        )
+        raise ValueError(f"with layer= {name} takes every layer's expert weights [L, E, N, K], got shape {shape}")
     shape = shape[-3:]
     if x.ndim != 2 or x.shape[1] != shape[2]:
         raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
@@ -631,9 +672,41 @@ def grouped_matmul(
         raise ValueError(f"group_sizes must have one entry per expert ({shape[0]},), got {group_sizes.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
-    tiles = tiles or default_grouped_tiles(weight, x.shape[0])
+    return weight, layer
+
+
+def grouped_matmul_pair(
+    x: jax.Array,
+    first: Int4Weight,
+    second: Int4Weight,
+    group_sizes: jax.Array,
+    *,
+    layer: jax.Array | int | None = None,
+    interpret: bool | None = None,
+    tiles: GroupedTiles | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`grouped_matmul` of the same rows against two INT4 expert weights of one shape (a MoE's gate and up) in
+    one launch: each program streams both weights' tiles for its columns against one load of the rows' tile, and
+    one op sums the K splits of both. -> (x . first^T, x . second^T), each [A, N] in x's dtype. layer, tiles: as
+    in `grouped_matmul` (tiles: per-plane dots, no one_dot)."""
+    if not (isinstance(first, Int4Weight) and isinstance(second, Int4Weight)):
+        raise ValueError(
+            f"grouped_matmul_pair takes two Int4Weights, got {type(first).__name__} and {type(second).__name__}"
+        )
+    if first.shape != second.shape:
+        raise ValueError(f"grouped_matmul_pair's weights must share a shape, got {first.shape} and {second.shape}")
+    first, stacked_layer = _grouped_operands(x, first, group_sizes, layer, "grouped_matmul_pair")
+    second, _ = _grouped_operands(x, second, group_sizes, layer, "grouped_matmul_pair")
+    tiles = tiles or default_grouped_tiles(first, x.shape[0])
+    if tiles.one_dot:
+        raise ValueError("grouped_matmul_pair runs per-plane dots: tiles.one_dot must be False")
     return _grouped_2d(
-        x, weight, group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
+        x,
+        (first, second),
+        group_sizes,
+        jnp.asarray(stacked_layer, jnp.int32),
+        interpret=default_interpret(interpret),
+        tiles=tiles,
     )
 
 
@@ -674,6 +747,11 @@ def default_grouped_tiles(weight, rows: int | None = None) -> GroupedTiles:
         if k <= SHORT_K:
             return SHORT_K_GROUPED_TILES
     return GroupedTiles()
+
+
+def grouped_matmul_pair_reference(x: jax.Array, first, second, group_sizes: jax.Array, *, layer=None) -> tuple:
+    """The pair's twin: `grouped_matmul_reference` of each weight."""
+    return tuple(grouped_matmul_reference(x, w, group_sizes, layer=layer) for w in (first, second))
 
 
 def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array, *, layer=None) -> jax.Array:

@@ -17,6 +17,8 @@ from ddtree_kernels.decode_matmul import (
     GroupedTiles,
     default_grouped_tiles,
     grouped_matmul,
+    grouped_matmul_pair,
+    grouped_matmul_pair_reference,
     grouped_matmul_reference,
     grouped_plan,
     matmul,
@@ -189,6 +191,60 @@ def test_grouped_int4_dequant_modes_match_the_reference(dequant, rows):
         np.asarray(grouped_matmul(x32, w, jnp.asarray(sizes), tiles=tiles)),
         np.asarray(grouped_matmul(x32, w, jnp.asarray(sizes), tiles=base)),
     )
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        None,  # the narrow default: 64 columns, 512-wide K steps, split K
+        GroupedTiles(block_n=32, block_k=256, splits=1),
+        GroupedTiles(block_n=64, block_k=512, splits=3, dequant="magic_bf16"),
+        GroupedTiles(block_n=64, block_k=512, splits=3, dequant="magic_f32"),
+    ],
+)
+def test_grouped_pair_matches_two_calls_and_the_reference(tiles):
+    """grouped_matmul_pair (gate and up in one launch, one x tile a step for both): every layer of a stacked pair
+    read in place (a traced layer), crowded and empty experts, split K; bf16 and float32 activations. Its outputs
+    are the single-weight kernel's bits with the same tiling, and match the twin."""
+    rng = np.random.default_rng(7 if tiles is None else tiles.block_n + (tiles.splits or 0) + len(tiles.dequant))
+    layers, experts, n, k, rows = 2, 5, 150, 3 * 512 - 96, 19
+    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
+    sizes[0] += sizes[1]
+    sizes[1] = 0
+    sizes = jnp.asarray(sizes)
+    per_layer = [
+        (_expert_weights(rng, experts, n, k, "int4"), _expert_weights(rng, experts, n, k, "int4"))
+        for _ in range(layers)
+    ]
+    first = jax.tree.map(lambda *a: jnp.stack(a), *[p[0] for p in per_layer])
+    second = jax.tree.map(lambda *a: jnp.stack(a), *[p[1] for p in per_layer])
+    pair = jax.jit(lambda x, a, b, i: grouped_matmul_pair(x, a, b, sizes, layer=i, tiles=tiles))
+    single = jax.jit(lambda x, w, i: grouped_matmul(x, w, sizes, layer=i, tiles=tiles))
+    for dtype, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)):
+        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+        for layer in range(layers):
+            got = pair(x, first, second, jnp.int32(layer))
+            refs = grouped_matmul_pair_reference(x, first, second, sizes, layer=layer)
+            for y, w, ref in zip(got, (first, second), refs):
+                assert y.shape == (rows, n) and y.dtype == dtype
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(single(x, w, jnp.int32(layer))))
+                ref = np.asarray(ref, np.float32)
+                assert np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max() < tol, (dtype, layer)
+
+
+def test_grouped_pair_bad_inputs_are_named():
+    rng = np.random.default_rng(0)
+    w = _expert_weights(rng, 3, 64, 256, "int4")
+    other = _expert_weights(rng, 3, 32, 256, "int4")
+    x, sizes = jnp.ones((4, 256), jnp.bfloat16), jnp.asarray([2, 2, 0], jnp.int32)
+    with pytest.raises(ValueError, match="two Int4Weights, got Int4Weight and ArrayImpl"):
+        grouped_matmul_pair(x, w, jnp.ones((3, 64, 256)), sizes)
+    with pytest.raises(ValueError, match=r"must share a shape, got \(3, 64, 256\) and \(3, 32, 256\)"):
+        grouped_matmul_pair(x, w, other, sizes)
+    with pytest.raises(ValueError, match="one_dot must be False"):
+        grouped_matmul_pair(x, w, w, sizes, tiles=GroupedTiles(one_dot=True))
+    with pytest.raises(ValueError, match="grouped_matmul_pair takes stacked expert weights"):
+        grouped_matmul_pair(x, jax.tree.map(lambda a: a[0], w), jax.tree.map(lambda a: a[0], w), sizes)
 
 
 def test_grouped_dequant_modes_are_checked():

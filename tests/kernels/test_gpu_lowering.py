@@ -120,12 +120,18 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
             (gate, 72, dataclasses.replace(default_grouped_tiles(gate, 72), dequant=mode))
             for mode in ("magic_bf16", "magic_f32")
         ]
+    if kind == "int4":  # grouped_matmul_pair: the shard's gate and up in one launch, under each dequantisation
+        cases += [
+            ((gate, gate), 136, dataclasses.replace(default_grouped_tiles(gate, 136), dequant=mode))
+            for mode in ("convert", "magic_bf16", "magic_f32")
+        ]
     for weight, rows, tiles in cases:  # one token (split-K), a tree, a prefill chunk
-        tiles = tiles or default_grouped_tiles(weight, rows)
+        weights = weight if isinstance(weight, tuple) else (weight,)
+        tiles = tiles or default_grouped_tiles(weights[0], rows)
         text = (
             _grouped_2d.trace(
-                spec((rows, weight.shape[-1]), jnp.bfloat16),
-                weight,
+                spec((rows, weights[0].shape[-1]), jnp.bfloat16),
+                weights,
                 spec((experts,), jnp.int32),
                 spec((), jnp.int32),
                 interpret=False,
