@@ -724,8 +724,9 @@ PREFILL_GROUPED_TILES = GroupedTiles(block_n=128, block_k=256, num_warps=8, num_
 # top-8 where the default took 197.0 / 355.7 (the best at 65 tokens, 128 x 256 x 14, took 269.3 but 167.2 at 17).
 # down [7168, 256] (one K step: nothing to split): 64 columns, 2 stages took 71.5 / 107.3 / 224.2 us at 9 / 17 / 65
 # tokens where the default took 80.0 / 117.5 / 235.1, the best of 22 at each size.
-NARROW_N = 512  # experts with at most this many output columns take NARROW_GROUPED_TILES
-SHORT_K = 512  # experts with at most this many input columns take SHORT_K_GROUPED_TILES
+NARROW_N = 512  # experts of at most this many output columns (and >= WIDE columns in) take NARROW_GROUPED_TILES
+SHORT_K = 512  # experts of at most this many input columns (and >= WIDE columns out) take SHORT_K_GROUPED_TILES
+WIDE = 4096  # the rules hold where they were measured (7,168 against 256); other shapes keep GroupedTiles()
 NARROW_GROUPED_TILES = GroupedTiles(block_n=64, block_k=512, splits=14)
 SHORT_K_GROUPED_TILES = GroupedTiles(block_n=64, num_stages=2)
 
@@ -734,17 +735,17 @@ def default_grouped_tiles(weight, rows: int | None = None) -> GroupedTiles:
     """The default tiling per weight format (FP8: 128-wide K steps, one block scale per tile) and, for INT4,
     per size: PREFILL_GROUPED_TILES where `rows` assignments fill 64-row tiles (more than 32 rows an expert
     on average: the case it was measured on, a prefill chunk); below that the decode tilings: NARROW_GROUPED_TILES
-    for experts of at most NARROW_N output columns, SHORT_K_GROUPED_TILES for at most SHORT_K input columns (a
-    TP8 shard's gate / up and down), else GroupedTiles()."""
+    for experts of at most NARROW_N output columns from >= WIDE inputs, SHORT_K_GROUPED_TILES for at most SHORT_K
+    input columns into >= WIDE outputs (a TP8 shard's gate / up and down), else GroupedTiles()."""
     if isinstance(weight, Fp8BlockWeight):
         return GroupedTiles(block_k=FP8_BLOCK)
     if isinstance(weight, Int4Weight):
         experts, n, k = weight.shape[-3:]
         if rows is not None and _grouped_block_m(rows, experts) == 64:
             return PREFILL_GROUPED_TILES
-        if n <= NARROW_N and k > SHORT_K:
+        if n <= NARROW_N and k >= WIDE:
             return NARROW_GROUPED_TILES
-        if k <= SHORT_K:
+        if k <= SHORT_K and n >= WIDE:
             return SHORT_K_GROUPED_TILES
     return GroupedTiles()
 

@@ -15,7 +15,6 @@ from ddtree_kernels.decode_matmul import (
     NARROW_GROUPED_TILES,
     SHORT_K_GROUPED_TILES,
     GroupedTiles,
-    default_grouped_tiles,
     grouped_matmul,
     grouped_matmul_pair,
     grouped_matmul_pair_reference,
@@ -143,9 +142,10 @@ def test_grouped_tilings_and_split_k_match_the_reference(kind, tiles):
 @pytest.mark.parametrize("shape", ["narrow", "short_k"])
 @pytest.mark.parametrize("rows", [1, 17, 70])
 def test_grouped_narrow_and_short_k_defaults_match_the_reference(shape, rows):
-    """The decode defaults of a TP shard's experts, taken by shape: NARROW_GROUPED_TILES (at most NARROW_N output
-    columns, one 512-wide K step a split: K = 3 steps - 96, so 3 splits, the last short) and SHORT_K_GROUPED_TILES
-    (one K step, 2 stages); bf16 and float32 activations, crowded and empty experts."""
+    """The decode tilings of a TP shard's experts (`default_grouped_tiles` picks them at the shard's shapes, checked
+    in test_tiling) on small shapes: NARROW_GROUPED_TILES (one 512-wide K step a split: K = 3 steps - 96, so 3
+    splits, the last short) and SHORT_K_GROUPED_TILES (one K step, 2 stages); bf16 and float32 activations,
+    crowded and empty experts."""
     rng = np.random.default_rng(rows + len(shape))
     experts, n, k = {"narrow": (6, 200, 3 * 512 - 96), "short_k": (6, 300, 256)}[shape]
     sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
@@ -153,12 +153,11 @@ def test_grouped_narrow_and_short_k_defaults_match_the_reference(shape, rows):
         sizes[0] += sizes[1:3].sum()
         sizes[1:3] = 0
     w = _expert_weights(rng, experts, n, k, "int4")
-    tiles = default_grouped_tiles(w, rows)
-    assert tiles == {"narrow": NARROW_GROUPED_TILES, "short_k": SHORT_K_GROUPED_TILES}[shape]
+    tiles = {"narrow": NARROW_GROUPED_TILES, "short_k": SHORT_K_GROUPED_TILES}[shape]
     assert grouped_plan(rows, experts, n, k, tiles)[2] == (3 if shape == "narrow" else 1)
     for dtype, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)):
         x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-        got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes)), np.float32)
+        got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes), tiles=tiles), np.float32)
         ref = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(sizes)), np.float32)
         assert np.abs(got - ref).max() / np.abs(ref).max() < tol, dtype
 
@@ -196,7 +195,7 @@ def test_grouped_int4_dequant_modes_match_the_reference(dequant, rows):
 @pytest.mark.parametrize(
     "tiles",
     [
-        None,  # the narrow default: 64 columns, 512-wide K steps, split K
+        None,  # the default for this shape: 128 columns, 256-wide K steps, 3 K splits
         GroupedTiles(block_n=32, block_k=256, splits=1),
         GroupedTiles(block_n=64, block_k=512, splits=3, dequant="magic_bf16"),
         GroupedTiles(block_n=64, block_k=512, splits=3, dequant="magic_f32"),

@@ -104,11 +104,12 @@ def test_default_grouped_tiles_per_format():
             jax.ShapeDtypeStruct((experts, n, k // 32), jnp.bfloat16),
         )
 
-    # K2.6 whole, one TP8 shard's gate / up and down, a tiny expert (short K wins over narrow)
+    # K2.6 whole, one TP8 shard's gate / up and down, tiny experts
     assert default_grouped_tiles(int4(2048, 7168), 136) == GroupedTiles()
     assert default_grouped_tiles(int4(256, 7168), 136) == NARROW_GROUPED_TILES
     assert default_grouped_tiles(int4(7168, 256), 136) == SHORT_K_GROUPED_TILES
-    assert default_grouped_tiles(int4(128, 128)) == SHORT_K_GROUPED_TILES
+    assert default_grouped_tiles(int4(128, 128)) == GroupedTiles()  # a tiny model's: not the measured shapes
+    assert default_grouped_tiles(int4(256, 1024)) == GroupedTiles()
     assert default_grouped_tiles(int4(256, 7168), 16384) == PREFILL_GROUPED_TILES  # 43 rows an expert: prefill
 
 
