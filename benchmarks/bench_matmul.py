@@ -186,6 +186,24 @@ def tile_fields(row: dict) -> dict:
     return fields | {"splits": None if row.get("splits_rule") else row["splits"]}
 
 
+def _random_experts(key, experts: int, n: int, k: int) -> Int4Weight:
+    """Random INT4 expert weights [E, N, K] (random codes, constant bf16 group scales 0.01)."""
+    return Int4Weight(
+        jax.random.randint(key, (experts, n, k // 8), -(2**31), 2**31 - 1, jnp.int32),
+        jnp.full((experts, n, k // 32), 0.01, jnp.bfloat16),
+    )
+
+
+def _uniform_routing(tokens: int, experts: int, k: int, key):
+    """T tokens x top-8 drawn uniformly over the experts (seeded by T): (assignments, group sizes int32 [E],
+    distinct experts, REPS activation sets bf16 [REPS, A, K])."""
+    assign = tokens * 8
+    chosen = np.random.default_rng(tokens).integers(0, experts, assign)
+    sizes = jnp.asarray(np.bincount(chosen, minlength=experts), jnp.int32)
+    xs = jax.random.normal(key, (REPS, assign, k), jnp.bfloat16)
+    return assign, sizes, len(set(chosen.tolist())), xs
+
+
 def grouped_sweep(
     tokens_list,
     copy_bw: float,
@@ -202,17 +220,10 @@ def grouped_sweep(
     max_err: max |y - y_triton| / max |y_triton| against the Triton kernel's default tiling)."""
     rows = []
     for proj, n, k in projections:
-        weight = Int4Weight(
-            jax.random.randint(key, (experts, n, k // 8), -(2**31), 2**31 - 1, jnp.int32),
-            jnp.full((experts, n, k // 32), 0.01, jnp.bfloat16),
-        )
+        weight = _random_experts(key, experts, n, k)
         for tokens in tokens_list:
-            assign = tokens * 8
-            chosen = np.random.default_rng(tokens).integers(0, experts, assign)
-            sizes = jnp.asarray(np.bincount(chosen, minlength=experts), jnp.int32)
-            distinct = len(set(chosen.tolist()))
+            assign, sizes, distinct, xs = _uniform_routing(tokens, experts, k, key)
             nbytes = distinct * n * k * (0.5 + 2 / 32)
-            xs = jax.random.normal(key, (REPS, assign, k), jnp.bfloat16)
             seen = set()
             for requested in tiles_list:
                 block_m = grouped_plan(assign, experts, n, k, requested)[0]
@@ -319,20 +330,10 @@ def grouped_pair_timing(
     the default for the shape), side by side; bytes = both weights' distinct experts (codes + scales)."""
     n, k = shape
     rows = []
-    weights = [
-        Int4Weight(
-            jax.random.randint(jax.random.fold_in(key, i), (experts, n, k // 8), -(2**31), 2**31 - 1, jnp.int32),
-            jnp.full((experts, n, k // 32), 0.01, jnp.bfloat16),
-        )
-        for i in range(2)
-    ]
+    weights = [_random_experts(jax.random.fold_in(key, i), experts, n, k) for i in range(2)]
     for tokens in tokens_list:
-        assign = tokens * 8
-        chosen = np.random.default_rng(tokens).integers(0, experts, assign)
-        sizes = jnp.asarray(np.bincount(chosen, minlength=experts), jnp.int32)
-        distinct = len(set(chosen.tolist()))
+        assign, sizes, distinct, xs = _uniform_routing(tokens, experts, k, key)
         nbytes = 2 * distinct * n * k * (0.5 + 2 / 32)
-        xs = jax.random.normal(key, (REPS, assign, k), jnp.bfloat16)
         for tiles in tiles_list:
 
             def two_calls(x, w, tiles=tiles):
@@ -480,16 +481,9 @@ def main() -> None:
                 write_result("matmul", {"rows": results, "copy_bandwidth_Bps": copy_bw}, args.commit)
     if "k2.6" in args.shapes:  # the MoE hot path: T tokens x top-8 of 384 INT4 experts
         experts = 384
-        weight = Int4Weight(
-            jax.random.randint(key, (experts, 2048, 7168 // 8), -(2**31), 2**31 - 1, jnp.int32),
-            jnp.full((experts, 2048, 7168 // 32), 0.01, jnp.bfloat16),
-        )
+        weight = _random_experts(key, experts, 2048, 7168)
         for tokens in (1, 17, 65):
-            assign = tokens * 8
-            chosen = np.random.default_rng(tokens).integers(0, experts, assign)
-            sizes = jnp.asarray(np.bincount(chosen, minlength=experts), jnp.int32)
-            distinct = len(set(chosen.tolist()))
-            xs = jax.random.normal(key, (REPS, assign, 7168), jnp.bfloat16)
+            assign, sizes, distinct, xs = _uniform_routing(tokens, experts, 7168, key)
             kernel_s = _timed(lambda x, w: grouped_matmul(x, w, sizes), xs, weight)
             nbytes = distinct * 2048 * 7168 * (0.5 + 2 / 32)
             row = {
