@@ -20,8 +20,7 @@ prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments). 
 times the Mosaic GPU INT4 kernel (`ddtree_kernels.grouped_int4_mgpu`, `MOSAIC_SWEEP` tilings) on the same
 inputs, side by side, with its error against the Triton kernel's output. `--grouped-shape shard
 --grouped-tiles shard` sweeps one TP8 shard's expert shapes (1/8 of the intermediate) over `SHARD_SWEEP_TILES`
-(`--grouped-tiles dequant`: the conversion-free dequantisations). `--grouped-pair 9,17,65` times the MoE's gate and
-up as two grouped calls against one `grouped_matmul_pair` at the shard's shape, per dequantisation.
+(`--grouped-tiles dequant`: the conversion-free dequantisation and the weight as the dot's left operand, each way).
 
 Usage: python -m benchmarks.bench_matmul --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
        python -m benchmarks.bench_matmul --commit C --grouped-sweep 1,4,9,17
@@ -39,13 +38,11 @@ import numpy as np
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
 from ddtree_kernels.decode_matmul import (
     DEQUANT_MODES,
-    NARROW_GROUPED_TILES,
     PREFILL_GROUPED_TILES,
     GroupedTiles,
     default_grouped_tiles,
     fit_grouped_tiles,
     grouped_matmul,
-    grouped_matmul_pair,
     grouped_plan,
     matmul,
 )
@@ -129,11 +126,13 @@ SHARD_SWEEP_TILES = [
     for sp in (4, 7)
 ]
 
-# `--grouped-tiles dequant`: the conversion-free dequantisations (`decode_matmul.DEQUANT_MODES`) at the shard's
-# defaults and two neighbours (`--grouped-shape shard`; the K = 256 down projection runs each as its one K step)
+# `--grouped-tiles dequant`: each dequantisation (`decode_matmul.DEQUANT_MODES`) with the weight as the dot's right
+# or left operand (`GroupedTiles.weight_lhs`), at the shard's defaults and two neighbours (`--grouped-shape shard`;
+# the K = 256 down projection runs each as its one K step)
 DEQUANT_SWEEP_TILES = [
-    GroupedTiles(block_n=bn, block_k=bk, splits=sp, num_stages=st, dequant=mode)
+    GroupedTiles(block_n=bn, block_k=bk, splits=sp, num_stages=st, dequant=mode, weight_lhs=lhs)
     for mode in DEQUANT_MODES
+    for lhs in (False, True)
     for bn, bk, sp, st in ((64, 512, 14, 3), (128, 256, 14, 3), (64, 256, 1, 2))
 ]
 
@@ -258,6 +257,7 @@ def grouped_sweep(
                     "num_stages": tiles.num_stages,
                     "one_dot": tiles.one_dot,
                     "dequant": tiles.dequant,
+                    "weight_lhs": tiles.weight_lhs,
                     "requested": dataclasses.asdict(requested),
                     "block_m": block_m,
                     **_rates(seconds, 2 * assign * n * k, nbytes, copy_bw),
@@ -310,67 +310,7 @@ def grouped_sweep(
                 f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "
                 f"({100 * best['of_copy']:4.0f}%, {best['TFLOPs']:.0f} TFLOP/s) at "
                 f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
-                f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']}",
-                flush=True,
-            )
-    return rows
-
-
-def grouped_pair_timing(
-    tokens_list,
-    copy_bw: float,
-    key,
-    commit: str,
-    tiles_list=(None,),
-    experts: int = 384,
-    shape: tuple[int, int] = (256, 7168),
-) -> list[dict]:
-    """The MoE's gate and up at T tokens x top-8 (routing drawn uniformly): two `grouped_matmul` calls against one
-    `grouped_matmul_pair` (one launch, one x tile a step for both, one split sum), same inputs and tiling (None:
-    the default for the shape), side by side; bytes = both weights' distinct experts (codes + scales)."""
-    n, k = shape
-    rows = []
-    weights = [_random_experts(jax.random.fold_in(key, i), experts, n, k) for i in range(2)]
-    for tokens in tokens_list:
-        assign, sizes, distinct, xs = _uniform_routing(tokens, experts, k, key)
-        nbytes = 2 * distinct * n * k * (0.5 + 2 / 32)
-        for tiles in tiles_list:
-
-            def two_calls(x, w, tiles=tiles):
-                return grouped_matmul(x, w[0], sizes, tiles=tiles) + grouped_matmul(x, w[1], sizes, tiles=tiles)
-
-            def one_pair(x, w, tiles=tiles):
-                first, second = grouped_matmul_pair(x, w[0], w[1], sizes, tiles=tiles)
-                return first + second
-
-            label = dataclasses.asdict(tiles or default_grouped_tiles(weights[0], assign))
-            try:
-                two_s = _timed(two_calls, xs, weights)
-                pair_s = _timed(one_pair, xs, weights)
-            except Exception as err:  # noqa: BLE001 - a tiling that fails to compile or run is a result
-                rows.append({"T": tokens, "tiles": label, "error": str(err)[:300]})
-                print(f"pair T={tokens} {label}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-                continue
-            row = {
-                "N": n,
-                "K": k,
-                "T": tokens,
-                "assignments": assign,
-                "distinct_experts": distinct,
-                "tiles": label,
-                "two_calls_us": two_s * 1e6,
-                "pair_us": pair_s * 1e6,
-                "speedup": two_s / pair_s,
-                "pair_GBps": nbytes / pair_s / 1e9,
-                "pair_of_copy": nbytes / pair_s / copy_bw,
-            }
-            rows.append(row)
-            write_result(f"grouped_pair_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
-            print(
-                f"gate+up T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB) {label['dequant']:10s} "
-                f"bn {label['block_n']} bk {label['block_k']} splits {label['splits']}: two calls "
-                f"{row['two_calls_us']:8.1f} us, pair {row['pair_us']:8.1f} us ({row['speedup']:.2f}x, "
-                f"{100 * row['pair_of_copy']:.0f}% of copy)",
+                f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']} weight_lhs {best['weight_lhs']}",
                 flush=True,
             )
     return rows
@@ -408,21 +348,7 @@ def main() -> None:
         choices=("triton", "mosaic"),
         help="mosaic: --grouped-sweep also times the Mosaic GPU INT4 kernel (MOSAIC_SWEEP) on the same inputs",
     )
-    parser.add_argument(
-        "--grouped-pair",
-        default="",
-        help="only time the MoE gate + up as two grouped calls against one grouped_matmul_pair at these token "
-        "counts (one TP8 shard's [256, 7168] experts), at the default tiling and its conversion-free dequant modes",
-    )
     args = parser.parse_args()
-    if args.grouped_pair:
-        copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
-        print(f"device: {device_description()}; commit {args.commit}; copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-        tiles_list = [dataclasses.replace(NARROW_GROUPED_TILES, dequant=mode) for mode in DEQUANT_MODES]
-        grouped_pair_timing(
-            [int(t) for t in args.grouped_pair.split(",")], copy_bw, jax.random.key(1), args.commit, tiles_list
-        )
-        return
     if args.grouped_sweep:
         copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
         print(

@@ -311,16 +311,14 @@ DECODE_SPLITS = 4  # K splits while the step has at most DECODE_ROWS rows (decod
 DECODE_ROWS = 512
 
 # How the grouped kernel turns an INT4 nibble c into its bf16-activation dot's weight (c - 8) * scale:
-# "convert": integer subtract, int -> float32 convert, scale, float32 -> bf16 convert (two type conversions a
-#   weight; the SMs issue conversions at a lower rate than integer / float arithmetic, so at decode sizes they may
-#   bound the call: the hypothesis `bench_matmul --grouped-tiles dequant` tests);
-# "magic_bf16": c OR 0x4300 read as a bf16 is 128 + c exactly (no conversion), then (v - 136) * scale in bf16: the
-#   same rounding as "convert" (the exact float32 product rounded once to bf16);
-# "magic_f32": c OR 0x4B000000 read as a float32 is 2^23 + c exactly, (v - 2^23 - 8) * scale in float32, and a
-#   TF32 dot against the activations widened to float32 (the weight rounded to TF32's 10 mantissa bits, not bf16's 7).
-DEQUANT_MODES = ("convert", "magic_bf16", "magic_f32")
+# "convert": integer subtract, int -> float32 convert, scale, float32 -> bf16 convert;
+# "magic_bf16": c OR 0x4300 read as a bf16 is 128 + c exactly (no int -> float conversion), then (v - 136) * scale
+#   in bf16: the same rounding as "convert" (the exact float32 product rounded once to bf16), so the same bits.
+# Measured (`bench_matmul --grouped-tiles dequant`, one H200, 7a38e06, one TP8 shard's experts at 9 / 17 / 65
+# tokens): "magic_bf16" took 0-14% less time than "convert", never more; a third form, float32 weights and a TF32
+# dot (no conversion at all), took 1.2-2.0x longer (twice the weight tile's shared-memory bytes) and was removed.
+DEQUANT_MODES = ("convert", "magic_bf16")
 BF16_MAGIC = 0x4300  # bf16 bits of 128.0: OR a nibble c into them -> the bf16 128 + c
-F32_MAGIC = 0x4B000000  # float32 bits of 2^23: OR c into them -> the float32 2^23 + c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +331,10 @@ class GroupedTiles:
     activations laid out to match: within each block_k tile plane-major) instead of 8 dots of K = block_k / 8,
     one per plane (the default: no relayout of the activations). dequant (INT4, bf16 activations, per-plane
     dots): how a nibble c becomes the weight (c - 8) * scale, see DEQUANT_MODES; float32 activations always take
-    "convert"."""
+    "convert". weight_lhs (INT4, per-plane dots): each plane's dot is w [BN, W] . x^T [W, BM] (an accumulator
+    [BN, BM], stored transposed) instead of x . w^T: the dequantised weight is the dot's left operand, which
+    Hopper's wgmma may read from registers (its right operand must sit in shared memory), with BN = 64 rows a
+    warpgroup's M."""
 
     block_n: int = GROUPED_BLOCK_N
     block_k: int = BLOCK_K
@@ -342,6 +343,7 @@ class GroupedTiles:
     num_stages: int = 3
     one_dot: bool = False
     dequant: str = "convert"
+    weight_lhs: bool = False
 
     def check(self, kind: str) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -366,6 +368,11 @@ class GroupedTiles:
                 f"dequant {self.dequant!r} applies to INT4 weights with per-plane dots (one_dot=False), got "
                 f"{kind} weights, one_dot={self.one_dot}"
             )
+        if self.weight_lhs and (kind != "int4" or self.one_dot):
+            raise ValueError(
+                f"weight_lhs applies to INT4 weights with per-plane dots (one_dot=False), got {kind} weights, "
+                f"one_dot={self.one_dot}"
+            )
 
 
 def _grouped_kernel(
@@ -382,16 +389,14 @@ def _grouped_kernel(
     precision,
     one_dot: bool = False,
     dequant: str = "convert",
-    pair_offset: int | None = None,
+    weight_lhs: bool = False,
 ):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
     #   [A_pad, K_pad], each block_k tile's columns plane-major: column j * block_k / 8 + w holds k = 8 w + j)
     # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
-    #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place. With
-    #   pair_offset (INT4, per-plane dots): two INT4 weights of one shape (gate, up): (packed, scale, packed, scale)
-    # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows; with pair_offset
-    #   [S, A_pad, 2 N_pad], the second weight's columns from pair_offset = N_pad
+    #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place
+    # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows
     *weight_refs, o_ref = refs
     n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert, first, count, layer = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile], tile_ref[3, tile]
@@ -415,21 +420,17 @@ def _grouped_kernel(
         return packed, scale
 
     def int4_plane_dots(packed, scale, x_planes, acc):
-        """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T."""
+        """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T (with
+        weight_lhs acc [BN, BM] + w_j . x_j^T)."""
         for plane in range(8):
             nibble = (packed >> (4 * plane)) & 0xF
             xs = x_planes[plane]
             if dequant == "magic_bf16":  # bf16 activations (GroupedTiles.check, _grouped_2d)
                 v = lax.bitcast_convert_type((nibble | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
                 w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
-                acc = acc + _dot_t(xs, w, precision)
-            elif dequant == "magic_f32":
-                v = lax.bitcast_convert_type(nibble | F32_MAGIC, jnp.float32)
-                w = (v - float(2**23 + 8)) * scale
-                acc = acc + _dot_t(xs.astype(jnp.float32), w, lax.Precision.DEFAULT)  # TF32
             else:
                 w = ((nibble - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
-                acc = acc + _dot_t(xs, w, precision)
+            acc = acc + (_dot_t(w, xs, precision) if weight_lhs else _dot_t(xs, w, precision))
         return acc
 
     @pl.when(count > 0)
@@ -438,11 +439,6 @@ def _grouped_kernel(
             k0 = split * k_per_split + i * block_k
             if kind == "int4" and not one_dot:
                 x_planes = [x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)] for plane in range(8)]
-                if pair_offset is not None:  # the x tile loaded once for both weights
-                    first_acc, second_acc = acc
-                    first_acc = int4_plane_dots(*int4_tiles(*weight_refs[:2], k0), x_planes, first_acc)
-                    second_acc = int4_plane_dots(*int4_tiles(*weight_refs[2:], k0), x_planes, second_acc)
-                    return first_acc, second_acc
                 return int4_plane_dots(*int4_tiles(*weight_refs, k0), x_planes, acc)
             if kind == "int4":  # one_dot: the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot
                 packed, scale = int4_tiles(*weight_refs, k0)
@@ -472,17 +468,17 @@ def _grouped_kernel(
                 )
             return acc + _dot_t(x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.astype(x_ref.dtype), precision)
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        acc = lax.fori_loop(0, k_per_split // block_k, body, zeros if pair_offset is None else (zeros, zeros))
+        acc = lax.fori_loop(
+            0,
+            k_per_split // block_k,
+            body,
+            jnp.zeros((block_n, block_m) if weight_lhs else (block_m, block_n), jnp.float32),
+        )
+        if weight_lhs:
+            acc = acc.T
         out_rows = first + jnp.arange(block_m)
         mask = (out_rows < first + count)[:, None]
-        if pair_offset is None:
-            plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=mask)
-        else:
-            for offset, part in zip((0, pair_offset), acc):
-                plgpu.store(
-                    o_ref.at[split, pl.ds(first, block_m), pl.ds(offset + n_tile * block_n, block_n)], part, mask=mask
-                )
+        plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=mask)
 
 
 def _tile_counts(group_sizes: jax.Array, block_m: int, align: int):
@@ -558,25 +554,16 @@ def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def _grouped_2d(x, weights, group_sizes, layer, *, interpret: bool, tiles: GroupedTiles):
-    # weights: one or two (INT4, same shape: `grouped_matmul_pair`) stacked [L, E, N, K] (a plain [E, N, K]
-    # arrives as L = 1, layer 0); layer: int32 []. -> y [A, N] (a tuple of two with two weights)
-    weight, pair = weights[0], len(weights) == 2
+def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: GroupedTiles):
+    # weight: stacked [L, E, N, K] (a plain [E, N, K] arrives as L = 1, layer 0); layer: int32 []. -> y [A, N]
     rows, k = x.shape
     experts, n = weight.shape[1], weight.shape[-2]
     kind = _weight_kind(weight)
     tiles.check(kind)
     precision = dot_precision(x.dtype)
-    # a pair's step holds two weight tiles of block_n rows: fitted as one of 2 block_n
-    fitted = fit_grouped_tiles(
-        dataclasses.replace(tiles, block_n=tiles.block_n * len(weights)),
-        kind,
-        x.dtype,
-        _stored_dtype(weight),
-        _scale_dtype(weight),
-        grouped_plan(rows, experts, n, k, tiles)[0],
+    tiles = fit_grouped_tiles(
+        tiles, kind, x.dtype, _stored_dtype(weight), _scale_dtype(weight), grouped_plan(rows, experts, n, k, tiles)[0]
     )
-    tiles = dataclasses.replace(tiles, block_k=fitted.block_k, num_stages=fitted.num_stages)
     block_m, max_tiles, splits, k_per_split = grouped_plan(rows, experts, n, k, tiles)
     tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
     tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
@@ -590,7 +577,7 @@ def _grouped_2d(x, weights, group_sizes, layer, *, interpret: bool, tiles: Group
         inputs = (tiled.reshape(a_pad, k_pad), weight.packed, weight.scale)
     elif kind == "int4":
         planes = x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1)
-        inputs = (planes,) + tuple(a for w in weights for a in (w.packed, w.scale))
+        inputs = (planes, weight.packed, weight.scale)
     elif kind == "fp8":
         inputs = (x_pad, weight.weight, weight.scale_inv)
     else:
@@ -608,20 +595,17 @@ def _grouped_2d(x, weights, group_sizes, layer, *, interpret: bool, tiles: Group
             precision=precision,
             one_dot=one_dot,
             dequant=tiles.dequant if kind == "int4" and x.dtype == jnp.bfloat16 else "convert",
-            pair_offset=n_tiles * tiles.block_n if pair else None,
+            weight_lhs=tiles.weight_lhs,
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],
-        out_specs=_whole((splits, a_pad, len(weights) * n_tiles * tiles.block_n)),
-        out_shape=jax.ShapeDtypeStruct((splits, a_pad, len(weights) * n_tiles * tiles.block_n), jnp.float32),
+        out_specs=_whole((splits, a_pad, n_tiles * tiles.block_n)),
+        out_shape=jax.ShapeDtypeStruct((splits, a_pad, n_tiles * tiles.block_n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name=f"grouped_matmul_{kind}" + ("_pair" if pair else ""),
+        name=f"grouped_matmul_{kind}",
     )(tile_table, *inputs)
     # rows no tile covers (the padding) hold garbage in every split: sliced off before they are read
-    if pair:
-        offset = n_tiles * tiles.block_n
-        return tuple(out[:, :rows, o : o + n].sum(axis=0).astype(x.dtype) for o in (0, offset))
     return out[:, :rows, :n].sum(axis=0).astype(x.dtype)
 
 
@@ -647,7 +631,7 @@ def grouped_matmul(
     weight, layer = _grouped_operands(x, weight, group_sizes, layer, "grouped_matmul")
     tiles = tiles or default_grouped_tiles(weight, x.shape[0])
     return _grouped_2d(
-        x, (weight,), group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
+        x, weight, group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
     )
 
 
@@ -675,41 +659,6 @@ def _grouped_operands(x, weight, group_sizes, layer, name: str):
     return weight, layer
 
 
-def grouped_matmul_pair(
-    x: jax.Array,
-    first: Int4Weight,
-    second: Int4Weight,
-    group_sizes: jax.Array,
-    *,
-    layer: jax.Array | int | None = None,
-    interpret: bool | None = None,
-    tiles: GroupedTiles | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """`grouped_matmul` of the same rows against two INT4 expert weights of one shape (a MoE's gate and up) in
-    one launch: each program streams both weights' tiles for its columns against one load of the rows' tile, and
-    one op sums the K splits of both. -> (x . first^T, x . second^T), each [A, N] in x's dtype. layer, tiles: as
-    in `grouped_matmul` (tiles: per-plane dots, no one_dot)."""
-    if not (isinstance(first, Int4Weight) and isinstance(second, Int4Weight)):
-        raise ValueError(
-            f"grouped_matmul_pair takes two Int4Weights, got {type(first).__name__} and {type(second).__name__}"
-        )
-    if first.shape != second.shape:
-        raise ValueError(f"grouped_matmul_pair's weights must share a shape, got {first.shape} and {second.shape}")
-    first, stacked_layer = _grouped_operands(x, first, group_sizes, layer, "grouped_matmul_pair")
-    second, _ = _grouped_operands(x, second, group_sizes, layer, "grouped_matmul_pair")
-    tiles = tiles or default_grouped_tiles(first, x.shape[0])
-    if tiles.one_dot:
-        raise ValueError("grouped_matmul_pair runs per-plane dots: tiles.one_dot must be False")
-    return _grouped_2d(
-        x,
-        (first, second),
-        group_sizes,
-        jnp.asarray(stacked_layer, jnp.int32),
-        interpret=default_interpret(interpret),
-        tiles=tiles,
-    )
-
-
 # The INT4 prefill tiling, from `bench_matmul --grouped-sweep 2048 --grouped-tiles prefill` (one H200, b1a8ad7,
 # 2026-12-03): at a 2,048-token chunk's 16,384 assignments over the 384 K2.6 INT4 experts (64-row tiles), one
 # dot a K step at 128 columns, 256-wide K steps and 8 warps took 6,988 / 7,690 us (gate / down: 69 / 63
@@ -723,12 +672,14 @@ PREFILL_GROUPED_TILES = GroupedTiles(block_n=128, block_k=256, num_warps=8, num_
 # idle): 64 columns, 512-wide K steps, one K step a split (14 splits) took 135.9 / 287.7 us at 17 / 65 tokens x
 # top-8 where the default took 197.0 / 355.7 (the best at 65 tokens, 128 x 256 x 14, took 269.3 but 167.2 at 17).
 # down [7168, 256] (one K step: nothing to split): 64 columns, 2 stages took 71.5 / 107.3 / 224.2 us at 9 / 17 / 65
-# tokens where the default took 80.0 / 117.5 / 235.1, the best of 22 at each size.
+# tokens where the default took 80.0 / 117.5 / 235.1, the best of 22 at each size. Both dequantise "magic_bf16"
+# (`--grouped-tiles dequant`, 7a38e06: gate 101.9 / 143.9 / 263.4 -> 101.2 / 131.0 / 259.7 us, down 88.3 / 118.9 /
+# 220.4 -> 76.0 / 110.7 / 216.3 at 9 / 17 / 65 tokens; same output bits).
 NARROW_N = 512  # experts of at most this many output columns (and >= WIDE columns in) take NARROW_GROUPED_TILES
 SHORT_K = 512  # experts of at most this many input columns (and >= WIDE columns out) take SHORT_K_GROUPED_TILES
 WIDE = 4096  # the rules hold where they were measured (7,168 against 256); other shapes keep GroupedTiles()
-NARROW_GROUPED_TILES = GroupedTiles(block_n=64, block_k=512, splits=14)
-SHORT_K_GROUPED_TILES = GroupedTiles(block_n=64, num_stages=2)
+NARROW_GROUPED_TILES = GroupedTiles(block_n=64, block_k=512, splits=14, dequant="magic_bf16")
+SHORT_K_GROUPED_TILES = GroupedTiles(block_n=64, num_stages=2, dequant="magic_bf16")
 
 
 def default_grouped_tiles(weight, rows: int | None = None) -> GroupedTiles:
@@ -748,11 +699,6 @@ def default_grouped_tiles(weight, rows: int | None = None) -> GroupedTiles:
         if k <= SHORT_K and n >= WIDE:
             return SHORT_K_GROUPED_TILES
     return GroupedTiles()
-
-
-def grouped_matmul_pair_reference(x: jax.Array, first, second, group_sizes: jax.Array, *, layer=None) -> tuple:
-    """The pair's twin: `grouped_matmul_reference` of each weight."""
-    return tuple(grouped_matmul_reference(x, w, group_sizes, layer=layer) for w in (first, second))
 
 
 def grouped_matmul_reference(x: jax.Array, weight, group_sizes: jax.Array, *, layer=None) -> jax.Array:

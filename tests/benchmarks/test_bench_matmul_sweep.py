@@ -90,21 +90,7 @@ def test_shard_sweep_tiles_are_valid_int4_tilings():
         assert len(set(tiles_list)) == len(tiles_list)
         for tiles in tiles_list:
             tiles.check("int4")
-    assert {t.dequant for t in DEQUANT_SWEEP_TILES} == {"convert", "magic_bf16", "magic_f32"}
+    assert {(t.dequant, t.weight_lhs) for t in DEQUANT_SWEEP_TILES} == {
+        (mode, lhs) for mode in ("convert", "magic_bf16") for lhs in (False, True)
+    }
     assert GROUPED_SHAPES["shard"] == (("gate", 256, 7168), ("down", 7168, 256))
-
-
-def test_grouped_pair_timing_rows(tmp_path, monkeypatch):
-    """--grouped-pair on a tiny expert shape (CPU, interpret mode): two calls and the pair timed on the same inputs,
-    one row per tiling, the speed-up their ratio, the JSON written."""
-    from benchmarks.bench_matmul import grouped_pair_timing
-    from ddtree_kernels.decode_matmul import GroupedTiles
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    tiles = [None, GroupedTiles(block_n=32, block_k=256, splits=2, dequant="magic_bf16")]
-    rows = grouped_pair_timing([2], float("nan"), jax.random.key(0), "t", tiles, experts=4, shape=(32, 512))
-    assert [r["tiles"]["dequant"] for r in rows] == ["convert", "magic_bf16"]
-    for r in rows:
-        assert r["assignments"] == 16 and r["two_calls_us"] > 0 and r["pair_us"] > 0
-        assert abs(r["speedup"] - r["two_calls_us"] / r["pair_us"]) < 1e-9
-    assert len(json.loads((tmp_path / "grouped_pair_t.json").read_text())["rows"]) == 2

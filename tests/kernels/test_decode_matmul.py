@@ -16,8 +16,6 @@ from ddtree_kernels.decode_matmul import (
     SHORT_K_GROUPED_TILES,
     GroupedTiles,
     grouped_matmul,
-    grouped_matmul_pair,
-    grouped_matmul_pair_reference,
     grouped_matmul_reference,
     grouped_plan,
     matmul,
@@ -162,97 +160,56 @@ def test_grouped_narrow_and_short_k_defaults_match_the_reference(shape, rows):
         assert np.abs(got - ref).max() / np.abs(ref).max() < tol, dtype
 
 
-@pytest.mark.parametrize("dequant", ["magic_bf16", "magic_f32"])
+@pytest.mark.parametrize("dequant,weight_lhs", [("magic_bf16", False), ("convert", True), ("magic_bf16", True)])
 @pytest.mark.parametrize("rows", [1, 17, 70])
-def test_grouped_int4_dequant_modes_match_the_reference(dequant, rows):
-    """The conversion-free dequantisations (DEQUANT_MODES) on bf16 activations: split K with a short last split,
-    crowded and empty experts. magic_bf16 rounds each weight as "convert" does, so its output is the same bits;
-    magic_f32 (TF32 dot, weights not rounded to bf16) is within the bf16 tolerance. float32 activations take
-    "convert" whatever is asked (bits equal to the default's)."""
-    rng = np.random.default_rng(rows + len(dequant))
-    experts, n, k = 6, 150, 3 * 512 - 96
+def test_grouped_int4_dequant_forms_match_the_reference(dequant, weight_lhs, rows):
+    """The conversion-free dequantisation (magic_bf16) and the weight as the dot's left operand (weight_lhs) on bf16
+    activations: split K with a short last split, crowded and empty experts, every layer of a stacked weight read in
+    place. magic_bf16 rounds each weight as "convert" does, and the transposed dot sums the same products, so the
+    output matches the default's within float32 summation order and the twin within bf16 tolerance; float32
+    activations take "convert" whatever is asked (bits equal to the default's for the same dot order)."""
+    rng = np.random.default_rng(rows + len(dequant) + weight_lhs)
+    layers, experts, n, k = 2, 6, 150, 3 * 512 - 96
     sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
     if rows >= 17:
         sizes[0] += sizes[1:3].sum()
         sizes[1:3] = 0
-    w = _expert_weights(rng, experts, n, k, "int4")
+    sizes = jnp.asarray(sizes)
+    per_layer = [_expert_weights(rng, experts, n, k, "int4") for _ in range(layers)]
+    w = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
     w = type(w)(w.packed, w.scale.astype(jnp.bfloat16))  # bf16 scales, as the checkpoints store them
     base = GroupedTiles(block_n=64, block_k=512, splits=3)
-    tiles = dataclasses.replace(base, dequant=dequant)
+    tiles = dataclasses.replace(base, dequant=dequant, weight_lhs=weight_lhs)
+    call = jax.jit(lambda x, i, t: grouped_matmul(x, w, sizes, layer=i, tiles=t), static_argnums=2)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    got = np.asarray(grouped_matmul(x, w, jnp.asarray(sizes), tiles=tiles), np.float32)
-    ref = np.asarray(grouped_matmul_reference(x, w, jnp.asarray(sizes)), np.float32)
-    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
-    if dequant == "magic_bf16":
-        np.testing.assert_array_equal(got, np.asarray(grouped_matmul(x, w, jnp.asarray(sizes), tiles=base), np.float32))
+    for layer in range(layers):
+        got = np.asarray(call(x, jnp.int32(layer), tiles), np.float32)
+        ref = np.asarray(grouped_matmul_reference(x, w, sizes, layer=layer), np.float32)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2, layer
+        default = np.asarray(call(x, jnp.int32(layer), base), np.float32)
+        if weight_lhs:  # the same products summed in another order: one bf16 rounding of the output apart at most
+            np.testing.assert_allclose(got, default, rtol=1e-2, atol=1e-2 * np.abs(default).max())
+        else:
+            np.testing.assert_array_equal(got, default)
     x32 = x.astype(jnp.float32)
-    np.testing.assert_array_equal(
-        np.asarray(grouped_matmul(x32, w, jnp.asarray(sizes), tiles=tiles)),
-        np.asarray(grouped_matmul(x32, w, jnp.asarray(sizes), tiles=base)),
-    )
-
-
-@pytest.mark.parametrize(
-    "tiles",
-    [
-        None,  # the default for this shape: 128 columns, 256-wide K steps, 3 K splits
-        GroupedTiles(block_n=32, block_k=256, splits=1),
-        GroupedTiles(block_n=64, block_k=512, splits=3, dequant="magic_bf16"),
-        GroupedTiles(block_n=64, block_k=512, splits=3, dequant="magic_f32"),
-    ],
-)
-def test_grouped_pair_matches_two_calls_and_the_reference(tiles):
-    """grouped_matmul_pair (gate and up in one launch, one x tile a step for both): every layer of a stacked pair
-    read in place (a traced layer), crowded and empty experts, split K; bf16 and float32 activations. Its outputs
-    are the single-weight kernel's bits with the same tiling, and match the twin."""
-    rng = np.random.default_rng(7 if tiles is None else tiles.block_n + (tiles.splits or 0) + len(tiles.dequant))
-    layers, experts, n, k, rows = 2, 5, 150, 3 * 512 - 96, 19
-    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
-    sizes[0] += sizes[1]
-    sizes[1] = 0
-    sizes = jnp.asarray(sizes)
-    per_layer = [
-        (_expert_weights(rng, experts, n, k, "int4"), _expert_weights(rng, experts, n, k, "int4"))
-        for _ in range(layers)
-    ]
-    first = jax.tree.map(lambda *a: jnp.stack(a), *[p[0] for p in per_layer])
-    second = jax.tree.map(lambda *a: jnp.stack(a), *[p[1] for p in per_layer])
-    pair = jax.jit(lambda x, a, b, i: grouped_matmul_pair(x, a, b, sizes, layer=i, tiles=tiles))
-    single = jax.jit(lambda x, w, i: grouped_matmul(x, w, sizes, layer=i, tiles=tiles))
-    for dtype, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)):
-        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-        for layer in range(layers):
-            got = pair(x, first, second, jnp.int32(layer))
-            refs = grouped_matmul_pair_reference(x, first, second, sizes, layer=layer)
-            for y, w, ref in zip(got, (first, second), refs):
-                assert y.shape == (rows, n) and y.dtype == dtype
-                np.testing.assert_array_equal(np.asarray(y), np.asarray(single(x, w, jnp.int32(layer))))
-                ref = np.asarray(ref, np.float32)
-                assert np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max() < tol, (dtype, layer)
-
-
-def test_grouped_pair_bad_inputs_are_named():
-    rng = np.random.default_rng(0)
-    w = _expert_weights(rng, 3, 64, 256, "int4")
-    other = _expert_weights(rng, 3, 32, 256, "int4")
-    x, sizes = jnp.ones((4, 256), jnp.bfloat16), jnp.asarray([2, 2, 0], jnp.int32)
-    with pytest.raises(ValueError, match="two Int4Weights, got Int4Weight and ArrayImpl"):
-        grouped_matmul_pair(x, w, jnp.ones((3, 64, 256)), sizes)
-    with pytest.raises(ValueError, match=r"must share a shape, got \(3, 64, 256\) and \(3, 32, 256\)"):
-        grouped_matmul_pair(x, w, other, sizes)
-    with pytest.raises(ValueError, match="one_dot must be False"):
-        grouped_matmul_pair(x, w, w, sizes, tiles=GroupedTiles(one_dot=True))
-    with pytest.raises(ValueError, match="grouped_matmul_pair takes stacked expert weights"):
-        grouped_matmul_pair(x, jax.tree.map(lambda a: a[0], w), jax.tree.map(lambda a: a[0], w), sizes)
+    got32 = np.asarray(call(x32, jnp.int32(1), tiles))
+    ref32 = np.asarray(grouped_matmul_reference(x32, w, sizes, layer=1))
+    assert np.abs(got32 - ref32).max() / np.abs(ref32).max() < 2e-6
+    if not weight_lhs:
+        np.testing.assert_array_equal(got32, np.asarray(call(x32, jnp.int32(1), base)))
 
 
 def test_grouped_dequant_modes_are_checked():
     with pytest.raises(ValueError, match="dequant must be one of .* got 'fast'"):
         GroupedTiles(dequant="fast").check("int4")
-    with pytest.raises(ValueError, match="applies to INT4 weights with per-plane dots .* fp8 weights"):
-        GroupedTiles(block_k=128, dequant="magic_f32").check("fp8")
+    with pytest.raises(ValueError, match="dequant 'magic_bf16' applies to INT4 weights with per-plane dots .* fp8"):
+        GroupedTiles(block_k=128, dequant="magic_bf16").check("fp8")
     with pytest.raises(ValueError, match="one_dot=True"):
         GroupedTiles(dequant="magic_bf16", one_dot=True).check("int4")
+    with pytest.raises(ValueError, match="weight_lhs applies to INT4 weights with per-plane dots .* dense weights"):
+        GroupedTiles(weight_lhs=True).check("dense")
+    with pytest.raises(ValueError, match="weight_lhs applies .* one_dot=True"):
+        GroupedTiles(weight_lhs=True, one_dot=True).check("int4")
 
 
 @pytest.mark.parametrize("rows", [1, 40, 150])

@@ -115,23 +115,18 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
             for n_, k_ in ((256, 7168), (7168, 256))
             for rows in (72, 136, 520)
         ]
-        gate = cases[-6][0]  # the shard's gate at 72 rows under each conversion-free dequantisation
+        gate = cases[-6][0]  # the shard's gate at 72 and 136 rows: magic_bf16, the weight as the dot's left operand
         cases += [
-            (gate, 72, dataclasses.replace(default_grouped_tiles(gate, 72), dequant=mode))
-            for mode in ("magic_bf16", "magic_f32")
-        ]
-    if kind == "int4":  # grouped_matmul_pair: the shard's gate and up in one launch, under each dequantisation
-        cases += [
-            ((gate, gate), 136, dataclasses.replace(default_grouped_tiles(gate, 136), dequant=mode))
-            for mode in ("convert", "magic_bf16", "magic_f32")
+            (gate, rows, dataclasses.replace(default_grouped_tiles(gate, rows), dequant=mode, weight_lhs=lhs))
+            for rows in (72, 136)
+            for mode, lhs in (("convert", True), ("magic_bf16", False), ("magic_bf16", True))
         ]
     for weight, rows, tiles in cases:  # one token (split-K), a tree, a prefill chunk
-        weights = weight if isinstance(weight, tuple) else (weight,)
-        tiles = tiles or default_grouped_tiles(weights[0], rows)
+        tiles = tiles or default_grouped_tiles(weight, rows)
         text = (
             _grouped_2d.trace(
-                spec((rows, weights[0].shape[-1]), jnp.bfloat16),
-                weights,
+                spec((rows, weight.shape[-1]), jnp.bfloat16),
+                weight,
                 spec((experts,), jnp.int32),
                 spec((), jnp.int32),
                 interpret=False,
