@@ -20,7 +20,7 @@ prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments). 
 times the Mosaic GPU INT4 kernel (`ddtree_kernels.grouped_int4_mgpu`, `MOSAIC_SWEEP` tilings) on the same
 inputs, side by side, with its error against the Triton kernel's output. `--grouped-shape shard
 --grouped-tiles shard` sweeps one TP8 shard's expert shapes (1/8 of the intermediate) over `SHARD_SWEEP_TILES`
-(`--grouped-tiles dequant`: the conversion-free dequantisation and the weight as the dot's left operand, each way).
+(`--grouped-tiles dequant`: each INT4 dequantisation).
 
 Usage: python -m benchmarks.bench_matmul --commit $(git rev-parse --short HEAD) [--quick] [--shapes tiny]
        python -m benchmarks.bench_matmul --commit C --grouped-sweep 1,4,9,17
@@ -126,13 +126,11 @@ SHARD_SWEEP_TILES = [
     for sp in (4, 7)
 ]
 
-# `--grouped-tiles dequant`: each dequantisation (`decode_matmul.DEQUANT_MODES`) with the weight as the dot's right
-# or left operand (`GroupedTiles.weight_lhs`), at the shard's defaults and two neighbours (`--grouped-shape shard`;
-# the K = 256 down projection runs each as its one K step)
+# `--grouped-tiles dequant`: each dequantisation (`decode_matmul.DEQUANT_MODES`) at the shard's defaults and two
+# neighbours (`--grouped-shape shard`; the K = 256 down projection runs each as its one K step)
 DEQUANT_SWEEP_TILES = [
-    GroupedTiles(block_n=bn, block_k=bk, splits=sp, num_stages=st, dequant=mode, weight_lhs=lhs)
+    GroupedTiles(block_n=bn, block_k=bk, splits=sp, num_stages=st, dequant=mode)
     for mode in DEQUANT_MODES
-    for lhs in (False, True)
     for bn, bk, sp, st in ((64, 512, 14, 3), (128, 256, 14, 3), (64, 256, 1, 2))
 ]
 
@@ -257,7 +255,6 @@ def grouped_sweep(
                     "num_stages": tiles.num_stages,
                     "one_dot": tiles.one_dot,
                     "dequant": tiles.dequant,
-                    "weight_lhs": tiles.weight_lhs,
                     "requested": dataclasses.asdict(requested),
                     "block_m": block_m,
                     **_rates(seconds, 2 * assign * n * k, nbytes, copy_bw),
@@ -310,7 +307,7 @@ def grouped_sweep(
                 f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "
                 f"({100 * best['of_copy']:4.0f}%, {best['TFLOPs']:.0f} TFLOP/s) at "
                 f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
-                f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']} weight_lhs {best['weight_lhs']}",
+                f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']}",
                 flush=True,
             )
     return rows

@@ -331,10 +331,7 @@ class GroupedTiles:
     activations laid out to match: within each block_k tile plane-major) instead of 8 dots of K = block_k / 8,
     one per plane (the default: no relayout of the activations). dequant (INT4, bf16 activations, per-plane
     dots): how a nibble c becomes the weight (c - 8) * scale, see DEQUANT_MODES; float32 activations always take
-    "convert". weight_lhs (INT4, per-plane dots): each plane's dot is w [BN, W] . x^T [W, BM] (an accumulator
-    [BN, BM], stored transposed) instead of x . w^T: the dequantised weight is the dot's left operand, which
-    Hopper's wgmma may read from registers (its right operand must sit in shared memory), with BN = 64 rows a
-    warpgroup's M."""
+    "convert"."""
 
     block_n: int = GROUPED_BLOCK_N
     block_k: int = BLOCK_K
@@ -343,7 +340,6 @@ class GroupedTiles:
     num_stages: int = 3
     one_dot: bool = False
     dequant: str = "convert"
-    weight_lhs: bool = False
 
     def check(self, kind: str) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -368,11 +364,6 @@ class GroupedTiles:
                 f"dequant {self.dequant!r} applies to INT4 weights with per-plane dots (one_dot=False), got "
                 f"{kind} weights, one_dot={self.one_dot}"
             )
-        if self.weight_lhs and (kind != "int4" or self.one_dot):
-            raise ValueError(
-                f"weight_lhs applies to INT4 weights with per-plane dots (one_dot=False), got {kind} weights, "
-                f"one_dot={self.one_dot}"
-            )
 
 
 def _grouped_kernel(
@@ -389,7 +380,6 @@ def _grouped_kernel(
     precision,
     one_dot: bool = False,
     dequant: str = "convert",
-    weight_lhs: bool = False,
 ):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
@@ -420,8 +410,7 @@ def _grouped_kernel(
         return packed, scale
 
     def int4_plane_dots(packed, scale, x_planes, acc):
-        """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T (with
-        weight_lhs acc [BN, BM] + w_j . x_j^T)."""
+        """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T."""
         for plane in range(8):
             nibble = (packed >> (4 * plane)) & 0xF
             xs = x_planes[plane]
@@ -430,15 +419,24 @@ def _grouped_kernel(
                 w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
             else:
                 w = ((nibble - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
-            acc = acc + (_dot_t(w, xs, precision) if weight_lhs else _dot_t(xs, w, precision))
+            acc = acc + _dot_t(xs, w, precision)
         return acc
+
+    def x_tile(view, width: int):
+        """The tile's rows [BM, width] of an x view; rows past the tile's own (another expert's, or padding) are
+        not read (zeros: their outputs are not stored), so a tile of one row moves one row of activations."""
+        mask = jnp.broadcast_to((jnp.arange(block_m) < count)[:, None], (block_m, width))
+        return plgpu.load(view, mask=mask, other=0.0)
 
     @pl.when(count > 0)
     def _():
         def body(i, acc):
             k0 = split * k_per_split + i * block_k
             if kind == "int4" and not one_dot:
-                x_planes = [x_ref[plane, pl.ds(first, block_m), pl.ds(k0 // 8, words)] for plane in range(8)]
+                x_planes = [
+                    x_tile(x_ref.at[jnp.int32(plane), pl.ds(first, block_m), pl.ds(k0 // 8, words)], words)
+                    for plane in range(8)
+                ]
                 return int4_plane_dots(*int4_tiles(*weight_refs, k0), x_planes, acc)
             if kind == "int4":  # one_dot: the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot
                 packed, scale = int4_tiles(*weight_refs, k0)
@@ -446,7 +444,9 @@ def _grouped_kernel(
                 codes = (packed[:, None, :] >> shifts) & 0xF
                 w = ((codes - 8).astype(jnp.float32) * scale[:, None, :]).astype(x_ref.dtype)
                 return acc + _dot_t(
-                    x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.reshape(block_n, block_k), precision
+                    x_tile(x_ref.at[pl.ds(first, block_m), pl.ds(k0, block_k)], block_k),
+                    w.reshape(block_n, block_k),
+                    precision,
                 )
             w_ref = weight_refs[0]
             cols = k0 + jnp.arange(block_k)
@@ -466,16 +466,10 @@ def _grouped_kernel(
                         jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[3] - 1),
                     ]
                 )
-            return acc + _dot_t(x_ref[pl.ds(first, block_m), pl.ds(k0, block_k)], w.astype(x_ref.dtype), precision)
+            x = x_tile(x_ref.at[pl.ds(first, block_m), pl.ds(k0, block_k)], block_k)
+            return acc + _dot_t(x, w.astype(x_ref.dtype), precision)
 
-        acc = lax.fori_loop(
-            0,
-            k_per_split // block_k,
-            body,
-            jnp.zeros((block_n, block_m) if weight_lhs else (block_m, block_n), jnp.float32),
-        )
-        if weight_lhs:
-            acc = acc.T
+        acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         out_rows = first + jnp.arange(block_m)
         mask = (out_rows < first + count)[:, None]
         plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=mask)
@@ -595,7 +589,6 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             precision=precision,
             one_dot=one_dot,
             dequant=tiles.dequant if kind == "int4" and x.dtype == jnp.bfloat16 else "convert",
-            weight_lhs=tiles.weight_lhs,
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],

@@ -160,15 +160,12 @@ def test_grouped_narrow_and_short_k_defaults_match_the_reference(shape, rows):
         assert np.abs(got - ref).max() / np.abs(ref).max() < tol, dtype
 
 
-@pytest.mark.parametrize("dequant,weight_lhs", [("magic_bf16", False), ("convert", True), ("magic_bf16", True)])
 @pytest.mark.parametrize("rows", [1, 17, 70])
-def test_grouped_int4_dequant_forms_match_the_reference(dequant, weight_lhs, rows):
-    """The conversion-free dequantisation (magic_bf16) and the weight as the dot's left operand (weight_lhs) on bf16
-    activations: split K with a short last split, crowded and empty experts, every layer of a stacked weight read in
-    place. magic_bf16 rounds each weight as "convert" does, and the transposed dot sums the same products, so the
-    output matches the default's within float32 summation order and the twin within bf16 tolerance; float32
-    activations take "convert" whatever is asked (bits equal to the default's for the same dot order)."""
-    rng = np.random.default_rng(rows + len(dequant) + weight_lhs)
+def test_grouped_int4_magic_bf16_matches_the_reference(rows):
+    """The conversion-free dequantisation (magic_bf16) on bf16 activations: split K with a short last split, crowded
+    and empty experts, every layer of a stacked weight read in place. It rounds each weight as "convert" does, so
+    its output is the default's bits (and matches the twin); float32 activations take "convert" whatever is asked."""
+    rng = np.random.default_rng(rows)
     layers, experts, n, k = 2, 6, 150, 3 * 512 - 96
     sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
     if rows >= 17:
@@ -179,24 +176,19 @@ def test_grouped_int4_dequant_forms_match_the_reference(dequant, weight_lhs, row
     w = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
     w = type(w)(w.packed, w.scale.astype(jnp.bfloat16))  # bf16 scales, as the checkpoints store them
     base = GroupedTiles(block_n=64, block_k=512, splits=3)
-    tiles = dataclasses.replace(base, dequant=dequant, weight_lhs=weight_lhs)
+    tiles = dataclasses.replace(base, dequant="magic_bf16")
     call = jax.jit(lambda x, i, t: grouped_matmul(x, w, sizes, layer=i, tiles=t), static_argnums=2)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     for layer in range(layers):
         got = np.asarray(call(x, jnp.int32(layer), tiles), np.float32)
         ref = np.asarray(grouped_matmul_reference(x, w, sizes, layer=layer), np.float32)
         assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2, layer
-        default = np.asarray(call(x, jnp.int32(layer), base), np.float32)
-        if weight_lhs:  # the same products summed in another order: one bf16 rounding of the output apart at most
-            np.testing.assert_allclose(got, default, rtol=1e-2, atol=1e-2 * np.abs(default).max())
-        else:
-            np.testing.assert_array_equal(got, default)
+        np.testing.assert_array_equal(got, np.asarray(call(x, jnp.int32(layer), base), np.float32))
     x32 = x.astype(jnp.float32)
     got32 = np.asarray(call(x32, jnp.int32(1), tiles))
     ref32 = np.asarray(grouped_matmul_reference(x32, w, sizes, layer=1))
     assert np.abs(got32 - ref32).max() / np.abs(ref32).max() < 2e-6
-    if not weight_lhs:
-        np.testing.assert_array_equal(got32, np.asarray(call(x32, jnp.int32(1), base)))
+    np.testing.assert_array_equal(got32, np.asarray(call(x32, jnp.int32(1), base)))
 
 
 def test_grouped_dequant_modes_are_checked():
@@ -206,10 +198,6 @@ def test_grouped_dequant_modes_are_checked():
         GroupedTiles(block_k=128, dequant="magic_bf16").check("fp8")
     with pytest.raises(ValueError, match="one_dot=True"):
         GroupedTiles(dequant="magic_bf16", one_dot=True).check("int4")
-    with pytest.raises(ValueError, match="weight_lhs applies to INT4 weights with per-plane dots .* dense weights"):
-        GroupedTiles(weight_lhs=True).check("dense")
-    with pytest.raises(ValueError, match="weight_lhs applies .* one_dot=True"):
-        GroupedTiles(weight_lhs=True, one_dot=True).check("int4")
 
 
 @pytest.mark.parametrize("rows", [1, 40, 150])
