@@ -315,8 +315,9 @@ DECODE_ROWS = 512
 # "magic_bf16": c OR 0x4300 read as a bf16 is 128 + c exactly (no int -> float conversion), then (v - 136) * scale
 #   in bf16: the same rounding as "convert" (the exact float32 product rounded once to bf16), so the same bits.
 # Measured (`bench_matmul --grouped-tiles dequant`, one H200, 7a38e06, one TP8 shard's experts at 9 / 17 / 65
-# tokens): "magic_bf16" took 0-14% less time than "convert", never more; a third form, float32 weights and a TF32
-# dot (no conversion at all), took 1.2-2.0x longer (twice the weight tile's shared-memory bytes) and was removed.
+# tokens): "magic_bf16" took 0-14% less time than "convert" (a second run, 46b3f4b: -7% to +1.5%, within the ~10%
+# run-to-run spread of one tiling); a third form, float32 weights and a TF32
+# dot (no conversion at all), took 1.5-2.5x longer (twice the weight tile's shared-memory bytes) and was removed.
 DEQUANT_MODES = ("convert", "magic_bf16")
 BF16_MAGIC = 0x4300  # bf16 bits of 128.0: OR a nibble c into them -> the bf16 128 + c
 
