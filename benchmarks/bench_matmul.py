@@ -38,7 +38,9 @@ import numpy as np
 from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
 from ddtree_kernels.decode_matmul import (
     DEQUANT_MODES,
+    NARROW_GROUPED_TILES,
     PREFILL_GROUPED_TILES,
+    SHORT_K_GROUPED_TILES,
     GroupedTiles,
     default_grouped_tiles,
     fit_grouped_tiles,
@@ -114,17 +116,21 @@ SWEEP_TILES = [
 # `--grouped-tiles shard`, for one TP8 shard's experts (`--grouped-shape shard`: gate / up [256, 7168], down
 # [7168, 256]; 8-520 assignments): narrower columns and more K splits (the gate's 28 K steps), wider columns for
 # the down projection's one K step, more warps and stages
-SHARD_SWEEP_TILES = [
-    GroupedTiles(block_n=bn, block_k=bk, splits=sp)
-    for bn in (16, 32, 64, 128, 256)
-    for bk in (256, 512)
-    for sp in (1, 2, 4, 7, 14)
-] + [
-    GroupedTiles(block_n=bn, num_warps=w, num_stages=st, splits=sp)
-    for bn in (32, 64, 128)
-    for w, st in ((8, 3), (4, 2), (4, 4), (2, 3))
-    for sp in (4, 7)
-]
+SHARD_SWEEP_TILES = (
+    [
+        GroupedTiles(block_n=bn, block_k=bk, splits=sp)
+        for bn in (16, 32, 64, 128, 256)
+        for bk in (256, 512)
+        for sp in (1, 2, 4, 7, 14)
+    ]
+    + [
+        GroupedTiles(block_n=bn, num_warps=w, num_stages=st, splits=sp)
+        for bn in (32, 64, 128)
+        for w, st in ((8, 3), (4, 2), (4, 4), (2, 3))
+        for sp in (4, 7)
+    ]
+    + [NARROW_GROUPED_TILES, SHORT_K_GROUPED_TILES]
+)  # the shard defaults (their dequantisation) among the rows
 
 # `--grouped-tiles dequant`: each dequantisation (`decode_matmul.DEQUANT_MODES`) at the shard's defaults and two
 # neighbours (`--grouped-shape shard`; the K = 256 down projection runs each as its one K step)
@@ -301,10 +307,16 @@ def grouped_sweep(
             default_tiles = dataclasses.replace(
                 default_tiles, splits=grouped_plan(tokens * 8, experts, n, k, default_tiles)[2]
             )
-            default = next((r for r in case if r["effective"] == dataclasses.asdict(default_tiles)), best)
+            default = next((r for r in case if r["effective"] == dataclasses.asdict(default_tiles)), None)
+            default_text = (
+                "default not swept"
+                if default is None
+                else f"default {default['us']:8.1f} us ({100 * default['of_copy']:4.0f}% of copy, "
+                f"{default['TFLOPs']:.0f} TFLOP/s)"
+            )
             print(
-                f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): default {default['us']:8.1f} us "
-                f"({100 * default['of_copy']:4.0f}% of copy, {default['TFLOPs']:.0f} TFLOP/s); best {best['us']:8.1f} us "
+                f"grouped {proj} T={tokens:3d} ({distinct} experts, {nbytes / 1e6:6.1f} MB): {default_text}; "
+                f"best {best['us']:8.1f} us "
                 f"({100 * best['of_copy']:4.0f}%, {best['TFLOPs']:.0f} TFLOP/s) at "
                 f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
                 f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']}",
@@ -330,7 +342,7 @@ def main() -> None:
         default="decode",
         choices=("decode", "shard", "dequant", "prefill", "prefill-default"),
         help="the tilings --grouped-sweep times: SWEEP_TILES (decode), SHARD_SWEEP_TILES (shard), "
-        "DEQUANT_SWEEP_TILES (dequant: the conversion-free INT4 dequantisations), "
+        "DEQUANT_SWEEP_TILES (dequant: each INT4 dequantisation), "
         "PREFILL_SWEEP_TILES (e.g. --grouped-sweep 2048) or PREFILL_GROUPED_TILES alone (prefill-default)",
     )
     parser.add_argument(

@@ -313,11 +313,13 @@ DECODE_ROWS = 512
 # How the grouped kernel turns an INT4 nibble c into its bf16-activation dot's weight (c - 8) * scale:
 # "convert": integer subtract, int -> float32 convert, scale, float32 -> bf16 convert;
 # "magic_bf16": c OR 0x4300 read as a bf16 is 128 + c exactly (no int -> float conversion), then (v - 136) * scale
-#   in bf16: the same rounding as "convert" (the exact float32 product rounded once to bf16), so the same bits.
-# Measured (`bench_matmul --grouped-tiles dequant`, one H200, 7a38e06, one TP8 shard's experts at 9 / 17 / 65
-# tokens): "magic_bf16" took 0-14% less time than "convert" (a second run, 46b3f4b: -7% to +1.5%, within the ~10%
-# run-to-run spread of one tiling); a third form, float32 weights and a TF32
-# dot (no conversion at all), took 1.5-2.5x longer (twice the weight tile's shared-memory bytes) and was removed.
+#   in bf16: with bf16 scales the same rounding as "convert" (the exact product rounded once to bf16), so the same
+#   bits; the kernel takes it only for bf16 activations and bf16 scales (the checkpoints' dtype), else "convert".
+# Measured (`bench_matmul --grouped-tiles dequant`, one H200, one TP8 shard's experts at 9 / 17 / 65 tokens, four
+# runs): "magic_bf16" was faster than "convert" in 16 of 24 same-run pairs at the default tilings (57 of 72 over
+# every tiling, median 0.93x the time), a gain smaller than the up-to-18% spread of one tiling between runs; a third
+# form, float32 weights (no weight conversion) and a TF32 dot, took 1.5-2.5x longer at the defaults (twice the
+# weight tile's shared-memory bytes) and was removed.
 DEQUANT_MODES = ("convert", "magic_bf16")
 BF16_MAGIC = 0x4300  # bf16 bits of 128.0: OR a nibble c into them -> the bf16 128 + c
 
@@ -563,7 +565,7 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
     tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
     k_pad = splits * k_per_split
-    a_pad = rows + block_m  # a tile may read block_m rows from its first row
+    a_pad = rows + block_m  # a tile addresses block_m rows from its first row (it reads only its own)
     x_pad = jnp.pad(x, ((0, a_pad - rows), (0, k_pad - k)))
     n_tiles = pl.cdiv(n, tiles.block_n)
     one_dot = kind == "int4" and tiles.one_dot
@@ -589,7 +591,11 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             k_per_split=k_per_split,
             precision=precision,
             one_dot=one_dot,
-            dequant=tiles.dequant if kind == "int4" and x.dtype == jnp.bfloat16 else "convert",
+            # magic_bf16 rounds like "convert" only with bf16 activations and bf16 scales (a float32 scale would be
+            # rounded to bf16 first): any other pair takes "convert"
+            dequant=tiles.dequant
+            if kind == "int4" and x.dtype == jnp.bfloat16 and weight.scale.dtype == jnp.bfloat16
+            else "convert",
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],
@@ -622,27 +628,29 @@ def grouped_matmul(
     traced: a scan's counter). The kernel reads that layer in place: slicing it out first would copy
     the layer's experts (8.4 GB for a K2.6 INT4 layer) on every call, since a Pallas call takes each
     operand as one buffer."""
-    weight, layer = _grouped_operands(x, weight, group_sizes, layer, "grouped_matmul")
+    weight, layer = _grouped_operands(x, weight, group_sizes, layer)
     tiles = tiles or default_grouped_tiles(weight, x.shape[0])
     return _grouped_2d(
         x, weight, group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
     )
 
 
-def _grouped_operands(x, weight, group_sizes, layer, name: str):
+def _grouped_operands(x, weight, group_sizes, layer):
     """(weight stacked [L, E, N, K], layer) after the shape checks of a grouped call (a plain [E, N, K] weight
     becomes L = 1, layer 0)."""
     shape = weight.shape
     if layer is None:
         if len(shape) != 3:
             raise ValueError(
-                f"{name} takes stacked expert weights [E, N, K], got shape {shape} "
+                f"grouped_matmul takes stacked expert weights [E, N, K], got shape {shape} "
                 "(all layers' [L, E, N, K]: pass layer=)"
             )
         weight = jax.tree.map(lambda a: a[None], weight)  # L = 1: a bitcast
         layer = 0
     elif len(shape) != 4:
-        raise ValueError(f"with layer= {name} takes every layer's expert weights [L, E, N, K], got shape {shape}")
+        raise ValueError(
+            f"with layer= grouped_matmul takes every layer's expert weights [L, E, N, K], got shape {shape}"
+        )
     shape = shape[-3:]
     if x.ndim != 2 or x.shape[1] != shape[2]:
         raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
@@ -668,7 +676,7 @@ PREFILL_GROUPED_TILES = GroupedTiles(block_n=128, block_k=256, num_warps=8, num_
 # down [7168, 256] (one K step: nothing to split): 64 columns, 2 stages took 71.5 / 107.3 / 224.2 us at 9 / 17 / 65
 # tokens where the default took 80.0 / 117.5 / 235.1, the best of 22 at each size. Both dequantise "magic_bf16"
 # (`--grouped-tiles dequant`, 7a38e06: gate 101.9 / 143.9 / 263.4 -> 101.2 / 131.0 / 259.7 us, down 88.3 / 118.9 /
-# 220.4 -> 76.0 / 110.7 / 216.3 at 9 / 17 / 65 tokens; same output bits).
+# 220.4 -> 76.0 / 110.7 / 216.3 at 9 / 17 / 65 tokens; same output bits; later runs: DEQUANT_MODES' comment).
 NARROW_N = 512  # experts of at most this many output columns (and >= WIDE columns in) take NARROW_GROUPED_TILES
 SHORT_K = 512  # experts of at most this many input columns (and >= WIDE columns out) take SHORT_K_GROUPED_TILES
 WIDE = 4096  # the rules hold where they were measured (7,168 against 256); other shapes keep GroupedTiles()

@@ -164,7 +164,8 @@ def test_grouped_narrow_and_short_k_defaults_match_the_reference(shape, rows):
 def test_grouped_int4_magic_bf16_matches_the_reference(rows):
     """The conversion-free dequantisation (magic_bf16) on bf16 activations: split K with a short last split, crowded
     and empty experts, every layer of a stacked weight read in place. It rounds each weight as "convert" does, so
-    its output is the default's bits (and matches the twin); float32 activations take "convert" whatever is asked."""
+    its output is the default's bits (and matches the twin); float32 activations or float32 scales take "convert"
+    whatever is asked."""
     rng = np.random.default_rng(rows)
     layers, experts, n, k = 2, 6, 150, 3 * 512 - 96
     sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
@@ -184,6 +185,12 @@ def test_grouped_int4_magic_bf16_matches_the_reference(rows):
         ref = np.asarray(grouped_matmul_reference(x, w, sizes, layer=layer), np.float32)
         assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2, layer
         np.testing.assert_array_equal(got, np.asarray(call(x, jnp.int32(layer), base), np.float32))
+    # float32 scales (quantize_int4's): magic_bf16 would round each scale to bf16 first, so "convert" runs instead
+    w_f32 = type(w)(w.packed, jax.random.uniform(jax.random.key(rows), w.scale.shape, jnp.float32, 0.001, 0.02))
+    np.testing.assert_array_equal(
+        np.asarray(grouped_matmul(x, w_f32, sizes, layer=1, tiles=tiles), np.float32),
+        np.asarray(grouped_matmul(x, w_f32, sizes, layer=1, tiles=base), np.float32),
+    )
     x32 = x.astype(jnp.float32)
     got32 = np.asarray(call(x32, jnp.int32(1), tiles))
     ref32 = np.asarray(grouped_matmul_reference(x32, w, sizes, layer=1))
