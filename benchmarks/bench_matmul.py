@@ -18,7 +18,8 @@ width, K step, split-K, warps, stages) on the K2.6 gate and down expert shapes a
 printing the default against the best per case (GB/s, and TFLOP/s: `--grouped-sweep 2048 --grouped-tiles
 prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments). `--grouped-impl mosaic` also
 times the Mosaic GPU INT4 kernel (`ddtree_kernels.grouped_int4_mgpu`, `MOSAIC_SWEEP` tilings) on the same
-inputs, side by side, with its error against the Triton kernel's output. `--grouped-shape shard
+inputs, side by side, with its error against the Triton kernel's output (`--grouped-impl mosaic-decode`: at decode
+sizes, `MOSAIC_DECODE_SWEEP`). `--grouped-shape shard
 --grouped-tiles shard` sweeps one TP8 shard's expert shapes (1/8 of the intermediate) over `SHARD_SWEEP_TILES`
 (`--grouped-tiles dequant`: each INT4 dequantisation).
 
@@ -51,7 +52,8 @@ from ddtree_kernels.decode_matmul import (
 from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
 
-REPS = 10
+REPS = 10  # products a timed program runs (on REPS activation sets)
+TIMING_RUNS = 7  # timed runs of that program (the median is reported); the tests set both to 1
 SHAPES = {
     # name: (N, K, format)
     "qwen3-8b": [
@@ -94,7 +96,7 @@ def _timed(op, xs, weight):
     def run(xs, weight):
         return jax.lax.fori_loop(0, REPS, lambda i, acc: acc + op(xs[i], weight).astype(jnp.float32).sum(), 0.0)
 
-    return median_seconds(run, xs, weight) / REPS
+    return median_seconds(run, xs, weight, runs=TIMING_RUNS) / REPS
 
 
 # the tilings `--grouped-sweep` times: column width x K step x K splits (None: grouped_plan's rule), then
@@ -170,6 +172,10 @@ MOSAIC_SWEEP = [
     dict(block_m=128, block_k=256),
     dict(block_m=32, block_k=256),
 ]
+# `--grouped-impl mosaic-decode`: the same kernel at decode / tree-verify sizes (1-2 rows an expert): 8- and 16-row
+# tiles (wgmma's smallest N), K split so that a TP8 shard's gate / up (K = 7,168: 28 steps of 256) fill the SMs; the
+# shard's down projection (K = 256, one step) takes k_splits = 1 only (the others are recorded as refused)
+MOSAIC_DECODE_SWEEP = [dict(block_m=bm, block_k=256, k_splits=s) for bm in (8, 16) for s in (1, 4, 7, 14)]
 
 
 def _rates(seconds: float, flops: float, nbytes: float, copy_bw: float) -> dict:
@@ -354,8 +360,9 @@ def main() -> None:
     parser.add_argument(
         "--grouped-impl",
         default="triton",
-        choices=("triton", "mosaic"),
-        help="mosaic: --grouped-sweep also times the Mosaic GPU INT4 kernel (MOSAIC_SWEEP) on the same inputs",
+        choices=("triton", "mosaic", "mosaic-decode"),
+        help="mosaic: --grouped-sweep also times the Mosaic GPU INT4 kernel (MOSAIC_SWEEP) on the same inputs; "
+        "mosaic-decode: at decode sizes (MOSAIC_DECODE_SWEEP: 8- / 16-row tiles, K splits)",
     )
     args = parser.parse_args()
     if args.grouped_sweep:
@@ -377,7 +384,7 @@ def main() -> None:
                 "dequant": DEQUANT_SWEEP_TILES,
             }[args.grouped_tiles],
             projections=GROUPED_SHAPES[args.grouped_shape],
-            mosaic_list=MOSAIC_SWEEP if args.grouped_impl == "mosaic" else (),
+            mosaic_list={"triton": (), "mosaic": MOSAIC_SWEEP, "mosaic-decode": MOSAIC_DECODE_SWEEP}[args.grouped_impl],
         )
         return
     rows_list = [1, 17] if args.quick else [int(m) for m in args.rows.split(",")]

@@ -4,8 +4,17 @@ tiling with its time, TFLOP/s and the plan's splits, the JSON written."""
 import json
 
 import jax
+import pytest
 
+import benchmarks.bench_matmul as bench
 from benchmarks.bench_matmul import PREFILL_SWEEP_TILES, grouped_sweep
+
+
+@pytest.fixture(autouse=True)
+def _one_timed_product(monkeypatch):
+    """One product timed once (interpret mode is slow; the rows' layout is what is checked, not the times)."""
+    monkeypatch.setattr(bench, "REPS", 1)
+    monkeypatch.setattr(bench, "TIMING_RUNS", 1)
 
 
 def test_grouped_sweep_rows_per_tiling(tmp_path, monkeypatch):
@@ -56,6 +65,8 @@ def test_grouped_sweep_times_the_mosaic_kernel(tmp_path):
     out = run_in_subprocess(
         "import json, os, jax\n"
         f"os.environ['OUT'] = {str(tmp_path)!r}\n"
+        "import benchmarks.bench_matmul as bench\n"
+        "bench.REPS = bench.TIMING_RUNS = 1  # one timed product: the rows' layout is what is checked\n"
         "from benchmarks.bench_matmul import PREFILL_SWEEP_TILES, grouped_sweep\n"
         "rows = grouped_sweep([4], float('nan'), jax.random.key(0), 't', tiles_list=PREFILL_SWEEP_TILES[:1],\n"
         "    experts=4, projections=(('gate', 128, 256),), mosaic_list=[dict(block_m=64, block_k=256)])\n"
@@ -92,3 +103,15 @@ def test_shard_sweep_tiles_are_valid_int4_tilings():
             tiles.check("int4")
     assert {t.dequant for t in DEQUANT_SWEEP_TILES} == {"convert", "magic_bf16"}
     assert GROUPED_SHAPES["shard"] == (("gate", 256, 7168), ("down", 7168, 256))
+
+
+def test_mosaic_decode_sweep_fits_the_shard_gate():
+    """Every `--grouped-impl mosaic-decode` tiling is one the Mosaic kernel takes for a TP8 shard's gate / up
+    (K = 7,168 in 256-wide steps split evenly; 8- or 16-row tiles), so a GPU sweep times each of them there."""
+    from benchmarks.bench_matmul import MOSAIC_DECODE_SWEEP
+    from ddtree_kernels.grouped_int4_mgpu import BLOCK_MS
+
+    assert len({tuple(sorted(c.items())) for c in MOSAIC_DECODE_SWEEP}) == len(MOSAIC_DECODE_SWEEP)
+    for config in MOSAIC_DECODE_SWEEP:
+        assert config["block_m"] in BLOCK_MS and config["block_m"] <= 16
+        assert 7168 % (config["block_k"] * config["k_splits"]) == 0, config
