@@ -425,11 +425,12 @@ def _grouped_kernel(
             acc = acc + _dot_t(xs, w, precision)
         return acc
 
+    own_rows = (jnp.arange(block_m) < count)[:, None]  # [BM, 1]: the tile's own rows (read and stored)
+
     def x_tile(view, width: int):
         """The tile's rows [BM, width] of an x view; rows past the tile's own (another expert's, or padding) are
         not read (zeros: their outputs are not stored), so a tile of one row moves one row of activations."""
-        mask = jnp.broadcast_to((jnp.arange(block_m) < count)[:, None], (block_m, width))
-        return plgpu.load(view, mask=mask, other=0.0)
+        return plgpu.load(view, mask=jnp.broadcast_to(own_rows, (block_m, width)), other=0.0)
 
     @pl.when(count > 0)
     def _():
@@ -473,9 +474,7 @@ def _grouped_kernel(
             return acc + _dot_t(x, w.astype(x_ref.dtype), precision)
 
         acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        out_rows = first + jnp.arange(block_m)
-        mask = (out_rows < first + count)[:, None]
-        plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=mask)
+        plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=own_rows)
 
 
 def _tile_counts(group_sizes: jax.Array, block_m: int, align: int):
