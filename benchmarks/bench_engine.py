@@ -150,12 +150,13 @@ def bench_case(
         with open(hlo_path, "w") as f:
             f.write(step.as_text())
     if profile_top > 0:
-        from benchmarks.op_profile import device_timeline, kind_table, op_kinds, op_times, timeline_gaps
+        from benchmarks.op_profile import device_timeline, kind_table, op_kinds, op_sources, op_times, timeline_gaps
 
         ops = op_times(step, *step_args, runs=3)
         row["device_us"] = sum(r["us_per_run"] for r in ops)
         row["launches"] = sum(r["events_per_run"] for r in ops)
-        row["op_profile"] = ops[:profile_top]
+        sources = op_sources(step.as_text())  # each op's JAX op and source line
+        row["op_profile"] = [r | {"source": sources.get(r["op"], "")} for r in ops[:profile_top]]
         row["op_kinds"] = kind_table(ops, op_kinds(step.as_text()))  # by kind: GEMMs, each kernel, fusions
         # one step as a timeline: its span on the device and the idle gaps between launches inside it. Traced, the
         # step usually runs without command buffers (XLA turns them off under the profiler, though a traced program

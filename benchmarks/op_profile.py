@@ -9,6 +9,7 @@ kernel, which a wall-clock median cannot say. Pallas kernels appear under their 
 
 `format_op_table(rows, top)` prints the largest rows with each one's share of the total.
 
+`op_sources(hlo_text)` names the JAX op and source line each HLO instruction came from (its metadata), and
 `op_kinds(hlo_text)` names what each HLO instruction of a compiled program is (a GEMM, a Pallas / Mosaic kernel by
 its name, an elementwise or reduce fusion, a copy, ...), and `kind_table(rows, kinds)` sums the op rows by kind:
 where a program's time goes by kind of work when its op names (fusion.123) say nothing.
@@ -102,7 +103,7 @@ def format_op_table(rows: list[dict], top: int = 12) -> str:
     for r in rows[:top]:
         lines.append(
             f"  {r['us_per_run']:9.1f} us {100 * r['us_per_run'] / total:5.1f}%  x{r['events_per_run']:<5.1f} "
-            f"{r['op'][:70]}"
+            f"{r['op'][:70]}" + (f"  [{r['source'][:90]}]" if r.get("source") else "")
         )
     return "\n".join(lines)
 
@@ -284,6 +285,32 @@ def op_kinds(hlo_text: str) -> dict[str, str]:
         else:
             kinds[name] = opcode
     return kinds
+
+
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+_SOURCE_RE = re.compile(r'source_file="([^"]*)" source_line=(\d+)')
+
+
+def op_sources(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> where it came from, from the `metadata` XLA keeps on each instruction of a compiled
+    module's text: the JAX op path's last three parts (jit and named scopes, e.g. "jit(sort)/sort") and, where the
+    text holds it, the source file:line (compiled modules of this JAX keep a stack-frame id instead), so that a
+    profile's fusion.123 says which op of the model it runs. Instructions without metadata are left out."""
+    sources = {}
+    for line in hlo_text.splitlines():
+        instr = _INSTR_RE.match(line)
+        if not instr or "metadata=" not in line:
+            continue
+        op_name = _OP_NAME_RE.search(line)
+        source = _SOURCE_RE.search(line)
+        parts = []
+        if op_name:
+            parts.append("/".join(op_name.group(1).split("/")[-3:]))
+        if source:
+            parts.append(f"@ {os.path.basename(source.group(1))}:{source.group(2)}")
+        if parts:
+            sources[instr.group(1)] = " ".join(parts)
+    return sources
 
 
 def kind_table(rows: list[dict], kinds: dict[str, str]) -> list[dict]:

@@ -207,6 +207,13 @@ AUTO_MOSAIC_DECODE = False
 # the measured range (8 and 32 assignments); each assignment streams its expert once, repeats included (no
 # deduplication), so a tree's hundreds of assignments belong to the grouped kernel
 MOSAIC_DECODE_MAX_ASSIGNMENTS = 32
+# The routed experts' sort by expert ("pallas" / "ragged" MoE): "rank" = each assignment's sorted position counted by
+# comparisons (A x A, one fusion) and its inverse by a scatter, up to RANK_SORT_MAX_ASSIGNMENTS (a B = 8 tree's 1,088:
+# 1.2 M comparisons); "argsort" = XLA's sort (on GPU a sort kernel a call, plus a second sort for the inverse before
+# `moe.sort_by_expert`). "auto" takes "rank" on GPU up to that size. Not yet measured on the GPU in a step.
+MOE_SORTS = ("auto", "argsort", "rank")
+MOE_SORT = "auto"
+RANK_SORT_MAX_ASSIGNMENTS = 2048
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
@@ -451,6 +458,15 @@ def moe_impl(assignments: int, experts: int, backend_name: str | None = None) ->
     if _on_gpu(backend_name):
         return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
     return "gather" if assignments <= experts else "reference"
+
+
+def moe_sort(assignments: int, backend_name: str | None = None) -> str:
+    """How `moe.sort_by_expert` orders `assignments` (token, expert) pairs by expert: MOE_SORT unless "auto";
+    "auto": "rank" on GPU up to RANK_SORT_MAX_ASSIGNMENTS, else "argsort"."""
+    _check("moe sort", MOE_SORT, MOE_SORTS)
+    if MOE_SORT != "auto":
+        return MOE_SORT
+    return "rank" if _on_gpu(backend_name) and assignments <= RANK_SORT_MAX_ASSIGNMENTS else "argsort"
 
 
 def grouped_int4_kernel(rows: int, weight_shape: tuple[int, ...], x_dtype, backend_name: str | None = None) -> str:

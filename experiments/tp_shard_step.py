@@ -89,6 +89,12 @@ def main() -> None:
     parser.add_argument("--layer-loop", default="auto", help="DecodeOptions.layer_loop")
     parser.add_argument("--moe-impl", default="auto", help="DecodeOptions.moe_impl")
     parser.add_argument(
+        "--moe-sort",
+        default=None,
+        choices=dispatch.MOE_SORTS,
+        help="how the routed experts' assignments are sorted by expert (dispatch.MOE_SORTS; default: dispatch.MOE_SORT)",
+    )
+    parser.add_argument(
         "--mla-schedule",
         default=None,
         choices=dispatch.MLA_SCHEDULES,
@@ -123,6 +129,8 @@ def main() -> None:
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args()
+    if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
+        dispatch.MOE_SORT = args.moe_sort
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
         dispatch.MLA_SCHEDULE = args.mla_schedule
     if args.in_place is not None:  # read by the models at trace time (`deepseek_v3._run`)
@@ -198,6 +206,7 @@ def main() -> None:
                 row.update(
                     layers=shard.num_layers,
                     mla_schedule=dispatch.MLA_SCHEDULE,
+                    moe_sort=dispatch.MOE_SORT,
                     in_place=dispatch.AUTO_IN_PLACE,
                     in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
                     mla_reduce_max_rows=dispatch.MLA_REDUCE_MAX_ROWS,

@@ -206,13 +206,33 @@ def _ragged(lhs: jax.Array, weight: jax.Array, group_sizes: jax.Array) -> jax.Ar
     return lax.ragged_dot_general(lhs, weight, group_sizes, _RAGGED_DIMS, precision=dot_precision(lhs.dtype))
 
 
+def sort_by_expert(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The stable sort of assignments by expert: flat int32 [A] (assignment a's expert) -> (order int32 [A]: sorted
+    position -> assignment, position int32 [A]: assignment -> sorted position; order[position[a]] = a).
+    `dispatch.moe_sort`: "rank" counts each position by comparisons (the experts below a's, plus a's expert's
+    assignments before a: one [A, A] fusion) and inverts it by a scatter; "argsort" sorts, then inverts by a
+    scatter. Both give the same permutation."""
+    count = flat.shape[0]
+    index = jnp.arange(count, dtype=jnp.int32)
+    if dispatch.moe_sort(count) == "rank":
+        before = (flat[None, :] < flat[:, None]) | (
+            (flat[None, :] == flat[:, None]) & (index[None, :] < index[:, None])
+        )
+        position = before.sum(axis=1, dtype=jnp.int32)
+        order = jnp.zeros((count,), jnp.int32).at[position].set(index, unique_indices=True)
+    else:
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        position = jnp.zeros((count,), jnp.int32).at[order].set(index, unique_indices=True)
+    return order, position
+
+
 def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
     """x [M, D], experts / weights [M, k] -> [M, D]: assignments sorted by expert, grouped matmuls, unsorted."""
     tokens, k = experts.shape
     num_experts = p["expert_gate"].shape[0]
     flat = experts.reshape(-1)  # [N], assignment a = token * k + j
     count = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)  # sorted position -> assignment
+    order, position = sort_by_expert(flat)
     sorted_experts = flat[order]
     if count < num_experts:  # only the distinct chosen experts, in ascending order; spare slots: expert 0, no rows
         new = jnp.concatenate([jnp.ones((1,), bool), sorted_experts[1:] != sorted_experts[:-1]])
@@ -226,7 +246,7 @@ def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     xs = x[order // k]  # [N, D], rows grouped by expert
     h = jax.nn.silu(_ragged(xs, dense(gate_w, x.dtype), group_sizes)) * _ragged(xs, dense(up_w, x.dtype), group_sizes)
     out_sorted = _ragged(h, dense(down_w, x.dtype), group_sizes)  # [N, D]
-    out = out_sorted[jnp.argsort(order)].reshape(tokens, k, -1)  # back to assignment order
+    out = out_sorted[position].reshape(tokens, k, -1)  # back to assignment order
     return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 
@@ -238,7 +258,7 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     tokens, k = experts.shape
     num_experts = p["expert_gate"].shape[0]
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # sorted position -> assignment
+    order, position = sort_by_expert(flat)
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
     xs = x[order // k]
 
@@ -254,7 +274,7 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
 
     h = jax.nn.silu(grouped(xs, p["expert_gate"])) * grouped(xs, p["expert_up"])
     out_sorted = grouped(h, p["expert_down"])
-    out = out_sorted[jnp.argsort(order)].reshape(tokens, k, -1)
+    out = out_sorted[position].reshape(tokens, k, -1)
     return contract("mkd,mk->md", out, weights.astype(out.dtype))
 
 

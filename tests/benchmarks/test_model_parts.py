@@ -152,3 +152,19 @@ def test_random_int4_target_router_bias_and_routing_spread():
     for distinct, assignments in spread:
         assert assignments == 9 * config.num_experts_per_tok
         assert config.num_experts_per_tok <= distinct <= min(config.n_routed_experts, assignments)
+
+
+def test_op_sources_name_the_jax_op_and_line_of_each_launch():
+    from benchmarks.op_profile import format_op_table, op_sources
+
+    assert op_sources(GPU_HLO) == {"custom-call.11": "body/jit(mla_tree_attention)/mosaic_gpu_call"}  # no line given
+
+    def body(a):
+        return jnp.sort(a[0]) + 1.0
+
+    fn = jax.jit(body)
+    args = (jax.random.normal(jax.random.key(0), (8, 64)),)
+    sources = op_sources(fn.lower(*args).compile().as_text())
+    rows = [r | {"source": sources.get(r["op"], "")} for r in op_times(fn, *args, runs=1)]
+    assert [r["source"] for r in rows if r["op"].startswith("sort")] == ["jit(body)/jit(sort)/sort"], rows
+    assert "[jit(body)/jit(sort)/sort]" in format_op_table(rows, top=len(rows))

@@ -248,3 +248,28 @@ print(json.dumps({"calls": len(calls), "rel": rel(got, want), "rel_stacked": rel
     assert out["calls"] == 6
     assert out["rel"] < 2e-2  # bf16 activations and intermediate rounding (the kernel alone: ~1e-7 in interpret mode)
     assert out["rel_stacked"] < 2e-2
+
+
+@pytest.mark.parametrize("sort", ["argsort", "rank"])
+def test_sort_by_expert_is_the_stable_sort_and_its_inverse(sort, monkeypatch):
+    """Both sorts (`dispatch.moe_sort`) give numpy's stable argsort and its inverse, on repeated experts (ties kept in
+    assignment order); the "pallas" and "ragged" MoE paths with them equal the reference."""
+    monkeypatch.setattr(dispatch, "MOE_SORT", sort)
+    rng = np.random.default_rng(7)
+    for count, experts in ((1, 4), (24, 5), (136, 384), (300, 16)):
+        flat = rng.integers(0, experts, count).astype(np.int32)
+        order, position = jax.jit(moe.sort_by_expert)(jnp.asarray(flat))
+        np.testing.assert_array_equal(order, np.argsort(flat, kind="stable"))
+        np.testing.assert_array_equal(np.asarray(order)[np.asarray(position)], np.arange(count))
+    p = _layer("int4", seed=3)
+    x = jax.random.normal(jax.random.key(5), (2, 17, CONFIG.hidden_size))
+    for impl in ("pallas", "ragged"):
+        got = jax.jit(lambda p, x, impl=impl: moe.moe(CONFIG, p, x, impl=impl))(p, x)
+        assert relerr(got, _reference(p, x)) < 1e-5, impl
+
+
+def test_moe_sort_rule():
+    gpu = dict(backend_name="gpu")
+    assert dispatch.moe_sort(dispatch.RANK_SORT_MAX_ASSIGNMENTS, **gpu) == "rank"
+    assert dispatch.moe_sort(dispatch.RANK_SORT_MAX_ASSIGNMENTS + 1, **gpu) == "argsort"
+    assert dispatch.moe_sort(8, backend_name="cpu") == "argsort"
