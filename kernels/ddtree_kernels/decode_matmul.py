@@ -515,10 +515,18 @@ def _grouped_kernel(
     lax.fori_loop(0, jnp.maximum(items - program + programs - 1, 0) // programs, item, 0)
 
 
+def _exclusive_prefix_sum(values: jax.Array) -> jax.Array:
+    """int32 [E] -> [E]: the sum of the entries before each, as one [E, E] masked row sum (a parallel reduce). XLA
+    compiles `jnp.cumsum` to a reduce-window; the 4-layer K2.6 shard's tree step spent ~10 us a layer in a
+    reduce-window fusion (BENCHMARKS.md, the shard's profile), which this replaces at the tile table."""
+    index = jnp.arange(values.shape[0])
+    return jnp.where(index[None, :] < index[:, None], values[None, :], 0).sum(axis=1, dtype=values.dtype)
+
+
 def _tile_counts(group_sizes: jax.Array, block_m: int, align: int):
     """Per group: its first row, its first tile's first row (the first row rounded down to a multiple of
     `align`) and its tiles (0 for a group without rows)."""
-    starts = jnp.cumsum(group_sizes) - group_sizes
+    starts = _exclusive_prefix_sum(group_sizes)
     base = starts // align * align
     tiles = jnp.where(group_sizes > 0, (starts + group_sizes - base + block_m - 1) // block_m, 0)
     return starts, base, tiles
@@ -537,7 +545,7 @@ def row_tiles(group_sizes: jax.Array, block_m: int, max_tiles: int, align: int =
     row rounded down to a multiple of `align` (1: at its first row; the Mosaic kernel's 8-row TMA tiles need
     8), so a tile may begin with rows of the previous group. group_sizes int32 [E], rows sorted by expert."""
     starts, base, tiles_per = _tile_counts(group_sizes, block_m, align)
-    tile_start = jnp.cumsum(tiles_per) - tiles_per  # first tile of each expert
+    tile_start = _exclusive_prefix_sum(tiles_per)  # first tile of each expert
     t = jnp.arange(max_tiles, dtype=jnp.int32)
     # compare_all: one [T, E] comparison. searchsorted's default ("scan") is a log2(E)-step while loop,
     # which on GPU waits for the host at every step (~190 us a call on the H200, more than the kernel at T = 1)
@@ -555,7 +563,7 @@ def row_tile_index(group_sizes: jax.Array, rows: int, block_m: int, align: int =
     """int32 [rows]: where row a sits in a tile-major buffer [max_tiles * block_m] of `row_tiles`' tiles (same
     block_m and align): its tile times block_m plus its place in the tile."""
     _, base, tiles_per = _tile_counts(group_sizes, block_m, align)
-    tile_start = jnp.cumsum(tiles_per) - tiles_per
+    tile_start = _exclusive_prefix_sum(tiles_per)
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
     within = jnp.arange(rows, dtype=jnp.int32) - base[expert]
     return ((tile_start[expert] + within // block_m) * block_m + within % block_m).astype(jnp.int32)
