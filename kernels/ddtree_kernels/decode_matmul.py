@@ -334,11 +334,7 @@ class GroupedTiles:
     activations laid out to match: within each block_k tile plane-major) instead of 8 dots of K = block_k / 8,
     one per plane (the default: no relayout of the activations). dequant (INT4, bf16 activations, per-plane
     dots): how a nibble c becomes the weight (c - 8) * scale, see DEQUANT_MODES; float32 activations always take
-    "convert". programs (the persistent form): a grid of this many programs, each running one work item (one K
-    step of one column tile of one used row tile) after another in one loop, so that Triton's pipeline keeps
-    the next items' weight loads in flight; every K step is its own split (splits is then ignored), and row tiles
-    without rows are never visited. None: one program a work item's K range (grid N tiles x splits x row
-    tiles), the programs of empty row tiles exiting at once."""
+    "convert"."""
 
     block_n: int = GROUPED_BLOCK_N
     block_k: int = BLOCK_K
@@ -347,7 +343,6 @@ class GroupedTiles:
     num_stages: int = 3
     one_dot: bool = False
     dequant: str = "convert"
-    programs: int | None = None
 
     def check(self, kind: str) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -365,8 +360,6 @@ class GroupedTiles:
             raise ValueError(f"splits must be >= 1 or None, got {self.splits}")
         if self.one_dot and kind != "int4":
             raise ValueError(f"one_dot applies to INT4 weights only, got {kind} weights")
-        if self.programs is not None and self.programs < 1:
-            raise ValueError(f"programs must be >= 1 or None, got {self.programs}")
         if self.dequant not in DEQUANT_MODES:
             raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {self.dequant!r}")
         if self.dequant != "convert" and (kind != "int4" or self.one_dot):
@@ -390,63 +383,57 @@ def _grouped_kernel(
     precision,
     one_dot: bool = False,
     dequant: str = "convert",
-    programs: int | None = None,
-    n_tiles: int = 1,
-    splits: int = 1,
 ):
-    # tile_ref: i32 [5, T]: (expert, first row, rows, layer, used tiles) of each row tile (rows 0 = unused tile;
-    #   row 4 holds the count of used tiles, which come first, in every entry)
+    # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
     # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
     #   [A_pad, K_pad], each block_k tile's columns plane-major: column j * block_k / 8 + w holds k = 8 w + j)
     # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
     #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place
     # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows
-    # programs (persistent form): grid (programs,); program p runs the work items p, p + programs, ... of
-    #   used tiles x splits x n_tiles (one K step each: k_per_split == block_k), back to back in one loop
     *weight_refs, o_ref = refs
+    n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    expert, first, count, layer = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile], tile_ref[3, tile]
+    rows = n_tile * block_n + jnp.arange(block_n)
+    row_ok = (rows < n)[:, None]
     words, groups = block_k // 8, block_k // INT4_GROUP
 
-    def tile_product(tile, n_tile, split):
-        """The tile's partial product f32 [BM, BN] over its split's K range, stored at its own rows."""
-        expert, first, count, layer = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile], tile_ref[3, tile]
-        rows = n_tile * block_n + jnp.arange(block_n)
-        row_ok = (rows < n)[:, None]
+    def int4_tiles(packed_ref, scale_ref, k0):
+        """The step's codes i32 [BN, W] and scales [BN, W] (each group's scale repeated over its 4 words)."""
+        packed = plgpu.load(
+            packed_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
+            mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :],
+            other=0,
+        )
+        scale = plgpu.load(
+            scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
+            mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
+            other=0.0,
+        ).astype(x_ref.dtype if dequant == "magic_bf16" else jnp.float32)
+        scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
+        return packed, scale
 
-        def int4_tiles(packed_ref, scale_ref, k0):
-            """The step's codes i32 [BN, W] and scales [BN, W] (each group's scale repeated over its 4 words)."""
-            packed = plgpu.load(
-                packed_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // 8, words)],
-                mask=row_ok & ((k0 // 8 + jnp.arange(words)) < k // 8)[None, :],
-                other=0,
-            )
-            scale = plgpu.load(
-                scale_ref.at[layer, expert, pl.ds(n_tile * block_n, block_n), pl.ds(k0 // INT4_GROUP, groups)],
-                mask=row_ok & ((k0 // INT4_GROUP + jnp.arange(groups)) < k // INT4_GROUP)[None, :],
-                other=0.0,
-            ).astype(x_ref.dtype if dequant == "magic_bf16" else jnp.float32)
-            scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
-            return packed, scale
+    def int4_plane_dots(packed, scale, x_planes, acc):
+        """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T."""
+        for plane in range(8):
+            nibble = (packed >> (4 * plane)) & 0xF
+            xs = x_planes[plane]
+            if dequant == "magic_bf16":  # bf16 activations (GroupedTiles.check, _grouped_2d)
+                v = lax.bitcast_convert_type((nibble | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
+                w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
+            else:
+                w = ((nibble - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
+            acc = acc + _dot_t(xs, w, precision)
+        return acc
 
-        def int4_plane_dots(packed, scale, x_planes, acc):
-            """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T."""
-            for plane in range(8):
-                nibble = (packed >> (4 * plane)) & 0xF
-                xs = x_planes[plane]
-                if dequant == "magic_bf16":  # bf16 activations (GroupedTiles.check, _grouped_2d)
-                    v = lax.bitcast_convert_type((nibble | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
-                    w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
-                else:
-                    w = ((nibble - 8).astype(jnp.float32) * scale).astype(x_ref.dtype)
-                acc = acc + _dot_t(xs, w, precision)
-            return acc
+    own_rows = (jnp.arange(block_m) < count)[:, None]  # [BM, 1]: the tile's own rows (read and stored)
 
-        own_rows = (jnp.arange(block_m) < count)[:, None]  # [BM, 1]: the tile's own rows (read and stored)
+    def x_tile(view, width: int):
+        """The tile's rows [BM, width] of an x view; rows past the tile's own (another expert's, or padding) are
+        not read (zeros: their outputs are not stored), so a tile of one row moves one row of activations."""
+        return plgpu.load(view, mask=jnp.broadcast_to(own_rows, (block_m, width)), other=0.0)
 
-        def x_tile(view, width: int):
-            """The tile's rows [BM, width] of an x view; rows past the tile's own (another expert's, or padding) are
-            not read (zeros: their outputs are not stored), so a tile of one row moves one row of activations."""
-            return plgpu.load(view, mask=jnp.broadcast_to(own_rows, (block_m, width)), other=0.0)
-
+    @pl.when(count > 0)
+    def _():
         def body(i, acc):
             k0 = split * k_per_split + i * block_k
             if kind == "int4" and not one_dot:
@@ -486,33 +473,8 @@ def _grouped_kernel(
             x = x_tile(x_ref.at[pl.ds(first, block_m), pl.ds(k0, block_k)], block_k)
             return acc + _dot_t(x, w.astype(x_ref.dtype), precision)
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        if programs is None:
-            acc = lax.fori_loop(0, k_per_split // block_k, body, zeros)
-        else:  # one K step an item, no inner loop: the item loop stays the innermost, the one Triton pipelines
-            acc = body(0, zeros)
+        acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=own_rows)
-
-    if programs is None:  # grid (N tiles, K splits, row tiles): one program a tile's split
-        n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-        @pl.when(tile_ref[2, tile] > 0)
-        def _():
-            tile_product(tile, n_tile, split)
-
-        return
-    # the persistent form: the used tiles' work items only (they come first), a dynamic trip count (an scf.for
-    # that Triton pipelines: item i + 1's loads are in flight while item i dequantises and multiplies)
-    program, per_tile = pl.program_id(0), n_tiles * splits
-    items = tile_ref[4, 0] * per_tile
-
-    def item(i, carry):
-        index = program + i * programs
-        tile, within = index // per_tile, index % per_tile
-        tile_product(tile, within % n_tiles, within // n_tiles)
-        return carry
-
-    lax.fori_loop(0, jnp.maximum(items - program + programs - 1, 0) // programs, item, 0)
 
 
 def _exclusive_prefix_sum(values: jax.Array) -> jax.Array:
@@ -588,9 +550,7 @@ def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -
     block_m = _grouped_block_m(rows, experts)
     max_tiles = max_row_tiles(rows, experts, block_m)
     k_tiles = pl.cdiv(k, tiles.block_k)
-    if tiles.programs is not None:  # the persistent form: one K step an item
-        splits = k_tiles
-    elif tiles.splits is None:
+    if tiles.splits is None:
         splits = max(1, min(DECODE_SPLITS, k_tiles // 2)) if rows <= DECODE_ROWS else 1
     else:
         splits = min(tiles.splits, k_tiles)
@@ -610,10 +570,7 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     )
     block_m, max_tiles, splits, k_per_split = grouped_plan(rows, experts, n, k, tiles)
     tile_table = row_tiles(group_sizes.astype(jnp.int32), block_m, max_tiles)
-    used = jnp.sum(tile_table[2] > 0, dtype=jnp.int32)  # the used tiles come first (row_tiles)
-    tile_table = jnp.concatenate(
-        [tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles)), jnp.broadcast_to(used, (1, max_tiles))]
-    )
+    tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
     k_pad = splits * k_per_split
     a_pad = rows + block_m  # a tile addresses block_m rows from its first row (it reads only its own)
     x_pad = jnp.pad(x, ((0, a_pad - rows), (0, k_pad - k)))
@@ -646,11 +603,8 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             dequant=tiles.dequant
             if kind == "int4" and x.dtype == jnp.bfloat16 and weight.scale.dtype == jnp.bfloat16
             else "convert",
-            programs=tiles.programs,
-            n_tiles=n_tiles,
-            splits=splits,
         ),
-        grid=(n_tiles, splits, max_tiles) if tiles.programs is None else (tiles.programs,),
+        grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],
         out_specs=_whole((splits, a_pad, n_tiles * tiles.block_n)),
         out_shape=jax.ShapeDtypeStruct((splits, a_pad, n_tiles * tiles.block_n), jnp.float32),

@@ -57,19 +57,6 @@ def test_grouped_sweep_records_the_tiling_that_runs(tmp_path, monkeypatch):
     assert row["requested"]["block_k"] == 1024 and row["requested"]["num_stages"] == 4
 
 
-def test_grouped_sweep_times_the_persistent_form(tmp_path, monkeypatch):
-    """A persistent tiling's row: its program count, and every K step its own split (K = 1,024 at 512: 2)."""
-    from benchmarks.bench_matmul import GroupedTiles
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    persistent = GroupedTiles(block_n=32, block_k=512, programs=3, dequant="magic_bf16")
-    rows = grouped_sweep(
-        [2], float("nan"), jax.random.key(0), "t", tiles_list=[persistent], experts=4, projections=(("gate", 64, 1024),)
-    )
-    (row,) = rows
-    assert row["programs"] == 3 and row["splits"] == 2 and row["us"] > 0
-
-
 def test_grouped_sweep_times_the_mosaic_kernel(tmp_path):
     """`--grouped-impl mosaic`: the Mosaic GPU kernel timed on the same inputs (interpret mode, in a subprocess
     with NPROC=8: its warpgroups are threads), one row per tiling with its error against the Triton kernel."""

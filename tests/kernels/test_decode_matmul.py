@@ -198,47 +198,6 @@ def test_grouped_int4_magic_bf16_matches_the_reference(rows):
     np.testing.assert_array_equal(got32, np.asarray(call(x32, jnp.int32(1), base)))
 
 
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
-@pytest.mark.parametrize("rows, programs", [(1, 3), (17, 5), (70, 64)])
-def test_grouped_persistent_form_matches_the_reference(kind, rows, programs):
-    """The persistent form (`GroupedTiles.programs`): a few programs loop over every used tile's work items (one K
-    step each, K = 3 steps - 96: the last short), so each program runs several items, of several experts and
-    columns, and some programs none (64 programs at 70 rows); crowded and empty experts, a stacked weight read in
-    place at each layer, bf16 (magic_bf16 with bf16 scales) and float32 activations; its bits equal the default
-    grid's with the same tiles (the same dots in the same order)."""
-    rng = np.random.default_rng(rows + 100 * programs + len(kind))
-    layers, experts, n, k = 2, 6, 150, 3 * 512 - 96
-    block_k = 512 if kind == "int4" else 128
-    if kind == "fp8":
-        k = 3 * 128 - 64
-    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
-    if rows >= 17:
-        sizes[0] += sizes[1:3].sum()
-        sizes[1:3] = 0
-    sizes = jnp.asarray(sizes)
-    per_layer = [_expert_weights(rng, experts, n, k, kind) for _ in range(layers)]
-    w = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-    if kind == "int4":
-        w = type(w)(w.packed, w.scale.astype(jnp.bfloat16))
-    dequant = "magic_bf16" if kind == "int4" else "convert"
-    grid = GroupedTiles(block_n=64, block_k=block_k, splits=3, dequant=dequant)
-    persistent = dataclasses.replace(grid, splits=None, programs=programs)
-    assert grouped_plan(rows, experts, n, k, persistent)[2] == 3  # every K step its own split
-    call = jax.jit(lambda x, i, t: grouped_matmul(x, w, sizes, layer=i, tiles=t), static_argnums=2)
-    for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 2e-6)):
-        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-        for layer in range(layers):
-            got = np.asarray(call(x, jnp.int32(layer), persistent), np.float32)
-            ref = np.asarray(grouped_matmul_reference(x, w, sizes, layer=layer), np.float32)
-            assert np.abs(got - ref).max() / np.abs(ref).max() < tol, (dtype, layer)
-            np.testing.assert_array_equal(got, np.asarray(call(x, jnp.int32(layer), grid), np.float32))
-
-
-def test_grouped_programs_are_checked():
-    with pytest.raises(ValueError, match="programs must be >= 1 or None, got 0"):
-        GroupedTiles(programs=0).check("int4")
-
-
 def test_grouped_dequant_modes_are_checked():
     with pytest.raises(ValueError, match="dequant must be one of .* got 'fast'"):
         GroupedTiles(dequant="fast").check("int4")
