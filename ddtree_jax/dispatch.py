@@ -41,6 +41,8 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
               experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 2.3x the
               Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel.
+              Their sort by expert (`moe_sort`): by comparisons ("rank", one fusion) on GPU up to
+              RANK_SORT_MAX_ASSIGNMENTS, XLA's sort beyond and off GPU.
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
   tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
               (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
