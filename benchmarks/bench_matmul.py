@@ -142,14 +142,6 @@ DEQUANT_SWEEP_TILES = [
     for bn, bk, sp, st in ((64, 512, 14, 3), (128, 256, 14, 3), (64, 256, 1, 2))
 ]
 
-# `--grouped-tiles xlayout`: the shard defaults with the activations plane-major (one XLA transpose a call) and read
-# as stored (`x_planes=False`: strided plane views in the kernel, no transpose)
-XLAYOUT_SWEEP_TILES = [
-    tiles
-    for base in (NARROW_GROUPED_TILES, SHORT_K_GROUPED_TILES)
-    for tiles in (base, dataclasses.replace(base, x_planes=False))
-]
-
 # the expert shapes `--grouped-sweep` times: K2.6 whole (one GPU) or one TP8 shard's 1/8 of the intermediate
 GROUPED_SHAPES = {
     "full": (("gate", 2048, 7168), ("down", 7168, 2048)),
@@ -275,7 +267,6 @@ def grouped_sweep(
                     "num_stages": tiles.num_stages,
                     "one_dot": tiles.one_dot,
                     "dequant": tiles.dequant,
-                    "x_planes": tiles.x_planes,
                     "requested": dataclasses.asdict(requested),
                     "block_m": block_m,
                     **_rates(seconds, 2 * assign * n * k, nbytes, copy_bw),
@@ -334,8 +325,7 @@ def grouped_sweep(
                 f"best {best['us']:8.1f} us "
                 f"({100 * best['of_copy']:4.0f}%, {best['TFLOPs']:.0f} TFLOP/s) at "
                 f"block_n {best['block_n']} block_k {best['block_k']} splits {best['splits']} warps {best['num_warps']} "
-                f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']} "
-                f"x_planes {best['x_planes']}",
+                f"stages {best['num_stages']} one_dot {best['one_dot']} dequant {best['dequant']}",
                 flush=True,
             )
     return rows
@@ -356,10 +346,9 @@ def main() -> None:
     parser.add_argument(
         "--grouped-tiles",
         default="decode",
-        choices=("decode", "shard", "dequant", "xlayout", "prefill", "prefill-default"),
+        choices=("decode", "shard", "dequant", "prefill", "prefill-default"),
         help="the tilings --grouped-sweep times: SWEEP_TILES (decode), SHARD_SWEEP_TILES (shard), "
-        "DEQUANT_SWEEP_TILES (dequant: each INT4 dequantisation), XLAYOUT_SWEEP_TILES (xlayout: the shard defaults "
-        "with the activations plane-major and as stored), "
+        "DEQUANT_SWEEP_TILES (dequant: each INT4 dequantisation), "
         "PREFILL_SWEEP_TILES (e.g. --grouped-sweep 2048) or PREFILL_GROUPED_TILES alone (prefill-default)",
     )
     parser.add_argument(
@@ -393,7 +382,6 @@ def main() -> None:
                 "prefill-default": [PREFILL_GROUPED_TILES],
                 "shard": SHARD_SWEEP_TILES,
                 "dequant": DEQUANT_SWEEP_TILES,
-                "xlayout": XLAYOUT_SWEEP_TILES,
             }[args.grouped_tiles],
             projections=GROUPED_SHAPES[args.grouped_shape],
             mosaic_list={"triton": (), "mosaic": MOSAIC_SWEEP, "mosaic-decode": MOSAIC_DECODE_SWEEP}[args.grouped_impl],

@@ -88,7 +88,13 @@ def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.A
     chosen experts, normalised when norm_topk_prob, times routed_scaling_factor.
     """
     c = config
-    scores = jax.nn.sigmoid(linear(x.astype(jnp.float32), router.astype(jnp.float32)))  # [..., E]
+    if x.dtype == jnp.bfloat16 and router.dtype == jnp.bfloat16:
+        # bf16 x bf16 products are exact in float32: one bf16 GEMM accumulating in float32 computes the float32 logits
+        # (up to summation order) without a float32 copy of the router (11 MB a K2.6 layer) or a float32 GEMM
+        logits = jnp.einsum("...d,ed->...e", x, router, preferred_element_type=jnp.float32)
+    else:
+        logits = linear(x.astype(jnp.float32), router.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)  # [..., E]
     choice = scores + bias.astype(jnp.float32)
     if c.topk_group < c.n_group:  # else every group is allowed (Kimi K2: one group): no group top-k to run
         per_group = c.n_routed_experts // c.n_group

@@ -334,9 +334,7 @@ class GroupedTiles:
     activations laid out to match: within each block_k tile plane-major) instead of 8 dots of K = block_k / 8,
     one per plane (the default: no relayout of the activations). dequant (INT4, bf16 activations, per-plane
     dots): how a nibble c becomes the weight (c - 8) * scale, see DEQUANT_MODES; float32 activations always take
-    "convert". x_planes (INT4, per-plane dots): True lays the activations out plane-major beforehand ([8, A_pad,
-    K_pad / 8]: one XLA transpose a call); False reads plane j in the kernel as the strided view x[rows, 8 w + j]
-    of the activations as stored ([A_pad, K_pad / 8, 8]: a free reshape, no transpose)."""
+    "convert"."""
 
     block_n: int = GROUPED_BLOCK_N
     block_k: int = BLOCK_K
@@ -345,7 +343,6 @@ class GroupedTiles:
     num_stages: int = 3
     one_dot: bool = False
     dequant: str = "convert"
-    x_planes: bool = True
 
     def check(self, kind: str) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -365,11 +362,6 @@ class GroupedTiles:
             raise ValueError(f"one_dot applies to INT4 weights only, got {kind} weights")
         if self.dequant not in DEQUANT_MODES:
             raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {self.dequant!r}")
-        if not self.x_planes and (kind != "int4" or self.one_dot):
-            raise ValueError(
-                f"x_planes=False applies to INT4 weights with per-plane dots (one_dot=False), got {kind} weights, "
-                f"one_dot={self.one_dot}"
-            )
         if self.dequant != "convert" and (kind != "int4" or self.one_dot):
             raise ValueError(
                 f"dequant {self.dequant!r} applies to INT4 weights with per-plane dots (one_dot=False), got "
@@ -391,11 +383,9 @@ def _grouped_kernel(
     precision,
     one_dot: bool = False,
     dequant: str = "convert",
-    x_planes: bool = True,
 ):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
-    # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4, [A_pad, K_pad / 8, 8]
-    #   as stored without x_planes; with one_dot
+    # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
     #   [A_pad, K_pad], each block_k tile's columns plane-major: column j * block_k / 8 + w holds k = 8 w + j)
     # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
     #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place
@@ -422,11 +412,11 @@ def _grouped_kernel(
         scale = jnp.broadcast_to(scale[:, :, None], (block_n, groups, INT4_GROUP // 8)).reshape(block_n, words)
         return packed, scale
 
-    def int4_plane_dots(packed, scale, planes, acc):
+    def int4_plane_dots(packed, scale, x_planes, acc):
         """acc [BM, BN] + the 8 plane dots of the step: x plane j [BM, W] . (c_j - 8) * scale [BN, W]^T."""
         for plane in range(8):
             nibble = (packed >> (4 * plane)) & 0xF
-            xs = planes[plane]
+            xs = x_planes[plane]
             if dequant == "magic_bf16":  # bf16 activations (GroupedTiles.check, _grouped_2d)
                 v = lax.bitcast_convert_type((nibble | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
                 w = (v - 136.0) * scale  # 128 + c - 136 = c - 8 exactly, then one rounding
@@ -447,16 +437,11 @@ def _grouped_kernel(
         def body(i, acc):
             k0 = split * k_per_split + i * block_k
             if kind == "int4" and not one_dot:
-                planes = [
-                    x_tile(
-                        x_ref.at[jnp.int32(plane), pl.ds(first, block_m), pl.ds(k0 // 8, words)]
-                        if x_planes
-                        else x_ref.at[pl.ds(first, block_m), pl.ds(k0 // 8, words), jnp.int32(plane)],
-                        words,
-                    )
+                x_planes = [
+                    x_tile(x_ref.at[jnp.int32(plane), pl.ds(first, block_m), pl.ds(k0 // 8, words)], words)
                     for plane in range(8)
                 ]
-                return int4_plane_dots(*int4_tiles(*weight_refs, k0), planes, acc)
+                return int4_plane_dots(*int4_tiles(*weight_refs, k0), x_planes, acc)
             if kind == "int4":  # one_dot: the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot
                 packed, scale = int4_tiles(*weight_refs, k0)
                 shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
@@ -595,8 +580,8 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
         tiled = x_pad.reshape(a_pad, k_pad // tiles.block_k, tiles.block_k // 8, 8).transpose(0, 1, 3, 2)
         inputs = (tiled.reshape(a_pad, k_pad), weight.packed, weight.scale)
     elif kind == "int4":
-        words = x_pad.reshape(a_pad, k_pad // 8, 8)  # a bitcast
-        inputs = (words.transpose(2, 0, 1) if tiles.x_planes else words, weight.packed, weight.scale)
+        planes = x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1)
+        inputs = (planes, weight.packed, weight.scale)
     elif kind == "fp8":
         inputs = (x_pad, weight.weight, weight.scale_inv)
     else:
@@ -618,7 +603,6 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             dequant=tiles.dequant
             if kind == "int4" and x.dtype == jnp.bfloat16 and weight.scale.dtype == jnp.bfloat16
             else "convert",
-            x_planes=tiles.x_planes,
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],

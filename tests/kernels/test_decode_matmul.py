@@ -198,35 +198,6 @@ def test_grouped_int4_magic_bf16_matches_the_reference(rows):
     np.testing.assert_array_equal(got32, np.asarray(call(x32, jnp.int32(1), base)))
 
 
-@pytest.mark.parametrize("rows", [1, 17, 70])
-def test_grouped_int4_strided_activations_match_the_planes(rows):
-    """x_planes=False (each plane read as a strided view of the activations as stored, no transpose): the default's
-    bits, split K with a short last split, crowded and empty experts, a stacked weight's layers read in place,
-    bf16 (magic_bf16) and float32 activations, and the twin."""
-    rng = np.random.default_rng(rows + 3)
-    layers, experts, n, k = 2, 6, 150, 3 * 512 - 96
-    sizes = np.bincount(rng.integers(0, experts, rows), minlength=experts).astype(np.int32)
-    if rows >= 17:
-        sizes[0] += sizes[1:3].sum()
-        sizes[1:3] = 0
-    sizes = jnp.asarray(sizes)
-    per_layer = [_expert_weights(rng, experts, n, k, "int4") for _ in range(layers)]
-    w = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-    w = type(w)(w.packed, w.scale.astype(jnp.bfloat16))
-    call = jax.jit(lambda x, i, t: grouped_matmul(x, w, sizes, layer=i, tiles=t), static_argnums=2)
-    for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 2e-6)):
-        planes = GroupedTiles(block_n=64, block_k=512, splits=3, dequant="magic_bf16")
-        strided = dataclasses.replace(planes, x_planes=False)
-        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-        for layer in range(layers):
-            got = np.asarray(call(x, jnp.int32(layer), strided), np.float32)
-            np.testing.assert_array_equal(got, np.asarray(call(x, jnp.int32(layer), planes), np.float32))
-            ref = np.asarray(grouped_matmul_reference(x, w, sizes, layer=layer), np.float32)
-            assert np.abs(got - ref).max() / np.abs(ref).max() < tol, (dtype, layer)
-    with pytest.raises(ValueError, match="x_planes=False applies to INT4 weights with per-plane dots"):
-        GroupedTiles(x_planes=False, one_dot=True).check("int4")
-
-
 def test_grouped_dequant_modes_are_checked():
     with pytest.raises(ValueError, match="dequant must be one of .* got 'fast'"):
         GroupedTiles(dequant="fast").check("int4")

@@ -117,11 +117,6 @@ def test_grouped_matmul_lowers_for_triton(hopper, kind):
         ]
         gate = cases[-6][0]  # the shard's gate at 72 rows under the other dequantisation
         cases += [(gate, 72, dataclasses.replace(default_grouped_tiles(gate, 72), dequant="convert"))]
-        # the activations read as stored (strided plane views), on the shard's gate and down
-        cases += [
-            (cases[-7 + i][0], 136, dataclasses.replace(default_grouped_tiles(cases[-7 + i][0], 136), x_planes=False))
-            for i in (0, 3)
-        ]
     for weight, rows, tiles in cases:  # one token (split-K), a tree, a prefill chunk
         tiles = tiles or default_grouped_tiles(weight, rows)
         text = (

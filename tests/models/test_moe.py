@@ -1,6 +1,8 @@
 """The MoE dispatches (models/moe.py): gather, ragged and pallas (kernels/decode_matmul.grouped_matmul, interpret mode) equal the every-expert reference for float, INT4
 and block-FP8 routed experts, with group-limited routing and a non-zero correction bias."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -273,3 +275,21 @@ def test_moe_sort_rule():
     assert dispatch.moe_sort(dispatch.RANK_SORT_MAX_ASSIGNMENTS, **gpu) == "rank"
     assert dispatch.moe_sort(dispatch.RANK_SORT_MAX_ASSIGNMENTS + 1, **gpu) == "argsort"
     assert dispatch.moe_sort(8, backend_name="cpu") == "argsort"
+
+
+def test_bf16_router_logits_are_the_float32_logits():
+    """bf16 activations and router: `route` takes one bf16 GEMM accumulating in float32 (exact products), which must
+    choose the experts the float32 upcast path chooses, with the same weights to float32 rounding (random inputs,
+    fixed seed; a near-tie of the 8th and 9th scores would need a gap below the summation-order error, ~1e-6)."""
+    rng = np.random.default_rng(11)
+    hidden, experts = 512, 64
+    config = dataclasses.replace(CONFIG, hidden_size=hidden, n_routed_experts=experts)
+    router = jnp.asarray(rng.standard_normal((experts, hidden)) * 0.05, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(experts) * 0.01, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 17, hidden)), jnp.bfloat16)
+    got_experts, got_weights = jax.jit(lambda x, r: moe.route(config, r, bias, x))(x, router)
+    want_experts, want_weights = jax.jit(lambda x, r: moe.route(config, r, bias, x))(
+        x.astype(jnp.float32), router.astype(jnp.float32)
+    )
+    np.testing.assert_array_equal(got_experts, want_experts)
+    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5)
