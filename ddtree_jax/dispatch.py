@@ -216,6 +216,11 @@ MOSAIC_DECODE_MAX_ASSIGNMENTS = 32
 MOE_SORTS = ("auto", "argsort", "rank")
 MOE_SORT = "auto"
 RANK_SORT_MAX_ASSIGNMENTS = 2048
+# The router's logits from this many rows (B x T) as one bf16 GEMM with float32 accumulation (`router_bf16_gemm`):
+# in the 4-layer K2.6 shard's DDTree 16 profile (17 rows, 8fec69d) the float32 path cost a float32 copy of the
+# router (5.1 us a layer) and a float32 cuBLAS GEMM (10.6 us a layer); at 1 row (AR) XLA fuses it into one
+# reduction. The bf16 GEMM itself is not yet timed on the GPU.
+ROUTER_BF16_MIN_ROWS = 8
 # generate's loop: XLA's default command-buffer commands plus WHILE and CONDITIONAL (CUDA conditional nodes)
 LOOP_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
@@ -469,6 +474,15 @@ def moe_sort(assignments: int, backend_name: str | None = None) -> str:
     if MOE_SORT != "auto":
         return MOE_SORT
     return "rank" if _on_gpu(backend_name) and assignments <= RANK_SORT_MAX_ASSIGNMENTS else "argsort"
+
+
+def router_bf16_gemm(rows: int, x_dtype, router_dtype) -> bool:
+    """Whether `moe.route` computes its float32 logits as one bf16 GEMM accumulating in float32 (exact bf16
+    products, so the float32 logits up to summation order): for bf16 activations and router from ROUTER_BF16_MIN_ROWS
+    rows, where the float32 path copies the router to float32 and runs a float32 GEMM a layer; fewer rows keep the
+    float32 path, which XLA fuses into one reduction reading the router as stored."""
+    bf16 = jax.numpy.bfloat16
+    return rows >= ROUTER_BF16_MIN_ROWS and jax.numpy.dtype(x_dtype) == bf16 and jax.numpy.dtype(router_dtype) == bf16
 
 
 def grouped_int4_kernel(rows: int, weight_shape: tuple[int, ...], x_dtype, backend_name: str | None = None) -> str:

@@ -49,6 +49,7 @@ On a mesh (`jax.set_mesh`, tests/sharding/test_regions.py):
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,7 @@ def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.A
     chosen experts, normalised when norm_topk_prob, times routed_scaling_factor.
     """
     c = config
-    if x.dtype == jnp.bfloat16 and router.dtype == jnp.bfloat16:
+    if dispatch.router_bf16_gemm(math.prod(x.shape[:-1]), x.dtype, router.dtype):
         # bf16 x bf16 products are exact in float32: one bf16 GEMM accumulating in float32 computes the float32 logits
         # (up to summation order) without a float32 copy of the router (11 MB a K2.6 layer) or a float32 GEMM
         logits = jnp.einsum("...d,ed->...e", x, router, preferred_element_type=jnp.float32)

@@ -277,6 +277,13 @@ def test_moe_sort_rule():
     assert dispatch.moe_sort(8, backend_name="cpu") == "argsort"
 
 
+def test_router_bf16_gemm_rule():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert dispatch.router_bf16_gemm(dispatch.ROUTER_BF16_MIN_ROWS, bf16, bf16)
+    assert not dispatch.router_bf16_gemm(dispatch.ROUTER_BF16_MIN_ROWS - 1, bf16, bf16)  # AR: one fused reduction
+    assert not dispatch.router_bf16_gemm(64, f32, bf16) and not dispatch.router_bf16_gemm(64, bf16, f32)
+
+
 def test_bf16_router_logits_are_the_float32_logits():
     """bf16 activations and router: `route` takes one bf16 GEMM accumulating in float32 (exact products), which must
     choose the experts the float32 upcast path chooses, with the same weights to float32 rounding (random inputs,
