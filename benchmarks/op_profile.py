@@ -9,7 +9,8 @@ kernel, which a wall-clock median cannot say. Pallas kernels appear under their 
 
 `format_op_table(rows, top)` prints the largest rows with each one's share of the total.
 
-`op_sources(hlo_text)` names the JAX op and source line each HLO instruction came from (its metadata), and
+`op_sources(hlo_text)` names the JAX op path each HLO instruction came from (its metadata; with the source line
+where the text holds one), and
 `op_kinds(hlo_text)` names what each HLO instruction of a compiled program is (a GEMM, a Pallas / Mosaic kernel by
 its name, an elementwise or reduce fusion, a copy, ...), and `kind_table(rows, kinds)` sums the op rows by kind:
 where a program's time goes by kind of work when its op names (fusion.123) say nothing.

@@ -212,7 +212,9 @@ MOSAIC_DECODE_MAX_ASSIGNMENTS = 32
 # The routed experts' sort by expert ("pallas" / "ragged" MoE): "rank" = each assignment's sorted position counted by
 # comparisons (A x A, one fusion) and its inverse by a scatter, up to RANK_SORT_MAX_ASSIGNMENTS (a B = 8 tree's 1,088:
 # 1.2 M comparisons); "argsort" = XLA's sort (on GPU a sort kernel a call, plus a second sort for the inverse before
-# `moe.sort_by_expert`). "auto" takes "rank" on GPU up to that size. Not yet measured on the GPU in a step.
+# `moe.sort_by_expert`). "auto" takes "rank" on GPU up to that size. With the grouped tile table's prefix sums
+# (`decode_matmul._exclusive_prefix_sum`) it took the 4-layer K2.6 shard's DDTree 16 step (136 assignments a layer,
+# 8fec69d, command buffers off) from 2,293.9 to 2,244.7 us of device time and 3.25 to 3.10 ms in the loop.
 MOE_SORTS = ("auto", "argsort", "rank")
 MOE_SORT = "auto"
 RANK_SORT_MAX_ASSIGNMENTS = 2048
