@@ -20,6 +20,7 @@ from ddtree_kernels.decode_matmul import (
     grouped_plan,
     matmul,
     matmul_reference,
+    max_row_tiles,
     row_tiles,
 )
 from ddtree_kernels.quant import Fp8BlockWeight, quantize_int4
@@ -279,6 +280,25 @@ def test_row_tiles_cover_each_group_once():
     starts = np.cumsum(sizes) - sizes
     want = [(e, int(starts[e]) + i) for e in range(6) for i in range(int(sizes[e]))]
     assert sorted(covered) == want
+
+
+def test_row_tiles_on_random_group_sizes_match_numpy():
+    """The tile table's prefix sums (one masked row sum, not a cumsum) on random sizes at K2.6's 384 experts: every
+    row covered once by its own expert's tiles, the used tiles first, each starting at its group's first row."""
+    from ddtree_kernels.decode_matmul import _exclusive_prefix_sum
+
+    rng = np.random.default_rng(5)
+    for rows, block_m in ((136, 16), (520, 16), (3000, 64)):
+        sizes = np.bincount(rng.integers(0, 384, rows), minlength=384).astype(np.int32)
+        np.testing.assert_array_equal(_exclusive_prefix_sum(jnp.asarray(sizes)), np.cumsum(sizes) - sizes)
+        tiles = np.asarray(
+            jax.jit(row_tiles, static_argnums=(1, 2))(jnp.asarray(sizes), block_m, max_row_tiles(rows, 384, block_m))
+        )
+        used = tiles[2] > 0
+        assert used[: used.sum()].all() and not used[used.sum() :].any()
+        starts = np.cumsum(sizes) - sizes
+        covered = sorted((int(e), r) for e, first, count in tiles.T for r in range(first, first + count))
+        assert covered == [(e, int(starts[e]) + i) for e in range(384) for i in range(int(sizes[e]))]
 
 
 def test_grouped_bad_inputs_are_named():
