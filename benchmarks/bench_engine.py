@@ -155,9 +155,10 @@ def bench_case(
         ops = op_times(step, *step_args, runs=3)
         row["device_us"] = sum(r["us_per_run"] for r in ops)
         row["launches"] = sum(r["events_per_run"] for r in ops)
-        sources = op_sources(step.as_text())  # each op's JAX op and source line
+        hlo_text = step.as_text()  # a 61-layer step's text is large: printed once, read twice
+        sources = op_sources(hlo_text)  # each op's JAX op path
         row["op_profile"] = [r | {"source": sources.get(r["op"], "")} for r in ops[:profile_top]]
-        row["op_kinds"] = kind_table(ops, op_kinds(step.as_text()))  # by kind: GEMMs, each kernel, fusions
+        row["op_kinds"] = kind_table(ops, op_kinds(hlo_text))  # by kind: GEMMs, each kernel, fusions
         # one step as a timeline: its span on the device and the idle gaps between launches inside it. Traced, the
         # step usually runs without command buffers (XLA turns them off under the profiler, though a traced program
         # may keep some: op_profile.COMMAND_BUFFER): the gaps are those of kernels launched one by one, an upper
