@@ -331,6 +331,54 @@ def grouped_sweep(
     return rows
 
 
+def gather_ab(tokens_list, copy_bw: float, key, commit: str, projections, experts: int = 384) -> list[dict]:
+    """The grouped INT4 kernel's two ways to its rows in expert order, side by side at the default tiling, on the
+    input projections of `projections` (gate / up: their rows are the layer's tokens): "xla" gathers the T x top-8
+    rows (`x[row_index]`) before the kernel, as the models did; "kernel" hands it the T token rows and the row
+    index (`grouped_matmul(row_index=)`). Each timed call starts from REPS fresh token sets [T, K]; routing as
+    `_uniform_routing` (the same per T), assignments sorted stably by expert."""
+    rows = []
+    for proj, n, k in projections[:1]:  # the input projection (gate; up has its shape)
+        weight = _random_experts(key, experts, n, k)
+        for tokens in tokens_list:
+            assign = tokens * 8
+            chosen = np.random.default_rng(tokens).integers(0, experts, assign)
+            sizes = jnp.asarray(np.bincount(chosen, minlength=experts), jnp.int32)
+            row_index = jnp.asarray(np.argsort(chosen, kind="stable") // 8, jnp.int32)
+            nbytes = len(set(chosen.tolist())) * n * k * (0.5 + 2 / 32)
+            token_sets = jax.random.normal(jax.random.fold_in(key, tokens), (REPS, tokens, k), jnp.bfloat16)
+            forms = {
+                "xla": lambda x, w: grouped_matmul(x[row_index], w, sizes),
+                "kernel": lambda x, w: grouped_matmul(x, w, sizes, row_index=row_index),
+            }
+            outputs = {name: np.asarray(form(token_sets[0], weight), np.float32) for name, form in forms.items()}
+            np.testing.assert_array_equal(outputs["kernel"], outputs["xla"])  # the same kernel on the same rows
+            seconds = {name: [] for name in forms}
+            for _ in range(2):  # alternated, twice: the median of each form's runs
+                for name, form in forms.items():
+                    seconds[name].append(_timed(form, token_sets, weight))
+            for name in forms:
+                row = {
+                    "projection": proj,
+                    "N": n,
+                    "K": k,
+                    "T": tokens,
+                    "assignments": assign,
+                    "gather": name,
+                    "runs_us": [t * 1e6 for t in seconds[name]],
+                    **_rates(float(np.median(seconds[name])), 2 * assign * n * k, nbytes, copy_bw),
+                }
+                rows.append(row)
+            kernel_us, xla_us = (rows[-1]["us"], rows[-2]["us"])
+            print(
+                f"gather A/B {proj} T={tokens:3d} ({assign} assignments, {nbytes / 1e6:6.1f} MB): xla (gather first) "
+                f"{xla_us:8.1f} us, kernel (row index) {kernel_us:8.1f} us: {xla_us / kernel_us:.2f}x",
+                flush=True,
+            )
+            write_result(f"grouped_gather_ab_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
@@ -364,7 +412,19 @@ def main() -> None:
         help="mosaic: --grouped-sweep also times the Mosaic GPU INT4 kernel (MOSAIC_SWEEP) on the same inputs; "
         "mosaic-decode: at decode sizes (MOSAIC_DECODE_SWEEP: 8- / 16-row tiles, K splits)",
     )
+    parser.add_argument(
+        "--grouped-gather-ab",
+        default="",
+        help="only time, at these token counts (e.g. 9,17,65), the grouped kernel's input projection with its rows "
+        "gathered first against read through a row index (`gather_ab`; --grouped-shape picks the shapes)",
+    )
     args = parser.parse_args()
+    if args.grouped_gather_ab:
+        copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
+        print(f"device: {device_description()}; commit {args.commit}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+        tokens = [int(t) for t in args.grouped_gather_ab.split(",")]
+        gather_ab(tokens, copy_bw, jax.random.key(1), args.commit, GROUPED_SHAPES[args.grouped_shape])
+        return
     if args.grouped_sweep:
         copy_bw = copy_bandwidth(REPS) if jax.default_backend() == "gpu" else float("nan")
         print(

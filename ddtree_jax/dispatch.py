@@ -42,7 +42,9 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 2.3x the
               Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel.
               Their sort by expert (`moe_sort`): by comparisons ("rank", one fusion) on GPU up to
-              RANK_SORT_MAX_ASSIGNMENTS, XLA's sort beyond and off GPU.
+              RANK_SORT_MAX_ASSIGNMENTS, XLA's sort beyond and off GPU. The Triton kernel's gate / up rows
+              (`grouped_gather`): gathered into expert order by XLA; "kernel" (reading the tokens in place
+              through a row index) is built and tested but not yet timed, so not "auto".
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
   tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
               (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
@@ -218,6 +220,14 @@ MOSAIC_DECODE_MAX_ASSIGNMENTS = 32
 MOE_SORTS = ("auto", "argsort", "rank")
 MOE_SORT = "auto"
 RANK_SORT_MAX_ASSIGNMENTS = 2048
+# The grouped Triton expert kernel's gate / up activations ("pallas" MoE path, `moe.routed_pallas`): "kernel" hands
+# the kernel the layer's token rows [T, D] and each sorted assignment's token (`decode_matmul.grouped_matmul`'s
+# row_index), each row read in place; "xla" gathers the T x top-k rows into expert order first. In the 4-layer K2.6
+# shard's DDTree 16 profile (17 tokens, 136 assignments, 8fec69d) the gather, with the pad and the plane transpose of
+# the gathered [136, 7168] rows, was one fusion of 16.9 us a layer; "kernel" transposes 17 rows instead. Not yet
+# timed on the GPU, so "auto" keeps "xla".
+GROUPED_GATHERS = ("auto", "xla", "kernel")
+GROUPED_GATHER = "auto"
 # The router's logits from this many rows (B x T) as one bf16 GEMM with float32 accumulation (`router_bf16_gemm`):
 # in the 4-layer K2.6 shard's DDTree 16 profile (17 rows, 8fec69d) the float32 path cost a float32 copy of the
 # router (5.1 us a layer) and a float32 cuBLAS GEMM (10.6 us a layer); at 1 row (AR) XLA fuses it into one
@@ -476,6 +486,13 @@ def moe_sort(assignments: int, backend_name: str | None = None) -> str:
     if MOE_SORT != "auto":
         return MOE_SORT
     return "rank" if _on_gpu(backend_name) and assignments <= RANK_SORT_MAX_ASSIGNMENTS else "argsort"
+
+
+def grouped_gather() -> str:
+    """Where the "pallas" MoE path's grouped Triton kernel gets its gate / up rows in expert order: GROUPED_GATHER
+    unless "auto"; "auto": "xla" (the gather before the kernel; "kernel": read in place through a row index)."""
+    _check("grouped gather", GROUPED_GATHER, GROUPED_GATHERS)
+    return "xla" if GROUPED_GATHER == "auto" else GROUPED_GATHER
 
 
 def router_bf16_gemm(rows: int, x_dtype, router_dtype) -> bool:

@@ -95,6 +95,13 @@ def main() -> None:
         help="how the routed experts' assignments are sorted by expert (dispatch.MOE_SORTS; default: dispatch.MOE_SORT)",
     )
     parser.add_argument(
+        "--grouped-gather",
+        default=None,
+        choices=dispatch.GROUPED_GATHERS,
+        help="where the grouped expert kernel's gate / up rows are put in expert order (dispatch.GROUPED_GATHERS: "
+        "xla gathers them first, kernel reads the tokens through a row index; default: dispatch.GROUPED_GATHER)",
+    )
+    parser.add_argument(
         "--mla-schedule",
         default=None,
         choices=dispatch.MLA_SCHEDULES,
@@ -131,6 +138,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
         dispatch.MOE_SORT = args.moe_sort
+    if args.grouped_gather is not None:  # read by the models at trace time (`moe.routed_pallas`)
+        dispatch.GROUPED_GATHER = args.grouped_gather
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
         dispatch.MLA_SCHEDULE = args.mla_schedule
     if args.in_place is not None:  # read by the models at trace time (`deepseek_v3._run`)
@@ -207,6 +216,7 @@ def main() -> None:
                     layers=shard.num_layers,
                     mla_schedule=dispatch.MLA_SCHEDULE,
                     moe_sort=dispatch.MOE_SORT,
+                    grouped_gather=dispatch.grouped_gather(),
                     in_place=dispatch.AUTO_IN_PLACE,
                     in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
                     mla_reduce_max_rows=dispatch.MLA_REDUCE_MAX_ROWS,

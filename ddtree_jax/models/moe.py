@@ -267,19 +267,22 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     flat = experts.reshape(-1)
     order, position = sort_by_expert(flat)
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    xs = x[order // k]
+    token_of = order // k  # [N]: the token of each sorted assignment
 
-    def grouped(rows, weight):
+    def grouped(rows, weight, row_index=None):
+        """rows [N, D] in expert order, or (row_index [N] given) the tokens [M, D], sorted row a = rows[row_index[a]]."""
         stack, layer = (weight.stack, weight.layer) if isinstance(weight, LayerOf) else (weight, None)
+        if row_index is not None and dispatch.grouped_gather() == "xla":
+            rows, row_index = rows[row_index], None
         if (
             isinstance(stack, Int4Weight)
-            and dispatch.grouped_int4_kernel(rows.shape[0], stack.shape, rows.dtype) == "mosaic"
+            and dispatch.grouped_int4_kernel(flat.shape[0], stack.shape, rows.dtype) == "mosaic"
         ):
-            return grouped_int4_matmul(rows, stack, group_sizes, layer=layer)
+            return grouped_int4_matmul(rows if row_index is None else rows[row_index], stack, group_sizes, layer=layer)
         # a LayerOf is read in place: no per-layer copy of the experts
-        return grouped_matmul(rows, stack, group_sizes, layer=layer)
+        return grouped_matmul(rows, stack, group_sizes, layer=layer, row_index=row_index)
 
-    h = jax.nn.silu(grouped(xs, p["expert_gate"])) * grouped(xs, p["expert_up"])
+    h = jax.nn.silu(grouped(x, p["expert_gate"], token_of)) * grouped(x, p["expert_up"], token_of)
     out_sorted = grouped(h, p["expert_down"])
     out = out_sorted[position].reshape(tokens, k, -1)
     return contract("mkd,mk->md", out, weights.astype(out.dtype))

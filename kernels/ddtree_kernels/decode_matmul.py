@@ -39,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -371,7 +372,6 @@ class GroupedTiles:
 
 def _grouped_kernel(
     tile_ref,
-    x_ref,
     *refs,
     kind: str,
     n: int,
@@ -383,14 +383,17 @@ def _grouped_kernel(
     precision,
     one_dot: bool = False,
     dequant: str = "convert",
+    gathered: bool = False,
 ):
     # tile_ref: i32 [4, T]: (expert, first row, rows, layer) of each row tile (rows 0 = unused tile)
-    # x_ref: [A_pad, K_pad] rows grouped by expert ([8, A_pad, K_pad / 8] plane-major for INT4; with one_dot
-    #   [A_pad, K_pad], each block_k tile's columns plane-major: column j * block_k / 8 + w holds k = 8 w + j)
+    # row_ref (gathered only): i32 [A_pad]: the row of x each sorted row reads (padding: 0)
+    # x_ref: [R, K_pad], R = A_pad rows grouped by expert, or (gathered) any R rows read through row_ref
+    #   ([8, R, K_pad / 8] plane-major for INT4; with one_dot [R, K_pad], each block_k tile's columns plane-major:
+    #   column j * block_k / 8 + w holds k = 8 w + j)
     # weights, L stacked layers: [L, E, N, K] array | (packed i32 [L, E, N, K / 8], scale [L, E, N, K / 32])
     #   | (f8 [L, E, N, K], f32 scales [L, E, N / 128, K / 128]); the tile's layer is read in place
-    # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's rows
-    *weight_refs, o_ref = refs
+    # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's (sorted) rows
+    row_ref, x_ref, *weight_refs, o_ref = refs if gathered else (None, *refs)
     n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert, first, count, layer = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile], tile_ref[3, tile]
     rows = n_tile * block_n + jnp.arange(block_n)
@@ -426,32 +429,34 @@ def _grouped_kernel(
         return acc
 
     own_rows = (jnp.arange(block_m) < count)[:, None]  # [BM, 1]: the tile's own rows (read and stored)
+    if gathered:  # [BM, 1]: the x row of each of the tile's rows (0 past its own: in bounds, not read)
+        source_rows = jnp.where(own_rows[:, 0], row_ref[pl.ds(first, block_m)], 0)[:, None]
 
-    def x_tile(view, width: int):
-        """The tile's rows [BM, width] of an x view; rows past the tile's own (another expert's, or padding) are
-        not read (zeros: their outputs are not stored), so a tile of one row moves one row of activations."""
-        return plgpu.load(view, mask=jnp.broadcast_to(own_rows, (block_m, width)), other=0.0)
+    def x_tile(col0, width: int, plane=None):
+        """The tile's rows [BM, width] of x's columns col0 .. col0 + width (of one plane of the INT4 layout); rows
+        past the tile's own (another expert's, or padding) are not read (zeros: their outputs are not stored), so
+        a tile of one row moves one row of activations. gathered: each row read at its row_ref entry (one indexed
+        load: the rows need not be copied into expert order first)."""
+        lead = () if plane is None else (jnp.int32(plane),)
+        if gathered:  # all-array indices: one [BM, width] gather (interpret mode takes no slices beside arrays)
+            index = lead + (source_rows, (col0 + jnp.arange(width))[None, :])
+        else:
+            index = lead + (pl.ds(first, block_m), pl.ds(col0, width))
+        return plgpu.load(x_ref.at[index], mask=jnp.broadcast_to(own_rows, (block_m, width)), other=0.0)
 
     @pl.when(count > 0)
     def _():
         def body(i, acc):
             k0 = split * k_per_split + i * block_k
             if kind == "int4" and not one_dot:
-                x_planes = [
-                    x_tile(x_ref.at[jnp.int32(plane), pl.ds(first, block_m), pl.ds(k0 // 8, words)], words)
-                    for plane in range(8)
-                ]
+                x_planes = [x_tile(k0 // 8, words, plane) for plane in range(8)]
                 return int4_plane_dots(*int4_tiles(*weight_refs, k0), x_planes, acc)
             if kind == "int4":  # one_dot: the 8 planes side by side: [BN, 8, W] -> one [BN, BK] tile, one dot
                 packed, scale = int4_tiles(*weight_refs, k0)
                 shifts = 4 * lax.broadcasted_iota(jnp.int32, (1, 8, 1), 1)
                 codes = (packed[:, None, :] >> shifts) & 0xF
                 w = ((codes - 8).astype(jnp.float32) * scale[:, None, :]).astype(x_ref.dtype)
-                return acc + _dot_t(
-                    x_tile(x_ref.at[pl.ds(first, block_m), pl.ds(k0, block_k)], block_k),
-                    w.reshape(block_n, block_k),
-                    precision,
-                )
+                return acc + _dot_t(x_tile(k0, block_k), w.reshape(block_n, block_k), precision)
             w_ref = weight_refs[0]
             cols = k0 + jnp.arange(block_k)
             w = plgpu.load(
@@ -470,8 +475,7 @@ def _grouped_kernel(
                         jnp.minimum(k0 // FP8_BLOCK, scale_ref.shape[3] - 1),
                     ]
                 )
-            x = x_tile(x_ref.at[pl.ds(first, block_m), pl.ds(k0, block_k)], block_k)
-            return acc + _dot_t(x, w.astype(x_ref.dtype), precision)
+            return acc + _dot_t(x_tile(k0, block_k), w.astype(x_ref.dtype), precision)
 
         acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         plgpu.store(o_ref.at[split, pl.ds(first, block_m), pl.ds(n_tile * block_n, block_n)], acc, mask=own_rows)
@@ -558,9 +562,12 @@ def grouped_plan(rows: int, experts: int, n: int, k: int, tiles: GroupedTiles) -
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: GroupedTiles):
-    # weight: stacked [L, E, N, K] (a plain [E, N, K] arrives as L = 1, layer 0); layer: int32 []. -> y [A, N]
-    rows, k = x.shape
+def _grouped_2d(x, weight, group_sizes, layer, row_index=None, *, interpret: bool, tiles: GroupedTiles):
+    # weight: stacked [L, E, N, K] (a plain [E, N, K] arrives as L = 1, layer 0); layer: int32 [].
+    # row_index: None (x [A, K] in expert order) or int32 [A] (x [R, K], sorted row a reads x[row_index[a]]) -> y [A, N]
+    gathered = row_index is not None
+    rows = row_index.shape[0] if gathered else x.shape[0]
+    k = x.shape[1]
     experts, n = weight.shape[1], weight.shape[-2]
     kind = _weight_kind(weight)
     tiles.check(kind)
@@ -573,19 +580,23 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
     tile_table = jnp.concatenate([tile_table, jnp.broadcast_to(layer.astype(jnp.int32), (1, max_tiles))])
     k_pad = splits * k_per_split
     a_pad = rows + block_m  # a tile addresses block_m rows from its first row (it reads only its own)
-    x_pad = jnp.pad(x, ((0, a_pad - rows), (0, k_pad - k)))
+    # gathered: x keeps its own rows (the kernel reads them through row_index); else padded to a_pad rows
+    x_rows = x.shape[0] if gathered else a_pad
+    x_pad = jnp.pad(x, ((0, x_rows - x.shape[0]), (0, k_pad - k)))
     n_tiles = pl.cdiv(n, tiles.block_n)
     one_dot = kind == "int4" and tiles.one_dot
     if one_dot:  # within each K tile plane-major (the kernel's one_dot layout)
-        tiled = x_pad.reshape(a_pad, k_pad // tiles.block_k, tiles.block_k // 8, 8).transpose(0, 1, 3, 2)
-        inputs = (tiled.reshape(a_pad, k_pad), weight.packed, weight.scale)
+        tiled = x_pad.reshape(x_rows, k_pad // tiles.block_k, tiles.block_k // 8, 8).transpose(0, 1, 3, 2)
+        inputs = (tiled.reshape(x_rows, k_pad), weight.packed, weight.scale)
     elif kind == "int4":
-        planes = x_pad.reshape(a_pad, k_pad // 8, 8).transpose(2, 0, 1)
+        planes = x_pad.reshape(x_rows, k_pad // 8, 8).transpose(2, 0, 1)
         inputs = (planes, weight.packed, weight.scale)
     elif kind == "fp8":
         inputs = (x_pad, weight.weight, weight.scale_inv)
     else:
         inputs = (x_pad, weight)
+    if gathered:  # clipped: an entry out of range (unchecked under jit) must not read outside x
+        inputs = (jnp.pad(jnp.clip(row_index.astype(jnp.int32), 0, x.shape[0] - 1), (0, a_pad - rows)),) + inputs
     out = pl.pallas_call(
         functools.partial(
             _grouped_kernel,
@@ -603,6 +614,7 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
             dequant=tiles.dequant
             if kind == "int4" and x.dtype == jnp.bfloat16 and weight.scale.dtype == jnp.bfloat16
             else "convert",
+            gathered=gathered,
         ),
         grid=(n_tiles, splits, max_tiles),
         in_specs=[_whole(tile_table.shape)] + [_whole(a.shape) for a in inputs],
@@ -610,7 +622,7 @@ def _grouped_2d(x, weight, group_sizes, layer, *, interpret: bool, tiles: Groupe
         out_shape=jax.ShapeDtypeStruct((splits, a_pad, n_tiles * tiles.block_n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name=f"grouped_matmul_{kind}",
+        name=f"grouped_matmul_{kind}" + ("_gathered" if gathered else ""),
     )(tile_table, *inputs)
     # rows no tile covers (the padding) hold garbage in every split: sliced off before they are read
     return out[:, :rows, :n].sum(axis=0).astype(x.dtype)
@@ -622,6 +634,7 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     layer: jax.Array | int | None = None,
+    row_index: jax.Array | None = None,
     interpret: bool | None = None,
     tiles: GroupedTiles | None = None,
 ) -> jax.Array:
@@ -634,17 +647,38 @@ def grouped_matmul(
     layer: with weights of every layer stacked, [L, E, N, K], the layer to use (int32 scalar, may be
     traced: a scan's counter). The kernel reads that layer in place: slicing it out first would copy
     the layer's experts (8.4 GB for a K2.6 INT4 layer) on every call, since a Pallas call takes each
-    operand as one buffer."""
-    weight, layer = _grouped_operands(x, weight, group_sizes, layer)
-    tiles = tiles or default_grouped_tiles(weight, x.shape[0])
+    operand as one buffer.
+
+    row_index: int32 [A] or None. Given, x is [R, K] in any order (a MoE layer's tokens) and sorted row a is
+    x[row_index[a]]: row a of the result is x[row_index[a]] @ W[e(a)]^T, the kernel reading each row in place
+    (no [A, K] copy of x in expert order; entries must lie in [0, R), not checked under jit)."""
+    weight, layer = _grouped_operands(x, weight, group_sizes, layer, row_index)
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    tiles = tiles or default_grouped_tiles(weight, rows)
     return _grouped_2d(
-        x, weight, group_sizes, jnp.asarray(layer, jnp.int32), interpret=default_interpret(interpret), tiles=tiles
+        x,
+        weight,
+        group_sizes,
+        jnp.asarray(layer, jnp.int32),
+        row_index,
+        interpret=default_interpret(interpret),
+        tiles=tiles,
     )
 
 
-def _grouped_operands(x, weight, group_sizes, layer):
+def _grouped_operands(x, weight, group_sizes, layer, row_index=None):
     """(weight stacked [L, E, N, K], layer) after the shape checks of a grouped call (a plain [E, N, K] weight
     becomes L = 1, layer 0)."""
+    if row_index is not None:
+        if row_index.ndim != 1 or not jnp.issubdtype(row_index.dtype, jnp.integer):
+            raise ValueError(f"row_index must be integer [A], got {row_index.dtype} {row_index.shape}")
+        if not isinstance(row_index, jax.core.Tracer):  # concrete: checked on the host (under a trace, jnp would stage)
+            index = np.asarray(row_index)
+            bad = (index < 0) | (index >= x.shape[0])
+            if bad.any():
+                raise ValueError(
+                    f"row_index entries must lie in [0, {x.shape[0]}) (x's rows), got {int(index[np.argmax(bad)])}"
+                )
     shape = weight.shape
     if layer is None:
         if len(shape) != 3:

@@ -115,3 +115,16 @@ def test_mosaic_decode_sweep_fits_the_shard_gate():
     for config in MOSAIC_DECODE_SWEEP:
         assert config["block_m"] in BLOCK_MS and config["block_m"] <= 16
         assert 7168 % (config["block_k"] * config["k_splits"]) == 0, config
+
+
+def test_gather_ab_times_both_forms_on_the_same_rows(tmp_path, monkeypatch):
+    """`--grouped-gather-ab`: one row per form (rows gathered first / read through a row index) a token count, both
+    timed on the same fresh token sets (outputs checked equal inside), the JSON written."""
+    from benchmarks.bench_matmul import gather_ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = gather_ab([3], float("nan"), jax.random.key(0), "t", (("gate", 64, 512), ("down", 512, 64)), experts=8)
+    assert [(r["projection"], r["T"], r["gather"]) for r in rows] == [("gate", 3, "xla"), ("gate", 3, "kernel")]
+    for r in rows:
+        assert r["assignments"] == 24 and r["us"] > 0 and len(r["runs_us"]) == 2
+    assert len(json.loads((tmp_path / "grouped_gather_ab_t.json").read_text())["rows"]) == 2

@@ -253,6 +253,66 @@ def test_grouped_reads_one_layer_of_stacked_weights_in_place(kind):
         grouped_matmul(x, stacked, sizes)
 
 
+def _tokens_and_row_index(rng, tokens: int, top_k: int, experts: int):
+    """A MoE layer's routing on random experts: (row_index int32 [A] = each sorted assignment's token, group_sizes
+    int32 [E]); A = tokens x top_k, sorted stably by expert as `moe.sort_by_expert` does (tokens repeat)."""
+    chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).reshape(-1)
+    order = np.argsort(chosen, kind="stable")
+    return jnp.asarray(order // top_k, jnp.int32), jnp.asarray(np.bincount(chosen, minlength=experts), jnp.int32)
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_grouped_reads_rows_through_row_index(kind, dtype, tokens):
+    """row_index: the kernel reads each sorted row from x [tokens, K] in place (the MoE layer's tokens, each
+    repeated over its top-k experts): bit for bit the call on the rows gathered first, and the reference's."""
+    rng = np.random.default_rng(tokens + 7 * len(kind))
+    experts, n, k, top_k = 7, BLOCK_N + 5, BLOCK_K + 64, 3
+    row_index, sizes = _tokens_and_row_index(rng, tokens, top_k, experts)
+    w = _expert_weights(rng, experts, n, k, kind)
+    x = jnp.asarray(rng.standard_normal((tokens, k)), dtype)
+    got = np.asarray(grouped_matmul(x, w, sizes, row_index=row_index), np.float32)
+    gathered_first = np.asarray(grouped_matmul(x[row_index], w, sizes), np.float32)
+    np.testing.assert_array_equal(got, gathered_first)
+    ref = np.asarray(grouped_matmul_reference(x[row_index], w, sizes), np.float32)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        GroupedTiles(block_n=64, block_k=512, splits=2, one_dot=True),
+        dataclasses.replace(NARROW_GROUPED_TILES, splits=3),
+        SHORT_K_GROUPED_TILES,
+    ],
+)
+def test_grouped_row_index_with_stacked_layers_and_int4_tilings(tiles):
+    """row_index with the INT4 layouts (one_dot's tiled columns, magic_bf16, split-K) and one layer of a stack read
+    in place, under jit with the layer traced; 40 tokens x top-4 over 9 experts (several row tiles an expert)."""
+    rng = np.random.default_rng(tiles.block_k + tiles.one_dot)
+    layers, experts, n, k, tokens, top_k = 2, 9, 96, 3 * tiles.block_k, 40, 4
+    per_layer = [_expert_weights(rng, experts, n, k, "int4") for _ in range(layers)]
+    per_layer = [type(w)(w.packed, w.scale.astype(jnp.bfloat16)) for w in per_layer]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    row_index, sizes = _tokens_and_row_index(rng, tokens, top_k, experts)
+    x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16)
+    run = jax.jit(lambda x, w, i, rows: grouped_matmul(x, w, sizes, layer=i, row_index=rows, tiles=tiles))
+    for layer in range(layers):
+        got = np.asarray(run(x, stacked, jnp.int32(layer), row_index), np.float32)
+        want = np.asarray(grouped_matmul(x[row_index], per_layer[layer], sizes, tiles=tiles), np.float32)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_grouped_row_index_errors_are_named():
+    w = _expert_weights(np.random.default_rng(1), 2, 64, 256, "int4")
+    sizes = jnp.asarray([2, 1], jnp.int32)
+    with pytest.raises(ValueError, match=r"row_index entries must lie in \[0, 3\) \(x's rows\), got 3"):
+        grouped_matmul(jnp.ones((3, 256)), w, sizes, row_index=jnp.asarray([0, 3, 1]))
+    with pytest.raises(ValueError, match="row_index must be integer"):
+        grouped_matmul(jnp.ones((3, 256)), w, sizes, row_index=jnp.zeros((3,), jnp.float32))
+
+
 def test_grouped_plan_fills_the_gpu_at_decode_and_bad_tilings_are_named():
     # decode and tree-verify sizes: 4 K splits (fewer where K has fewer than 8 tiles); prefill sizes: none
     assert grouped_plan(8, 384, 2048, 7168, GroupedTiles())[2] == 4

@@ -270,6 +270,27 @@ def test_sort_by_expert_is_the_stable_sort_and_its_inverse(sort, monkeypatch):
         assert relerr(got, _reference(p, x)) < 1e-5, impl
 
 
+@pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
+def test_pallas_with_the_rows_read_through_a_row_index(fmt, monkeypatch):
+    """`dispatch.GROUPED_GATHER` "kernel": the gate / up kernels read the tokens in place through each sorted
+    assignment's token (no gathered copy): the same output bits as "xla" (the rows gathered first, the kernel reading
+    them in order), and the reference's values."""
+    p = _layer(fmt, seed=11)
+    x = jax.random.normal(jax.random.key(6), (3, 5, CONFIG.hidden_size), jnp.bfloat16)
+    run = {}
+    for where in ("xla", "kernel"):
+        monkeypatch.setattr(dispatch, "GROUPED_GATHER", where)
+        call = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="pallas"))
+        kernels = str(jax.make_jaxpr(call)(p, x))
+        assert ("_gathered" in kernels) == (where == "kernel"), where  # the kernel's row-index form
+        run[where] = np.asarray(call(p, x), np.float32)
+    np.testing.assert_array_equal(run["kernel"], run["xla"])
+    assert relerr(jnp.asarray(run["kernel"]), _reference(p, x.astype(jnp.float32))) < 2e-2  # bf16 activations
+    monkeypatch.setattr(dispatch, "GROUPED_GATHER", "sideways")
+    with pytest.raises(ValueError, match="sideways"):
+        dispatch.grouped_gather()
+
+
 def test_moe_sort_rule():
     gpu = dict(backend_name="gpu")
     assert dispatch.moe_sort(dispatch.RANK_SORT_MAX_ASSIGNMENTS, **gpu) == "rank"
