@@ -203,44 +203,17 @@ Recorder = Callable[[StepTrace, SamplingParams], dict]
 
 
 def _decode_loop(
-    target_config,
-    target_params,
-    drafter,
-    state,
-    sampling,
-    keys,
-    stop_tokens,
-    max_new,
-    *,
-    max_new_tokens,
-    method,
-    budget,
-    block_size,
-    options,
-    recorder: Recorder | None,
+    traced_step, state, sampling, *, max_new_tokens: int, steps_per_iteration: int, recorder: Recorder | None
 ):
-    """The while_loop over decode steps; with a recorder, also its records [max_new_tokens, B] per key."""
-    batch = state.bonus.shape[0]
+    """The while_loop over decode steps, from `state` until every row is done or max_new_tokens steps have run.
+
+    traced_step(state) -> (the next DecodeState, the step's StepTrace): `traced_decode_step` with all but the
+    state bound. Returns (the final state, records: what `recorder(trace, sampling)` returned at each step,
+    [max_new_tokens, ...] per name; {} without a recorder)."""
     if recorder is None:
         records = {}
     else:  # the records' shapes from one abstract evaluation of the recorder on a step's trace
-        trace_shape = jax.eval_shape(
-            lambda s: traced_decode_step(
-                target_config,
-                target_params,
-                drafter,
-                s,
-                sampling,
-                keys,
-                stop_tokens,
-                max_new,
-                method=method,
-                budget=budget,
-                block_size=block_size,
-                options=options,
-            )[1],
-            state,
-        )
+        trace_shape = jax.eval_shape(lambda s: traced_step(s)[1], state)
         shapes = jax.eval_shape(recorder, trace_shape, sampling)
         records = {name: jnp.zeros((max_new_tokens,) + sd.shape, sd.dtype) for name, sd in shapes.items()}
 
@@ -249,20 +222,7 @@ def _decode_loop(
         return ~jnp.all(s.done) & (s.step < max_new_tokens)
 
     def one_step(s, rec):
-        new, trace = traced_decode_step(
-            target_config,
-            target_params,
-            drafter,
-            s,
-            sampling,
-            keys,
-            stop_tokens,
-            max_new,
-            method=method,
-            budget=budget,
-            block_size=block_size,
-            options=options,
-        )
+        new, trace = traced_step(s)
         if recorder is not None:
             # a step after every row is done (steps_per_iteration > 1) records nothing
             live = jnp.any(trace.active)
@@ -276,11 +236,10 @@ def _decode_loop(
         # steps_per_iteration steps per host round trip; a finished row is frozen by the step itself
         # (active = ~done), so the steps past the last row's end change no output
         s, rec = carry
-        for _ in range(options.steps_per_iteration):
+        for _ in range(steps_per_iteration):
             s, rec = one_step(s, rec)
         return s, rec
 
-    del batch
     return jax.lax.while_loop(cond, body, (state, records))
 
 
@@ -394,19 +353,23 @@ def _generate(target_config, target_params, drafter, request: tuple, shape: dict
     (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new); shape: the static keywords. Returns
     (GenerationResult, records)."""
     _, _, sampling, keys, stop_tokens, max_new = request
-    target_params, drafter = layers_sliced_once(target_config, target_params, drafter, shape["options"])
+    options = shape["options"]
+    target_params, drafter = layers_sliced_once(target_config, target_params, drafter, options)
     state = start_state(target_config, target_params, drafter, *request, **shape)
+    step_keywords = {k: v for k, v in shape.items() if k not in ("max_new_tokens", "cache_dtype")}
+
+    def traced_step(s: DecodeState) -> tuple[DecodeState, StepTrace]:
+        return traced_decode_step(
+            target_config, target_params, drafter, s, sampling, keys, stop_tokens, max_new, **step_keywords
+        )
+
     state, records = _decode_loop(
-        target_config,
-        target_params,
-        drafter,
+        traced_step,
         state,
         sampling,
-        keys,
-        stop_tokens,
-        max_new,
+        max_new_tokens=shape["max_new_tokens"],
+        steps_per_iteration=options.steps_per_iteration,
         recorder=recorder,
-        **{k: v for k, v in shape.items() if k != "cache_dtype"},
     )
     return GenerationResult(state.output, state.num_generated, state.steps, state.accepted), records
 

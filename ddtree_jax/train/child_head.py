@@ -28,15 +28,25 @@ from ddtree_jax.models.layers import linear
 from ddtree_jax.train.common import (
     DTYPES,
     Log,
+    apply_gradients,
     cast,
     count_params,
+    new_train_state,
     on_device,
     open_checkpoints,
     optimizer,
     training_loop,
 )
 from ddtree_jax.train.data import Batches, eval_batches
-from ddtree_jax.train.drafter import PAPER_GAMMA, block_labels, loss_weights, sample_anchors, target_features
+from ddtree_jax.train.drafter import (
+    anchor_settings,
+    block_labels,
+    loop_step,
+    loss_weights,
+    mean_metrics,
+    sample_anchors,
+    target_features,
+)
 from ddtree_jax.train.target import with_tapped
 
 
@@ -112,13 +122,8 @@ def _make_step(config, drafter_config, target, settings_items, gamma, num_anchor
             )
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         metrics["grad_norm"] = optax.tree.norm(grads)
-        return {
-            "params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state,
-            "step": state["step"] + 1,
-        }, metrics
+        return apply_gradients(tx, state, grads), metrics
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -142,12 +147,7 @@ def make_eval(
 
 def evaluate(eval_fn, params, drafter_params, target_params, batches, seed: int) -> dict:
     """Held-out metrics with fixed anchors (keys from `seed`), averaged over the batches."""
-    base = jax.random.fold_in(jax.random.key(seed), 2**30)
-    out = [
-        eval_fn(params, drafter_params, target_params, jnp.asarray(b), jax.random.fold_in(base, i))
-        for i, b in enumerate(batches)
-    ]
-    mean = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *out)
+    mean = mean_metrics(eval_fn, (params, drafter_params, target_params), batches, seed)
     return {
         name: (float(value) if np.ndim(value) == 0 else [round(float(x), 4) for x in value])
         for name, value in mean.items()
@@ -156,9 +156,8 @@ def evaluate(eval_fn, params, drafter_params, target_params, batches, seed: int)
 
 def init_state(config: ChildHeadConfig, settings: dict, seed: int) -> dict:
     """The zero-output head (`child_head.init_params`, key(seed + 2)), the optimizer state, step 0."""
-    tx = optimizer(settings)
     params = child_head.init_params(config, jax.random.key(seed + 2), jnp.float32)
-    return on_device({"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)})
+    return on_device(new_train_state(optimizer(settings), params))
 
 
 def train(
@@ -184,8 +183,7 @@ def train(
         )
     dtype = DTYPES[settings["dtype"]]
     target = with_tapped(target, drafter_config.target_layers)
-    gamma = float(settings.get("gamma") or PAPER_GAMMA.get(drafter_config.block_size, 7.0))
-    num_anchors = int(settings.get("num_anchors", 64))
+    gamma, num_anchors = anchor_settings(settings, drafter_config.block_size)
     steps, batch_size = settings["steps"], settings["batch_size"]
     state = init_state(config, settings, seed)
     checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
@@ -206,18 +204,10 @@ def train(
             f"held-out loss {held['loss']:.4f} (marginal {held['marginal_loss']:.4f})",
         )
 
-    def train_step(state, step):
-        state, metrics = step_fn(state, drafter_params, target_params, jnp.asarray(batches.batch(step)))
-        return state, {
-            "loss": metrics["loss"],
-            "marginal_loss": metrics["marginal_loss"],
-            "grad_norm": metrics["grad_norm"],
-        }
-
     state, wall = training_loop(
         "child_head",
         state,
-        train_step,
+        loop_step(step_fn, (drafter_params, target_params), batches, ("loss", "marginal_loss", "grad_norm")),
         steps=steps,
         start=start,
         settings=settings,

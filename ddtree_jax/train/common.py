@@ -69,6 +69,19 @@ def optimizer(settings: dict) -> optax.GradientTransformation:
     )
 
 
+def new_train_state(tx: optax.GradientTransformation, params: dict) -> dict:
+    """The training state at step 0, as every trainer here (target, drafter, child head) carries and checkpoints
+    it: {"params": params, "opt_state": tx.init(params), "step": int32 []}."""
+    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def apply_gradients(tx: optax.GradientTransformation, state: dict, grads) -> dict:
+    """The training state after one optimizer step on `grads` (a tree like state["params"]): the params updated by
+    tx, its opt_state advanced, step + 1."""
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "step": state["step"] + 1}
+
+
 def cast(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 

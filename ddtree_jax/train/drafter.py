@@ -30,8 +30,10 @@ from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.train.common import (
     DTYPES,
     Log,
+    apply_gradients,
     cast,
     count_params,
+    new_train_state,
     on_device,
     open_checkpoints,
     optimizer,
@@ -75,6 +77,12 @@ def loss_weights(block_size: int, gamma: float) -> np.ndarray:
     """float32 [block_size - 1]: w_k = exp(-(k - 1) / gamma) for block positions k = 1 .. block_size - 1."""
     k = np.arange(1, block_size, dtype=np.float64)
     return np.exp(-(k - 1) / gamma).astype(np.float32)
+
+
+def anchor_settings(settings: dict, block_size: int) -> tuple[float, int]:
+    """(gamma, num_anchors) of the training settings: gamma defaults to the paper's for the block size
+    (PAPER_GAMMA, else 7.0), num_anchors to 64."""
+    return float(settings.get("gamma") or PAPER_GAMMA.get(block_size, 7.0)), int(settings.get("num_anchors", 64))
 
 
 def sample_anchors(key: jax.Array, batch: int, seq_len: int, num_anchors: int, block_size: int) -> jax.Array:
@@ -145,10 +153,8 @@ def _make_step(config, target, settings_items, gamma, num_anchors, seed, dtype):
             return block_loss(config, p, embed, head, features, tokens, anchors, weights, dtype)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return apply_gradients(tx, state, grads), metrics
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -180,11 +186,17 @@ def _make_eval(config, target, gamma, num_anchors, dtype):
     return jax.jit(one)
 
 
+def mean_metrics(eval_fn, args: tuple, batches, seed: int) -> dict:
+    """The metrics of eval_fn(*args, batch, key) averaged over the batches (numpy arrays), with fixed anchors:
+    batch i's key is fold_in(fold_in(key(seed), 2**30), i), the same in every evaluation of a run."""
+    base = jax.random.fold_in(jax.random.key(seed), 2**30)
+    out = [eval_fn(*args, jnp.asarray(b), jax.random.fold_in(base, i)) for i, b in enumerate(batches)]
+    return jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *out)
+
+
 def evaluate(eval_fn, params: dict, target_params: dict, batches, seed: int) -> dict:
     """Held-out metrics with fixed anchors (keys derived from `seed`), averaged over the batches."""
-    base = jax.random.fold_in(jax.random.key(seed), 2**30)
-    out = [eval_fn(params, target_params, jnp.asarray(b), jax.random.fold_in(base, i)) for i, b in enumerate(batches)]
-    mean = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0), *out)
+    mean = mean_metrics(eval_fn, (params, target_params), batches, seed)
     return {
         "loss": float(mean["loss"]),
         "accept_length": float(mean["accept_length"]),
@@ -203,10 +215,21 @@ def _init_fn(config: DFlashConfig, settings_items: tuple):
     tx = optimizer(dict(settings_items))
 
     def init(key):
-        params = dflash.init_params(config, config.hidden_size, key, jnp.float32)
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        return new_train_state(tx, dflash.init_params(config, config.hidden_size, key, jnp.float32))
 
     return jax.jit(init)
+
+
+def loop_step(step_fn, frozen: tuple, batches: Batches, logged: tuple[str, ...]):
+    """The training loop's step(state, i) -> (state, metrics): step_fn(state, *frozen, tokens) on batch i (frozen:
+    the frozen models' parameters; tokens int32 [B, T]), keeping the scalar metrics named in `logged` (what the
+    loop averages and logs)."""
+
+    def step(state, index):
+        state, metrics = step_fn(state, *frozen, jnp.asarray(batches.batch(index)))
+        return state, {name: metrics[name] for name in logged}
+
+    return step
 
 
 def train(
@@ -226,9 +249,8 @@ def train(
     """Trains the drafter against the frozen target; returns (float32 drafter params, results)."""
     dtype = DTYPES[settings["dtype"]]
     target = with_tapped(target, config.target_layers)
-    gamma = float(settings.get("gamma") or PAPER_GAMMA.get(config.block_size, 7.0))
+    gamma, num_anchors = anchor_settings(settings, config.block_size)
     weights = loss_weights(config.block_size, gamma)
-    num_anchors = int(settings.get("num_anchors", 64))
     steps, batch_size = settings["steps"], settings["batch_size"]
     state = init_state(config, settings, seed)
     checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
@@ -258,18 +280,10 @@ def train(
             f"held-out loss {held['loss']:.4f}, accept length {held['accept_length']:.3f}",
         )
 
-    def train_step(state, step):
-        state, metrics = step_fn(state, target_params, jnp.asarray(batches.batch(step)))
-        return state, {
-            "loss": metrics["loss"],
-            "accept_length": metrics["accept_length"],
-            "grad_norm": metrics["grad_norm"],
-        }
-
     state, wall = training_loop(
         "drafter",
         state,
-        train_step,
+        loop_step(step_fn, (target_params,), batches, ("loss", "accept_length", "grad_norm")),
         steps=steps,
         start=start,
         settings=settings,

@@ -176,24 +176,28 @@ class Run:
             raise ValueError(f"the tokenizer has {tok.get_vocab_size()} ids, more than the model's vocab_size {size}")
         return size
 
+    def _train_stage(self, stage: str, export_dir: str, train_fn, *args) -> tuple[dict, dict]:
+        """train_fn(*args) (a module's `train`) with this run's seed, resume and progress settings, its Orbax
+        checkpoints in WORK/orbax/<stage> and its log in WORK/logs/<stage>.jsonl; then the stage's previous
+        export, `export_dir`, is removed. Returns train_fn's (float32 params, results)."""
+        params, results = train_fn(
+            *args,
+            seed=self.seed,
+            checkpoint_dir=self.path("orbax", stage),
+            log_path=self.path("logs", f"{stage}.jsonl"),
+            resume=self.resume,
+            show_progress=self.show_progress,
+        )
+        if os.path.exists(export_dir):
+            shutil.rmtree(export_dir)
+        return params, results
+
     def target(self) -> dict:
         manifest, tok, ids, train, held = self._inputs()
         model_cfg = {k: v for k, v in self.cfg["target"]["model"].items() if k != "vocab_size"}
         config = target_mod.model_config(model_cfg, self.vocab_size(tok))
         settings = train_settings(self.cfg["target"]["train"])
-        params, results = target_mod.train(
-            config,
-            settings,
-            train,
-            held,
-            seed=self.seed,
-            checkpoint_dir=self.path("orbax", "target"),
-            log_path=self.path("logs", "target.jsonl"),
-            resume=self.resume,
-            show_progress=self.show_progress,
-        )
-        if os.path.exists(self.target_dir):
-            shutil.rmtree(self.target_dir)
+        params, results = self._train_stage("target", self.target_dir, target_mod.train, config, settings, train, held)
         save_hf(self.target_dir, config, params, dtype=self.export_dtype)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(self.path("tokenizer", name), os.path.join(self.target_dir, name))
@@ -214,21 +218,9 @@ class Run:
         target_config, target_params = load_hf(self.target_dir, jnp.float32)
         config = drafter_mod.model_config(dict(self.cfg["drafter"]["model"]), target_config, ids["mask"])
         settings = train_settings(self.cfg["drafter"]["train"])
-        params, results = drafter_mod.train(
-            config,
-            target_config,
-            target_params,
-            settings,
-            train,
-            held,
-            seed=self.seed,
-            checkpoint_dir=self.path("orbax", "drafter"),
-            log_path=self.path("logs", "drafter.jsonl"),
-            resume=self.resume,
-            show_progress=self.show_progress,
+        params, results = self._train_stage(
+            "drafter", self.drafter_dir, drafter_mod.train, config, target_config, target_params, settings, train, held
         )
-        if os.path.exists(self.drafter_dir):
-            shutil.rmtree(self.drafter_dir)
         save_hf(self.drafter_dir, config, params, vocab_size=target_config.vocab_size, dtype=self.export_dtype)
         _patch_json(
             os.path.join(self.drafter_dir, "config.json"),
@@ -264,7 +256,10 @@ class Run:
             raise ValueError(f"unknown child_head model settings {sorted(unknown)}")
         config = ChildHeadConfig(hidden_size=drafter_config.hidden_size, inner_size=int(section["model"]["inner_size"]))
         settings = train_settings(section["train"])
-        params, results = head_mod.train(
+        params, results = self._train_stage(
+            "child_head",
+            self.child_head_dir,
+            head_mod.train,
             config,
             drafter_config,
             drafter_params,
@@ -273,14 +268,7 @@ class Run:
             settings,
             train,
             held,
-            seed=self.seed,
-            checkpoint_dir=self.path("orbax", "child_head"),
-            log_path=self.path("logs", "child_head.jsonl"),
-            resume=self.resume,
-            show_progress=self.show_progress,
         )
-        if os.path.exists(self.child_head_dir):
-            shutil.rmtree(self.child_head_dir)
         save_child_head(self.child_head_dir, config, params, dtype=self.export_dtype)
         header = self._header()
         run = {k: header[k] for k in ("commit", "updated", "python_version", "device")}

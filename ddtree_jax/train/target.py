@@ -22,8 +22,10 @@ from ddtree_jax.models import qwen3
 from ddtree_jax.train.common import (
     DTYPES,
     Log,
+    apply_gradients,
     cast,
     count_params,
+    new_train_state,
     on_device,
     open_checkpoints,
     optimizer,
@@ -74,10 +76,7 @@ def _make_step(config: Qwen3Config, settings_items: tuple, dtype):
 
     def step(state, tokens):
         loss, grads = jax.value_and_grad(lambda p: lm_loss(config, p, tokens, dtype))(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return apply_gradients(tx, state, grads), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -107,8 +106,7 @@ def _init_fn(config: Qwen3Config, settings_items: tuple):
     tx = optimizer(dict(settings_items))
 
     def init(key):
-        params = qwen3.init_params(config, key, jnp.float32)
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        return new_train_state(tx, qwen3.init_params(config, key, jnp.float32))
 
     return jax.jit(init)
 
