@@ -19,7 +19,9 @@ printing the default against the best per case (GB/s, and TFLOP/s: `--grouped-sw
 prefill` sweeps `PREFILL_SWEEP_TILES` at a prefill chunk's 16,384 assignments). `--grouped-impl mosaic` also
 times the Mosaic GPU INT4 kernel (`ddtree_kernels.grouped_int4_mgpu`, `MOSAIC_SWEEP` tilings) on the same
 inputs, side by side, with its error against the Triton kernel's output (`--grouped-impl mosaic-decode`: at decode
-sizes, `MOSAIC_DECODE_SWEEP`). `--grouped-shape shard
+sizes, `MOSAIC_DECODE_SWEEP`; `--grouped-impl stream`: the streamed kernel, `grouped_int4_stream_mgpu`, over
+`STREAM_SWEEP`). `--grouped-gather-ab 9,17,65` times the input projection with its rows gathered first against
+read through a row index. `--grouped-shape shard
 --grouped-tiles shard` sweeps one TP8 shard's expert shapes (1/8 of the intermediate) over `SHARD_SWEEP_TILES`
 (`--grouped-tiles dequant`: each INT4 dequantisation).
 
@@ -50,6 +52,7 @@ from ddtree_kernels.decode_matmul import (
     matmul,
 )
 from ddtree_kernels.grouped_int4_mgpu import grouped_int4_matmul
+from ddtree_kernels.grouped_int4_stream_mgpu import streamed_int4_matmul
 from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight, dense
 
 REPS = 10  # products a timed program runs (on REPS activation sets)
@@ -176,6 +179,13 @@ MOSAIC_SWEEP = [
 # tiles (wgmma's smallest N), K split so that a TP8 shard's gate / up (K = 7,168: 28 steps of 256) fill the SMs; the
 # shard's down projection (K = 256, one step) takes k_splits = 1 only (the others are recorded as refused)
 MOSAIC_DECODE_SWEEP = [dict(block_m=bm, block_k=256, k_splits=s) for bm in (8, 16) for s in (1, 4, 7, 14)]
+# `--grouped-impl stream`: the streamed kernel (`grouped_int4_stream_mgpu`: persistent CTAs, one TMA ring across their
+# work items) at decode / tree sizes: its plan (chunks None: `stream_plan`), 8- / 16-row tiles, ring depths, K chunks
+STREAM_SWEEP = (
+    [dict(block_m=bm) for bm in (16, 8)]
+    + [dict(block_m=16, stages=st) for st in (3, 5)]
+    + [dict(block_m=16, chunks=c) for c in (1, 4, 7)]
+)
 
 
 def _rates(seconds: float, flops: float, nbytes: float, copy_bw: float) -> dict:
@@ -222,11 +232,14 @@ def grouped_sweep(
     experts: int = 384,
     projections=(("gate", 2048, 7168), ("down", 7168, 2048)),
     mosaic_list=(),
+    mosaic_fn=grouped_int4_matmul,
 ) -> list[dict]:
     """Times each tiling of the grouped INT4 kernel on K2.6 expert shapes at T tokens x top-8 (routing drawn
     uniformly, the same per T for every tiling); bytes = the distinct experts' packed weights + scales.
-    mosaic_list: tilings of the Mosaic GPU kernel timed on the same inputs (rows with impl "mosaic", and
-    max_err: max |y - y_triton| / max |y_triton| against the Triton kernel's default tiling)."""
+    mosaic_list: tilings of a Mosaic GPU kernel (mosaic_fn: `grouped_int4_matmul`, or `streamed_int4_matmul`)
+    timed on the same inputs (rows with impl "mosaic" / "stream", and max_err: max |y - y_triton| / max |y_triton|
+    against the Triton kernel's default tiling)."""
+    impl = "stream" if mosaic_fn is streamed_int4_matmul else "mosaic"
     rows = []
     for proj, n, k in projections:
         weight = _random_experts(key, experts, n, k)
@@ -276,13 +289,13 @@ def grouped_sweep(
             if mosaic_list:
                 y_triton = np.asarray(grouped_matmul(xs[0], weight, sizes), np.float32)
             for config in mosaic_list:
-                label = {"impl": "mosaic", "projection": proj, "T": tokens, **config}
+                label = {"impl": impl, "projection": proj, "T": tokens, **config}
                 try:
-                    y = np.asarray(grouped_int4_matmul(xs[0], weight, sizes, **config), np.float32)
-                    seconds = _timed(lambda x, w, c=config: grouped_int4_matmul(x, w, sizes, **c), xs, weight)
+                    y = np.asarray(mosaic_fn(xs[0], weight, sizes, **config), np.float32)
+                    seconds = _timed(lambda x, w, c=config: mosaic_fn(x, w, sizes, **c), xs, weight)
                 except Exception as err:  # noqa: BLE001 - a tiling that fails to compile or run is a result
                     rows.append({**label, "error": str(err)[:300]})
-                    print(f"mosaic {proj} T={tokens} {config}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                    print(f"{impl} {proj} T={tokens} {config}: {type(err).__name__}: {str(err)[:300]}", flush=True)
                     continue
                 row = {
                     **label,
@@ -296,7 +309,7 @@ def grouped_sweep(
                 rows.append(row)
                 write_result(f"grouped_sweep_{commit}", {"rows": rows, "copy_bandwidth_Bps": copy_bw}, commit)
                 print(
-                    f"mosaic {proj} T={tokens:3d} {config}: "
+                    f"{impl} {proj} T={tokens:3d} {config}: "
                     f"{row['us']:8.1f} us ({row['TFLOPs']:.0f} TFLOP/s; max err vs Triton {row['max_err']:.1e})",
                     flush=True,
                 )
@@ -408,9 +421,10 @@ def main() -> None:
     parser.add_argument(
         "--grouped-impl",
         default="triton",
-        choices=("triton", "mosaic", "mosaic-decode"),
+        choices=("triton", "mosaic", "mosaic-decode", "stream"),
         help="mosaic: --grouped-sweep also times the Mosaic GPU INT4 kernel (MOSAIC_SWEEP) on the same inputs; "
-        "mosaic-decode: at decode sizes (MOSAIC_DECODE_SWEEP: 8- / 16-row tiles, K splits)",
+        "mosaic-decode: at decode sizes (MOSAIC_DECODE_SWEEP: 8- / 16-row tiles, K splits); stream: the streamed "
+        "kernel (STREAM_SWEEP: grouped_int4_stream_mgpu)",
     )
     parser.add_argument(
         "--grouped-gather-ab",
@@ -444,7 +458,13 @@ def main() -> None:
                 "dequant": DEQUANT_SWEEP_TILES,
             }[args.grouped_tiles],
             projections=GROUPED_SHAPES[args.grouped_shape],
-            mosaic_list={"triton": (), "mosaic": MOSAIC_SWEEP, "mosaic-decode": MOSAIC_DECODE_SWEEP}[args.grouped_impl],
+            mosaic_list={
+                "triton": (),
+                "mosaic": MOSAIC_SWEEP,
+                "mosaic-decode": MOSAIC_DECODE_SWEEP,
+                "stream": STREAM_SWEEP,
+            }[args.grouped_impl],
+            mosaic_fn=streamed_int4_matmul if args.grouped_impl == "stream" else grouped_int4_matmul,
         )
         return
     rows_list = [1, 17] if args.quick else [int(m) for m in args.rows.split(",")]

@@ -40,7 +40,8 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
               experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 2.3x the
-              Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel.
+              Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel (the
+              streamed Mosaic kernel, "stream", is built for them but not yet timed: not "auto").
               Their sort by expert (`moe_sort`): by comparisons ("rank", one fusion) on GPU up to
               RANK_SORT_MAX_ASSIGNMENTS, XLA's sort beyond and off GPU. The Triton kernel's gate / up rows
               (`grouped_gather`): gathered into expert order by XLA; "kernel" (reading the tokens in place
@@ -203,6 +204,12 @@ GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, ex
 # expert 0's rows), so a B = 8 tree verify may take it: also not measured.
 AUTO_MOSAIC_GROUPED = True
 MOSAIC_GROUPED_MIN_ROWS = 32
+# Below prefill sizes: "stream" = the streamed Mosaic GPU kernel (`grouped_int4_stream_mgpu`: persistent CTAs, each
+# streaming many experts' tiles through one TMA ring), built for the tree sizes (1-2 rows an expert) at which the
+# Triton kernel reaches 28-58% of the copy bandwidth (#26's bar: 70%). Exact in Mosaic GPU interpret mode and lowered
+# for "cuda" on the CPU; not yet compiled or timed on the GPU, so "auto" keeps "triton".
+GROUPED_INT4_DECODES = ("auto", "triton", "stream")
+GROUPED_INT4_DECODE = "auto"
 # inside the "decode" MoE path (`moe.routed_decode`): the Mosaic decode form (`grouped_int4_mgpu.
 # gathered_int4_matmul`: one 8-row tile an assignment, scales and codes read in place, K split over the SMs) is
 # off: on the H200 (21a7ef0, K2.6 TP8 shard experts) it took 53.3 us at one token (8 assignments) and 139.4 at four,
@@ -508,15 +515,20 @@ def grouped_int4_kernel(rows: int, weight_shape: tuple[int, ...], x_dtype, backe
     """Which kernel runs a grouped INT4 expert matmul of `rows` assignments over weights [..., E, N, K] (the
     "pallas" MoE path): "mosaic" (`grouped_int4_mgpu.grouped_int4_matmul`) on GPU for bf16 rows at prefill
     sizes (> MOSAIC_GROUPED_MIN_ROWS an expert on average) and shapes it takes (N a multiple of its 128-column
-    CTA, K of its 256-element steps), else "triton" (`decode_matmul.grouped_matmul`)."""
+    CTA, K of its 256-element steps); below them "stream" (`grouped_int4_stream_mgpu.streamed_int4_matmul`, same
+    shapes) where GROUPED_INT4_DECODE says so; else "triton" (`decode_matmul.grouped_matmul`)."""
+    _check("grouped INT4 decode kernel", GROUPED_INT4_DECODE, GROUPED_INT4_DECODES)
     experts, n, k = weight_shape[-3:]
     takes = (
         n % grouped_int4_mgpu.BLOCK_N == 0
         and k % grouped_int4_mgpu.SCALE_STEP == 0
         and jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
     )
-    prefill_sized = rows > MOSAIC_GROUPED_MIN_ROWS * experts
-    return "mosaic" if AUTO_MOSAIC_GROUPED and _on_gpu(backend_name) and takes and prefill_sized else "triton"
+    if not (_on_gpu(backend_name) and takes):
+        return "triton"
+    if rows > MOSAIC_GROUPED_MIN_ROWS * experts:
+        return "mosaic" if AUTO_MOSAIC_GROUPED else "triton"
+    return "stream" if GROUPED_INT4_DECODE == "stream" else "triton"
 
 
 def decode_moe_kernel(

@@ -102,6 +102,13 @@ def main() -> None:
         "xla gathers them first, kernel reads the tokens through a row index; default: dispatch.GROUPED_GATHER)",
     )
     parser.add_argument(
+        "--grouped-int4-decode",
+        default=None,
+        choices=dispatch.GROUPED_INT4_DECODES,
+        help="the grouped INT4 expert kernel below prefill sizes (dispatch.GROUPED_INT4_DECODES: triton, or stream: "
+        "the streamed Mosaic GPU kernel; default: dispatch.GROUPED_INT4_DECODE)",
+    )
+    parser.add_argument(
         "--mla-schedule",
         default=None,
         choices=dispatch.MLA_SCHEDULES,
@@ -140,6 +147,8 @@ def main() -> None:
         dispatch.MOE_SORT = args.moe_sort
     if args.grouped_gather is not None:  # read by the models at trace time (`moe.routed_pallas`)
         dispatch.GROUPED_GATHER = args.grouped_gather
+    if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
+        dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
         dispatch.MLA_SCHEDULE = args.mla_schedule
     if args.in_place is not None:  # read by the models at trace time (`deepseek_v3._run`)
@@ -217,6 +226,7 @@ def main() -> None:
                     mla_schedule=dispatch.MLA_SCHEDULE,
                     moe_sort=dispatch.MOE_SORT,
                     grouped_gather=dispatch.grouped_gather(),
+                    grouped_int4_decode=dispatch.GROUPED_INT4_DECODE,
                     in_place=dispatch.AUTO_IN_PLACE,
                     in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
                     mla_reduce_max_rows=dispatch.MLA_REDUCE_MAX_ROWS,

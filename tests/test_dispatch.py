@@ -110,6 +110,18 @@ def test_gpu_rules_and_their_thresholds(monkeypatch):
         dict(backend_name="cpu"),
     ):
         assert dispatch.grouped_int4_kernel(**{**chunk, **gpu, **change}) == "triton", change
+    # below prefill sizes: the streamed Mosaic kernel where GROUPED_INT4_DECODE says "stream" (default: Triton)
+    tree = dict(rows=136, weight_shape=(61, 384, 256, 7168), x_dtype=jnp.bfloat16)
+    assert dispatch.grouped_int4_kernel(**tree, **gpu) == "triton"
+    monkeypatch.setattr(dispatch, "GROUPED_INT4_DECODE", "stream")
+    assert dispatch.grouped_int4_kernel(**tree, **gpu) == "stream"
+    assert dispatch.grouped_int4_kernel(**chunk, **gpu) == "mosaic"  # prefill sizes keep the prefill kernel
+    for change in (dict(weight_shape=(384, 200, 7168)), dict(x_dtype=jnp.float32), dict(backend_name="cpu")):
+        assert dispatch.grouped_int4_kernel(**{**tree, **gpu, **change}) == "triton", change
+    monkeypatch.setattr(dispatch, "GROUPED_INT4_DECODE", "fast")
+    with pytest.raises(ValueError, match="fast"):
+        dispatch.grouped_int4_kernel(**tree, **gpu)
+    monkeypatch.setattr(dispatch, "GROUPED_INT4_DECODE", "auto")
     # inside "decode": the Mosaic decode form (when switched on) on GPU for bf16 INT4 shapes it takes, up to its
     # assignment bound; off by default (measured slower than the Triton kernels)
     k26_tp8 = [(61, 384, 256, 7168), (61, 384, 256, 7168), (61, 384, 7168, 256)]

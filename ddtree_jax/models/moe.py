@@ -64,6 +64,7 @@ from ddtree_jax.sharding.regions import context_mesh, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
 from ddtree_kernels.decode_matmul import grouped_matmul
 from ddtree_kernels.grouped_int4_mgpu import gathered_int4_matmul, grouped_int4_matmul
+from ddtree_kernels.grouped_int4_stream_mgpu import streamed_int4_matmul
 from ddtree_kernels.moe_decode import MAX_ASSIGNMENTS, flat_assignments, moe_decode
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
 from ddtree_kernels.tiling import dot_precision
@@ -260,8 +261,10 @@ def routed_ragged(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
 def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
     """As `routed_ragged`, with grouped kernels for the three expert matmuls: INT4 / FP8 experts stay packed and
     are dequantised in registers; experts no assignment chose are never read. INT4 experts at prefill sizes on
-    GPU take `ddtree_kernels.grouped_int4_mgpu.grouped_int4_matmul` (`dispatch.grouped_int4_kernel`), the rest
-    `ddtree_kernels.decode_matmul.grouped_matmul`. Interpret mode off GPU (slow: for tests)."""
+    GPU take `ddtree_kernels.grouped_int4_mgpu.grouped_int4_matmul` (`dispatch.grouped_int4_kernel`), smaller
+    calls `grouped_int4_stream_mgpu.streamed_int4_matmul` where the rule says "stream", the rest
+    `ddtree_kernels.decode_matmul.grouped_matmul` (gate / up reading the tokens through a row index where
+    `dispatch.grouped_gather` says "kernel"). Interpret mode off GPU (slow: for tests)."""
     tokens, k = experts.shape
     num_experts = p["expert_gate"].shape[0]
     flat = experts.reshape(-1)
@@ -272,14 +275,16 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     def grouped(rows, weight, row_index=None):
         """rows [N, D] in expert order, or (row_index [N] given) the tokens [M, D], sorted row a = rows[row_index[a]]."""
         stack, layer = (weight.stack, weight.layer) if isinstance(weight, LayerOf) else (weight, None)
-        if row_index is not None and dispatch.grouped_gather() == "xla":
-            rows, row_index = rows[row_index], None
-        if (
-            isinstance(stack, Int4Weight)
-            and dispatch.grouped_int4_kernel(flat.shape[0], stack.shape, rows.dtype) == "mosaic"
-        ):
-            return grouped_int4_matmul(rows if row_index is None else rows[row_index], stack, group_sizes, layer=layer)
+        kernel = "triton"
+        if isinstance(stack, Int4Weight):
+            kernel = dispatch.grouped_int4_kernel(flat.shape[0], stack.shape, rows.dtype)
+        if row_index is not None and (kernel != "triton" or dispatch.grouped_gather() == "xla"):
+            rows, row_index = rows[row_index], None  # the Mosaic kernels take rows in expert order
         # a LayerOf is read in place: no per-layer copy of the experts
+        if kernel == "mosaic":
+            return grouped_int4_matmul(rows, stack, group_sizes, layer=layer)
+        if kernel == "stream":
+            return streamed_int4_matmul(rows, stack, group_sizes, layer=layer)
         return grouped_matmul(rows, stack, group_sizes, layer=layer, row_index=row_index)
 
     h = jax.nn.silu(grouped(x, p["expert_gate"], token_of)) * grouped(x, p["expert_up"], token_of)

@@ -7,6 +7,8 @@ its own.
   mla_attention_mgpu   absorbed-MLA tree-verify attention on Mosaic GPU (Hopper TMA + wgmma)
   gqa_attention_mgpu   GQA tree-verify attention on Mosaic GPU (not yet run on a GPU; not wired in)
   prefill_attention_mgpu  causal prefill-chunk attention on Mosaic GPU (FlashAttention-3 style, per-row offset)
+  grouped_int4_mgpu    grouped INT4 MoE matmul on Mosaic GPU (prefill chunks; a per-assignment decode form)
+  grouped_int4_stream_mgpu  the same at tree sizes: persistent CTAs streaming many experts through one TMA ring
   mosaic_common        what the Mosaic GPU attention kernels share (P @ V accumulation, mask bits, split merge)
   moe_decode           INT4 MoE decode: the chosen experts read in place (moe_impl "decode"; not yet run on a GPU)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)

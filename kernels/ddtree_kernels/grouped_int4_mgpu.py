@@ -130,6 +130,41 @@ def _dequantize(codes, scale):
     return (q.astype(jnp.float32) * lax.broadcast_in_dim(scale.astype(jnp.float32), q.shape, [0])).astype(jnp.bfloat16)
 
 
+def transposed_scales(s_smem, st_smem, wg, step, slot, *, interpret: bool):
+    """Compute warpgroup wg's scales of pipeline step `step` (in ring slot `slot`), s_smem [stages, 128, groups] as
+    stored (a row's groups side by side) -> its [groups, 64] buffer of st_smem [2 (wg), 2, groups, 64] (buffers
+    used in turn by step), so group j's 64 scales are one row; fenced for the warpgroup's threads."""
+    rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
+    buffer = st_smem.at[wg, lax.rem(step, 2)]
+    if interpret:
+        buffer.transpose((1, 0))[...] = s_smem.at[slot, rows][...]
+    else:
+        stored = plgpu.load(s_smem.at[slot, rows], layout=plgpu.Layout.WGMMA)
+        buffer.transpose((1, 0))[...] = plgpu.layout_cast(stored, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()  # a warpgroup barrier: every thread's writes seen before any reads a row
+    return buffer
+
+
+def issue_step_wgmmas(acc_ref, w_smem, x_smem, scales, slot, wg, groups: int, a_smem, *, interpret: bool):
+    """Compute warpgroup wg's wgmmas of one pipeline step: for each 32-wide scale group j, its [64, 32] codes of
+    w_smem[slot] dequantised with row j of `scales` (`transposed_scales`) against x_smem[slot]'s group j,
+    transposed: acc_ref f32 [64, block_m] += W_j x_j^T. Interpret mode stages each W_j through a_smem[wg]."""
+    rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
+    for j in range(groups):
+        span = pl.ds(j * INT4_GROUP, INT4_GROUP)
+        x_group = x_smem.at[slot, :, span].transpose((1, 0))  # [32, block_m]
+        if interpret:
+            codes = w_smem.at[slot, rows, span][...]
+            a_smem.at[wg][...] = _dequantize(codes, scales.at[j][...])
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, a_smem.at[wg], x_group)
+        else:
+            codes = plgpu.load(w_smem.at[slot, rows, span], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            codes = plgpu.layout_cast(codes, plgpu.Layout.WGMMA)
+            scale = plgpu.load(scales.at[j], layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.wgmma(acc_ref, _dequantize(codes, scale), x_group)
+
+
 def _kernel(
     tiles_ref,
     x_ref,
@@ -186,39 +221,15 @@ def _kernel(
     @pl.when((count > 0) & (wg < 2))
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
-
-        def transposed_scales(i, slot):
-            """This warpgroup's scales of the step [64, groups] (as stored: a row's groups side by side) ->
-            [groups, 64] in its buffer of the step (so group j's 64 scales are one row), fenced for its threads."""
-            buffer = st_smem.at[wg, lax.rem(i, 2)]
-            if interpret:
-                buffer.transpose((1, 0))[...] = s_smem.at[slot, rows][...]
-            else:
-                stored = plgpu.load(s_smem.at[slot, rows], layout=plgpu.Layout.WGMMA)
-                buffer.transpose((1, 0))[...] = plgpu.layout_cast(stored, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()  # a warpgroup barrier: every thread's writes seen before any reads a row
-            return buffer
 
         def product(acc_ref):  # acc_ref f32 [64, block_m]: y^T of this warpgroup's 64 columns
             @pl.loop(0, k_steps)
             def _step(i):
                 slot = lax.rem(i, stages)
                 plgpu.barrier_wait(loaded.at[slot])
-                scales = transposed_scales(i, slot)
-                for j in range(groups):
-                    span = pl.ds(j * INT4_GROUP, INT4_GROUP)
-                    x_group = x_smem.at[slot, :, span].transpose((1, 0))  # [32, block_m]
-                    if interpret:
-                        codes = w_smem.at[slot, rows, span][...]
-                        a_smem[0].at[wg][...] = _dequantize(codes, scales.at[j][...])
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, a_smem[0].at[wg], x_group)
-                    else:
-                        codes = plgpu.load(w_smem.at[slot, rows, span], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                        codes = plgpu.layout_cast(codes, plgpu.Layout.WGMMA)
-                        scale = plgpu.load(scales.at[j], layout=plgpu.Layout.WGMMA.reduce(1))
-                        plgpu.wgmma(acc_ref, _dequantize(codes, scale), x_group)
+                scales = transposed_scales(s_smem, st_smem, wg, i, slot, interpret=interpret)
+                staged = a_smem[0] if interpret else None
+                issue_step_wgmmas(acc_ref, w_smem, x_smem, scales, slot, wg, groups, staged, interpret=interpret)
                 if deferred_release:  # this step's wgmmas stay in flight; the previous step's are done
                     plgpu.wgmma_wait(groups)
 

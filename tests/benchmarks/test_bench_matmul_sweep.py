@@ -117,6 +117,26 @@ def test_mosaic_decode_sweep_fits_the_shard_gate():
         assert 7168 % (config["block_k"] * config["k_splits"]) == 0, config
 
 
+def test_stream_sweep_fits_the_shard_gate():
+    """Every `--grouped-impl stream` configuration is one the streamed kernel takes for a TP8 shard's gate / up (K =
+    7,168: 28 steps of 256, chunks dividing them; 8- or 16-row tiles; the ring depth within shared memory)."""
+    from benchmarks.bench_matmul import STREAM_SWEEP
+    from ddtree_kernels.grouped_int4_stream_mgpu import (
+        SMEM_BUDGET,
+        STREAM_BLOCK_MS,
+        stream_fixed_bytes,
+        stream_stage_bytes,
+    )
+
+    assert len({tuple(sorted(c.items())) for c in STREAM_SWEEP}) == len(STREAM_SWEEP)
+    for config in STREAM_SWEEP:
+        block_m = config["block_m"]
+        assert block_m in STREAM_BLOCK_MS
+        assert 28 % config.get("chunks", 1) == 0, config
+        room = (SMEM_BUDGET - stream_fixed_bytes(block_m, False)) // stream_stage_bytes(block_m)
+        assert config.get("stages", 1) <= room, config
+
+
 def test_gather_ab_times_both_forms_on_the_same_rows(tmp_path, monkeypatch):
     """`--grouped-gather-ab`: one row per form (rows gathered first / read through a row index) a token count, both
     timed on the same fresh token sets (outputs checked equal inside), the JSON written."""

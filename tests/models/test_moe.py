@@ -203,7 +203,8 @@ def test_pallas_takes_the_mosaic_grouped_kernel_for_int4():
     the three expert matmuls on `grouped_int4_mgpu` (here interpreted, forced on, in an NPROC=8 subprocess: its
     warpgroups are threads) and equals the reference, also on stacked layers read in place (`LayerOf`); the kernel
     is really called (a spy counts its calls). Where `dispatch.decode_moe_kernel` says "mosaic", "decode" runs
-    them on the decode form (`gathered_int4_matmul`), stacked layers read in place."""
+    them on the decode form (`gathered_int4_matmul`), stacked layers read in place; where `grouped_int4_kernel`
+    says "stream", "pallas" runs them on the streamed kernel (`streamed_int4_matmul`)."""
     from tests.kernels.mosaic_interpret import run_in_subprocess
 
     out = run_in_subprocess(
@@ -241,11 +242,19 @@ dispatch.decode_moe_kernel = lambda *a, **k: "mosaic"
 few = x[:4]
 want_few = np.asarray(moe.moe_reference(config, p, few), np.float32)
 got_decode = np.asarray(moe.moe(config, stacked, few, impl="decode"), np.float32)
+# "pallas" on the streamed kernel (forced on, as `dispatch.GROUPED_INT4_DECODE = "stream"` would on GPU), stacked
+streamed = []
+real_streamed = moe.streamed_int4_matmul
+moe.streamed_int4_matmul = lambda *a, **k: streamed.append(1) or real_streamed(*a, **k)
+dispatch.grouped_int4_kernel = lambda *a, **k: "stream"
+got_streamed = np.asarray(moe.moe(config, stacked, x, impl="pallas"), np.float32)
 rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
 print(json.dumps({"calls": len(calls), "rel": rel(got, want), "rel_stacked": rel(got_stacked, want),
-                  "gathered_calls": len(gathered), "rel_decode": rel(got_decode, want_few)}))
+                  "gathered_calls": len(gathered), "rel_decode": rel(got_decode, want_few),
+                  "streamed_calls": len(streamed), "rel_streamed": rel(got_streamed, want)}))
 """
     )
+    assert out["streamed_calls"] == 3 and out["rel_streamed"] < 2e-2  # the streamed kernel: gate, up, down
     assert out["gathered_calls"] == 3 and out["rel_decode"] < 2e-2  # the decode form: gate, up, down
     assert out["calls"] == 6
     assert out["rel"] < 2e-2  # bf16 activations and intermediate rounding (the kernel alone: ~1e-7 in interpret mode)
