@@ -37,8 +37,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
-from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
-from benchmarks.op_profile import device_seconds, profile_into
+from benchmarks.common import (
+    add_profile_top_argument,
+    device_description,
+    error_text,
+    markdown_table,
+    mgpu_case_line,
+    split_sweep_into,
+    time_variant_into,
+    write_result,
+)
+from benchmarks.op_profile import profile_into
 from ddtree_kernels.gqa_attention_mgpu import BLOCK_M, gqa_tree_attention, row_plan, smem_plan, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -99,10 +108,6 @@ def mgpu_with_splits(num_splits: int, block_kv: int):
     return jax.jit(lambda q, k, v, mask: gqa_tree_attention(q, k, v, mask, block_kv=block_kv, num_splits=num_splits))
 
 
-def _error(err: Exception) -> str:
-    return f"{type(err).__name__}: {str(err)[:300]}"
-
-
 def run_case(
     shape: str, batch: int, steps: int, context: int, key, block_kv: int, split_sweep=(), profile_top: int = 0
 ) -> dict:
@@ -142,30 +147,13 @@ def run_case(
     try:
         ref = attend["xla"](*sets[0])
     except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
-        row["xla_error"] = _error(err)
+        row["xla_error"] = error_text(err)
     for name in VARIANT_NAMES:
-        try:
-            out = attend[name](*sets[0])
-            if ref is not None:
-                row[f"{name}_rel_err"] = relative_error(out, ref)
-            row[f"{name}_wall_us"] = in_jit_seconds(attend[name], sets) * 1e6
-            seconds = device_seconds(attend[name], sets)
-            row[f"{name}_us"] = seconds * 1e6
-            row[f"{name}_TFLOPs"] = flops / seconds / 1e12
-            row[f"{name}_GBps"] = nbytes / seconds / 1e9
-            row[f"{name}_of_roofline"] = seconds / roof_s
-        except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
-            row[f"{name}_us"] = float("nan")
-            row[f"{name}_error"] = _error(err)
+        time_variant_into(row, name, attend[name], sets, ref, flops=flops, nbytes=nbytes, roof_s=roof_s)
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
         for name in ("mgpu", "xla"):
             profile_into(row, name, attend[name], sets, profile_top)
-    for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
-        try:
-            seconds = device_seconds(mgpu_with_splits(num_splits, block_kv), sets)
-            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
-        except Exception as err:  # noqa: BLE001
-            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = _error(err)
+    split_sweep_into(row, split_sweep, lambda num_splits: mgpu_with_splits(num_splits, block_kv), sets)
     row["rel_err"] = row.get("mgpu_rel_err", float("nan"))
     for name in VARIANT_NAMES:
         for metric in ("TFLOPs", "GBps", "of_roofline"):
@@ -196,13 +184,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
     parser.add_argument("--shapes", default="qwen3_8b,embedded", help=f"of {sorted(SHAPES)}")
     parser.add_argument("--contexts", default="1024,8192,32768", help="Qwen3-8B contexts (embedded: 512)")
-    parser.add_argument(
-        "--profile-top",
-        type=int,
-        default=0,
-        help="also print the N largest device ops of one mgpu / xla call (input set 0 repeated: L2-warm at small "
-        "sizes, unlike the rotated sets of the *_us columns) and the in-jit timeline",
-    )
+    add_profile_top_argument(parser)
     parser.add_argument("--block-kv", type=int, default=64, help="the Mosaic kernel's key block (64 or 128)")
     parser.add_argument(
         "--splits", default="", help="also time the Mosaic kernel at these key-split counts (e.g. 4,8,16,32)"
@@ -221,16 +203,8 @@ def main() -> None:
         case_key = jax.random.fold_in(key, context + steps + batch)
         row = run_case(shape, batch, steps, context, case_key, args.block_kv, sweep, args.profile_top)
         results.append(row)
-        errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
-        print(
-            f"{shape:8s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
-            f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
-            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  triton {row['triton_us']:8.1f} us  "
-            f"xla {row['xla_us']:8.1f} us"
-            + (f"  [{errors}]" if errors else "")
-            + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
-            flush=True,
-        )
+        others = f"triton {row['triton_us']:8.1f} us  xla {row['xla_us']:8.1f} us"
+        print(mgpu_case_line(f"{shape:8s}", row, others), flush=True)
         write_result(
             f"gqa_mgpu_{args.commit}",
             {"rows": results, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS},

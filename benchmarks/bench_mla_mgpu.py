@@ -37,8 +37,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_attention import random_tree_mask
-from benchmarks.common import device_description, in_jit_seconds, markdown_table, relative_error, write_result
-from benchmarks.op_profile import device_seconds, profile_into
+from benchmarks.common import (
+    add_profile_top_argument,
+    device_description,
+    error_text,
+    markdown_table,
+    mgpu_case_line,
+    split_sweep_into,
+    time_variant_into,
+    write_result,
+)
+from benchmarks.op_profile import profile_into
 from ddtree_kernels.mla_attention_mgpu import BLOCK_M, mla_tree_attention, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -135,34 +144,17 @@ def run_case(
     try:
         ref = ATTEND["xla"](*sets[0])
     except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
-        row["xla_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        row["xla_error"] = error_text(err)
     for name in ATTEND:
         if name not in impls:
             row[f"{name}_us"] = float("nan")  # not asked for (--impls)
             continue
-        try:
-            out = ATTEND[name](*sets[0])
-            if ref is not None:
-                row[f"{name}_rel_err"] = relative_error(out, ref)
-            row[f"{name}_wall_us"] = in_jit_seconds(ATTEND[name], sets) * 1e6
-            seconds = device_seconds(ATTEND[name], sets)
-            row[f"{name}_us"] = seconds * 1e6
-            row[f"{name}_TFLOPs"] = flops / seconds / 1e12
-            row[f"{name}_GBps"] = nbytes / seconds / 1e9
-            row[f"{name}_of_roofline"] = seconds / roof_s
-        except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
-            row[f"{name}_us"] = float("nan")
-            row[f"{name}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        time_variant_into(row, name, ATTEND[name], sets, ref, flops=flops, nbytes=nbytes, roof_s=roof_s)
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
         for name in ("mgpu", "mgpu_split_scores", "mgpu_overlap", "mgpu_alternate", "xla"):
             if name in impls:
                 profile_into(row, name, ATTEND[name], sets, profile_top)
-    for num_splits in split_sweep:  # the same kernel at other split counts: device us per count
-        try:
-            seconds = device_seconds(mgpu_with_splits(num_splits), sets)
-            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
-        except Exception as err:  # noqa: BLE001
-            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = f"{type(err).__name__}: {str(err)[:200]}"
+    split_sweep_into(row, split_sweep, mgpu_with_splits, sets, error_limit=200)
     row["rel_err"] = row.get("mgpu_rel_err", float("nan"))
     for name in ("mgpu_TFLOPs", "mgpu_GBps", "mgpu_of_roofline"):
         row.setdefault(name, float("nan"))
@@ -181,13 +173,7 @@ def main() -> None:
     )
     parser.add_argument("--batches", default="", help="override the batch sizes (default: 1, and 8 for mla8)")
     parser.add_argument("--steps", default="", help="override the tree sizes N (default: 17 and 65; 17 with --quick)")
-    parser.add_argument(
-        "--profile-top",
-        type=int,
-        default=0,
-        help="also print the N largest device ops of one mgpu / xla call (input set 0 repeated: L2-warm at small "
-        "sizes, unlike the rotated sets of the *_us columns) and the in-jit timeline",
-    )
+    add_profile_top_argument(parser)
     parser.add_argument(
         "--impls", default=",".join(ATTEND), help=f"the paths timed, of {list(ATTEND)} (mgpu is always timed)"
     )
@@ -230,19 +216,14 @@ def main() -> None:
             impls,
         )
         results.append(row)
-        errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
-        print(
-            f"{variant:5s} B={batch} N={steps:3d} ctx={context:6d} ({row['bound']}, roof {row['roofline_us']:.1f} us): "
-            f"mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
-            f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  split_scores {row['mgpu_split_scores_us']:8.1f} us"
+        others = (
+            f"split_scores {row['mgpu_split_scores_us']:8.1f} us"
             f" (rel err {row.get('mgpu_split_scores_rel_err', float('nan')):.1e})  overlap {row['mgpu_overlap_us']:8.1f} us"
             f" (rel err {row.get('mgpu_overlap_rel_err', float('nan')):.1e})  alternate {row['mgpu_alternate_us']:8.1f} us"
             f" (rel err {row.get('mgpu_alternate_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
             f"xla {row['xla_us']:8.1f} us"
-            + (f"  [{errors}]" if errors else "")
-            + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else ""),
-            flush=True,
         )
+        print(mgpu_case_line(f"{variant:5s}", row, others), flush=True)
         write_result(
             f"attention_mgpu_{args.commit}",
             {"rows": results, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS},

@@ -1,5 +1,5 @@
-"""Shared benchmark helpers: the one timer (`time_calls`, `median_seconds`), the device description, and
-result files.
+"""Shared benchmark helpers: the one timer (`time_calls`, `median_seconds`), the device description, result
+files, and the Mosaic kernel benchmarks' per-variant columns, split sweep and progress line.
 
 A result file records the date, the device, and the commit (passed in with --commit, since the GPU copy
 of the repository has no git), so BENCHMARKS.md rows can be traced to code.
@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 
 import jax
+
+from benchmarks.op_profile import device_seconds
 
 
 def device_description() -> str:
@@ -104,6 +106,68 @@ def max_relative_error(out, ref) -> float:
 
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def error_text(err: Exception, limit: int = 300) -> str:
+    """A failure as a result row records it: "ExceptionType: message", the message cut to `limit` characters."""
+    return f"{type(err).__name__}: {str(err)[:limit]}"
+
+
+def time_variant_into(row: dict, name: str, fn, sets: list[tuple], ref, *, flops: float, nbytes: float, roof_s: float):
+    """The kernel benchmarks' columns of one variant `name` of fn (inputs `sets`): row[name_rel_err] (fn(*sets[0])
+    against ref; none when ref is None), name_wall_us (`in_jit_seconds`), name_us (device time,
+    `op_profile.device_seconds`), name_TFLOPs / name_GBps (flops and nbytes per call over it) and name_of_roofline
+    (over roof_s seconds). A variant that fails (e.g. does not compile) is a result: name_us = nan and
+    row[name_error] (`error_text`)."""
+    try:
+        out = fn(*sets[0])
+        if ref is not None:
+            row[f"{name}_rel_err"] = relative_error(out, ref)
+        row[f"{name}_wall_us"] = in_jit_seconds(fn, sets) * 1e6
+        seconds = device_seconds(fn, sets)
+        row[f"{name}_us"] = seconds * 1e6
+        row[f"{name}_TFLOPs"] = flops / seconds / 1e12
+        row[f"{name}_GBps"] = nbytes / seconds / 1e9
+        row[f"{name}_of_roofline"] = seconds / roof_s
+    except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result
+        row[f"{name}_us"] = float("nan")
+        row[f"{name}_error"] = error_text(err)
+
+
+def split_sweep_into(row: dict, split_counts, with_splits, sets: list[tuple], error_limit: int = 300) -> None:
+    """The kernel at other key-split counts: row["mgpu_split_sweep_us"][str(n)] = device us of with_splits(n) on
+    `sets` for each n of split_counts (`op_profile.device_seconds`), or the failure (`error_text`)."""
+    for num_splits in split_counts:
+        try:
+            seconds = device_seconds(with_splits(num_splits), sets)
+            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = seconds * 1e6
+        except Exception as err:  # noqa: BLE001
+            row.setdefault("mgpu_split_sweep_us", {})[str(num_splits)] = error_text(err, error_limit)
+
+
+def add_profile_top_argument(parser) -> None:
+    """The Mosaic kernel benchmarks' --profile-top option (`op_profile.profile_into`) on an argparse parser."""
+    parser.add_argument(
+        "--profile-top",
+        type=int,
+        default=0,
+        help="also print the N largest device ops of one mgpu / xla call (input set 0 repeated: L2-warm at small "
+        "sizes, unlike the rotated sets of the *_us columns) and the in-jit timeline",
+    )
+
+
+def mgpu_case_line(label: str, row: dict, others: str) -> str:
+    """The Mosaic kernel benchmarks' progress line of one case row: label, B, N, context, bound and roofline, the
+    mgpu kernel's device us, TFLOP/s, GB/s, x roofline and relative error, then `others` (the other variants'
+    columns), the failures (row[*_error]) and the split sweep (row["mgpu_split_sweep_us"]), when any."""
+    errors = "; ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
+    return (
+        f"{label} B={row['B']} N={row['N']:3d} ctx={row['context']:6d} ({row['bound']}, roof {row['roofline_us']:.1f} "
+        f"us): mgpu {row['mgpu_us']:8.1f} us ({row['mgpu_TFLOPs']:5.1f} TFLOP/s, {row['mgpu_GBps']:5.0f} GB/s, "
+        f"{row['mgpu_of_roofline']:5.2f}x roof, rel err {row['rel_err']:.1e})  {others}"
+        + (f"  [{errors}]" if errors else "")
+        + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else "")
+    )
 
 
 def copy_bandwidth(reps: int = 20) -> float:

@@ -34,14 +34,18 @@ import time
 
 import numpy as np
 
+from benchmarks.common import markdown_table
 from experiments.studies import (
+    TAU_HEAD,
     eos_stop_tokens,
     mean_and_se,
     pooled_tau,
     progress_bar,
+    save_figure,
     setup,
     step_records,
     study_generate,
+    tau_cells,
     write_json,
 )
 
@@ -243,43 +247,20 @@ def targets(rows: list[dict]) -> dict:
 
 def format_table(result: dict) -> str:
     """Markdown: one line per (method, budget, temperature)."""
-    head = [
-        "T",
-        "method",
-        "budget",
-        "mean tau",
-        "+- se",
-        "pooled tau",
-        "surrogate",
-        "exact E[tau]",
-        "measured",
-        "corr(sur, meas)",
-        "exact z",
-        "steps",
+    head = TAU_HEAD + ["exact E[tau]", "measured", "corr(sur, meas)", "exact z", "steps"]
+    rows = sorted(result["rows"], key=lambda r: (r["temperature"], r["method"] != "chain", r["budget"] or 0))
+    table = [
+        tau_cells(r)
+        + [
+            f"{r['step_expected_mean']:.3f}",
+            f"{r['step_measured_mean']:.3f}",
+            f"{r['surrogate_measured_corr']:.2f}",
+            f"{r['exact_z']:+.2f}",
+            str(r["decode_steps"]),
+        ]
+        for r in rows
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted(result["rows"], key=lambda r: (r["temperature"], r["method"] != "chain", r["budget"] or 0)):
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    f"{r['temperature']:g}",
-                    r["method"],
-                    "" if r["budget"] is None else str(r["budget"]),
-                    f"{r['mean_tau']:.3f}",
-                    f"{r['se_tau']:.3f}",
-                    f"{r['pooled_tau']:.3f}",
-                    f"{r['step_surrogate_mean']:.3f}",
-                    f"{r['step_expected_mean']:.3f}",
-                    f"{r['step_measured_mean']:.3f}",
-                    f"{r['surrogate_measured_corr']:.2f}",
-                    f"{r['exact_z']:+.2f}",
-                    str(r["decode_steps"]),
-                ]
-            )
-            + " |"
-        )
-    lines.append("")
+    lines = [markdown_table(head, table), ""]
     for kind, t in (("mean", result["targets"]), ("pooled", result["targets"].get("pooled"))):
         if t is None:
             continue
@@ -378,12 +359,7 @@ def plot_sweep(result: dict, path: str | None = None, max_points: int = 4000, se
         ax.set_ylabel("measured accepted + 1 (per step)")
         ax.set_title(title)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    return fig
+    return save_figure(fig, path)
 
 
 def sweep(

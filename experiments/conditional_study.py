@@ -33,6 +33,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import markdown_table
 from ddtree_jax.checkpoint.child_head import load_child_head
 from ddtree_jax.engine.budget import fit_budget_policy
 from ddtree_jax.engine.run import Pair, benchmark, enable_compilation_cache, load_dtype, pair_dtype
@@ -40,13 +41,16 @@ from ddtree_jax.options import DecodeOptions
 from experiments.budget_sweep import device_label, summarise
 from experiments.held_out_prompts import load_prompts
 from experiments.studies import (
+    TAU_HEAD,
     eos_stop_tokens,
     pair_dirs,
     pair_root,
     progress_bar,
+    save_figure,
     setup,
     spine_record,
     study_generate,
+    tau_cells,
     write_json,
 )
 
@@ -476,61 +480,35 @@ def merge_results(results: list[dict]) -> dict:
 
 def format_table(result: dict) -> str:
     """Markdown: the tau table (with the spine statistics), then the timing table when there is one."""
-    head = [
-        "T",
-        "method",
-        "budget",
-        "mean tau",
-        "+- se",
-        "pooled tau",
-        "surrogate",
-        "spine hit",
-        "off-spine hit",
-        "off-spine share",
-        "steps",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = TAU_HEAD + ["spine hit", "off-spine hit", "off-spine share", "steps"]
     order = {m: i for i, m in enumerate(METHODS)}
-    for r in sorted(result["rows"], key=lambda r: (r["temperature"], r["budget"] or 0, order[r["method"]])):
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    f"{r['temperature']:g}",
-                    r["method"],
-                    "" if r["budget"] is None else str(r["budget"]),
-                    f"{r['mean_tau']:.3f}",
-                    f"{r['se_tau']:.3f}",
-                    f"{r['pooled_tau']:.3f}",
-                    f"{r['step_surrogate_mean']:.3f}",
-                    f"{r['spine_hit_rate']:.3f}",
-                    f"{r['off_spine_hit_rate']:.3f}",
-                    f"{r['off_spine_share']:.3f}",
-                    str(r["decode_steps"]),
-                ]
-            )
-            + " |"
-        )
+    rows = sorted(result["rows"], key=lambda r: (r["temperature"], r["budget"] or 0, order[r["method"]]))
+    table = [
+        tau_cells(r)
+        + [
+            f"{r['spine_hit_rate']:.3f}",
+            f"{r['off_spine_hit_rate']:.3f}",
+            f"{r['off_spine_share']:.3f}",
+            str(r["decode_steps"]),
+        ]
+        for r in rows
+    ]
+    lines = [markdown_table(head, table)]
     if result["timing"]:
         head = ["T", "tree", "budget", "tokens/s", "vs AR", "tau", "ms/step"]
-        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in result["timing"]:
-            label = r["tree"] if r["method"] == "ddtree" else r["method"]
-            lines.append(
-                "| "
-                + " | ".join(
-                    [
-                        f"{r['temperature']:g}",
-                        label,
-                        "" if r["budget"] is None else str(r["budget"]),
-                        f"{r['tokens_per_s']:.1f}",
-                        f"{r['speedup_vs_ar']:.2f}x",
-                        f"{r['mean_tau']:.3f}",
-                        f"{r['ms_per_step']:.3f}",
-                    ]
-                )
-                + " |"
-            )
+        table = [
+            [
+                f"{r['temperature']:g}",
+                r["tree"] if r["method"] == "ddtree" else r["method"],
+                "" if r["budget"] is None else str(r["budget"]),
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['speedup_vs_ar']:.2f}x",
+                f"{r['mean_tau']:.3f}",
+                f"{r['ms_per_step']:.3f}",
+            ]
+            for r in result["timing"]
+        ]
+        lines += ["", markdown_table(head, table)]
     t = result["targets"]
     lines.append("")
     for key, ratios in t["conditional_over_marginal"].items():
@@ -623,12 +601,7 @@ def plot_study(result: dict, path: str | None = None):
             ax.set_ylabel("tokens/s (batch 1, end to end)")
             ax.set_title(f"throughput, T = {temperature:g}")
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    return fig
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:

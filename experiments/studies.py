@@ -326,6 +326,35 @@ def eos_stop_tokens(pair: Pair) -> list[int]:
     return [] if eos is None else [int(eos)]
 
 
+TAU_HEAD = ["T", "method", "budget", "mean tau", "+- se", "pooled tau", "surrogate"]
+
+
+def tau_cells(row: dict) -> list[str]:
+    """The first cells (`TAU_HEAD`) of a study's tau table line for one summarised row: temperature, method,
+    budget ("" for none), mean tau, its standard error, pooled tau and the mean step surrogate."""
+    return [
+        f"{row['temperature']:g}",
+        row["method"],
+        "" if row["budget"] is None else str(row["budget"]),
+        f"{row['mean_tau']:.3f}",
+        f"{row['se_tau']:.3f}",
+        f"{row['pooled_tau']:.3f}",
+        f"{row['step_surrogate_mean']:.3f}",
+    ]
+
+
+def save_figure(fig, path: str | None):
+    """Lays fig out (tight); with a path, saves it there (dpi 120, folders made) and closes it. Returns fig."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig
+
+
 def write_json(payload: dict, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     with open(path, "w") as f:

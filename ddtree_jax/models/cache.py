@@ -54,6 +54,25 @@ def check_room(cache: KVCache, steps: int) -> None:
         raise ValueError(f"KV cache too small: a row needs {need} rows, capacity is {cache.capacity}")
 
 
+def append_positions_and_mask(cache: KVCache, steps: int) -> tuple[jax.Array, jax.Array]:
+    """A causal pass of `steps` new tokens appended at each row's length: (positions int32 [B, T] = lengths + t,
+    mask bool [B, T, S_max]: new token t sees the cache rows up to its own position, i.e. the committed prefix and
+    the new tokens up to itself)."""
+    positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(cache.capacity, dtype=jnp.int32)
+    return positions, rows[None, None, :] <= positions[:, :, None]
+
+
+def tree_cache_mask(cache: KVCache, tree_mask: jax.Array) -> jax.Array:
+    """bool [B, N, S_max]: the tree-verify pass's mask over the cache rows, with slot i written at row lengths + i.
+    Slot i sees the committed prefix and the slots j with tree_mask[i, j] (bool [B, N, N]: itself and its
+    ancestors); nothing past the tree window."""
+    slots = tree_mask.shape[-1]
+    rel = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] - cache.lengths[:, None, None]
+    tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
+    return (rel < 0) | ((rel < slots) & tree_part)
+
+
 def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """buffer [B, S, ...] with new [B, T, ...] written at rows start[b] .. start[b] + T - 1."""
 

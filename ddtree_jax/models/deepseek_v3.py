@@ -26,7 +26,14 @@ from ddtree_jax.models.attention import (
     sharded_causal_attention,
     sharded_mla_attention,
 )
-from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows, write_rows
+from ddtree_jax.models.cache import (
+    KVCache,
+    append_positions_and_mask,
+    check_room,
+    tree_cache_mask,
+    write_layer_rows,
+    write_rows,
+)
 from ddtree_jax.models.layers import (
     apply_rope_interleaved,
     axes_of,
@@ -523,8 +530,7 @@ def prefill(
     steps = input_ids.shape[1]
     check_room(cache, steps)
     start = cache.lengths
-    positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    mask = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    positions, mask = append_positions_and_mask(cache, steps)
     logits, features, cache = _run(
         config,
         params,
@@ -560,7 +566,5 @@ def tree_forward(
     slots = tokens.shape[1]
     check_room(cache, slots)
     start = cache.lengths
-    rel = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
-    tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
-    mask = (rel < 0) | ((rel < slots) & tree_part)
+    mask = tree_cache_mask(cache, tree_mask)
     return _run(config, params, tokens, start[:, None] + depths, mask, cache, start, moe_impl, attn_impl, layer_loop)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.attention import attention
-from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows
+from ddtree_jax.models.cache import KVCache, append_positions_and_mask, check_room, tree_cache_mask, write_layer_rows
 from ddtree_jax.models.layers import (
     apply_rope,
     axes_of,
@@ -222,9 +222,7 @@ def prefill(
     batch, steps = input_ids.shape
     check_room(cache, steps)
     start = cache.lengths
-    positions = start[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    rows = jnp.arange(cache.capacity, dtype=jnp.int32)
-    mask = rows[None, None, :] <= positions[:, :, None]  # causal over the committed prefix + new tokens
+    positions, mask = append_positions_and_mask(cache, steps)  # causal over the committed prefix + new tokens
     logits, features, cache = _run(
         config,
         params,
@@ -271,11 +269,7 @@ def tree_forward(
     check_room(cache, slots)
     start = cache.lengths
     positions = start[:, None] + depths
-    rows = jnp.arange(cache.capacity, dtype=jnp.int32)[None, None, :]
-    rel = rows - start[:, None, None]  # row index relative to the tree window
-    in_tree = (rel >= 0) & (rel < slots)
-    tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, slots - 1).repeat(slots, axis=1), axis=2)
-    mask = (rel < 0) | (in_tree & tree_part)
+    mask = tree_cache_mask(cache, tree_mask)
     return _run(config, params, tokens, positions, mask, cache, start, attn_impl, matmul_impl, layer_loop)
 
 

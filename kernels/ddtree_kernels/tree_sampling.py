@@ -1066,9 +1066,21 @@ def row_stats_reference(logits: jax.Array, params_rows: jax.Array) -> dict:
 # --- public entries -------------------------------------------------------------------------------------
 
 
-def _check_common(
+def _walk_inputs(candidates, next_token, next_sibling, coins, final_coins, max_accept, threshold_single, threshold_acc):
+    """The walk's inputs as the kernels and `walk_reference` take them: ((candidates, next_token, next_sibling)
+    int32 [B, N], coins f32 [B, N], final_coins f32 [B], {max_accept: int, threshold_single / threshold_acc:
+    float}, the static keywords)."""
+    lists = tuple(jnp.asarray(a, jnp.int32) for a in (candidates, next_token, next_sibling))
+    statics = dict(
+        max_accept=int(max_accept), threshold_single=float(threshold_single), threshold_acc=float(threshold_acc)
+    )
+    return lists, jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32), statics
+
+
+def _checked_walk_inputs(
     candidates, next_token, next_sibling, values, coins, final_coins, max_accept, threshold_single, threshold_acc
 ):
+    """The kernels' argument checks (values: probs / logits [B, N, V]), then `_walk_inputs`."""
     if isinstance(max_accept, bool) or not isinstance(max_accept, (int, np.integer)) or max_accept < 0:
         raise ValueError(f"max_accept must be an integer >= 0, got {max_accept!r}")
     for name, value in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
@@ -1084,6 +1096,9 @@ def _check_common(
         raise ValueError(
             f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}"
         )
+    return _walk_inputs(
+        candidates, next_token, next_sibling, coins, final_coins, max_accept, threshold_single, threshold_acc
+    )
 
 
 @functools.partial(
@@ -1140,7 +1155,7 @@ def tree_sampling_from_probs(
     tokens int32 [B, S]), S = max_accept + 1. Sibling tokens must be distinct (the library's
     `verify_sampling` checks concrete inputs). layout: the final sample's "single" / "spans" / "auto"
     (`resolve_layout`)."""
-    _check_common(
+    lists, coins, final_coins, statics = _checked_walk_inputs(
         candidates,
         next_token,
         next_sibling,
@@ -1152,15 +1167,11 @@ def tree_sampling_from_probs(
         threshold_acc,
     )
     return _from_probs_jit(
-        jnp.asarray(candidates, jnp.int32),
-        jnp.asarray(next_token, jnp.int32),
-        jnp.asarray(next_sibling, jnp.int32),
+        *lists,
         jnp.asarray(target_probs, jnp.float32),
-        jnp.asarray(coins, jnp.float32),
-        jnp.asarray(final_coins, jnp.float32),
-        max_accept=int(max_accept),
-        threshold_single=float(threshold_single),
-        threshold_acc=float(threshold_acc),
+        coins,
+        final_coins,
+        **statics,
         interpret=default_interpret(interpret),
         layout=layout,
     )
@@ -1179,17 +1190,10 @@ def tree_sampling_from_probs_reference(
     threshold_acc: float = 1.0,
 ):
     """The reference twin of mode (a): `walk_reference`."""
-    return walk_reference(
-        jnp.asarray(candidates, jnp.int32),
-        jnp.asarray(next_token, jnp.int32),
-        jnp.asarray(next_sibling, jnp.int32),
-        jnp.asarray(target_probs, jnp.float32),
-        jnp.asarray(coins, jnp.float32),
-        jnp.asarray(final_coins, jnp.float32),
-        max_accept=int(max_accept),
-        threshold_single=float(threshold_single),
-        threshold_acc=float(threshold_acc),
+    lists, coins, final_coins, statics = _walk_inputs(
+        candidates, next_token, next_sibling, coins, final_coins, max_accept, threshold_single, threshold_acc
     )
+    return walk_reference(*lists, jnp.asarray(target_probs, jnp.float32), coins, final_coins, **statics)
 
 
 def _repeat_settings(sampling_params: jax.Array, slots: int) -> jax.Array:
@@ -1292,7 +1296,7 @@ def tree_sampling_from_logits(
     "spans"). layout: "single" (one program per row), "spans" or "auto" (`resolve_layout`); tiling: the
     single layout's warps and search loads (`SingleTiling`).
     """
-    _check_common(
+    lists, coins, final_coins, statics = _checked_walk_inputs(
         candidates,
         next_token,
         next_sibling,
@@ -1307,16 +1311,12 @@ def tree_sampling_from_logits(
         raise ValueError(f"target_logits must be bfloat16 or float32, got {target_logits.dtype}")
     _check_sampling_params(sampling_params, candidates.shape[0])
     return _from_logits_jit(
-        jnp.asarray(candidates, jnp.int32),
-        jnp.asarray(next_token, jnp.int32),
-        jnp.asarray(next_sibling, jnp.int32),
+        *lists,
         target_logits,
         jnp.asarray(sampling_params, jnp.float32),
-        jnp.asarray(coins, jnp.float32),
-        jnp.asarray(final_coins, jnp.float32),
-        max_accept=int(max_accept),
-        threshold_single=float(threshold_single),
-        threshold_acc=float(threshold_acc),
+        coins,
+        final_coins,
+        **statics,
         interpret=default_interpret(interpret),
         skip_with_cond=bool(skip_with_cond),
         layout=layout,

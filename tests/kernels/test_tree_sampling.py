@@ -91,6 +91,27 @@ def _assert_agreement(got, ref, explain, min_share=0.999):
     return same
 
 
+def _row_margins(tree, nxt, sib, target, coins, final, depth, params):
+    """explain(b) for `_assert_agreement`: row b's float64 decision margin (`row_margin`) under params, a
+    SamplingParams (row b's settings) or one (temperature, top_k, top_p, min_p) for every row."""
+    t = np.asarray(target.astype(jnp.float32))
+    if isinstance(params, SamplingParams):
+        pr = [np.asarray(a) for a in (params.temperature, params.top_k, params.top_p, params.min_p)]
+        params_of_row = lambda b: [v[b] for v in pr]
+    else:
+        params_of_row = lambda b: params
+    return lambda b: row_margin(
+        np.asarray(tree.tokens[b]),
+        np.asarray(nxt[b]),
+        np.asarray(sib[b]),
+        t[b],
+        params_of_row(b),
+        coins[b],
+        final[b],
+        depth,
+    )
+
+
 # --- row statistics ----------------------------------------------------------------------------------------
 
 
@@ -191,22 +212,7 @@ def test_from_probs_agrees_with_verify_sampling(order, layout):
     np.testing.assert_array_equal(np.asarray(got.accept_index), np.asarray(ref.accept_index))
     np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(ref.num_accepted))
     assert float(np.asarray(ref.num_accepted).mean()) > 0.5  # deep walks are exercised
-    t = np.asarray(target, np.float32)
-    pr = [np.asarray(a) for a in (params.temperature, params.top_k, params.top_p, params.min_p)]
-    _assert_agreement(
-        got,
-        ref,
-        lambda b: row_margin(
-            np.asarray(tree.tokens[b]),
-            np.asarray(nxt[b]),
-            np.asarray(sib[b]),
-            t[b],
-            [v[b] for v in pr],
-            coins[b],
-            final[b],
-            depth,
-        ),
-    )
+    _assert_agreement(got, ref, _row_margins(tree, nxt, sib, target, coins, final, depth, params))
 
 
 def test_from_probs_worked_example_and_verify_sampling_dispatch():
@@ -296,22 +302,7 @@ def test_from_logits_agrees_with_the_reference_pipeline(dtype, layout):
     )
     np.testing.assert_array_equal(np.asarray(valid), np.asarray(ref_valid))
     assert float(np.asarray(ref.num_accepted).mean()) > 0.5
-    t = np.asarray(target.astype(jnp.float32))
-    pr = [np.asarray(a) for a in (params.temperature, params.top_k, params.top_p, params.min_p)]
-    _assert_agreement(
-        got,
-        ref,
-        lambda b: row_margin(
-            np.asarray(tree.tokens[b]),
-            np.asarray(nxt[b]),
-            np.asarray(sib[b]),
-            t[b],
-            [v[b] for v in pr],
-            coins[b],
-            final[b],
-            depth,
-        ),
-    )
+    _assert_agreement(got, ref, _row_margins(tree, nxt, sib, target, coins, final, depth, params))
 
 
 def test_the_margin_check_catches_a_real_difference():
@@ -323,23 +314,9 @@ def test_the_margin_check_catches_a_real_difference():
     wrong = SamplingParams.create(batch, temperature=1.0, top_p=0.5)
     got, _ = tree_sampling_from_logits(tree.tokens, nxt, sib, target, wrong, coins, final, max_accept=depth)
     ref, _ = tree_sampling_from_logits_reference(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
-    t = np.asarray(target)
+    explain = _row_margins(tree, nxt, sib, target, coins, final, depth, (1.0, 0, 0.9, 0.0))
     with pytest.raises(AssertionError):
-        _assert_agreement(
-            got,
-            ref,
-            lambda b: row_margin(
-                np.asarray(tree.tokens[b]),
-                np.asarray(nxt[b]),
-                np.asarray(sib[b]),
-                t[b],
-                (1.0, 0, 0.9, 0.0),
-                coins[b],
-                final[b],
-                depth,
-            ),
-            min_share=0.0,
-        )
+        _assert_agreement(got, ref, explain, min_share=0.0)
 
 
 @pytest.mark.slow
@@ -354,23 +331,7 @@ def test_large_vocabularies(vocab, dtype):
     )
     got, _ = tree_sampling_from_logits(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
     ref, _ = tree_sampling_from_logits_reference(tree.tokens, nxt, sib, target, params, coins, final, max_accept=depth)
-    t = np.asarray(target.astype(jnp.float32))
-    pr = [np.asarray(a) for a in (params.temperature, params.top_k, params.top_p, params.min_p)]
-    _assert_agreement(
-        got,
-        ref,
-        lambda b: row_margin(
-            np.asarray(tree.tokens[b]),
-            np.asarray(nxt[b]),
-            np.asarray(sib[b]),
-            t[b],
-            [v[b] for v in pr],
-            coins[b],
-            final[b],
-            depth,
-        ),
-        min_share=0.0,
-    )
+    _assert_agreement(got, ref, _row_margins(tree, nxt, sib, target, coins, final, depth, params), min_share=0.0)
     probs = np.asarray(processed_probs(target, params))
     tokens, n_acc, accept = (np.asarray(a) for a in (got.tokens, got.num_accepted, got.accept_index))
     for b in range(batch):
