@@ -22,34 +22,13 @@ from ddtree_jax.analysis.memory import (
     weight_inventory,
 )
 from ddtree_jax.checkpoint import parse_config
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
+from ddtree_jax.config import DFlashConfig, Qwen3Config
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
 from ddtree_jax.sharding.rules import MODEL, RULES
+from tests.tiny_models import DSV3_TINY
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
-# the tiny DeepSeek-V3 config of tests/models/test_deepseek_v3.py (copied: q_lora, 16 experts in 4 groups)
-DSV3_TINY = DeepSeekV3Config(
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_layers=3,
-    first_k_dense_replace=1,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=3,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.827,
-    norm_topk_prob=True,
-    num_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-)
 QWEN3_TINY = Qwen3Config(
     vocab_size=61,
     hidden_size=32,

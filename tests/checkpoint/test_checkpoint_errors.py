@@ -12,19 +12,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ddtree_jax.checkpoint import CheckpointError, load_hf, parse_config, read_config, save_hf
-from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models import qwen3
+from tests.tiny_models import QWEN3_CHECKPOINT
 
-TARGET = Qwen3Config(
-    vocab_size=40,
-    hidden_size=16,
-    intermediate_size=24,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=4,
-    rope_theta=10_000.0,
-)
+TARGET = QWEN3_CHECKPOINT
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ddtree_jax.checkpoint import load_hf, parse_config, restore_orbax, save_hf, save_orbax
-from ddtree_jax.config import DFlashConfig, Qwen3Config
+from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import dflash, qwen3
+from tests.tiny_models import QWEN3_CHECKPOINT, yarn_drafter
 
-TARGET = Qwen3Config(
-    vocab_size=40,
-    hidden_size=16,
-    intermediate_size=24,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=4,
-    rope_theta=10_000.0,
-)
+TARGET = QWEN3_CHECKPOINT
 DRAFTER = DFlashConfig(
     hidden_size=16,
     intermediate_size=20,
@@ -179,21 +171,7 @@ def test_kimi_style_yarn_drafter_loads_and_runs_on_the_deepseek_target(tmp_path)
 
     target_dir = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny"
     vocab, hidden = 97, 32
-    drafter = DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=40,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        block_size=4,
-        mask_token_id=vocab - 1,
-        target_layers=(0, 2),
-        rope_theta=50_000.0,
-        rope_type="yarn",
-        rope_factor=4.0,
-        rope_original_max_position=16,
-    )
+    drafter = yarn_drafter(vocab - 1, (0, 2))  # hidden_size 32 (= hidden)
     save_hf(
         str(tmp_path),
         drafter,

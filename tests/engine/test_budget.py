@@ -4,18 +4,15 @@ start-up fit measures positive step times and a calibration on the tiny random p
 
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ddtree_jax.engine import budget as budget_module
 from ddtree_jax.engine.budget import fit_budget_policy, monotone_fit, time_short_long
-from ddtree_jax.engine.generate import generate_recorded
 from ddtree_jax.engine.run import random_tiny_pair
 from ddtree_jax.options import BudgetPolicy, DecodeOptions
-from ddtree_jax.sampling import SamplingParams, row_keys
-from tests.engine.test_generate import DFLASH, LENGTHS, PROMPTS, T_PARAMS, TARGET, _run
+from tests.engine.test_generate import DFLASH, LENGTHS, PROMPTS, _run
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -44,23 +41,14 @@ def _budget_record(trace, sampling):
 def test_a_real_choice_varies_per_step_and_keeps_greedy_text(ar_greedy_tokens):
     """Step times that make the large budget pay only when the surrogate is high: the chosen budget changes
     between steps, and greedy text still equals AR's."""
-    batch = PROMPTS.shape[0]
     policy = BudgetPolicy((1, 8), (1.0, 2.3), (1.0, 1.0))  # the batch's S_8 / S_1 runs 1.9 .. 2.5
-    result, records = generate_recorded(
-        TARGET,
-        T_PARAMS,
+    result, records = _run(
         DFLASH,
-        jnp.asarray(PROMPTS),
-        jnp.asarray(LENGTHS),
-        SamplingParams.create(batch, temperature=0.0),
-        row_keys(jax.random.key(3), jnp.arange(batch)),
-        jnp.full((batch, 1), -1, jnp.int32),
-        jnp.full((batch,), 12, jnp.int32),
-        recorder=_budget_record,
-        max_new_tokens=12,
+        PROMPTS,
+        LENGTHS,
         method="ddtree",
-        budget=8,
-        block_size=5,
+        max_new=12,
+        recorder=_budget_record,
         options=DecodeOptions(budget_policy=policy),
     )
     chosen = np.asarray(records["budget"])[np.asarray(records["active"]).any(axis=1), 0]

@@ -2,6 +2,7 @@
 batch independence, and the exact output law at T = 1 against enumeration (chi-square, ALPHA = 1e-3)."""
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -14,6 +15,7 @@ from ddtree_jax.engine import DecodeOptions, DFlashDrafter, generate
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.sampling import SamplingParams, row_keys
 from tests.stats_helpers import ALPHA, chi_square_pvalue
+from tests.tiny_models import yarn_drafter
 
 V = 24
 TARGET = Qwen3Config(
@@ -70,12 +72,18 @@ class OracleDrafter:
 jax.tree_util.register_dataclass(OracleDrafter, data_fields=["table"], meta_fields=["max_block_size"])
 
 
-def _run(drafter, prompts, lengths, *, method, temperature=0.0, max_new=10, budget=8, stop=None, seed=3, **kw):
+def _run(
+    drafter, prompts, lengths, *, method, temperature=0.0, max_new=10, budget=8, stop=None, seed=3, recorder=None, **kw
+):
+    """generate on TARGET with `drafter` (block size 5); with `recorder`, generate_recorded: (result, records)."""
+    from ddtree_jax.engine.generate import generate_recorded
+
     batch = prompts.shape[0]
     params = SamplingParams.create(batch, temperature=temperature)
     keys = row_keys(jax.random.key(seed), jnp.arange(batch))
     stop = jnp.full((batch, 1), -1, jnp.int32) if stop is None else stop
-    return generate(
+    run = generate if recorder is None else functools.partial(generate_recorded, recorder=recorder)
+    return run(
         TARGET,
         T_PARAMS,
         drafter,
@@ -291,21 +299,7 @@ def test_engine_runs_the_deepseek_family_target():
     np.testing.assert_array_equal(np.asarray(out.tokens), ar_tokens)
     assert (np.asarray(out.tau) > 3.0).all()
     # a DFlash drafter with YaRN RoPE (the Kimi drafters' kind) on this target: same greedy text
-    drafter_config = DFlashConfig(
-        hidden_size=32,
-        intermediate_size=40,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        block_size=4,
-        mask_token_id=V - 1,
-        target_layers=(0, 1),
-        rope_theta=50_000.0,
-        rope_type="yarn",
-        rope_factor=4.0,
-        rope_original_max_position=16,
-    )
+    drafter_config = yarn_drafter(V - 1, (0, 1))
     drafter = DFlashDrafter(
         drafter_config,
         dflash.init_params(drafter_config, 32, jax.random.key(5)),
@@ -530,26 +524,8 @@ def test_greedy_with_a_path_conditioned_head_equals_autoregressive_greedy(ar_gre
 
 
 def test_an_untrained_head_decodes_as_ddtree_and_a_trained_one_changes_the_trees():
-    from ddtree_jax.engine.generate import generate_recorded
-
     def recorded(drafter):
-        batch = PROMPTS.shape[0]
-        return generate_recorded(
-            TARGET,
-            T_PARAMS,
-            drafter,
-            jnp.asarray(PROMPTS),
-            jnp.asarray(LENGTHS),
-            SamplingParams.create(batch, temperature=1.0),
-            row_keys(jax.random.key(5), jnp.arange(batch)),
-            jnp.full((batch, 1), -1, jnp.int32),
-            jnp.full((batch,), 10, jnp.int32),
-            recorder=_tree_tokens,
-            max_new_tokens=10,
-            method="ddtree",
-            budget=8,
-            block_size=5,
-        )
+        return _run(drafter, PROMPTS, LENGTHS, method="ddtree", temperature=1.0, seed=5, recorder=_tree_tokens)
 
     (marginal, marginal_trees), (untrained, untrained_trees), (_, trained_trees) = (
         recorded(d) for d in (DFLASH, _with_head(0.0), _with_head(3.0))

@@ -6,21 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.config import DeepSeekV3Config, Qwen3Config
+from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.attention import attention
 from tests.models.impl_parity import forward_by_impl, relerr
+from tests.tiny_models import QWEN3_TINY
 
-QWEN = Qwen3Config(
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    tapped_layers=(0, 1),
-)
 DSV3 = DeepSeekV3Config(
     vocab_size=50,
     hidden_size=32,
@@ -47,7 +38,7 @@ DSV3 = DeepSeekV3Config(
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_prefill_and_tree_verify_equal_the_xla_path(family):
-    module, config = (qwen3, QWEN) if family == "qwen3" else (deepseek_v3, DSV3)
+    module, config = (qwen3, QWEN3_TINY) if family == "qwen3" else (deepseek_v3, DSV3)
     params = module.init_params(config, jax.random.key(0))
     outs = forward_by_impl(module, config, params, "attn_impl")
     for got, want in zip(outs["pallas"], outs["xla"]):
@@ -100,7 +91,7 @@ def test_qwen3_prefill_on_the_causal_kernel_equals_the_xla_path_on_gpu():
 
     from ddtree_jax import dispatch
 
-    config = dataclasses.replace(QWEN, head_dim=64)
+    config = dataclasses.replace(QWEN3_TINY, head_dim=64)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), qwen3.init_params(config, jax.random.key(5)))
     assert (
         dispatch.prefill_attention_kernel("pallas", queries=40, keys=256, key_dim=64, value_dim=64, bfloat16=True)
@@ -201,7 +192,7 @@ def test_qwen3_tree_verify_on_the_mosaic_gqa_kernel_equals_the_xla_path_on_gpu()
 
     capacity = dispatch.AUTO_MOSAIC_GQA_MIN_KEYS
     assert dispatch.gqa_attention_kernel(queries=7, keys=capacity, head_dim=64, value_dim=64, bfloat16=True) == "mosaic"
-    config = dataclasses.replace(QWEN, head_dim=64)
+    config = dataclasses.replace(QWEN3_TINY, head_dim=64)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), qwen3.init_params(config, jax.random.key(8)))
     rng = np.random.default_rng(9)
     prefix = jnp.asarray(rng.integers(0, 61, (2, 300)), jnp.int32)

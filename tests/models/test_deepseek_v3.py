@@ -1,5 +1,7 @@
 """DeepSeek-V3 / Kimi K2 target: routing facts, YaRN tables, parameter axes (parity: tests/checkpoint)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,27 +10,11 @@ import pytest
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3
 from tests.models.impl_parity import relerr
+from tests.tiny_models import DSV3_TINY
 
-CONFIG = DeepSeekV3Config(
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_layers=3,
-    first_k_dense_replace=1,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=3,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.827,
-    norm_topk_prob=True,
-    num_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
+# the shared tiny config (tests/tiny_models.py) with K2's YaRN RoPE
+CONFIG = dataclasses.replace(
+    DSV3_TINY,
     rope_type="yarn",
     rope_factor=64.0,
     rope_original_max_position=4096,

@@ -6,21 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.layers import linear
 from tests.models.impl_parity import forward_by_impl, relerr
+from tests.tiny_models import QWEN3_TINY
 
-CONFIG = Qwen3Config(
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    tapped_layers=(0, 1),
-)
+CONFIG = QWEN3_TINY
 
 
 def test_prefill_and_verify_equal_the_xla_path():
