@@ -7,7 +7,7 @@ whose persistent CTAs each stream many experts' weight tiles through one TMA rin
 Why: at a tree's 1-2 rows an expert, a call is a stream of weight bytes (the K2.6 TP8 shard's gate at 17 tokens:
 118 experts, 122 MB) and little else. The grouped kernels give each CTA (Triton program) one tile's K split, one
 or two K steps: its loads have nothing of its own to overlap with, so the call's bandwidth is what the resident
-CTAs keep in flight between their fixed costs (the Triton kernel: 28-52% of the copy bandwidth at these sizes,
+CTAs keep in flight between their fixed costs (the Triton kernel: 28-58% of the copy bandwidth at these sizes,
 BENCHMARKS.md). Here a fixed grid of `num_ctas` CTAs (one an SM) walks a list of work items, and each CTA's
 memory warpgroup runs its TMA ring across its items without a break: the next item's tiles load while the
 current one is multiplied, so each SM always has `stages` steps of bytes in flight.
