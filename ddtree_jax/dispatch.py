@@ -761,11 +761,20 @@ def decode_plan(
             if options.moe_impl != "auto"
             else moe_impl(assignments, target_config.n_routed_experts, backend_name)
         )
-        plan.append(
-            StageChoice(
-                "tree-forward MoE", choice, f"{assignments} assignments over {target_config.n_routed_experts} experts"
+        detail = f"{assignments} assignments over {target_config.n_routed_experts} experts"
+        if choice == "pallas":  # inside the grouped path: the INT4 kernel, the sort, where gate / up rows come from
+            gate_shape = (
+                target_config.n_routed_experts,
+                target_config.moe_intermediate_size,
+                target_config.hidden_size,
             )
-        )
+            x_dtype = jax.numpy.float32 if float32 else jax.numpy.bfloat16
+            int4 = grouped_int4_kernel(assignments, gate_shape, x_dtype, backend_name)
+            detail += (
+                f"; INT4 experts on the {int4} grouped kernel, sorted by {moe_sort(assignments, backend_name)}"
+                + (f", gate / up rows gathered by {grouped_gather()}" if int4 == "triton" else "")
+            )
+        plan.append(StageChoice("tree-forward MoE", choice, detail))
     verifier = options.verifier
     plan.append(
         StageChoice(

@@ -244,6 +244,17 @@ def test_decode_plan_answers_what_runs_where():
     assert plan["tree-forward attention"] == "pallas"  # absorbed MLA on the Mosaic GPU kernel (bf16)
     assert plan["tree-forward MoE"] == "pallas"  # 33 rows x 8 experts > 16 assignments
     assert plan["rejection walk"] == "pallas"
+    moe_detail = {
+        row.stage: row.why
+        for row in dispatch.decode_plan(
+            DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="gpu"
+        )
+    }["tree-forward MoE"]
+    # inside the grouped path: what runs the INT4 experts, their sort, where the gate / up rows come from
+    assert moe_detail == (
+        "264 assignments over 384 experts; INT4 experts on the triton grouped kernel, sorted by rank, "
+        "gate / up rows gathered by xla"
+    )
     ar = {
         row.stage: row.choice
         for row in dispatch.decode_plan(DecodeOptions(), k26, method="ar", budget=1, block_size=16, backend_name="gpu")
