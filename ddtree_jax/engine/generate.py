@@ -243,7 +243,9 @@ def _decode_loop(
     return jax.lax.while_loop(cond, body, (state, records))
 
 
-_STATIC = ("target_config", "max_new_tokens", "method", "budget", "block_size", "cache_dtype", "options")
+# generate's static keywords after target_config, in signature order
+_SHAPE_KEYWORDS = ("max_new_tokens", "method", "budget", "block_size", "cache_dtype", "options")
+_STATIC = ("target_config",) + _SHAPE_KEYWORDS
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -348,11 +350,18 @@ def layers_sliced_once(target_config, target_params, drafter, options: DecodeOpt
     return target_params, drafter
 
 
-def _generate(target_config, target_params, drafter, request: tuple, shape: dict, *, recorder):
+def generation_result(state: DecodeState) -> GenerationResult:
+    """The GenerationResult of a decode loop's final DecodeState (B rows): its output int32 [B, max_new_tokens],
+    num_generated, steps, accepted int32 [B]."""
+    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)
+
+
+def _generate(target_config, target_params, drafter, request: tuple, statics: tuple, *, recorder):
     """The body of `generate` and `generate_recorded`: `start_state`, then the decode loop. request:
-    (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new); shape: the static keywords. Returns
-    (GenerationResult, records)."""
+    (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new); statics: the static keywords' values in
+    `_SHAPE_KEYWORDS` order. Returns (GenerationResult, records)."""
     _, _, sampling, keys, stop_tokens, max_new = request
+    shape = dict(zip(_SHAPE_KEYWORDS, statics, strict=True))
     options = shape["options"]
     target_params, drafter = layers_sliced_once(target_config, target_params, drafter, options)
     state = start_state(target_config, target_params, drafter, *request, **shape)
@@ -371,7 +380,7 @@ def _generate(target_config, target_params, drafter, request: tuple, shape: dict
         steps_per_iteration=options.steps_per_iteration,
         recorder=recorder,
     )
-    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted), records
+    return generation_result(state), records
 
 
 def _checked(static_argnames: tuple[str, ...]):
@@ -415,21 +424,9 @@ def generate(
       max_new[b] > max_new_tokens, prompt_lengths[b] outside [1, T], a real prompt id outside the
       vocabulary.
     """
-    return _generate(
-        target_config,
-        target_params,
-        drafter,
-        (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new),
-        dict(
-            max_new_tokens=max_new_tokens,
-            method=method,
-            budget=budget,
-            block_size=block_size,
-            cache_dtype=cache_dtype,
-            options=options,
-        ),
-        recorder=None,
-    )[0]
+    request = (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new)
+    statics = (max_new_tokens, method, budget, block_size, cache_dtype, options)
+    return _generate(target_config, target_params, drafter, request, statics, recorder=None)[0]
 
 
 @_checked(_STATIC + ("recorder",))
@@ -456,18 +453,6 @@ def generate_recorded(
     `recorder(trace, sampling)` returns (a dict of arrays, e.g. [B] per row) from the step's `StepTrace`.
     recorder: a static, hashable function (a module-level def). Returns (GenerationResult, records: dict
     name -> [max_new_tokens, ...], zeros after the last step)."""
-    return _generate(
-        target_config,
-        target_params,
-        drafter,
-        (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new),
-        dict(
-            max_new_tokens=max_new_tokens,
-            method=method,
-            budget=budget,
-            block_size=block_size,
-            cache_dtype=cache_dtype,
-            options=options,
-        ),
-        recorder=recorder,
-    )
+    request = (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new)
+    statics = (max_new_tokens, method, budget, block_size, cache_dtype, options)
+    return _generate(target_config, target_params, drafter, request, statics, recorder=recorder)

@@ -23,7 +23,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.engine.generate import GenerationResult, check_generate_inputs, layers_sliced_once, start_state
+from ddtree_jax.engine.generate import (
+    GenerationResult,
+    check_generate_inputs,
+    generation_result,
+    layers_sliced_once,
+    start_state,
+)
 from ddtree_jax.engine.step import decode_step
 from ddtree_jax.options import DecodeOptions
 
@@ -81,4 +87,4 @@ def generate_host_loop(
         if index % sync_every == 0 and bool(jnp.all(state.done)):
             break
         state = step(target_params, drafter, state, sampling, keys, stop_tokens, max_new)
-    return GenerationResult(state.output, state.num_generated, state.steps, state.accepted)
+    return generation_result(state)

@@ -27,15 +27,12 @@ from ddtree_jax.models import child_head, dflash, qwen3
 from ddtree_jax.models.layers import linear
 from ddtree_jax.train.common import (
     DTYPES,
-    Log,
     apply_gradients,
     cast,
-    count_params,
     new_train_state,
     on_device,
-    open_checkpoints,
     optimizer,
-    training_loop,
+    run_training,
 )
 from ddtree_jax.train.data import Batches, eval_batches
 from ddtree_jax.train.drafter import (
@@ -185,16 +182,12 @@ def train(
     target = with_tapped(target, drafter_config.target_layers)
     gamma, num_anchors = anchor_settings(settings, drafter_config.block_size)
     steps, batch_size = settings["steps"], settings["batch_size"]
-    state = init_state(config, settings, seed)
-    checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
     batches = Batches(train_seqs, batch_size, seed + 2)
     heldout = eval_batches(heldout_seqs, batch_size, settings["eval_batches"])
-    log = Log(log_path, fresh=start == 0) if log_path else None
     step_fn = _make_step(
         config, drafter_config, target, tuple(sorted(settings.items())), gamma, num_anchors, seed, dtype
     )
     eval_fn = make_eval(config, drafter_config, target, gamma, num_anchors)
-    history: list = []
 
     def periodic_eval(state):
         held = evaluate(eval_fn, state["params"], drafter_params, target_params, heldout, seed)
@@ -204,39 +197,32 @@ def train(
             f"held-out loss {held['loss']:.4f} (marginal {held['marginal_loss']:.4f})",
         )
 
-    state, wall = training_loop(
+    run = run_training(
         "child_head",
-        state,
+        init_state(config, settings, seed),
         loop_step(step_fn, (drafter_params, target_params), batches, ("loss", "marginal_loss", "grad_norm")),
-        steps=steps,
-        start=start,
         settings=settings,
         evaluate=periodic_eval,
-        checkpoints=checkpoints,
-        log=log,
-        history=history,
+        checkpoint_dir=checkpoint_dir,
+        log_path=log_path,
+        resume=resume,
         show_progress=show_progress,
     )
-    params = state["params"]
+    params = run.state["params"]
     held = evaluate(eval_fn, params, drafter_params, target_params, heldout, seed)
-    if log:
-        log.write(step=steps, heldout=held)
-    results = {
-        "params": count_params(params),
-        "steps": steps,
-        "resumed_from": start or None,
-        "batch_size": batch_size,
-        "num_anchors": num_anchors,
-        "gamma": gamma,
-        "inner_size": config.inner_size,
-        "settings": settings,
-        "heldout_loss": held["loss"],
-        "heldout_marginal_loss": held["marginal_loss"],
-        "heldout_nll_per_depth": held["nll_per_depth"],
-        "heldout_marginal_nll_per_depth": held["marginal_nll_per_depth"],
-        "heldout_acc_per_depth": held["acc_per_depth"],
-        "heldout_marginal_acc_per_depth": held["marginal_acc_per_depth"],
-        "wall_s": round(wall, 2),
-        "history": history,
-    }
+    if run.log:
+        run.log.write(step=steps, heldout=held)
+    results = run.results(
+        settings,
+        num_anchors=num_anchors,
+        gamma=gamma,
+        inner_size=config.inner_size,
+        settings=settings,
+        heldout_loss=held["loss"],
+        heldout_marginal_loss=held["marginal_loss"],
+        heldout_nll_per_depth=held["nll_per_depth"],
+        heldout_marginal_nll_per_depth=held["marginal_nll_per_depth"],
+        heldout_acc_per_depth=held["acc_per_depth"],
+        heldout_marginal_acc_per_depth=held["marginal_acc_per_depth"],
+    )
     return params, results

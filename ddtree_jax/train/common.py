@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -219,3 +220,66 @@ def training_loop(
         bar.update(1)
     bar.close()
     return state, time.perf_counter() - began
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRun:
+    """A finished `run_training`: the final state, the step it started from (0, or the resumed checkpoint's),
+    its Log (None without a log path), the history (a resumed run's earlier entries first), the loop's wall
+    seconds."""
+
+    state: dict
+    start: int
+    log: Log | None
+    history: list
+    wall_s: float
+
+    def results(self, settings: dict, /, **fields) -> dict:
+        """The results every trainer reports (trained parameter count, steps, resumed_from, batch_size), then
+        `fields`, then wall_s and history."""
+        return {
+            "params": count_params(self.state["params"]),
+            "steps": settings["steps"],
+            "resumed_from": self.start or None,
+            "batch_size": settings["batch_size"],
+            **fields,
+            "wall_s": round(self.wall_s, 2),
+            "history": self.history,
+        }
+
+
+def run_training(
+    name: str,
+    state: dict,
+    step_fn,
+    *,
+    settings: dict,
+    evaluate,
+    checkpoint_dir: str | None,
+    log_path: str | None,
+    resume: bool,
+    show_progress: bool,
+    resumed_entry=None,
+) -> TrainingRun:
+    """`training_loop` up to settings["steps"] from `state` (step 0), or with `resume` from the newest checkpoint
+    in checkpoint_dir; logs to log_path (a new file from step 0, appended to on resume). On resume,
+    resumed_entry(record) -> history entry or None rebuilds the earlier history from the log's records
+    (None: the history starts empty)."""
+    checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
+    log = Log(log_path, fresh=start == 0) if log_path else None
+    records = log.records(start) if (log and start and resumed_entry) else []
+    history = [entry for entry in map(resumed_entry, records) if entry is not None]
+    state, wall = training_loop(
+        name,
+        state,
+        step_fn,
+        steps=settings["steps"],
+        start=start,
+        settings=settings,
+        evaluate=evaluate,
+        checkpoints=checkpoints,
+        log=log,
+        history=history,
+        show_progress=show_progress,
+    )
+    return TrainingRun(state, start, log, history, wall)

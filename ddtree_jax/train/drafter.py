@@ -29,15 +29,12 @@ from ddtree_jax.config import DFlashConfig, Qwen3Config, default_tapped_layers
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.train.common import (
     DTYPES,
-    Log,
     apply_gradients,
     cast,
-    count_params,
     new_train_state,
     on_device,
-    open_checkpoints,
     optimizer,
-    training_loop,
+    run_training,
 )
 from ddtree_jax.train.data import Batches, eval_batches
 from ddtree_jax.train.target import with_tapped
@@ -252,25 +249,26 @@ def train(
     gamma, num_anchors = anchor_settings(settings, config.block_size)
     weights = loss_weights(config.block_size, gamma)
     steps, batch_size = settings["steps"], settings["batch_size"]
-    state = init_state(config, settings, seed)
-    checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
     batches = Batches(train_seqs, batch_size, seed + 1)
     heldout = eval_batches(heldout_seqs, batch_size, settings["eval_batches"])
-    log = Log(log_path, fresh=start == 0) if log_path else None
     step_fn = make_step(config, target, settings, gamma, num_anchors, seed, dtype)
     eval_fn = make_eval(config, target, gamma, num_anchors)  # evaluated in float32, as the exported weights run
-    history = []
-    for r in log.records(start) if (log and start) else []:  # a resumed run keeps the earlier history
-        if "loss" in r:
-            history.append({"step": r["step"], "train_loss": r["loss"], "train_accept_length": r["accept_length"]})
-        elif "heldout" in r and r["step"] < steps:
-            history.append(
-                {
-                    "step": r["step"],
-                    "heldout_loss": r["heldout"]["loss"],
-                    "heldout_accept_length": r["heldout"]["accept_length"],
-                }
-            )
+
+    def resumed_entry(record):  # the history of the steps a resumed run skips, from its log
+        if "loss" in record:
+            return {
+                "step": record["step"],
+                "train_loss": record["loss"],
+                "train_accept_length": record["accept_length"],
+            }
+        if "heldout" in record and record["step"] < steps:
+            held = record["heldout"]
+            return {
+                "step": record["step"],
+                "heldout_loss": held["loss"],
+                "heldout_accept_length": held["accept_length"],
+            }
+        return None
 
     def periodic_eval(state):
         held = evaluate(eval_fn, state["params"], target_params, heldout, seed)
@@ -280,42 +278,36 @@ def train(
             f"held-out loss {held['loss']:.4f}, accept length {held['accept_length']:.3f}",
         )
 
-    state, wall = training_loop(
+    run = run_training(
         "drafter",
-        state,
+        init_state(config, settings, seed),
         loop_step(step_fn, (target_params,), batches, ("loss", "accept_length", "grad_norm")),
-        steps=steps,
-        start=start,
         settings=settings,
         evaluate=periodic_eval,
-        checkpoints=checkpoints,
-        log=log,
-        history=history,
+        checkpoint_dir=checkpoint_dir,
+        log_path=log_path,
+        resume=resume,
         show_progress=show_progress,
+        resumed_entry=resumed_entry,
     )
-    params = state["params"]
+    params = run.state["params"]
     held = evaluate(eval_fn, params, target_params, heldout, seed)
-    if log:
-        log.write(step=steps, heldout=held)
-    last = next((h for h in reversed(history) if "train_loss" in h), {})
-    results = {
-        "params": count_params(params),
-        "steps": steps,
-        "resumed_from": start or None,
-        "batch_size": batch_size,
-        "num_anchors": num_anchors,
-        "gamma": gamma,
-        "loss_weights": [round(float(w), 4) for w in weights],
-        "block_size": config.block_size,
-        "target_layers": list(config.target_layers),
-        "settings": settings,
-        "final_train_loss": last.get("train_loss"),
-        "final_train_accept_length": last.get("train_accept_length"),
-        "heldout_loss": held["loss"],
-        "heldout_accept_length": held["accept_length"],
-        "heldout_acc_per_position": held["acc_per_position"],
-        "heldout_nll_per_position": held["nll_per_position"],
-        "wall_s": round(wall, 2),
-        "history": history,
-    }
+    if run.log:
+        run.log.write(step=steps, heldout=held)
+    last = next((h for h in reversed(run.history) if "train_loss" in h), {})
+    results = run.results(
+        settings,
+        num_anchors=num_anchors,
+        gamma=gamma,
+        loss_weights=[round(float(w), 4) for w in weights],
+        block_size=config.block_size,
+        target_layers=list(config.target_layers),
+        settings=settings,
+        final_train_loss=last.get("train_loss"),
+        final_train_accept_length=last.get("train_accept_length"),
+        heldout_loss=held["loss"],
+        heldout_accept_length=held["accept_length"],
+        heldout_acc_per_position=held["acc_per_position"],
+        heldout_nll_per_position=held["nll_per_position"],
+    )
     return params, results

@@ -21,15 +21,12 @@ from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.train.common import (
     DTYPES,
-    Log,
     apply_gradients,
     cast,
-    count_params,
     new_train_state,
     on_device,
-    open_checkpoints,
     optimizer,
-    training_loop,
+    run_training,
 )
 from ddtree_jax.train.data import Batches, eval_batches
 
@@ -126,19 +123,10 @@ def train(
     """Trains the target; returns (float32 params, results for the provenance file)."""
     dtype = DTYPES[settings["dtype"]]
     steps, batch_size = settings["steps"], settings["batch_size"]
-    state = init_state(config, settings, seed)
-    checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
     batches = Batches(train_seqs, batch_size, seed)
     heldout = eval_batches(heldout_seqs, batch_size, settings["eval_batches"])
     train_eval = eval_batches(train_seqs, batch_size, settings["eval_batches"])
-    log = Log(log_path, fresh=start == 0) if log_path else None
     step_fn = make_step(config, settings, dtype)
-    history = []
-    for r in log.records(start) if (log and start) else []:  # a resumed run keeps the earlier history
-        if "loss" in r:
-            history.append({"step": r["step"], "train_loss": r["loss"]})
-        elif "heldout_loss" in r and "train_eval_loss" not in r:
-            history.append({"step": r["step"], "heldout_loss": r["heldout_loss"]})
 
     def periodic_eval(state):
         held = evaluate(config, state["params"], heldout)
@@ -148,43 +136,47 @@ def train(
             f"held-out loss {held:.4f} (ppl {math.exp(held):.2f})",
         )
 
-    state, wall = training_loop(
+    run = run_training(
         "target",
-        state,
+        init_state(config, settings, seed),
         lambda s, i: step_fn(s, jnp.asarray(batches.batch(i))),
-        steps=steps,
-        start=start,
         settings=settings,
         evaluate=periodic_eval,
-        checkpoints=checkpoints,
-        log=log,
-        history=history,
+        checkpoint_dir=checkpoint_dir,
+        log_path=log_path,
+        resume=resume,
         show_progress=show_progress,
+        resumed_entry=_resumed_entry,
     )
-    params = state["params"]
+    params = run.state["params"]
     held = evaluate(config, params, heldout)
     train_eval_loss = evaluate(config, params, train_eval)
-    last_train = next((h["train_loss"] for h in reversed(history) if "train_loss" in h), None)
-    if log:
-        log.write(step=steps, heldout_loss=held, heldout_ppl=math.exp(held), train_eval_loss=train_eval_loss)
-    results = {
-        "params": count_params(params),
-        "steps": steps,
-        "resumed_from": start or None,
-        "batch_size": batch_size,
-        "seq_len": int(train_seqs.shape[1]),
-        "tokens_seen": steps * batch_size * int(train_seqs.shape[1]),
-        "epochs": round(batches.epochs(steps), 3),
-        "settings": settings,
-        "final_train_loss": last_train,
-        "train_eval_loss": train_eval_loss,
-        "heldout_loss": held,
-        "heldout_ppl": math.exp(held),
-        "heldout_eval_tokens": int(sum(b.shape[0] * (b.shape[1] - 1) for b in heldout)),
-        "wall_s": round(wall, 2),
-        "history": history,
-    }
+    last_train = next((h["train_loss"] for h in reversed(run.history) if "train_loss" in h), None)
+    if run.log:
+        run.log.write(step=steps, heldout_loss=held, heldout_ppl=math.exp(held), train_eval_loss=train_eval_loss)
+    results = run.results(
+        settings,
+        seq_len=int(train_seqs.shape[1]),
+        tokens_seen=steps * batch_size * int(train_seqs.shape[1]),
+        epochs=round(batches.epochs(steps), 3),
+        settings=settings,
+        final_train_loss=last_train,
+        train_eval_loss=train_eval_loss,
+        heldout_loss=held,
+        heldout_ppl=math.exp(held),
+        heldout_eval_tokens=int(sum(b.shape[0] * (b.shape[1] - 1) for b in heldout)),
+    )
     return params, results
+
+
+def _resumed_entry(record: dict) -> dict | None:
+    """The history entry of a log record of the steps a resumed run skips: train loss or held-out loss (not the
+    final evaluation's record)."""
+    if "loss" in record:
+        return {"step": record["step"], "train_loss": record["loss"]}
+    if "heldout_loss" in record and "train_eval_loss" not in record:
+        return {"step": record["step"], "heldout_loss": record["heldout_loss"]}
+    return None
 
 
 def with_tapped(config: Qwen3Config, layers) -> Qwen3Config:
