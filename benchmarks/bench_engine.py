@@ -24,6 +24,7 @@ Usage: python -m benchmarks.bench_engine --commit $(git rev-parse --short HEAD) 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -113,22 +114,7 @@ def bench_case(
         "layer_loop": options.layer_loop,
     }
 
-    def step_fn(params, drafter, state, sampling, keys, stop, max_new_arr):
-        return decode_step(
-            config,
-            params,
-            drafter,
-            state,
-            sampling,
-            keys,
-            stop,
-            max_new_arr,
-            method=method,
-            budget=budget,
-            block_size=block,
-            options=options,
-        )
-
+    step_fn = functools.partial(decode_step, config, method=method, budget=budget, block_size=block, options=options)
     step_args = (params, drafter, state, sampling, keys, stop, max_new_arr)
     step, row["step_compile_s"] = _compile(step_fn, step_args)
     state = step(*step_args)  # warm-up step: the drafter now has context features to append

@@ -30,35 +30,18 @@ Writes gqa_mgpu_<commit>.json to --out (default $OUT, else benchmarks/results/).
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.bench_attention import random_tree_mask
-from benchmarks.common import (
-    add_profile_top_argument,
-    device_description,
-    error_text,
-    markdown_table,
-    mgpu_case_line,
-    split_sweep_into,
-    time_variant_into,
-    write_result,
-)
+from benchmarks import common
 from benchmarks.op_profile import profile_into
 from ddtree_kernels.gqa_attention_mgpu import BLOCK_M, gqa_tree_attention, row_plan, smem_plan, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
-COPY_BANDWIDTH = 4.3e12  # bytes/s read + write, XLA copy on this H200 (BENCHMARKS.md)
-PEAK_FLOPS = 790e12  # bf16 matmul rate measured on this H200
-L2_BYTES = 50 << 20
-MIN_SETS = 4
 MAX_SETS = 32  # calls in one timed program (the embedded pair would ask for ~340: it stays L2-resident)
 CAPACITY_BLOCK = 64
 SHAPES = {"qwen3_8b": (32, 8, 128), "embedded": (4, 2, 64)}  # (Hq, Hkv, D)
-VARIANT_NAMES = ("mgpu", "triton", "xla")
 
 
 def counts(shape: str, batch: int, steps: int, context: int) -> tuple[float, float]:
@@ -70,19 +53,14 @@ def counts(shape: str, batch: int, steps: int, context: int) -> tuple[float, flo
     return float(flops), float(nbytes)
 
 
-def num_sets(nbytes: float) -> int:
-    return min(MAX_SETS, max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes)))
-
-
 def input_sets(shape: str, batch: int, steps: int, context: int, key) -> list[tuple]:
-    """num_sets (q, k, v, mask) sets: fresh queries and cache each, the mask shared."""
+    """`common.rotating_set_count` (q, k, v, mask) sets: fresh queries and cache each, the mask shared."""
     q_heads, kv_heads, head_dim = SHAPES[shape]
     _, nbytes = counts(shape, batch, steps, context)
-    capacity = -(-(context + steps) // CAPACITY_BLOCK) * CAPACITY_BLOCK
-    mask = random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context)
-    mask = jnp.asarray(np.pad(mask, ((0, 0), (0, 0), (0, capacity - context - steps))))
+    capacity = common.block_capacity(context + steps, CAPACITY_BLOCK)
+    mask = common.padded_tree_mask(batch, steps, context, capacity)
     out = []
-    for i in range(num_sets(nbytes)):
+    for i in range(common.rotating_set_count(nbytes, MAX_SETS)):
         k = jax.random.split(jax.random.fold_in(key, i), 3)
         out.append(
             (
@@ -113,13 +91,12 @@ def run_case(
 ) -> dict:
     q_heads, kv_heads, head_dim = SHAPES[shape]
     flops, nbytes = counts(shape, batch, steps, context)
-    roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
     rows = steps * (q_heads // kv_heads)
-    capacity = -(-(context + steps) // CAPACITY_BLOCK) * CAPACITY_BLOCK
+    capacity = common.block_capacity(context + steps, CAPACITY_BLOCK)
     compute_wgs, row_blocks = row_plan(rows)
     splits, per_split = split_plan(batch, kv_heads, rows, capacity, block_kv, None)
     stages, smem = smem_plan(head_dim, block_kv, compute_wgs, -(-steps // 32), interpret=False)
-    sets_count = num_sets(nbytes)
+    sets_count = common.rotating_set_count(nbytes, MAX_SETS)
     row = {
         "shape": shape,
         "Hq": q_heads,
@@ -128,12 +105,9 @@ def run_case(
         "B": batch,
         "N": steps,
         "context": context,
-        "GFLOP": flops / 1e9,
-        "MB": nbytes / 1e6,
-        "roofline_us": roof_s * 1e6,
-        "bound": "compute" if flops / PEAK_FLOPS > nbytes / COPY_BANDWIDTH else "memory",
+        **common.roofline_columns(flops, nbytes),
         "sets": sets_count,
-        "l2_resident": sets_count * nbytes < 2 * L2_BYTES,
+        "l2_resident": sets_count * nbytes < 2 * common.L2_BYTES,
         "mgpu_block_kv": block_kv,
         "mgpu_grid": [row_blocks, splits, batch * kv_heads],
         "mgpu_rows_per_cta": compute_wgs * BLOCK_M,
@@ -143,19 +117,13 @@ def run_case(
     }
     attend = variants(block_kv)
     sets = input_sets(shape, batch, steps, context, key)
-    ref = None
-    try:
-        ref = attend["xla"](*sets[0])
-    except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
-        row["xla_error"] = error_text(err)
-    for name in VARIANT_NAMES:
-        time_variant_into(row, name, attend[name], sets, ref, flops=flops, nbytes=nbytes, roof_s=roof_s)
+    common.time_variants_into(row, attend, sets, flops=flops, nbytes=nbytes)
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
         for name in ("mgpu", "xla"):
             profile_into(row, name, attend[name], sets, profile_top)
-    split_sweep_into(row, split_sweep, lambda num_splits: mgpu_with_splits(num_splits, block_kv), sets)
+    common.split_sweep_into(row, split_sweep, lambda num_splits: mgpu_with_splits(num_splits, block_kv), sets)
     row["rel_err"] = row.get("mgpu_rel_err", float("nan"))
-    for name in VARIANT_NAMES:
+    for name in attend:
         for metric in ("TFLOPs", "GBps", "of_roofline"):
             row.setdefault(f"{name}_{metric}", float("nan"))
     del sets
@@ -184,7 +152,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 17, B = 1 only")
     parser.add_argument("--shapes", default="qwen3_8b,embedded", help=f"of {sorted(SHAPES)}")
     parser.add_argument("--contexts", default="1024,8192,32768", help="Qwen3-8B contexts (embedded: 512)")
-    add_profile_top_argument(parser)
+    common.add_profile_top_argument(parser)
     parser.add_argument("--block-kv", type=int, default=64, help="the Mosaic kernel's key block (64 or 128)")
     parser.add_argument(
         "--splits", default="", help="also time the Mosaic kernel at these key-split counts (e.g. 4,8,16,32)"
@@ -192,11 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",") if c]
     sweep = tuple(int(n) for n in args.splits.split(",") if n)
-    print(
-        f"device: {device_description()}; commit {args.commit}; roofline {COPY_BANDWIDTH / 1e12:.1f} TB/s, "
-        f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s",
-        flush=True,
-    )
+    print(common.roofline_header(args.commit), flush=True)
     results = []
     key = jax.random.key(0)
     for shape, batch, steps, context in cases(args.quick, contexts, args.shapes.split(",")):
@@ -204,25 +168,14 @@ def main() -> None:
         row = run_case(shape, batch, steps, context, case_key, args.block_kv, sweep, args.profile_top)
         results.append(row)
         others = f"triton {row['triton_us']:8.1f} us  xla {row['xla_us']:8.1f} us"
-        print(mgpu_case_line(f"{shape:8s}", row, others), flush=True)
-        write_result(
-            f"gqa_mgpu_{args.commit}",
-            {"rows": results, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS},
-            args.commit,
-            args.out,
-        )
-    header = ["shape", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "GB/s", "x roof", "rel err"]
+        print(common.mgpu_case_line(f"{shape:8s}", row, others), flush=True)
+        common.write_result(f"gqa_mgpu_{args.commit}", common.roofline_payload(results), args.commit, args.out)
+    header = ["shape", *common.MGPU_TABLE_HEADER, "GB/s", "x roof", "rel err"]
     header += ["triton us", "xla us", "vs triton", "vs xla", "L2"]
     table = [
         [
             r["shape"],
-            r["B"],
-            r["N"],
-            r["context"],
-            r["bound"],
-            r["roofline_us"],
-            r["mgpu_us"],
-            f"{r['mgpu_TFLOPs']:.0f}",
+            *common.mgpu_table_cells(r),
             f"{r['mgpu_GBps']:.0f}",
             f"{r['mgpu_of_roofline']:.2f}",
             f"{r['rel_err']:.1e}",
@@ -234,7 +187,7 @@ def main() -> None:
         ]
         for r in results
     ]
-    print("\n" + markdown_table(header, table))
+    print("\n" + common.markdown_table(header, table))
 
 
 if __name__ == "__main__":

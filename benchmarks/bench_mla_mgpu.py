@@ -34,27 +34,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.bench_attention import random_tree_mask
-from benchmarks.common import (
-    add_profile_top_argument,
-    device_description,
-    error_text,
-    markdown_table,
-    mgpu_case_line,
-    split_sweep_into,
-    time_variant_into,
-    write_result,
-)
+from benchmarks import common
 from benchmarks.op_profile import profile_into
 from ddtree_kernels.mla_attention_mgpu import BLOCK_M, mla_tree_attention, split_plan
 from ddtree_kernels.tree_attention import tree_attention, tree_attention_reference
 
-COPY_BANDWIDTH = 4.3e12  # bytes/s read + write, XLA copy on this H200 (BENCHMARKS.md)
-PEAK_FLOPS = 790e12  # bf16 matmul rate measured on this H200
-L2_BYTES = 50 << 20
-MIN_SETS = 4
 MAX_SETS = 72  # calls in one timed program (tiny CPU smoke shapes would otherwise ask for hundreds)
 VARIANTS = {"mla8": 8, "mla64": 64}  # query heads
 
@@ -68,16 +53,14 @@ def counts(batch: int, steps: int, heads: int, context: int) -> tuple[float, flo
 
 
 def input_sets(batch: int, steps: int, heads: int, context: int, key) -> list[tuple]:
-    """>= MIN_SETS (q_latent, q_rope, latent, rope_key, mask) sets, together larger than twice the L2."""
+    """`common.rotating_set_count` (q_latent, q_rope, latent, rope_key, mask) sets of bf16 [B, N, H, 512], [B, N, H,
+    64], [B, capacity, 1, 512], [B, capacity, 1, 64] and the shared bool mask [B, N, capacity]; capacity: context + N
+    in whole 64-key blocks (`common.block_capacity`), the tail never visible."""
     _, nbytes = counts(batch, steps, heads, context)
-    sets = min(MAX_SETS, max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes)))
-    # the cache's capacity in whole 64-key blocks, as an engine allocates it (the Mosaic kernel's TMA tiles the
-    # key axis; a ragged capacity would make its wrapper pad, i.e. copy, the cache); the tail is never visible
-    capacity = -(-(context + steps) // 64) * 64
-    mask = random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context)
-    mask = jnp.asarray(np.pad(mask, ((0, 0), (0, 0), (0, capacity - context - steps))))
+    capacity = common.block_capacity(context + steps, 64)
+    mask = common.padded_tree_mask(batch, steps, context, capacity)
     out = []
-    for i in range(sets):
+    for i in range(common.rotating_set_count(nbytes, MAX_SETS)):
         k = jax.random.split(jax.random.fold_in(key, i), 4)
         out.append(
             (
@@ -123,7 +106,6 @@ def run_case(
 ) -> dict:
     heads = VARIANTS[variant]
     flops, nbytes = counts(batch, steps, heads, context)
-    roof_s = max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
     rows = steps * heads
     splits, per_split = split_plan(batch, rows, context + steps, 64, None)
     row = {
@@ -131,30 +113,18 @@ def run_case(
         "B": batch,
         "N": steps,
         "context": context,
-        "GFLOP": flops / 1e9,
-        "MB": nbytes / 1e6,
-        "roofline_us": roof_s * 1e6,
-        "bound": "compute" if flops / PEAK_FLOPS > nbytes / COPY_BANDWIDTH else "memory",
+        **common.roofline_columns(flops, nbytes),
         "mgpu_grid": [math.ceil(rows / BLOCK_M), splits, batch],
         "mgpu_blocks_per_split": per_split,
     }
     sets = input_sets(batch, steps, heads, context, key)
-    row["l2_resident"] = len(sets) * nbytes < 2 * L2_BYTES  # MAX_SETS reached before twice the L2
-    ref = None
-    try:
-        ref = ATTEND["xla"](*sets[0])
-    except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
-        row["xla_error"] = error_text(err)
-    for name in ATTEND:
-        if name not in impls:
-            row[f"{name}_us"] = float("nan")  # not asked for (--impls)
-            continue
-        time_variant_into(row, name, ATTEND[name], sets, ref, flops=flops, nbytes=nbytes, roof_s=roof_s)
+    row["l2_resident"] = len(sets) * nbytes < 2 * common.L2_BYTES  # MAX_SETS reached before twice the L2
+    common.time_variants_into(row, ATTEND, sets, flops=flops, nbytes=nbytes, timed=impls)  # the rest: nan
     if profile_top:  # device time per op of one call on the first set (op_profile): where the us go
         for name in ("mgpu", "mgpu_split_scores", "mgpu_overlap", "mgpu_alternate", "xla"):
             if name in impls:
                 profile_into(row, name, ATTEND[name], sets, profile_top)
-    split_sweep_into(row, split_sweep, mgpu_with_splits, sets, error_limit=200)
+    common.split_sweep_into(row, split_sweep, mgpu_with_splits, sets, error_limit=200)
     row["rel_err"] = row.get("mgpu_rel_err", float("nan"))
     for name in ("mgpu_TFLOPs", "mgpu_GBps", "mgpu_of_roofline"):
         row.setdefault(name, float("nan"))
@@ -173,7 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--batches", default="", help="override the batch sizes (default: 1, and 8 for mla8)")
     parser.add_argument("--steps", default="", help="override the tree sizes N (default: 17 and 65; 17 with --quick)")
-    add_profile_top_argument(parser)
+    common.add_profile_top_argument(parser)
     parser.add_argument(
         "--impls", default=",".join(ATTEND), help=f"the paths timed, of {list(ATTEND)} (mgpu is always timed)"
     )
@@ -196,11 +166,7 @@ def main() -> None:
         for batch in batches:
             for steps in step_list:
                 cases += [(variant, batch, steps, context) for context in contexts]
-    print(
-        f"device: {device_description()}; commit {args.commit}; roofline {COPY_BANDWIDTH / 1e12:.1f} TB/s, "
-        f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s",
-        flush=True,
-    )
+    print(common.roofline_header(args.commit), flush=True)
     results = []
     key = jax.random.key(0)
     for variant, batch, steps, context in cases:
@@ -223,14 +189,9 @@ def main() -> None:
             f" (rel err {row.get('mgpu_alternate_rel_err', float('nan')):.1e})  pallas {row['pallas_us']:8.1f} us  "
             f"xla {row['xla_us']:8.1f} us"
         )
-        print(mgpu_case_line(f"{variant:5s}", row, others), flush=True)
-        write_result(
-            f"attention_mgpu_{args.commit}",
-            {"rows": results, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS},
-            args.commit,
-            args.out,
-        )
-    header = ["variant", "B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s", "x roof", "rel err"]
+        print(common.mgpu_case_line(f"{variant:5s}", row, others), flush=True)
+        common.write_result(f"attention_mgpu_{args.commit}", common.roofline_payload(results), args.commit, args.out)
+    header = ["variant", *common.MGPU_TABLE_HEADER, "x roof", "rel err"]
     header += [
         "split_scores us",
         "split_scores TFLOP/s",
@@ -244,13 +205,7 @@ def main() -> None:
     table = [
         [
             r["variant"],
-            r["B"],
-            r["N"],
-            r["context"],
-            r["bound"],
-            r["roofline_us"],
-            r["mgpu_us"],
-            f"{r['mgpu_TFLOPs']:.0f}",
+            *common.mgpu_table_cells(r),
             f"{r['mgpu_of_roofline']:.2f}",
             f"{r['rel_err']:.1e}",
             r["mgpu_split_scores_us"],
@@ -264,7 +219,7 @@ def main() -> None:
         ]
         for r in results
     ]
-    print("\n" + markdown_table(header, table))
+    print("\n" + common.markdown_table(header, table))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Shared benchmark helpers: the one timer (`time_calls`, `median_seconds`), the device description, result
-files, and the Mosaic kernel benchmarks' per-variant columns, split sweep and progress line.
+files, and the Mosaic kernel benchmarks' H200 roofline, rotated input sets, per-variant columns, split sweep and
+progress line.
 
 A result file records the date, the device, and the commit (passed in with --commit, since the GPU copy
 of the repository has no git), so BENCHMARKS.md rows can be traced to code.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import statistics
 import time
@@ -18,6 +20,11 @@ from collections.abc import Sequence
 import jax
 
 from benchmarks.op_profile import device_seconds
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s read + write, XLA copy on this H200 (BENCHMARKS.md)
+PEAK_FLOPS = 790e12  # bf16 matmul rate measured on this H200
+L2_BYTES = 50 << 20
+MIN_SETS = 4
 
 
 def device_description() -> str:
@@ -134,6 +141,78 @@ def time_variant_into(row: dict, name: str, fn, sets: list[tuple], ref, *, flops
         row[f"{name}_error"] = error_text(err)
 
 
+def time_variants_into(row: dict, fns: dict, sets: list[tuple], *, flops: float, nbytes: float, timed=None) -> None:
+    """Every variant of `fns` (name -> fn, in order) on `sets` into row: the reference fns["xla"](*sets[0]) first
+    (its failure: row["xla_error"], `error_text`; the variants are then timed without rel_err), then
+    `time_variant_into` for each name in `timed` (default: all) against the roofline of `flops` FLOPs and
+    `nbytes` bytes (`roofline_seconds`); a name not timed gets name_us = nan."""
+    ref = None
+    try:
+        ref = fns["xla"](*sets[0])
+    except Exception as err:  # noqa: BLE001 - recorded, the kernels still run
+        row["xla_error"] = error_text(err)
+    roof_s = roofline_seconds(flops, nbytes)
+    for name, fn in fns.items():
+        if timed is not None and name not in timed:
+            row[f"{name}_us"] = float("nan")  # not asked for
+            continue
+        time_variant_into(row, name, fn, sets, ref, flops=flops, nbytes=nbytes, roof_s=roof_s)
+
+
+def roofline_seconds(flops: float, nbytes: float) -> float:
+    """Seconds of one call on the H200 roofline: max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)."""
+    return max(nbytes / COPY_BANDWIDTH, flops / PEAK_FLOPS)
+
+
+def roofline_columns(flops: float, nbytes: float) -> dict:
+    """A kernel case row's counted columns of one call of `flops` FLOPs moving `nbytes` bytes: "GFLOP", "MB",
+    "roofline_us" (`roofline_seconds`) and "bound" ("compute" when flops / PEAK_FLOPS is the larger, else
+    "memory")."""
+    return {
+        "GFLOP": flops / 1e9,
+        "MB": nbytes / 1e6,
+        "roofline_us": roofline_seconds(flops, nbytes) * 1e6,
+        "bound": "compute" if flops / PEAK_FLOPS > nbytes / COPY_BANDWIDTH else "memory",
+    }
+
+
+def roofline_header(commit: str) -> str:
+    """The Mosaic kernel benchmarks' first line: the device, the commit and the roofline's two rates."""
+    return (
+        f"device: {device_description()}; commit {commit}; roofline {COPY_BANDWIDTH / 1e12:.1f} TB/s, "
+        f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s"
+    )
+
+
+def roofline_payload(rows: list[dict]) -> dict:
+    """A Mosaic kernel benchmark's result (`write_result` payload): its case rows and the roofline's rates."""
+    return {"rows": rows, "copy_bandwidth_Bps": COPY_BANDWIDTH, "peak_flops": PEAK_FLOPS}
+
+
+def rotating_set_count(nbytes: float, max_sets: int) -> int:
+    """How many input sets of `nbytes` bytes one timed program rotates through: enough that together they exceed
+    twice L2_BYTES (no call reads the previous call's data from L2), at least MIN_SETS, at most `max_sets`."""
+    return min(max_sets, max(MIN_SETS, math.ceil(2 * L2_BYTES / nbytes)))
+
+
+def block_capacity(keys: int, block: int = 64) -> int:
+    """A cache's capacity for `keys` keys in whole `block`-key blocks, as an engine allocates it (the Mosaic
+    kernels' TMA reads whole key blocks; a ragged capacity would make their wrappers pad, i.e. copy, the cache)."""
+    return -(-keys // block) * block
+
+
+def padded_tree_mask(batch: int, steps: int, context: int, capacity: int) -> jax.Array:
+    """bool [B, N, capacity]: `bench_attention.random_tree_mask` (rng seeded steps * 7 + batch) over context + N
+    keys, then capacity - context - N keys no row sees."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.bench_attention import random_tree_mask  # imported here: bench_attention imports this module
+
+    mask = random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context)
+    return jnp.asarray(np.pad(mask, ((0, 0), (0, 0), (0, capacity - context - steps))))
+
+
 def split_sweep_into(row: dict, split_counts, with_splits, sets: list[tuple], error_limit: int = 300) -> None:
     """The kernel at other key-split counts: row["mgpu_split_sweep_us"][str(n)] = device us of with_splits(n) on
     `sets` for each n of split_counts (`op_profile.device_seconds`), or the failure (`error_text`)."""
@@ -168,6 +247,23 @@ def mgpu_case_line(label: str, row: dict, others: str) -> str:
         + (f"  [{errors}]" if errors else "")
         + (f"\n      splits -> us: {row['mgpu_split_sweep_us']}" if "mgpu_split_sweep_us" in row else "")
     )
+
+
+MGPU_TABLE_HEADER = ["B", "N", "context", "bound", "roof us", "mgpu us", "TFLOP/s"]
+
+
+def mgpu_table_cells(row: dict) -> list:
+    """The Mosaic kernel benchmarks' leading table cells of one case row, under MGPU_TABLE_HEADER: B, N, context,
+    bound, roofline us, and the mgpu kernel's device us and TFLOP/s."""
+    return [
+        row["B"],
+        row["N"],
+        row["context"],
+        row["bound"],
+        row["roofline_us"],
+        row["mgpu_us"],
+        f"{row['mgpu_TFLOPs']:.0f}",
+    ]
 
 
 def copy_bandwidth(reps: int = 20) -> float:

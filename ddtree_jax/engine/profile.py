@@ -23,6 +23,7 @@ could pass 100%).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 
 from ddtree_jax import dispatch
 from ddtree_jax.engine.generate import layers_sliced_once, prefill
-from ddtree_jax.engine.run import Pair, check_request, pair_dtype, request_args, resolve_block_size
+from ddtree_jax.engine.run import Pair, checked_request_args, pair_dtype
 from ddtree_jax.engine.step import (
     append_stage,
     commit_stage,
@@ -69,30 +70,26 @@ def warm_step(
     block_size: int | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    seed: int = 0,
     options: DecodeOptions = DecodeOptions(),
     warmup_steps: int = 1,
+    **settings,
 ):
     """The fused decode step, compiled, and its arguments after `warmup_steps` real steps past the prefill:
     (step, (params, drafter, state, sampling, keys, stop, max_new), block size). `step(*args)` is one decode
     step as `generate` runs it (what `stage_times` times as "step" and `benchmarks.step_ops` profiles op by
-    op). Arguments as `stage_times`."""
+    op). Arguments as `stage_times`; settings: the other sampling settings and seed (`request_args`' keywords:
+    top_k, top_p, min_p, seed)."""
     if len(prompt_ids) and isinstance(prompt_ids[0], (int, np.integer)):
         prompt_ids = [prompt_ids]
-    check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
-    block = resolve_block_size(pair, method, block_size)
-    config, params, drafter, prompts, lengths, sampling, keys, stop, max_new = request_args(
+    block, (config, params, drafter, prompts, lengths, sampling, keys, stop, max_new) = checked_request_args(
         pair,
         prompt_ids,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seed=seed,
+        method=method,
+        budget=budget,
+        block_size=block_size,
         max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        **settings,
     )
     shape = dict(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block)
     params, drafter = layers_sliced_once(config, params, drafter, options)  # as generate does, before its loop
@@ -102,22 +99,7 @@ def warm_step(
         params, drafter, prompts, lengths, sampling, keys
     )
 
-    def step_fn(params, drafter, state, sampling, keys, stop, max_new):
-        return decode_step(
-            config,
-            params,
-            drafter,
-            state,
-            sampling,
-            keys,
-            stop,
-            max_new,
-            method=method,
-            budget=budget,
-            block_size=block,
-            options=options,
-        )
-
+    step_fn = functools.partial(decode_step, config, method=method, budget=budget, block_size=block, options=options)
     step_args = (params, drafter, state, sampling, keys, stop, max_new)
     # the GEMM options `generate` compiles with (no split-K for small targets), so a step profiled alone runs
     # the kernels the generation loop runs

@@ -313,6 +313,17 @@ def request_args(
     )
 
 
+def checked_request_args(
+    pair: Pair, prompt_ids, *, method: str, budget: int | None, block_size: int | None, max_new_tokens: int, **sampling
+) -> tuple[int, tuple]:
+    """Checks a generation request (`check_request`), then returns (the block size it runs with,
+    `resolve_block_size`; `generate`'s positional arguments, `request_args`). sampling: `request_args`' other
+    keywords (temperature, top_k, top_p, min_p, seed, stop_tokens, width, request_ids)."""
+    check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
+    block = resolve_block_size(pair, method, block_size)
+    return block, request_args(pair, prompt_ids, max_new_tokens=max_new_tokens, **sampling)
+
+
 def _compile(args: tuple, static: dict):
     start = time.perf_counter()
     compiled = generate.lower(*args, **static).compile()
@@ -373,12 +384,12 @@ def run(
 ) -> dict:
     """Compiles once, then generates `repeats` times; returns tokens, tau and timings (seconds).
     Checks the request first (`check_request`); options: how the step runs (`DecodeOptions`)."""
-    check_request(pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens)
-    block = resolve_block_size(pair, method, block_size)
-    batch = len(prompt_ids)
-    args = request_args(
+    block, args = checked_request_args(
         pair,
         prompt_ids,
+        method=method,
+        budget=budget,
+        block_size=block_size,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -387,6 +398,7 @@ def run(
         stop_tokens=stop_tokens,
         max_new_tokens=max_new_tokens,
     )
+    batch = len(prompt_ids)
     static = generate_static(
         pair, method=method, budget=budget, block_size=block, max_new_tokens=max_new_tokens, options=options
     )

@@ -5,6 +5,8 @@
   walk_reference              target-only tree rejection sampling over processed probabilities, one
                               node test per iteration, coin for coin (vmapped over rows)
   inverse_cdf                 the final-sample rule every sampler shares
+  walk_array_arguments,       the walk's arguments as arrays and static Python scalars (conversions,
+  walk_static_arguments       no checks; the kernels of `tree_sampling` convert theirs with these)
 
 Definitions, in threshold form (the sort-based reference and the threshold-search kernel select the
 same sets):
@@ -181,7 +183,21 @@ def _walk_row(
     return accept, n_acc, emitted_tokens(candidates, accept, n_acc, final)
 
 
-@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc"))
+def walk_array_arguments(candidates, next_token, next_sibling, coins, final_coins):
+    """The walk's arrays as `walk_reference` and the kernels take them (a conversion, no checks): ((candidates,
+    next_token, next_sibling) int32 [B, N], coins f32 [B, N], final_coins f32 [B])."""
+    lists = tuple(jnp.asarray(a, jnp.int32) for a in (candidates, next_token, next_sibling))
+    return lists, jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32)
+
+
+def walk_static_arguments(max_accept, threshold_single, threshold_acc) -> dict:
+    """The walk's static keywords as Python scalars (jit cache keys; no checks): {max_accept: int,
+    threshold_single: float, threshold_acc: float}."""
+    return dict(
+        max_accept=int(max_accept), threshold_single=float(threshold_single), threshold_acc=float(threshold_acc)
+    )
+
+
 def walk_reference(
     candidates,
     next_token,
@@ -198,10 +214,18 @@ def walk_reference(
 
     candidates / next_token / next_sibling int32 [B, N] (slot 0 = root; first child / next sibling in
     verification order, -1 = none); target_probs f32 [B, N, V]; coins f32 [B, N]; final_coins f32 [B];
-    static max_accept and thresholds. Returns (accept_index int32 [B, S], num_accepted int32 [B],
-    tokens int32 [B, S]) with S = max_accept + 1.
+    max_accept and thresholds (static). Array-likes of other dtypes are converted (`walk_array_arguments`).
+    Returns (accept_index int32 [B, S], num_accepted int32 [B], tokens int32 [B, S]) with S = max_accept + 1.
     """
-    walk = functools.partial(
-        _walk_row, max_accept=max_accept, threshold_single=threshold_single, threshold_acc=threshold_acc
+    lists, coins, final_coins = walk_array_arguments(candidates, next_token, next_sibling, coins, final_coins)
+    statics = walk_static_arguments(max_accept, threshold_single, threshold_acc)
+    return _walk_rows(*lists, jnp.asarray(target_probs, jnp.float32), coins, final_coins, **statics)
+
+
+@functools.partial(jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc"))
+def _walk_rows(candidates, next_token, next_sibling, target_probs, coins, final_coins, **walk_statics):
+    """`walk_reference` on converted arrays: `_walk_row` vmapped over the rows; walk_statics: max_accept (int),
+    threshold_single and threshold_acc (float)."""
+    return jax.vmap(functools.partial(_walk_row, **walk_statics))(
+        candidates, next_token, next_sibling, target_probs, coins, final_coins
     )
-    return jax.vmap(walk)(candidates, next_token, next_sibling, target_probs, coins, final_coins)

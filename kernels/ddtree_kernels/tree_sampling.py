@@ -66,7 +66,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_kernels.sampling_reference import processed_probs_reference, valid_rows, walk_reference
+from ddtree_kernels.sampling_reference import (
+    processed_probs_reference,
+    valid_rows,
+    walk_array_arguments,
+    walk_reference,
+    walk_static_arguments,
+)
 from ddtree_kernels.tiling import TARGET_PROGRAMS, default_interpret
 
 STATS_BLOCK = 2048  # vocab elements per load: statistics and kept-mass passes
@@ -1066,26 +1072,22 @@ def row_stats_reference(logits: jax.Array, params_rows: jax.Array) -> dict:
 # --- public entries -------------------------------------------------------------------------------------
 
 
-def _walk_inputs(candidates, next_token, next_sibling, coins, final_coins, max_accept, threshold_single, threshold_acc):
-    """The walk's inputs as the kernels and `walk_reference` take them: ((candidates, next_token, next_sibling)
-    int32 [B, N], coins f32 [B, N], final_coins f32 [B], {max_accept: int, threshold_single / threshold_acc:
-    float}, the static keywords)."""
-    lists = tuple(jnp.asarray(a, jnp.int32) for a in (candidates, next_token, next_sibling))
-    statics = dict(
-        max_accept=int(max_accept), threshold_single=float(threshold_single), threshold_acc=float(threshold_acc)
-    )
-    return lists, jnp.asarray(coins, jnp.float32), jnp.asarray(final_coins, jnp.float32), statics
-
-
-def _checked_walk_inputs(
-    candidates, next_token, next_sibling, values, coins, final_coins, max_accept, threshold_single, threshold_acc
-):
-    """The kernels' argument checks (values: probs / logits [B, N, V]), then `_walk_inputs`."""
+def _checked_walk_statics(max_accept, threshold_single, threshold_acc) -> dict:
+    """The kernels' checks of the walk's static keywords, then `walk_static_arguments`' conversion:
+    {max_accept: int >= 0, threshold_single / threshold_acc: float in [0, 1]}."""
     if isinstance(max_accept, bool) or not isinstance(max_accept, (int, np.integer)) or max_accept < 0:
         raise ValueError(f"max_accept must be an integer >= 0, got {max_accept!r}")
     for name, value in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
         if not 0.0 <= float(value) <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return walk_static_arguments(max_accept, threshold_single, threshold_acc)
+
+
+def _checked_walk_arrays(lists, values, coins, final_coins):
+    """The kernels' shape checks (lists: (candidates, next_token, next_sibling) [B, N]; values: probs / logits
+    [B, N, V]; coins [B, N]; final_coins [B]), then `walk_array_arguments`' conversion: ((candidates,
+    next_token, next_sibling) int32 [B, N], coins f32 [B, N], final_coins f32 [B])."""
+    candidates, next_token, next_sibling = lists
     if values.ndim != 3 or values.shape[:2] != candidates.shape:
         raise ValueError(
             f"probs/logits must have shape [B, N, V] with [B, N] = {tuple(candidates.shape)}, got {tuple(values.shape)}"
@@ -1096,43 +1098,18 @@ def _checked_walk_inputs(
         raise ValueError(
             f"coins must be [B, N] and final_coins [B]; got {tuple(coins.shape)}, {tuple(final_coins.shape)}"
         )
-    return _walk_inputs(
-        candidates, next_token, next_sibling, coins, final_coins, max_accept, threshold_single, threshold_acc
-    )
+    return walk_array_arguments(*lists, coins, final_coins)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("max_accept", "threshold_single", "threshold_acc", "interpret", "layout", "tiling")
-)
-def _from_probs_jit(
-    candidates,
-    next_token,
-    next_sibling,
-    probs,
-    coins,
-    final_coins,
-    *,
-    max_accept,
-    threshold_single,
-    threshold_acc,
-    interpret,
-    layout,
-    tiling=SINGLE_TILING,
-):
-    return _walk(
-        "probs",
-        (candidates, next_token, next_sibling),
-        coins,
-        final_coins,
-        probs,
-        None,
-        max_accept=max_accept,
-        threshold_single=threshold_single,
-        threshold_acc=threshold_acc,
-        interpret=interpret,
-        layout=layout,
-        tiling=tiling,
-    )
+# the static keywords of `_walk` (tiling optional), which the jitted entries pass through
+_WALK_STATIC_ARGNAMES = ("max_accept", "threshold_single", "threshold_acc", "interpret", "layout", "tiling")
+
+
+@functools.partial(jax.jit, static_argnames=_WALK_STATIC_ARGNAMES)
+def _from_probs_jit(candidates, next_token, next_sibling, probs, coins, final_coins, **walk_options):
+    """Mode (a) under jit: kernels 4-6 on probs f32 [B, N, V] (the other arrays as `tree_sampling_from_probs`
+    takes them, converted); walk_options: `_walk`'s static keywords."""
+    return _walk("probs", (candidates, next_token, next_sibling), coins, final_coins, probs, None, **walk_options)
 
 
 def tree_sampling_from_probs(
@@ -1155,45 +1132,18 @@ def tree_sampling_from_probs(
     tokens int32 [B, S]), S = max_accept + 1. Sibling tokens must be distinct (the library's
     `verify_sampling` checks concrete inputs). layout: the final sample's "single" / "spans" / "auto"
     (`resolve_layout`)."""
-    lists, coins, final_coins, statics = _checked_walk_inputs(
-        candidates,
-        next_token,
-        next_sibling,
-        target_probs,
-        coins,
-        final_coins,
-        max_accept,
-        threshold_single,
-        threshold_acc,
+    statics = _checked_walk_statics(max_accept, threshold_single, threshold_acc)
+    lists, coins, final_coins = _checked_walk_arrays(
+        (candidates, next_token, next_sibling), target_probs, coins, final_coins
     )
+    probs = jnp.asarray(target_probs, jnp.float32)
     return _from_probs_jit(
-        *lists,
-        jnp.asarray(target_probs, jnp.float32),
-        coins,
-        final_coins,
-        **statics,
-        interpret=default_interpret(interpret),
-        layout=layout,
+        *lists, probs, coins, final_coins, **statics, interpret=default_interpret(interpret), layout=layout
     )
 
 
-def tree_sampling_from_probs_reference(
-    candidates,
-    next_token,
-    next_sibling,
-    target_probs,
-    coins,
-    final_coins,
-    *,
-    max_accept: int,
-    threshold_single: float = 1.0,
-    threshold_acc: float = 1.0,
-):
-    """The reference twin of mode (a): `walk_reference`."""
-    lists, coins, final_coins, statics = _walk_inputs(
-        candidates, next_token, next_sibling, coins, final_coins, max_accept, threshold_single, threshold_acc
-    )
-    return walk_reference(*lists, jnp.asarray(target_probs, jnp.float32), coins, final_coins, **statics)
+# The reference twin of mode (a) is the walk itself (pure jnp; the same arguments, array-likes converted).
+tree_sampling_from_probs_reference = walk_reference
 
 
 def _repeat_settings(sampling_params: jax.Array, slots: int) -> jax.Array:
@@ -1205,18 +1155,7 @@ def params_rows(sampling_params: jax.Array, slots: int) -> jax.Array:
     return _repeat_settings(sampling_params, slots)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "max_accept",
-        "threshold_single",
-        "threshold_acc",
-        "interpret",
-        "skip_with_cond",
-        "layout",
-        "tiling",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=_WALK_STATIC_ARGNAMES + ("skip_with_cond",))
 def _from_logits_jit(
     candidates,
     next_token,
@@ -1226,37 +1165,28 @@ def _from_logits_jit(
     coins,
     final_coins,
     *,
-    max_accept,
-    threshold_single,
-    threshold_acc,
     interpret,
-    skip_with_cond,
     layout,
+    skip_with_cond,
     tiling=SINGLE_TILING,
+    **walk_statics,
 ):
+    """Mode (b) under jit: `row_stats` of logits [B, N, V] (bf16 / f32) under sampling_params f32 [B, 4], then
+    kernels 4-6 (the other arrays as `tree_sampling_from_logits` takes them, converted); walk_statics:
+    max_accept, threshold_single, threshold_acc. Returns `tree_sampling_from_logits`' four arrays."""
     batch, slots, vocab = logits.shape
+    layout_options = dict(interpret=interpret, layout=layout, tiling=tiling)
     stats = row_stats(
         logits.reshape(batch * slots, vocab),
         sampling_params,
-        interpret=interpret,
         skip_with_cond=skip_with_cond,
-        layout=layout,
-        tiling=tiling,
         rows_per_setting=slots,
+        **layout_options,
     )
+    lists = (candidates, next_token, next_sibling)
+    extra = (sampling_params[:, 0], stats)
     accept, num_accepted, tokens = _walk(
-        "logits",
-        (candidates, next_token, next_sibling),
-        coins,
-        final_coins,
-        logits,
-        (sampling_params[:, 0], stats),
-        max_accept=max_accept,
-        threshold_single=threshold_single,
-        threshold_acc=threshold_acc,
-        interpret=interpret,
-        layout=layout,
-        tiling=tiling,
+        "logits", lists, coins, final_coins, logits, extra, **walk_statics, **layout_options
     )
     return accept, num_accepted, tokens, stats["valid"].reshape(batch, slots).astype(bool)
 
@@ -1296,16 +1226,9 @@ def tree_sampling_from_logits(
     "spans"). layout: "single" (one program per row), "spans" or "auto" (`resolve_layout`); tiling: the
     single layout's warps and search loads (`SingleTiling`).
     """
-    lists, coins, final_coins, statics = _checked_walk_inputs(
-        candidates,
-        next_token,
-        next_sibling,
-        target_logits,
-        coins,
-        final_coins,
-        max_accept,
-        threshold_single,
-        threshold_acc,
+    statics = _checked_walk_statics(max_accept, threshold_single, threshold_acc)
+    lists, coins, final_coins = _checked_walk_arrays(
+        (candidates, next_token, next_sibling), target_logits, coins, final_coins
     )
     if target_logits.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"target_logits must be bfloat16 or float32, got {target_logits.dtype}")
@@ -1342,15 +1265,8 @@ def tree_sampling_from_logits_reference(
     _check_sampling_params(sampling_params, candidates.shape[0])
     temperature, top_k, top_p, min_p = (sampling_params[:, i] for i in range(4))
     probs = processed_probs_reference(target_logits, temperature, top_k.astype(jnp.int32), top_p, min_p)
-    accept, num_accepted, tokens = tree_sampling_from_probs_reference(
-        candidates,
-        next_token,
-        next_sibling,
-        probs,
-        coins,
-        final_coins,
-        max_accept=max_accept,
-        threshold_single=threshold_single,
-        threshold_acc=threshold_acc,
+    statics = walk_static_arguments(max_accept, threshold_single, threshold_acc)
+    accept, num_accepted, tokens = walk_reference(
+        candidates, next_token, next_sibling, probs, coins, final_coins, **statics
     )
     return accept, num_accepted, tokens, valid_rows(target_logits)

@@ -10,37 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.config import DFlashConfig, Qwen3Config
 from ddtree_jax.engine import DecodeOptions, DFlashDrafter, generate
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.sampling import SamplingParams, row_keys
 from tests.stats_helpers import ALPHA, chi_square_pvalue
-from tests.tiny_models import yarn_drafter
+from tests.tiny_models import DSV3_TWO_LAYER, QWEN3_TINY, tiny_drafter, yarn_drafter
 
 V = 24
-TARGET = Qwen3Config(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10_000.0,
-    tapped_layers=(0, 1),
-)
-DRAFTER = DFlashConfig(
-    hidden_size=32,
-    intermediate_size=40,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    block_size=5,
-    mask_token_id=V - 1,
-    target_layers=(0, 1),
-    rope_theta=10_000.0,
-)
+# the shared tiny Qwen3 (tests/tiny_models.py) with this file's vocabulary V and RoPE theta 10k
+TARGET = dataclasses.replace(QWEN3_TINY, vocab_size=V, rope_theta=10_000.0)
+DRAFTER = tiny_drafter(V - 1, (0, 1), 5, rope_theta=10_000.0)
 T_PARAMS = qwen3.init_params(TARGET, jax.random.key(0), norm_jitter=0.1)
 T_PARAMS = {**T_PARAMS, "lm_head": T_PARAMS["lm_head"] * 60.0}  # peaked next-token laws (logit std ~ 3)
 DFLASH = DFlashDrafter(
@@ -238,35 +217,18 @@ def test_any_budget_and_smaller_blocks_keep_greedy_text(ar_greedy, budget, block
 def test_engine_runs_the_deepseek_family_target():
     """Same engine, the DeepSeek-V3 / Kimi K2-shaped tiny target (absorbed MLA, MoE): greedy DDTree with an
     oracle drafter equals AR greedy, with deep acceptance."""
-    from ddtree_jax.config import DeepSeekV3Config
     from ddtree_jax.models import deepseek_v3
 
-    config = DeepSeekV3Config(
+    # the shared two-layer DeepSeek-V3 (tests/tiny_models.py) with vocabulary V, q_lora_rank 16 and YaRN RoPE
+    config = dataclasses.replace(
+        DSV3_TWO_LAYER,
         vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_layers=2,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        num_heads=4,
         q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
         rope_type="yarn",
         rope_factor=4.0,
         rope_original_max_position=16,
         rope_mscale=1.0,
         rope_mscale_all_dim=1.0,
-        tapped_layers=(0, 1),
     )
     params = deepseek_v3.init_params(config, jax.random.key(4), norm_jitter=0.1)
     params = {**params, "lm_head": params["lm_head"] * 60.0}

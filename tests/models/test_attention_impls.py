@@ -6,39 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.attention import attention
 from tests.models.impl_parity import forward_by_impl, relerr
-from tests.tiny_models import QWEN3_TINY
-
-DSV3 = DeepSeekV3Config(
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_layers=2,
-    first_k_dense_replace=1,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    num_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    tapped_layers=(0, 1),
-)
+from tests.tiny_models import DSV3_TWO_LAYER, QWEN3_TINY
 
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 def test_prefill_and_tree_verify_equal_the_xla_path(family):
-    module, config = (qwen3, QWEN3_TINY) if family == "qwen3" else (deepseek_v3, DSV3)
+    module, config = (qwen3, QWEN3_TINY) if family == "qwen3" else (deepseek_v3, DSV3_TWO_LAYER)
     params = module.init_params(config, jax.random.key(0))
     outs = forward_by_impl(module, config, params, "attn_impl")
     for got, want in zip(outs["pallas"], outs["xla"]):
@@ -58,7 +34,7 @@ def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu():
     from ddtree_jax.tree import ancestor_mask, build_tree
 
     assert dispatch.mla_attention_kernel(bfloat16=True) == "mosaic"
-    config = dataclasses.replace(DSV3, kv_lora_rank=512, qk_rope_head_dim=64)
+    config = dataclasses.replace(DSV3_TWO_LAYER, kv_lora_rank=512, qk_rope_head_dim=64)
     params = jax.tree.map(
         lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
         deepseek_v3.init_params(config, jax.random.key(3)),
@@ -123,7 +99,9 @@ def test_mla_prefill_on_the_kernels_equals_the_xla_path_on_gpu():
 
     from ddtree_jax import dispatch
 
-    config = dataclasses.replace(DSV3, kv_lora_rank=512, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64)
+    config = dataclasses.replace(
+        DSV3_TWO_LAYER, kv_lora_rank=512, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64
+    )
     shape = dict(kv_lora_rank=512, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64)
     assert dispatch.mla_form("auto", queries=100, **shape) == "expanded"
     params = jax.tree.map(
@@ -316,7 +294,7 @@ def test_expanded_mla_equals_the_absorbed_form(attn_impl):
     key block at a time under "blockwise") against the absorbed form on the same cache: random weights and
     inputs, rows writing at different offsets (ragged caches), a random causal-plus-prefix mask with a
     row that sees nothing; both return the same updated caches."""
-    c = DSV3
+    c = DSV3_TWO_LAYER
     params = deepseek_v3.init_params(c, jax.random.key(5))
     p = jax.tree.map(lambda w: w[0], params["dense_layers"])
     batch, steps, capacity = 2, 9, 2500  # > BLOCKWISE_KEYS: "blockwise" scans 3 key blocks, the last partial
@@ -355,10 +333,10 @@ def test_mla_form_picks_expanded_where_it_needs_fewer_flops():
 
 
 DSV3_SHAPE = dict(
-    kv_lora_rank=DSV3.kv_lora_rank,
-    qk_nope_head_dim=DSV3.qk_nope_head_dim,
-    qk_rope_head_dim=DSV3.qk_rope_head_dim,
-    v_head_dim=DSV3.v_head_dim,
+    kv_lora_rank=DSV3_TWO_LAYER.kv_lora_rank,
+    qk_nope_head_dim=DSV3_TWO_LAYER.qk_nope_head_dim,
+    qk_rope_head_dim=DSV3_TWO_LAYER.qk_rope_head_dim,
+    v_head_dim=DSV3_TWO_LAYER.v_head_dim,
 )
 
 
@@ -377,7 +355,7 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
     from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
 
     attention_module = importlib.import_module("ddtree_jax.models.attention")
-    config = dataclasses.replace(DSV3, num_layers=3)
+    config = dataclasses.replace(DSV3_TWO_LAYER, num_layers=3)
     params = deepseek_v3.init_params(config, jax.random.key(5))
     rng = np.random.default_rng(6)
     prefix = jnp.asarray(rng.integers(0, 50, (2, 40)), jnp.int32)

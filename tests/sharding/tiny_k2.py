@@ -2,37 +2,22 @@
 group-limited routing; and a DFlash drafter for it."""
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
+from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import deepseek_v3
 from ddtree_jax.sharding.rules import batch_sharding
 from ddtree_jax.tree import ancestor_mask, build_tree
+from tests.tiny_models import DSV3_TINY
 
-CONFIG = DeepSeekV3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=128,
-    num_layers=3,
-    first_k_dense_replace=1,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=3,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    num_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    tapped_layers=(0, 2),
+# the shared tiny DeepSeek-V3 (tests/tiny_models.py) with a vocabulary of 64, 128-wide experts, routed scaling 2.5
+# and layers 0 and 2 tapped
+CONFIG = dataclasses.replace(
+    DSV3_TINY, vocab_size=64, moe_intermediate_size=128, routed_scaling_factor=2.5, tapped_layers=(0, 2)
 )
 DRAFTER = DFlashConfig(
     hidden_size=32,
