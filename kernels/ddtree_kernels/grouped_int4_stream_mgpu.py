@@ -66,6 +66,9 @@ from ddtree_kernels.tiling import default_interpret
 
 BLOCK_K = 256  # K elements a pipeline step (a step's scales [64, 8] are one 8-column tile, read in place)
 STREAM_BLOCK_MS = (8, 16)  # token rows a tile (wgmma's N): 16 keeps an expert of <= 9 rows in one tile
+# block_m's default: 8 up to this many rows (one token's top-8: every expert holds one row, and 8-row tiles write
+# half the float32 partial sums of 16-row ones), else 16
+SMALL_ROWS = 8
 MAX_STAGES = 8
 ITEMS_PER_CTA = 4  # `stream_plan` cuts K until the largest table gives about this many items a CTA
 INTERPRET_CTAS = 4  # interpret mode's default grid: each CTA is three host threads, one after another
@@ -266,7 +269,7 @@ def streamed_int4_matmul(
     group_sizes: jax.Array,
     *,
     layer: jax.Array | int | None = None,
-    block_m: int = 16,
+    block_m: int | None = None,
     chunks: int | None = None,
     stages: int | None = None,
     num_ctas: int | None = None,
@@ -275,7 +278,7 @@ def streamed_int4_matmul(
     """Rows of x [A, K] bf16 sorted by expert (group_sizes int32 [E], summing to A) against INT4 expert weights
     [E, N, K] (or every layer's [L, E, N, K] with `layer`, an int or int32 scalar: read in place) -> bf16 [A, N],
     row a = x[a] @ W[e(a)]^T, by persistent CTAs streaming their work items through one TMA ring (module
-    docstring). block_m: token rows a tile (8 or 16); chunks: K chunks an item (dividing K / 256; None:
+    docstring). block_m: token rows a tile (8 or 16; None: 8 up to SMALL_ROWS rows, else 16); chunks: K chunks an item (dividing K / 256; None:
     `stream_plan`); stages: ring slots (None: as many as fit, up to MAX_STAGES); num_ctas: CTAs launched at most
     (None: one an SM, NUM_SMS; INTERPRET_CTAS in interpret mode); interpret: Mosaic GPU interpret mode (None: on
     the CPU backend)."""
@@ -289,6 +292,9 @@ def streamed_int4_matmul(
         raise ValueError(f"group_sizes must have one entry per expert ({experts},), got {group_sizes.shape}")
     if n % BLOCK_N or k % BLOCK_K:
         raise ValueError(f"N = {n} must be a multiple of {BLOCK_N} and K = {k} of {BLOCK_K}")
+    rows = x.shape[0]
+    if block_m is None:
+        block_m = 8 if rows <= SMALL_ROWS else 16
     if block_m not in STREAM_BLOCK_MS:
         raise ValueError(f"block_m must be one of {STREAM_BLOCK_MS}, got {block_m}")
     interpret = default_interpret(interpret)
@@ -296,7 +302,6 @@ def streamed_int4_matmul(
         num_ctas = INTERPRET_CTAS if interpret else NUM_SMS
     if num_ctas < 1:
         raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
-    rows = x.shape[0]
     if chunks is None:
         chunks = stream_plan(rows, experts, n, k, block_m, num_ctas)
     elif chunks < 1 or (k // BLOCK_K) % chunks:

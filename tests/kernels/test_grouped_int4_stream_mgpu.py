@@ -26,6 +26,7 @@ CASES = {
     "bm16_every_step_a_chunk_f32": ([3, 0, 1, 1, 2], 256, 768, "float32", dict(chunks=3, num_ctas=5, stages=4)),
     "layer_of_three_planned": ([2, 1, 0, 4, 1, 1], 128, 512, "bfloat16", dict(layer=2)),
     "more_ctas_than_items": ([0, 1, 0], 128, 256, "bfloat16", dict(num_ctas=16)),
+    "one_token_default_block_m": ([1, 0, 1, 1, 1, 0, 1, 1, 1, 1], 128, 512, "bfloat16", dict(num_ctas=4)),
 }
 TOLERANCE = 1e-2  # max |y - ref| / max |ref| and ||y - ref|| / ||ref||: bf16 output (interpret: ~0)
 
@@ -65,6 +66,19 @@ def test_matches_reference(results, name):
     assert result["shape"] == [sum(sizes), n] and result["dtype"] == "bfloat16"
     assert result["finite"]
     assert result["max_err"] < TOLERANCE and result["rel_err"] < TOLERANCE, result
+
+
+@pytest.mark.parametrize("rows, block_m", [(1, 8), (8, 8), (9, 16), (136, 16)])
+def test_block_m_default_follows_the_rows(monkeypatch, rows, block_m):
+    """block_m's default: 8-row tiles up to one token's top-8 (each expert one row), 16 above."""
+    from ddtree_kernels import grouped_int4_stream_mgpu as stream
+
+    seen = {}
+    monkeypatch.setattr(stream, "_streamed", lambda *args, **kwargs: seen.update(kwargs))
+    sizes = [rows // 2, 0, rows - rows // 2]
+    x, weight, group_sizes = _inputs("default_block_m", sizes, 128, 256, "bfloat16")
+    stream.streamed_int4_matmul(x, weight, group_sizes, interpret=True)
+    assert seen["block_m"] == block_m
 
 
 def test_stream_plan_gives_every_cta_items():
@@ -154,8 +168,11 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the co
     [
         ("tp8_gate_tree_17", 17, 256, 7168, {}),
         ("tp8_down_tree_17", 17, 7168, 256, {}),
-        ("tp8_gate_one_token_bm8", 1, 256, 7168, dict(block_m=8)),
+        ("tp8_gate_one_token", 1, 256, 7168, {}),  # block_m's default: 8 at 8 rows
+        ("tp8_gate_one_token_bm16", 1, 256, 7168, dict(block_m=16)),  # TMA reads 16 rows of an 8-row x (zeros)
+        ("tp8_down_one_token", 1, 7168, 256, {}),
         ("tp8_gate_tree_65_four_stages", 65, 256, 7168, dict(stages=4)),
+        ("tp8_gate_tree_65", 65, 256, 7168, {}),  # the most stages that fit (float32 scales: ~11 KB to spare)
     ],
 )
 def test_compiled_on_gpu(name, tokens, n, k, kwargs):
