@@ -207,7 +207,8 @@ MOSAIC_GROUPED_MIN_ROWS = 32
 # Below prefill sizes: "stream" = the streamed Mosaic GPU kernel (`grouped_int4_stream_mgpu`: persistent CTAs, each
 # streaming many experts' tiles through one TMA ring), built for the tree sizes (1-2 rows an expert) at which the
 # Triton kernel reaches 28-58% of the copy bandwidth (#26's bar: 70%). Exact in Mosaic GPU interpret mode and lowered
-# for "cuda" on the CPU; not yet compiled or timed on the GPU, so "auto" keeps "triton".
+# for "cuda" on the CPU. On one H200 (42be6ae, BENCHMARKS.md) it is exact but slower than the Triton kernel at
+# every size: gate T = 9 / 17 / 65 122-130 / 154-178 / 317-354 us against 100.6 / 131.8 / 269.5, so "auto" keeps "triton".
 GROUPED_INT4_DECODES = ("auto", "triton", "stream")
 GROUPED_INT4_DECODE = "auto"
 # inside the "decode" MoE path (`moe.routed_decode`): the Mosaic decode form (`grouped_int4_mgpu.
@@ -231,8 +232,9 @@ RANK_SORT_MAX_ASSIGNMENTS = 2048
 # the kernel the layer's token rows [T, D] and each sorted assignment's token (`decode_matmul.grouped_matmul`'s
 # row_index), each row read in place; "xla" gathers the T x top-k rows into expert order first. In the 4-layer K2.6
 # shard's DDTree 16 profile (17 tokens, 136 assignments, 8fec69d) the gather, with the pad and the plane transpose of
-# the gathered [136, 7168] rows, was one fusion of 16.9 us a layer; "kernel" transposes 17 rows instead. Not yet
-# timed on the GPU, so "auto" keeps "xla".
+# the gathered [136, 7168] rows, was one fusion of 16.9 us a layer; "kernel" transposes 17 rows instead. On one H200
+# (42be6ae): the gate call 1.09x / 1.00x / 1.06x faster at T = 9 / 17 / 65, the 4-layer DDTree 16 step in the loop a
+# tie (2.725 against 2.722 ms), so "auto" keeps "xla".
 GROUPED_GATHERS = ("auto", "xla", "kernel")
 GROUPED_GATHER = "auto"
 # The router's logits from this many rows (B x T) as one bf16 GEMM with float32 accumulation (`router_bf16_gemm`):

@@ -29,6 +29,11 @@ Kernel (`plgpu.kernel`, grid (num_ctas,), three warpgroups a CTA):
   chunks    K is cut into `chunks` (dividing K's steps) so that there are enough items for every CTA
             (`stream_plan`: ~4 an SM for the table's largest count of tiles).
 
+Measured (one H200, the K2.6 TP8 shard's gate, BENCHMARKS.md): exact, but slower than the Triton grouped kernel at
+every size swept: 122-130 / 154-178 / 317-354 us at 9 / 17 / 65 tokens against 100.6 / 131.8 / 269.5 (20-32% of
+the copy bandwidth). More ring slots do not help, so the compute warpgroups, which wait for each step's wgmmas before
+releasing its slot and dequantising the next, are the limit. Not routed by "auto".
+
 Constraints (ValueError otherwise): x bf16 [A, K]; N % 128 == 0; K % 256 == 0 (block_k 256); block_m in (8, 16).
 
 Interpret mode (CPU; `interpret=None` picks it there) stages each dequantised group through shared memory, as
