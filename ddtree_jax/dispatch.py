@@ -15,8 +15,8 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               at 1k-4k with 64 heads (attention_mgpu_003b11c.json); the K2.6 TP8 shard's whole step 8-11%
               faster with it (k26_tp8_shard_003b11c.json). GQA decode / verify calls that take the kernel
               against >= AUTO_MOSAIC_GQA_MIN_KEYS cache rows (bf16, head dims 64 / 128): the Mosaic GPU GQA
-              kernel (`gqa_attention_mgpu`; `gqa_attention_kernel`): 1.42-1.54x the Triton kernel at 8k-32k
-              keys, a tie at 1k (gqa_mgpu_c95440b.json). Causal prefill chunks (> AUTO_PALLAS_MAX_QUERIES
+              kernel (`gqa_attention_mgpu`; `gqa_attention_kernel`): by device time 1.19 / 1.51 / 1.95x the
+              Triton kernel at 1k / 8k / 32k keys (gqa_mgpu_42be6ae.json). Causal prefill chunks (> AUTO_PALLAS_MAX_QUERIES
               queries, GQA, bf16, head dims the kernel takes): the Mosaic GPU flash-attention kernel
               (`prefill_attention_mgpu`; `prefill_attention_kernel`): 550-650 TFLOP/s at a 2,048-query chunk
               against 69-78 for the blockwise XLA path (prefill_attention_a7d24fc.json); the Qwen3-8B 32k
@@ -126,11 +126,12 @@ AUTO_PALLAS_MLA_QUERIES = 65
 # GQA decode / verify calls (<= AUTO_PALLAS_GQA_QUERIES queries) that take the tree-attention kernel ("pallas", or
 # "auto" above): on GPU, bf16, head dims in MOSAIC_GQA_HEAD_DIMS and at least AUTO_MOSAIC_GQA_MIN_KEYS cache rows in
 # whole 64-key blocks, the Mosaic GPU kernel (`ddtree_kernels.gqa_attention_mgpu`: every key block read once per KV
-# head for all its query heads x tree rows), else the Triton one. H200, Qwen3-8B shape, B = 1, N = 17, us per call by
-# the wall clock of a timed program (which holds its dispatch; device times not yet measured), Mosaic / Triton / XLA
-# (gqa_mgpu_c95440b.json): 1k keys 54 / 52 / 65 (a tie), 8k 90 / 128 / 216, 32k 147 / 226 / 404. Not measured: N = 65,
-# B > 1, head dim 64 at >= 8k keys (the rule takes them on the B = 1, N = 17 evidence).
-AUTO_MOSAIC_GQA_MIN_KEYS = 8192
+# head for all its query heads x tree rows), else the Triton one. H200, Qwen3-8B shape, B = 1, N = 17, device us per
+# call (op_profile, 42be6ae, gqa_mgpu_42be6ae.json), Mosaic / Triton / XLA: 1k keys 16.8 / 20.0 / 31.3, 8k 27.6 / 41.5 /
+# 89.2, 32k 63.6 / 124.2 / 266.8, so from 1k, the shortest context measured (8k until the wall-clock times of
+# c95440b, which hold each call's dispatch, showed a tie at 1k). Not measured: N = 65, B > 1, head dim 64 at >= 1k
+# keys (the rule takes them on the B = 1, N = 17 evidence).
+AUTO_MOSAIC_GQA_MIN_KEYS = 1024
 MOSAIC_GQA_HEAD_DIMS = gqa_attention_mgpu.HEAD_DIMS
 AUTO_PALLAS_MLA_MIN_KEYS = 2048
 # Causal prefill chunks (queries > AUTO_PALLAS_MAX_QUERIES) on GPU in bf16: the Mosaic GPU flash-attention kernel
