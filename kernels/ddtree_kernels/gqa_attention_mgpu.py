@@ -55,9 +55,8 @@ cache is); the blocks after it are never read and may hold anything.
 Interpret mode (CPU; `interpret=None` picks it there) runs the same kernel with the departure jax 0.11's
 interpreter needs (`mosaic_common.accumulate`, as in `mla_attention_mgpu`): the probabilities reach the value wgmma
 through shared memory (p_smem [WGs, 64, block_kv]), not registers, and that product is added instead of
-accumulated in place. The interpreter runs a CTA's warpgroups as threads blocked inside host callbacks: on a
-machine with fewer than 4 cores, start the process with NPROC=8 (XLA's CPU pool size), or waiting
-warpgroups can starve the others (a hang).
+accumulated in place. The interpreter runs a CTA's warpgroups as threads blocked inside host callbacks: start
+the process with NPROC=64 (`mosaic_common.INTERPRET_NPROC`), or waiting warpgroups can starve the others (a hang).
 
 `gqa_tree_attention_reference` is the twin (`tree_attention_reference`, plain XLA).
 """

@@ -51,8 +51,8 @@ k_splits; block_m in (8, 16, 32, 64, 128).
 
 Interpret mode (CPU; `interpret=None` picks it there): jax 0.11's interpreter takes no wgmma operand from the
 registers, so there each group's dequantised tile is staged through shared memory (`a_smem`) and read from
-there: the same values. Start the process with NPROC=8 on a machine with fewer than 4 cores (the warpgroups
-run as threads that block in host callbacks).
+there: the same values. Start the process with NPROC=64 (`mosaic_common.INTERPRET_NPROC`: the
+warpgroups run as threads that block in host callbacks).
 
 `grouped_int4_matmul_reference` is the twin (`decode_matmul.grouped_matmul_reference`: each row against its
 expert's dequantised weights); `gathered_int4_matmul_reference` the decode form's.

@@ -37,7 +37,8 @@ releasing its slot and dequantising the next, are the limit. Not routed by "auto
 Constraints (ValueError otherwise): x bf16 [A, K]; N % 128 == 0; K % 256 == 0 (block_k 256); block_m in (8, 16).
 
 Interpret mode (CPU; `interpret=None` picks it there) stages each dequantised group through shared memory, as
-`grouped_int4_mgpu` does; run with NPROC=8 on a machine with fewer than 4 cores.
+`grouped_int4_mgpu` does; run with NPROC=64
+(`mosaic_common.INTERPRET_NPROC`).
 
 `streamed_int4_matmul_reference` is the twin (`decode_matmul.grouped_matmul_reference`).
 """

@@ -52,8 +52,8 @@ warpgroups' register budget (232 each, as FlashAttention-3). The row blocks of a
 Interpret mode (CPU; `interpret=None` picks it there) runs the same kernel with two departures that jax
 0.11's interpreter needs (`mosaic_common.accumulate`): the probabilities reach the value wgmma through shared memory,
 not registers, and that product is added instead of accumulated in place. The interpreter runs a CTA's
-three warpgroups as threads blocked inside host callbacks: on a machine with fewer than 4 cores, start
-the process with NPROC=8 (XLA's CPU pool size), or two waiting warpgroups can starve the third (a hang).
+three warpgroups as threads blocked inside host callbacks: start the process with NPROC=64
+(`mosaic_common.INTERPRET_NPROC`), or two waiting warpgroups can starve the third (a hang).
 
 Under a layer scan (the models' decode step) two things would repeat in every layer: slicing the layer's cache
 out of the stacked caches (a copy, since a kernel takes each operand as one buffer) and packing the mask. So

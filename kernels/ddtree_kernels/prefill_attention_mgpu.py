@@ -43,7 +43,7 @@ library's dispatch keeps the XLA path there. Measured correct on the H200 with C
 Interpret mode (CPU; `interpret=None` picks it there): the same kernel, except that P reaches the value
 wgmma through shared memory and that product is added instead of accumulated in place (`mosaic_common.accumulate`,
 as in `mla_attention_mgpu`). The interpreter runs a CTA's three warpgroups as threads blocked in host
-callbacks: on a machine with fewer than 4 cores, start the process with NPROC=8 or they can starve.
+callbacks: start the process with NPROC=64 (`mosaic_common.INTERPRET_NPROC`) or they can starve.
 """
 
 from __future__ import annotations

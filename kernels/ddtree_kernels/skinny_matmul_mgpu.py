@@ -44,8 +44,8 @@ the accumulator's registers), block_k in (64, 128, 256), stages >= 1. Qwen3-8B d
 N = 151936 = 128 x 1187).
 
 Interpret mode (CPU; `interpret=None` picks it there): the same kernel. It runs a CTA's warpgroups as threads
-blocked inside host callbacks: on a machine with fewer than 4 cores start the process with NPROC=8 (XLA's CPU
-pool size), or a waiting warpgroup can starve the others (a hang).
+blocked inside host callbacks: start the process with NPROC=64 (`mosaic_common.INTERPRET_NPROC`), or a waiting
+warpgroup can starve the others (a hang).
 
 `skinny_matmul_reference` is the twin (plain XLA `jnp.dot`).
 """

@@ -59,7 +59,7 @@ def test_grouped_sweep_records_the_tiling_that_runs(tmp_path, monkeypatch):
 
 def test_grouped_sweep_times_the_mosaic_kernel(tmp_path):
     """`--grouped-impl mosaic`: the Mosaic GPU kernel timed on the same inputs (interpret mode, in a subprocess
-    with NPROC=8: its warpgroups are threads), one row per tiling with its error against the Triton kernel."""
+    with NPROC=64: its warpgroups are threads), one row per tiling with its error against the Triton kernel."""
     from tests.kernels.mosaic_interpret import run_in_subprocess
 
     out = run_in_subprocess(

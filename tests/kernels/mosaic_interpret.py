@@ -1,9 +1,10 @@
 """Shared by the Mosaic GPU kernels' interpret-mode tests (test_{mla,gqa,prefill}_attention_mgpu.py).
 
 Interpret mode runs a CTA's warpgroups as threads that block inside host callbacks (barrier waits); with
-XLA's CPU thread pool at its default size (the core count) two blocked warpgroups can starve the third on a
-2-core machine and the kernel hangs. The cases therefore run in one subprocess with a larger pool (NPROC=8,
-read when the CPU client starts), which prints one JSON line of results."""
+XLA's CPU thread pool too small for the warpgroups of the kernel calls running at once, a blocked warpgroup
+starves another and the kernel hangs (`mosaic_common.INTERPRET_NPROC`). The cases therefore run in one subprocess
+with that pool (NPROC=64, read when the CPU client starts), which prints one JSON line of results. Should one
+hang anyway, the subprocess dumps every thread's stack before its time limit, so the failure says where."""
 
 import json
 import os
@@ -16,11 +17,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_in_subprocess(code: str) -> dict:
-    """Run `code` (Python that prints a JSON line last) in a CPU subprocess with an 8-thread XLA pool."""
-    env = dict(os.environ, NPROC="8", JAX_PLATFORMS="cpu")
+def run_in_subprocess(code: str, timeout: int = 600) -> dict:
+    """Run `code` (Python that prints a JSON line last) in a CPU subprocess with a 64-thread XLA pool; a run
+    past `timeout` seconds fails with every thread's stack."""
+    from ddtree_kernels.mosaic_common import INTERPRET_NPROC
+
+    env = dict(os.environ, NPROC=str(INTERPRET_NPROC), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "kernels"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # a hang dumps the stacks and exits before subprocess.run's own limit would kill it silently
+    watchdog = f"import faulthandler; faulthandler.dump_traceback_later({timeout - 30}, exit=True)\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", watchdog + code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode:
         pytest.fail(f"interpret-mode run failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -4,7 +4,7 @@ GPU interpret mode on the CPU, plus its plans, argument checks and a CPU lowerin
 Interpret mode runs a CTA's warpgroups as threads that block inside host callbacks (barrier waits); with
 XLA's CPU thread pool at its default size (the core count) blocked warpgroups can starve the others on a
 2-core machine and the kernel hangs. The cases therefore run in one subprocess with a larger pool
-(NPROC=8, read when the CPU client starts), and each test checks its case's result.
+(NPROC=64, read when the CPU client starts), and each test checks its case's result.
 """
 
 import json

@@ -2,7 +2,7 @@
 interpret mode on the CPU (fresh random inputs and routings), its tile tables, argument checks, a CPU lowering
 for "cuda", and (on a GPU only) the compiled kernel at K2.6 expert shapes.
 
-The interpreted cases run in one subprocess with NPROC=8 (`mosaic_interpret`: the warpgroups are threads that
+The interpreted cases run in one subprocess with NPROC=64 (`mosaic_interpret`: the warpgroups are threads that
 block in host callbacks, which a 2-core pool can starve).
 """
 

@@ -2,7 +2,7 @@
 Mosaic GPU interpret mode on the CPU (fresh random inputs and routings), its plan and argument checks, a CPU
 lowering for "cuda", and (on a GPU only) the compiled kernel at the K2.6 TP8 shard's expert shapes.
 
-The interpreted cases run in one subprocess with NPROC=8 (`mosaic_interpret`: the warpgroups are threads that
+The interpreted cases run in one subprocess with NPROC=64 (`mosaic_interpret`: the warpgroups are threads that
 block in host callbacks, which a 2-core pool can starve).
 """
 

@@ -3,7 +3,7 @@ Mosaic GPU interpret mode on the CPU.
 
 Interpret mode runs a CTA's three warpgroups as threads that block inside host callbacks; with XLA's CPU
 thread pool at its default size (the core count) two blocked warpgroups can starve the third on a 2-core
-machine and the kernel hangs. The cases therefore run in a subprocess with a larger pool (NPROC=8, read
+machine and the kernel hangs. The cases therefore run in a subprocess with a larger pool (NPROC=64, read
 when the CPU client starts): one for the quick cases, one for the `slow` ones, both under the interpreter's
 race detector (`detect_races`, jax private: `get_races`).
 

@@ -3,7 +3,7 @@ interpret mode on the CPU (fresh random bf16 inputs), its plans, argument checks
 the benchmark's CPU smoke mode, and (on a GPU only) the compiled kernel on the Qwen3-8B shapes.
 
 Interpret mode runs a CTA's warpgroups as threads that block inside host callbacks; on a 2-core machine XLA's
-CPU pool can starve them, so the interpreted cases run in one subprocess with NPROC=8 (`mosaic_interpret`).
+CPU pool can starve them, so the interpreted cases run in one subprocess with NPROC=64 (`mosaic_interpret`).
 """
 
 import json

@@ -200,7 +200,7 @@ def test_stacked_layers_reach_each_dispatch_in_place():
 
 def test_pallas_takes_the_mosaic_grouped_kernel_for_int4():
     """Where `dispatch.grouped_int4_kernel` says "mosaic" (on GPU: INT4 experts at prefill sizes), "pallas" runs
-    the three expert matmuls on `grouped_int4_mgpu` (here interpreted, forced on, in an NPROC=8 subprocess: its
+    the three expert matmuls on `grouped_int4_mgpu` (here interpreted, forced on, in an NPROC=64 subprocess: its
     warpgroups are threads) and equals the reference, also on stacked layers read in place (`LayerOf`); the kernel
     is really called (a spy counts its calls). Where `dispatch.decode_moe_kernel` says "mosaic", "decode" runs
     them on the decode form (`gathered_int4_matmul`), stacked layers read in place; where `grouped_int4_kernel`
