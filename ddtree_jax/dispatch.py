@@ -41,11 +41,13 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
               experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 2.3x the
               Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel (the
-              streamed Mosaic kernel, "stream", is built for them but not yet timed: not "auto").
+              streamed Mosaic kernel, "stream", built for them, measured 1.17-1.22x slower at 9-65 tokens:
+              not "auto").
               Their sort by expert (`moe_sort`): by comparisons ("rank", one fusion) on GPU up to
               RANK_SORT_MAX_ASSIGNMENTS, XLA's sort beyond and off GPU. The Triton kernel's gate / up rows
               (`grouped_gather`): gathered into expert order by XLA; "kernel" (reading the tokens in place
-              through a row index) is built and tested but not yet timed, so not "auto".
+              through a row index) measured a tie in the 4-layer K2.6 shard step (2.725 against 2.722 ms at
+              DDTree 16), so not "auto".
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
   tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
               (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
@@ -75,13 +77,16 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               332 -> 322 us. Larger models keep XLA's choice (unmeasured: their weight-read-bound GEMMs need
               the split's parallelism). An XLA_FLAGS setting of the option wins.
 
-Off GPU every "auto" is XLA: interpret-mode Pallas is for tests, not speed. Precision: every kernel
+Off GPU every "auto" is XLA: interpret-mode Pallas is for tests, not speed. The Mosaic GPU kernels (wgmma, TMA)
+compile for Hopper only (compute capability 9.x: `mosaic_gpu`); on any other GPU every choice above that names one
+falls back to the Triton kernel or XLA it was measured against. Precision: every kernel
 computes float32 inputs at float32 and bf16 inputs on the bf16 tensor-core path (`ddtree_kernels.tiling`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -256,6 +261,33 @@ def _on_gpu(backend_name: str | None) -> bool:
     return (backend_name or backend()) == "gpu"
 
 
+# the Mosaic GPU kernels' wgmma exists on compute capability 9.x only (Hopper: H100, H200, H800, GH200)
+MOSAIC_GPU_MAJOR = 9
+
+
+@functools.cache
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of this process's first GPU on CUDA; None off CUDA (CPU, TPU, ROCm)."""
+    if backend() != "gpu":
+        return None
+    try:
+        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):  # not a CUDA device (ROCm names its gfx arch)
+        return None
+
+
+def mosaic_gpu(backend_name: str | None = None) -> bool:
+    """Whether the Mosaic GPU kernels run: on a Hopper GPU (`gpu_compute_capability` 9.x). `backend_name` "gpu"
+    named off a GPU (a plan for another machine: `decode_plan`, the tests) stands for the project's GPU, an H200."""
+    if not _on_gpu(backend_name):
+        return False
+    if backend() != "gpu":
+        return True
+    capability = gpu_compute_capability()
+    return capability is not None and capability[0] == MOSAIC_GPU_MAJOR
+
+
 def _check(kind: str, impl: str, allowed: tuple[str, ...]) -> None:
     if impl not in allowed:
         raise ValueError(f"{kind} impl must be one of {allowed}, got {impl!r}")
@@ -315,7 +347,7 @@ def prefill_attention_kernel(
     queries; MLA only once AUTO_PREFILL_KERNEL_MLA), under "auto"."""
     _check("attention", impl, ATTENTION_IMPLS)
     fits = key_dim in PREFILL_KERNEL_KEY_DIMS and value_dim in PREFILL_KERNEL_VALUE_DIMS and keys % 64 == 0
-    if impl in ("xla", "blockwise") or not (_on_gpu(backend_name) and bfloat16 and fits):
+    if impl in ("xla", "blockwise") or not (mosaic_gpu(backend_name) and bfloat16 and fits):
         return "none"
     if not prefill_attention_mgpu.causal_masking_safe():
         return "none"  # a CUDA runtime whose ptxas miscompiles this causal masking (the kernel's docstring)
@@ -332,11 +364,11 @@ def mla_attention_kernel(
     *, bfloat16: bool, dims: tuple[int, int] | None = None, backend_name: str | None = None
 ) -> str:
     """The kernel behind attn_impl "pallas" for absorbed MLA: "mosaic" (`mla_attention_mgpu`: TMA + wgmma,
-    bf16, latent 512 and rope 64 (`dims`, None: those) only) on GPU, else "triton" (`tree_attention`; in
-    interpret mode off GPU, where Mosaic GPU's interpreter runs a CTA's warpgroups as host threads that
-    starve on a 2-core machine)."""
+    bf16, latent 512 and rope 64 (`dims`, None: those) only) on a Hopper GPU (`mosaic_gpu`), else "triton"
+    (`tree_attention`; in interpret mode off GPU, where Mosaic GPU's interpreter runs a CTA's warpgroups as host
+    threads, much slower)."""
     fits = dims is None or tuple(dims) == MOSAIC_MLA_DIMS
-    return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits else "triton"
+    return "mosaic" if mosaic_gpu(backend_name) and bfloat16 and fits else "triton"
 
 
 # the Mosaic MLA kernel's schedule inside the models (`mla_schedule_options`): "default" (each compute warpgroup
@@ -374,13 +406,13 @@ def gqa_attention_kernel(
 ) -> str:
     """The kernel behind attn_impl "pallas" (or "auto"'s "pallas") for a GQA call of `queries` query positions
     per row (None: a decode / verify step) against `keys` cache rows: "mosaic" (`gqa_attention_mgpu`: TMA +
-    wgmma) on GPU for bf16 decode / verify calls (<= AUTO_PALLAS_GQA_QUERIES queries) at head dims it takes
+    wgmma) on a Hopper GPU (`mosaic_gpu`) for bf16 decode / verify calls (<= AUTO_PALLAS_GQA_QUERIES queries) at head dims it takes
     (keys and values alike) from AUTO_MOSAIC_GQA_MIN_KEYS keys in whole 64-key blocks (no padded copy of the
     cache), where it measured faster than the Triton kernel; else "triton" (`tree_attention`)."""
     fits = head_dim == value_dim and head_dim in MOSAIC_GQA_HEAD_DIMS
     decode = queries is None or queries <= AUTO_PALLAS_GQA_QUERIES
     long = keys >= AUTO_MOSAIC_GQA_MIN_KEYS and keys % 64 == 0
-    return "mosaic" if _on_gpu(backend_name) and bfloat16 and fits and decode and long else "triton"
+    return "mosaic" if mosaic_gpu(backend_name) and bfloat16 and fits and decode and long else "triton"
 
 
 MLA_FORMS = ("auto", "absorbed", "expanded")
@@ -443,14 +475,14 @@ def matmul_in_place(
 ) -> bool:
     """Whether `models.layers.linear` reads a layer of stacked weights (a `LayerOf`) in place: on GPU, by the
     Mosaic skinny kernel, for a dense bf16 product it takes (`skinny_takes`); elsewhere the layer is sliced."""
-    return _on_gpu(backend_name) and not quantized and bfloat16 and skinny_takes(rows, weight_shape)
+    return mosaic_gpu(backend_name) and not quantized and bfloat16 and skinny_takes(rows, weight_shape)
 
 
 def stacked_in_place(name: str, rows: int, backend_name: str | None = None) -> bool:
     """Whether a layer scan passes the dense projection `name` stacked (a `LayerOf`, read in place by `linear`)
     for `rows` token rows: AUTO_IN_PLACE, on GPU, for the IN_PLACE_PROJECTIONS from their row counts up to
     IN_PLACE_MAX_ROWS (under a mesh as well: `linear` reads each shard's part, `models.layers._linear_in_place`)."""
-    if not (AUTO_IN_PLACE and name in IN_PLACE_PROJECTIONS and _on_gpu(backend_name)):
+    if not (AUTO_IN_PLACE and name in IN_PLACE_PROJECTIONS and mosaic_gpu(backend_name)):
         return False
     return IN_PLACE_PROJECTIONS[name] <= rows <= IN_PLACE_MAX_ROWS
 
@@ -467,9 +499,10 @@ def matmul_impl(
     """ "xla", "pallas" (`decode_matmul`, Triton) or "mosaic" (`skinny_matmul_mgpu`) for x [rows, in] @ weight^T,
     the weight quantised (INT4 / block FP8) or not. "mosaic" is taken on GPU for a dense bf16 weight
     (weight_shape [out, in], bfloat16: x and the weight both bf16) that `mosaic_matmul_fits`, and falls back to
-    "xla" anywhere else; "auto" gives it those calls only once AUTO_MOSAIC_MATMUL."""
+    "xla" anywhere else (and on GPUs other than Hopper, `mosaic_gpu`); "auto" gives it those calls only once
+    AUTO_MOSAIC_MATMUL."""
     _check("matmul", impl, MATMUL_IMPLS)
-    mosaic = _on_gpu(backend_name) and not quantized and bfloat16 and mosaic_matmul_fits(rows, weight_shape)
+    mosaic = mosaic_gpu(backend_name) and not quantized and bfloat16 and mosaic_matmul_fits(rows, weight_shape)
     if impl == "mosaic":
         return "mosaic" if mosaic else "xla"
     if impl != "auto":
@@ -516,7 +549,7 @@ def router_bf16_gemm(rows: int, x_dtype, router_dtype) -> bool:
 
 def grouped_int4_kernel(rows: int, weight_shape: tuple[int, ...], x_dtype, backend_name: str | None = None) -> str:
     """Which kernel runs a grouped INT4 expert matmul of `rows` assignments over weights [..., E, N, K] (the
-    "pallas" MoE path): "mosaic" (`grouped_int4_mgpu.grouped_int4_matmul`) on GPU for bf16 rows at prefill
+    "pallas" MoE path): "mosaic" (`grouped_int4_mgpu.grouped_int4_matmul`) on a Hopper GPU for bf16 rows at prefill
     sizes (> MOSAIC_GROUPED_MIN_ROWS an expert on average) and shapes it takes (N a multiple of its 128-column
     CTA, K of its 256-element steps); below them "stream" (`grouped_int4_stream_mgpu.streamed_int4_matmul`, same
     shapes) where GROUPED_INT4_DECODE says so; else "triton" (`decode_matmul.grouped_matmul`)."""
@@ -527,7 +560,7 @@ def grouped_int4_kernel(rows: int, weight_shape: tuple[int, ...], x_dtype, backe
         and k % grouped_int4_mgpu.SCALE_STEP == 0
         and jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
     )
-    if not (_on_gpu(backend_name) and takes):
+    if not (mosaic_gpu(backend_name) and takes):
         return "triton"
     if rows > MOSAIC_GROUPED_MIN_ROWS * experts:
         return "mosaic" if AUTO_MOSAIC_GROUPED else "triton"
@@ -548,7 +581,7 @@ def decode_moe_kernel(
     )
     bf16 = jax.numpy.dtype(x_dtype) == jax.numpy.bfloat16
     fits = assignments <= MOSAIC_DECODE_MAX_ASSIGNMENTS
-    return "mosaic" if AUTO_MOSAIC_DECODE and _on_gpu(backend_name) and takes and bf16 and fits else "triton"
+    return "mosaic" if AUTO_MOSAIC_DECODE and mosaic_gpu(backend_name) and takes and bf16 and fits else "triton"
 
 
 def local_expert_impl(assignments: int, local_experts: int, backend_name: str | None = None) -> str:

@@ -149,6 +149,83 @@ def test_gpu_rules_and_their_thresholds(monkeypatch):
     assert dispatch.attention_impl("pallas", queries=512, mla=True, backend_name="cpu") == "pallas"
 
 
+def _mosaic_choices() -> dict:
+    """Every choice that can name a Mosaic GPU kernel, at sizes where the H200 takes it, on this process's GPU."""
+    int4 = (384, 256, 7168)  # [E, N, K]: the K2.6 TP8 shard's gate
+    return {
+        "mla": dispatch.mla_attention_kernel(bfloat16=True),
+        "mla auto": dispatch.attention_impl("auto", queries=9, keys=1 << 15, mla=True),
+        "gqa": dispatch.gqa_attention_kernel(
+            queries=17, keys=dispatch.AUTO_MOSAIC_GQA_MIN_KEYS, head_dim=128, value_dim=128, bfloat16=True
+        ),
+        "prefill": dispatch.prefill_attention_kernel(
+            "pallas", queries=2048, keys=8192, key_dim=128, value_dim=128, bfloat16=True
+        ),
+        "matmul": dispatch.matmul_impl("mosaic", rows=8, quantized=False, weight_shape=(4096, 4096), bfloat16=True),
+        "in place": dispatch.matmul_in_place(8, (4096, 4096), quantized=False, bfloat16=True),
+        "stacked": dispatch.stacked_in_place(next(iter(dispatch.IN_PLACE_PROJECTIONS)), 8),
+        "grouped prefill": dispatch.grouped_int4_kernel(16384, int4, jnp.bfloat16),
+        "grouped stream": dispatch.grouped_int4_kernel(136, int4, jnp.bfloat16),
+        "decode moe": dispatch.decode_moe_kernel(8, [int4, int4, (384, 7168, 256)], jnp.bfloat16),
+    }
+
+
+@pytest.mark.parametrize(
+    "capability, mosaic",
+    [((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False), (None, False)],
+    ids=["hopper", "a100", "ada", "blackwell", "rocm"],
+)
+def test_mosaic_kernels_are_chosen_on_hopper_gpus_only(monkeypatch, capability, mosaic):
+    """The Mosaic GPU kernels (wgmma: compute capability 9.x only) are never chosen on another GPU: each choice
+    falls back to the Triton kernel or XLA, which run there. Simulated: the backend says "gpu" and the device
+    reports `capability` (None: no CUDA compute capability, e.g. ROCm)."""
+    monkeypatch.setattr(dispatch, "backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: capability)
+    monkeypatch.setattr(dispatch, "AUTO_MOSAIC_DECODE", True)
+    monkeypatch.setattr(dispatch, "GROUPED_INT4_DECODE", "stream")
+    assert dispatch.mosaic_gpu() is mosaic
+    fallback = {
+        "mla": "triton",
+        "mla auto": "xla",
+        "gqa": "triton",
+        "prefill": "none",
+        "matmul": "xla",
+        "in place": False,
+        "stacked": False,
+        "grouped prefill": "triton",
+        "grouped stream": "triton",
+        "decode moe": "triton",
+    }
+    chosen = {"mla auto": "pallas", "in place": True, "stacked": True, "grouped stream": "stream", "prefill": "mosaic"}
+    want = {name: chosen.get(name, "mosaic") if mosaic else value for name, value in fallback.items()}
+    assert _mosaic_choices() == want
+    # the Triton kernels still run on any CUDA GPU: quantised matmuls and GQA attention stay "pallas"
+    assert dispatch.matmul_impl("auto", rows=1, quantized=True) == "pallas"
+    assert dispatch.attention_impl("auto", queries=17, keys=1 << 15) == "pallas"
+
+
+def test_the_compute_capability_is_read_from_the_device(monkeypatch):
+    """`gpu_compute_capability` parses the CUDA device's "major.minor"; a device without one (ROCm's gfx names)
+    and a non-GPU backend give None; off a GPU, backend_name "gpu" plans for the H200 (Hopper)."""
+
+    class Device:
+        def __init__(self, capability):
+            self.compute_capability = capability
+
+    monkeypatch.setattr(dispatch, "backend", lambda: "gpu")
+    for reported, parsed in (("9.0", (9, 0)), ("8.6", (8, 6)), ("gfx90a", None)):
+        monkeypatch.setattr(jax, "devices", lambda reported=reported: [Device(reported)])
+        dispatch.gpu_compute_capability.cache_clear()
+        assert dispatch.gpu_compute_capability() == parsed
+    monkeypatch.setattr(jax, "devices", lambda: [object()])  # no attribute at all
+    dispatch.gpu_compute_capability.cache_clear()
+    assert dispatch.gpu_compute_capability() is None
+    monkeypatch.undo()
+    dispatch.gpu_compute_capability.cache_clear()
+    assert dispatch.gpu_compute_capability() is None  # the CPU backend
+    assert dispatch.mosaic_gpu("gpu") and not dispatch.mosaic_gpu() and not dispatch.mosaic_gpu("cpu")
+
+
 def test_the_weights_dtype_is_the_checkpoints_on_gpu_only():
     assert dispatch.weights_dtype("auto", backend_name="gpu") == "checkpoint"
     assert dispatch.weights_dtype("auto", backend_name="cpu") == "float32"
