@@ -35,7 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import copy_bandwidth, device_description, markdown_table, median_seconds, write_result
+from benchmarks.common import (
+    copy_bandwidth,
+    device_description,
+    markdown_table,
+    median_seconds,
+    random_tree_mask,
+    write_result,
+)
 from ddtree_jax.engine.run import DTYPES
 from ddtree_kernels.tree_attention import (
     BlockConfig,
@@ -57,20 +64,6 @@ VARIANTS = {
     "gqa": (32, 8, (128,), 128),
     "tiny": (4, 2, (64,), 64),  # the embedded pair's target (checkpoints/embedded)
 }
-
-
-def random_tree_mask(rng: np.random.Generator, batch: int, steps: int, context: int) -> np.ndarray:
-    """bool [B, N, context + N]: the whole prefix, then each slot's ancestors and itself (slot 0 = root)."""
-    mask = np.zeros((batch, steps, context + steps), bool)
-    mask[:, :, :context] = True
-    for b in range(batch):
-        ancestors = np.zeros((steps, steps), bool)
-        for i in range(steps):
-            if i:
-                ancestors[i] = ancestors[rng.integers(0, i)]
-            ancestors[i, i] = True
-        mask[b, :, context:] = ancestors
-    return mask
 
 
 def case_inputs(variant: str, batch: int, steps: int, context: int, copies: int, key, dtype=jnp.bfloat16):

@@ -6,7 +6,7 @@ Cases: Qwen3-8B (Hq 32, Hkv 8, D 128) at N = 17 and 65 tree queries, contexts 1k
 B = 8 at N = 17); the embedded pair's shape (Hq 4, Hkv 2, D 64) at context 512, N = 17 and 65, B = 1. The
 cache holds context + N keys, its capacity rounded up to whole 64-key blocks (as an engine allocates it: the
 Mosaic kernel's TMA reads whole key blocks, a ragged capacity would make its wrapper copy the cache); every
-row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
+row sees its prefix plus its tree slots under a random ancestor mask (`common.random_tree_mask`).
 
 Counted first, per call (S = context + N, the keys a row sees; G = Hq / Hkv):
   FLOPs = 4 * B * N * Hq * S * D  (QK^T and PV);

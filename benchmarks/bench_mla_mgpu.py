@@ -7,7 +7,7 @@ scores issued with the previous block's value product, its softmax while that pr
 `alternate=True` (blocks in pairs, each compute warpgroup scoring one, P exchanged: FlashMLA's schedule).
 Cases: H = 8 (one TP8 shard) and 64 (one GPU) query heads over the one shared latent KV head, N = 17 and
 65 tree queries, contexts 8k and 32k, B = 1 (and B = 8 at H = 8). The cache holds context + N keys; every
-row sees its prefix plus its tree slots under a random ancestor mask (`bench_attention.random_tree_mask`).
+row sees its prefix plus its tree slots under a random ancestor mask (`common.random_tree_mask`).
 
 Counted first, per call (S = context + N):
   FLOPs = 2 * B * N * H * S * (576 + 512)  (scores over latent + rope, values the latent);

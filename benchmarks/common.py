@@ -201,13 +201,28 @@ def block_capacity(keys: int, block: int = 64) -> int:
     return -(-keys // block) * block
 
 
-def padded_tree_mask(batch: int, steps: int, context: int, capacity: int) -> jax.Array:
-    """bool [B, N, capacity]: `bench_attention.random_tree_mask` (rng seeded steps * 7 + batch) over context + N
-    keys, then capacity - context - N keys no row sees."""
-    import jax.numpy as jnp
+def random_tree_mask(rng, batch: int, steps: int, context: int):
+    """bool [B, N, context + N] (numpy): the whole prefix, then each slot's ancestors and itself (slot 0 = root;
+    slot i's parent uniform in 0 .. i - 1)."""
     import numpy as np
 
-    from benchmarks.bench_attention import random_tree_mask  # imported here: bench_attention imports this module
+    mask = np.zeros((batch, steps, context + steps), bool)
+    mask[:, :, :context] = True
+    for b in range(batch):
+        ancestors = np.zeros((steps, steps), bool)
+        for i in range(steps):
+            if i:
+                ancestors[i] = ancestors[rng.integers(0, i)]
+            ancestors[i, i] = True
+        mask[b, :, context:] = ancestors
+    return mask
+
+
+def padded_tree_mask(batch: int, steps: int, context: int, capacity: int) -> jax.Array:
+    """bool [B, N, capacity]: `random_tree_mask` (rng seeded steps * 7 + batch, as `bench_attention` seeds it) over
+    context + N keys, then capacity - context - N keys no row sees."""
+    import jax.numpy as jnp
+    import numpy as np
 
     mask = random_tree_mask(np.random.default_rng(steps * 7 + batch), batch, steps, context)
     return jnp.asarray(np.pad(mask, ((0, 0), (0, 0), (0, capacity - context - steps))))

@@ -142,3 +142,12 @@ def test_future_kernel_package_discovery(tmp_path):
     modules, edges = ig.collect(tmp_path)
     assert set(modules) == {"kernels", "ddtree_kernels", "ddtree_kernels.attn"}
     assert [(e.src, e.dst) for e in edges] == [("ddtree_kernels", "ddtree_kernels.attn")]
+
+
+def test_the_repository_has_no_cycles_or_upward_imports():
+    """The repository itself passes `--check` (a module-level cycle or an upward import fails here, in CI)."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "0 cycles, 0 upward edges" in proc.stdout

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_kernels.sampling_reference import valid_params
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -65,6 +67,11 @@ class SamplingParams:
     @property
     def batch_size(self) -> int:
         return self.temperature.shape[0]
+
+    def in_range(self) -> jax.Array:
+        """bool [B]: the rows `validate` accepts, traceable (`ddtree_kernels.sampling_reference.valid_params`):
+        under jit the samplers and verifiers mark the other rows invalid instead of raising."""
+        return valid_params(self.temperature, self.top_k, self.top_p, self.min_p)
 
     @property
     def is_greedy(self) -> jax.Array:

@@ -16,7 +16,8 @@ def sample(logits: jax.Array, params: SamplingParams, keys: jax.Array) -> jax.Ar
     """int32 [B]: one token per row from processed_probs(logits [B, V], params).
 
     keys: typed PRNG keys [B], one per row (see `row_keys`); greedy rows ignore theirs. Rows with
-    invalid logits (NaN, +inf, all -inf) give INVALID_TOKEN.
+    invalid logits (NaN, +inf, all -inf) or, under jit, out-of-range settings (`SamplingParams.in_range`) give
+    INVALID_TOKEN.
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must have shape [B, V], got {tuple(logits.shape)}")
@@ -27,7 +28,7 @@ def sample(logits: jax.Array, params: SamplingParams, keys: jax.Array) -> jax.Ar
     probs = processed_probs(logits, params)
     coins = draw_coins(keys, ())
     token, has_mass = inverse_cdf(probs, coins)
-    return jnp.where(valid_rows(logits) & has_mass, token, INVALID_TOKEN)
+    return jnp.where(valid_rows(logits) & params.in_range() & has_mass, token, INVALID_TOKEN)
 
 
 __all__ = ["inverse_cdf", "sample"]

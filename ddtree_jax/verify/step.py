@@ -51,8 +51,9 @@ def verify_step(
         "auto" (`dispatch.verify_impl`). Same coins, same law; see the kernel's module docstring on
         rounding.
 
-    Rows whose logits are invalid at a real slot (NaN, +inf, all -inf), or whose draft tokens at real
-    slots lie outside [0, V), return num_accepted 0 and tokens INVALID_TOKEN (-1) under tracing; when
+    Rows whose logits are invalid at a real slot (NaN, +inf, all -inf), whose settings are out of range
+    (`SamplingParams.in_range`: only traced params can be), or whose draft tokens at real slots lie outside
+    [0, V), return num_accepted 0 and tokens INVALID_TOKEN (-1) under tracing; when
     `tree.tokens` is concrete an out-of-vocabulary draft token raises ValueError instead. The root's
     token (slot 0) is never judged nor emitted and is not checked; padding slots are not checked.
 
@@ -127,7 +128,8 @@ def verify_step(
         result = verify_sample_then_walk(
             tree.tokens, next_token, next_sibling, probs, coins, max_accept=tree.max_depth, check=False
         )
-    return mask_invalid_rows(result, valid_rows(target_logits) & tokens_in_vocab(tree, vocab), tree)
+    slot_valid = valid_rows(target_logits) & params.in_range()[:, None] & tokens_in_vocab(tree, vocab)
+    return mask_invalid_rows(result, slot_valid, tree)
 
 
 LOGIT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -145,10 +147,14 @@ def check_tree_tokens(tree: DraftTree, vocab: int) -> None:
     Out-of-range tokens would otherwise be judged by a clamped gather (p of another token)."""
     if any(isinstance(a, jax.core.Tracer) for a in (tree.tokens, tree.num_nodes)):
         return
-    bad = np.asarray(~tokens_in_vocab(tree, vocab) & tree.is_real)
+    # in numpy: under a jit that closes over a concrete tree, jnp ops would still give tracers
+    tokens, num_nodes = np.asarray(tree.tokens), np.asarray(tree.num_nodes)
+    slot = np.arange(tokens.shape[1])[None, :]
+    real = slot < num_nodes[:, None]
+    bad = real & (slot > 0) & ((tokens < 0) | (tokens >= vocab))
     if bad.any():
         row, slot = (int(i) for i in np.argwhere(bad)[0])
-        token = int(np.asarray(tree.tokens)[row, slot])
+        token = int(tokens[row, slot])
         raise ValueError(
             f"tree row {row}, slot {slot}: token {token} is outside the target's vocabulary [0, V={vocab})"
         )

@@ -16,8 +16,9 @@ same sets):
   top-p (1: off):          keep i iff sum of p_j over p_j > p_i is < top_p; renormalise
   min-p (0: off):          keep i iff p_i >= min_p * max_j p_j; renormalise
 
-Invalid rows (a NaN or +inf logit, or every logit -inf) have no distribution: they come out all zero,
-`valid_rows` flags them, and callers emit an invalid token for them. -inf logits are otherwise fine.
+Invalid rows (a NaN or +inf logit, or every logit -inf; or settings out of range, `valid_params`, which
+only a traced caller can pass) have no distribution: they come out all zero, `valid_rows` / `valid_params`
+flag them, and callers emit an invalid token for them. -inf logits are otherwise fine.
 
 The walk (one row; the library's `ddtree_jax.verify.verify_sampling` is this under vmap, plus checks):
 starting at the root, the children of the current node are tested in verification order; child c is
@@ -43,6 +44,16 @@ def valid_rows(logits: jax.Array) -> jax.Array:
     return (~jnp.isnan(x) & (x != jnp.inf)).all(axis=-1) & (x > -jnp.inf).any(axis=-1)
 
 
+def valid_params(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """bool [B]: the row's settings are in range: temperature finite and >= 0, top_k >= 0, top_p in (0, 1],
+    min_p in [0, 1) (the library's `SamplingParams.validate` raises on the others when it can read them; under
+    jit, where nothing can raise, such rows are invalid rows, like rows of invalid logits)."""
+    temperature, top_p, min_p = (jnp.asarray(v, jnp.float32) for v in (temperature, top_p, min_p))
+    finite = jnp.isfinite(temperature) & jnp.isfinite(top_p) & jnp.isfinite(min_p)
+    in_range = (temperature >= 0) & (jnp.asarray(top_k) >= 0) & (top_p > 0) & (top_p <= 1) & (min_p >= 0) & (min_p < 1)
+    return finite & in_range
+
+
 def _per_row(values: jax.Array, ndim: int) -> jax.Array:
     """[B] -> [B, 1, ..., 1] broadcastable against logits [B, ..., V]."""
     return values.reshape(values.shape + (1,) * (ndim - 1))
@@ -59,14 +70,16 @@ def processed_probs_reference(
     """float32 [B, ..., V] probabilities from logits [B, ..., V] (float32 or bfloat16) and per-row settings
     temperature f32 [B] (0: greedy), top_k int32 [B] (0: off), top_p f32 [B] (1: off), min_p f32 [B]
     (0: off): the module docstring's definitions, with a sort. Numerically safe at any temperature > 0
-    (the max is subtracted before dividing by T)."""
+    (the max is subtracted before dividing by T). Rows of invalid logits (`valid_rows`) or out-of-range settings
+    (`valid_params`) are all zeros."""
     x = logits.astype(jnp.float32)
     ndim, vocab = x.ndim, x.shape[-1]
+    params_ok = _per_row(valid_params(temperature, top_k, top_p, min_p), ndim - 1)
     temperature = _per_row(temperature, ndim)
     top_k = _per_row(top_k, ndim)
     top_p = _per_row(top_p, ndim)
     min_p = _per_row(min_p, ndim)
-    valid = valid_rows(x)[..., None]
+    valid = (valid_rows(x) & params_ok)[..., None]
     x = jnp.where(valid, x, 0.0)  # keep the arithmetic finite; invalid rows are zeroed at the end
 
     greedy = temperature == 0

@@ -68,6 +68,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ddtree_kernels.sampling_reference import (
     processed_probs_reference,
+    valid_params,
     valid_rows,
     walk_array_arguments,
     walk_reference,
@@ -1220,7 +1221,8 @@ def tree_sampling_from_logits(
     (temperature, top_k, top_p, min_p; the library's `SamplingParams.as_rows()`).
 
     Returns (accept_index int32 [B, S], num_accepted int32 [B], tokens int32 [B, S], valid bool [B, N]).
-    Where a slot's logits hold NaN / +inf or are all -inf, `valid` is False; the caller (`verify_step`)
+    Where a slot's logits hold NaN / +inf or are all -inf, or the row's settings are out of range
+    (`sampling_reference.valid_params`), `valid` is False; the caller (`verify_step`)
     turns rows with an invalid reachable slot into invalid rows, exactly as for the reference path.
     skip_with_cond: skip the filter passes with one lax.cond when no row filters (`row_stats`, layout
     "spans"). layout: "single" (one program per row), "spans" or "auto" (`resolve_layout`); tiling: the
@@ -1233,10 +1235,11 @@ def tree_sampling_from_logits(
     if target_logits.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"target_logits must be bfloat16 or float32, got {target_logits.dtype}")
     _check_sampling_params(sampling_params, candidates.shape[0])
-    return _from_logits_jit(
+    sampling_params = jnp.asarray(sampling_params, jnp.float32)
+    accept, num_accepted, tokens, valid = _from_logits_jit(
         *lists,
         target_logits,
-        jnp.asarray(sampling_params, jnp.float32),
+        sampling_params,
         coins,
         final_coins,
         **statics,
@@ -1245,6 +1248,13 @@ def tree_sampling_from_logits(
         layout=layout,
         tiling=tiling,
     )
+    return accept, num_accepted, tokens, valid & _params_ok(sampling_params)[:, None]
+
+
+def _params_ok(sampling_params: jax.Array) -> jax.Array:
+    """bool [B]: `valid_params` of the rows (temperature, top_k, top_p, min_p) f32 [B, 4]."""
+    temperature, top_k, top_p, min_p = (sampling_params[:, i] for i in range(4))
+    return valid_params(temperature, top_k, top_p, min_p)
 
 
 def tree_sampling_from_logits_reference(
@@ -1261,7 +1271,7 @@ def tree_sampling_from_logits_reference(
     threshold_acc: float = 1.0,
 ):
     """The reference twin of mode (b): `walk_reference(processed_probs_reference(logits, ...), ...)`, plus
-    `valid_rows(logits)`; same returns as `tree_sampling_from_logits`."""
+    `valid_rows(logits)` and `valid_params`; same returns as `tree_sampling_from_logits`."""
     _check_sampling_params(sampling_params, candidates.shape[0])
     temperature, top_k, top_p, min_p = (sampling_params[:, i] for i in range(4))
     probs = processed_probs_reference(target_logits, temperature, top_k.astype(jnp.int32), top_p, min_p)
@@ -1269,4 +1279,4 @@ def tree_sampling_from_logits_reference(
     accept, num_accepted, tokens = walk_reference(
         candidates, next_token, next_sibling, probs, coins, final_coins, **statics
     )
-    return accept, num_accepted, tokens, valid_rows(target_logits)
+    return accept, num_accepted, tokens, valid_rows(target_logits) & _params_ok(sampling_params)[:, None]

@@ -18,9 +18,9 @@ VOCAB = 10
 
 def _case(batch=3, budget=4):
     draft = jax.random.normal(jax.random.key(0), (batch, 3, VOCAB)) * 2.0
-    tree = build_tree(draft, budget, jnp.arange(batch, dtype=jnp.int32))
+    tree = build_tree(draft, budget, jnp.arange(batch, dtype=jnp.int32) % VOCAB)
     logits = jax.random.normal(jax.random.key(1), (batch, tree.num_slots, VOCAB)) * 2.0
-    params = SamplingParams.create(batch, temperature=[0.0, 1.0, 1.0][:batch])
+    params = SamplingParams.create(batch, temperature=([0.0, 1.0, 1.0] * batch)[:batch])
     keys = row_keys(jax.random.key(2), jnp.arange(batch))
     return tree, logits, params, keys
 
@@ -70,3 +70,62 @@ def test_float16_and_bfloat16_target_logits_are_accepted():
     tree, logits, params, keys = _case()
     for dtype in (jnp.float16, jnp.bfloat16):
         verify_step(tree, logits.astype(dtype), params, keys)
+
+
+BAD_SETTINGS = [
+    ("temperature", -1.0),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("top_k", -3),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", float("nan")),
+    ("min_p", 1.0),
+    ("min_p", -1.0),
+    ("min_p", float("nan")),
+]
+BAD_ROWS = len(BAD_SETTINGS)  # rows 0 .. BAD_ROWS - 1 each have one bad setting; the last two rows are good
+
+
+def _bad_settings_case():
+    """(tree, logits, keys, good params, build): a batch of BAD_ROWS + 2 rows; build(values) makes SamplingParams
+    inside jit (nothing can raise there) with row i's BAD_SETTINGS[i] field set to values[i]."""
+    batch = BAD_ROWS + 2
+    tree, logits, _, keys = _case(batch=batch)
+    good = SamplingParams.create(batch, temperature=[0.7, 1.0] * (batch // 2), top_p=0.9)
+
+    def build(values):
+        rows = {name: getattr(good, name) for name in ("temperature", "top_k", "top_p", "min_p")}
+        for i, (field, _) in enumerate(BAD_SETTINGS):
+            rows[field] = rows[field].at[i].set(values[i].astype(rows[field].dtype))
+        return SamplingParams(**rows)
+
+    bad = jnp.asarray([value for _, value in BAD_SETTINGS], jnp.float32)
+    valid = jnp.asarray([float(getattr(good, field)[i]) for i, (field, _) in enumerate(BAD_SETTINGS)], jnp.float32)
+    return tree, logits, keys, build, bad, valid
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_out_of_range_settings_make_the_row_invalid_under_jit(impl):
+    """Under jit `SamplingParams` cannot raise: a row whose settings `validate` would refuse (each of BAD_SETTINGS,
+    one a row) is an invalid row (num_accepted 0, INVALID_TOKEN), not a row sampled with a clamped or NaN setting;
+    with valid settings the same rows emit, and the good rows are unchanged."""
+    tree, logits, keys, build, bad, valid = _bad_settings_case()
+    run = jax.jit(lambda v: verify_step(tree, logits, build(v), keys, impl=impl))
+    got, want = run(bad), run(valid)
+    assert (np.asarray(got.num_accepted[:BAD_ROWS]) == 0).all()
+    assert (np.asarray(got.tokens[:BAD_ROWS]) == INVALID_TOKEN).all()
+    assert (np.asarray(want.tokens[:BAD_ROWS, 0]) != INVALID_TOKEN).all()
+    np.testing.assert_array_equal(np.asarray(got.tokens[BAD_ROWS:]), np.asarray(want.tokens[BAD_ROWS:]))
+
+
+def test_out_of_range_settings_give_no_token_and_no_distribution_under_jit():
+    from ddtree_jax.sampling import processed_probs, sample
+
+    tree, logits, keys, build, bad, valid = _bad_settings_case()
+    tokens = jax.jit(lambda v: sample(logits[:, 0], build(v), keys))
+    probs = np.asarray(jax.jit(lambda v: processed_probs(logits[:, 0], build(v)))(bad))
+    assert (np.asarray(tokens(bad))[:BAD_ROWS] == INVALID_TOKEN).all()
+    assert (np.asarray(tokens(valid)) != INVALID_TOKEN).all()
+    assert (probs[:BAD_ROWS] == 0).all()
+    np.testing.assert_allclose(probs[BAD_ROWS:].sum(-1), 1.0, rtol=1e-5)
