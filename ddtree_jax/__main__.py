@@ -23,13 +23,17 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 def _tree_command(args: argparse.Namespace) -> int:
+    if args.plot:
+        _check_plot(args.plot)
     import jax
     import jax.numpy as jnp
 
+    from ddtree_jax.engine.run import check_seed
     from ddtree_jax.tree import build_chain, build_tree
     from ddtree_jax.tree.render import depth_counts, format_tree, plot_tree, surrogate_tau
     from ddtree_jax.tree.synthetic import synthetic_draft_logits
 
+    check_seed(args.seed)  # generate's check: an integer in [0, 2^32)
     if args.logits:
         logits = np.load(args.logits)
         if logits.ndim not in (2, 3):
@@ -62,6 +66,7 @@ def _tree_command(args: argparse.Namespace) -> int:
     print(f"surrogate expected acceptance tau = 1 + sum_u q(u) = {surrogate_tau(tree)[args.row]:.4f}")
     print(f"  (DFlash chain of {depth} tokens on the same marginals: {surrogate_tau(chain)[args.row]:.4f})")
     if args.plot:
+        _make_parent(args.plot)
         plot_tree(tree, args.plot, args.row)
         print(f"plot written to {args.plot}")
     return 0
@@ -92,6 +97,64 @@ class UsageError(Exception):
     """A request the CLI cannot serve (printed as one `error: ...` line, exit code 2)."""
 
 
+def _check_output(path: str, flag: str) -> None:
+    """An output FILE (bench --json, tree --plot), checked before any work: not a directory, and in a
+    directory that exists or can be created (its nearest existing ancestor a directory we may write in);
+    `_make_parent` creates that directory when the file is written, as the training stages do."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory; give a file name")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path!r} is not writable")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"{flag} {path!r} cannot be written: {ancestor!r} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r} cannot be written: no write permission in {ancestor!r}")
+
+
+def _make_parent(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def plot_formats() -> list[str]:
+    """The extensions `tree --plot` takes: the file types matplotlib's Agg canvas writes, less pgf (that
+    one needs a LaTeX installation)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return sorted(set(FigureCanvasAgg.get_supported_filetypes()) - {"pgf"})
+
+
+def _check_plot(path: str) -> None:
+    _check_output(path, "--plot")
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = plot_formats()
+    if extension not in formats:
+        what = f"extension .{extension}" if extension else "no extension"
+        raise UsageError(f"--plot {path!r} has {what}: matplotlib writes {', '.join(formats)}")
+
+
+def _check_run_args(args: argparse.Namespace) -> None:
+    """generate's and bench's options that need no pair, before anything loads or prints: --random-tiny
+    alone (not with --target / --drafter / --child-head), an existing --child-head directory, the sampling
+    values (`SamplingParams.create`'s validation), --seed (`check_seed`), --repeats (`check_repeats`)."""
+    from ddtree_jax.engine.run import check_repeats, check_seed
+
+    if args.random_tiny:
+        pair_options = {"--target": args.target, "--drafter": args.drafter, "--child-head": args.child_head}
+        given = [f"{flag} {value}" for flag, value in pair_options.items() if value]
+        if given:
+            raise UsageError(f"--random-tiny builds its own random pair: it cannot be combined with {', '.join(given)}")
+    if args.child_head and not os.path.isdir(args.child_head):
+        raise ValueError(f"--child-head directory {args.child_head!r} does not exist")
+    if args.child_head and args.target and not args.drafter:
+        raise ValueError("--child-head needs a drafter: give --drafter with --target")
+    _check_sampling(args)
+    check_seed(args.seed)
+    check_repeats(args.repeats)
+
+
 def _check_sampling(args: argparse.Namespace) -> None:
     """The sampling values (`SamplingParams.create`'s validation), before anything loads or prints."""
     from ddtree_jax.sampling import SamplingParams
@@ -112,14 +175,12 @@ def _load(args: argparse.Namespace):
 
     if args.compilation_cache is None:  # DDTREE_COMPILATION_CACHE overrides the default ('' disables it)
         args.compilation_cache = os.environ.get("DDTREE_COMPILATION_CACHE", DEFAULT_CACHE_DIR)
+    head = getattr(args, "child_head", None)
+    if args.random_tiny and (args.target or args.drafter or head):  # _check_run_args says which option
+        raise UsageError("--random-tiny cannot be combined with --target / --drafter / --child-head")
     enable_compilation_cache(args.compilation_cache or None)
     if args.random_tiny:
         return random_tiny_pair(args.seed)
-    head = getattr(args, "child_head", None)
-    if head and args.random_tiny:
-        raise ValueError(
-            "--child-head needs a trained pair (--target/--drafter or the embedded one), not --random-tiny"
-        )
     if args.target:
         return load_pair(
             args.target, args.drafter, dtype=load_dtype(args.dtype), check_finite=args.check_finite, child_head_dir=head
@@ -204,7 +265,7 @@ def _generate_command(args: argparse.Namespace) -> int:
 
     if args.chat and (args.prompt is None or args.prompt_ids is not None):
         raise UsageError("--chat wraps --prompt text as a user message; give --prompt (not --prompt-ids)")
-    _check_sampling(args)
+    _check_run_args(args)
     pair = _load(args)
     methods = ["ar", "chain", "ddtree"] if args.method == "all" else [args.method]
     for method in methods:  # before anything compiles
@@ -301,6 +362,8 @@ def _bench_command(args: argparse.Namespace) -> int:
 
     from ddtree_jax.engine import run as run_module
 
+    if args.json:  # before anything runs: an unwritable FILE would lose the results
+        _check_output(args.json, "--json")
     budgets = _parse_budgets(args.budget)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in run_module.METHODS]
@@ -308,7 +371,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--methods must be a comma-separated subset of {','.join(run_module.METHODS)}, got {args.methods!r}"
         )
-    _check_sampling(args)
+    _check_run_args(args)
     pair = _load(args)
     columns = run_module.bench_columns(budgets, methods)
     for method, budget in columns:  # before anything compiles
@@ -394,6 +457,7 @@ def _bench_command(args: argparse.Namespace) -> int:
             if profile is None
             else [{"method": m, "budget": b, **times} for (m, b), (_, times) in zip(columns, profile)],
         }
+        _make_parent(args.json)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"results written to {args.json}")
@@ -468,7 +532,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens per prefill chunk (default 0: auto, chunks of 2,048 beyond 2,048 tokens; MoE targets "
         "~8,192 tokens over the batch)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation (median reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after compilation, >= 1 (median reported)")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -493,12 +557,14 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--budget", type=int, default=32, help="draft nodes, root not counted (default 32)")
     tree.add_argument("--depth", type=int, default=7, help="synthetic: depth limit L = block size - 1 (default 7)")
     tree.add_argument("--vocab", type=int, default=151936, help="synthetic: vocabulary size (default 151936)")
-    tree.add_argument("--seed", type=int, default=0)
+    tree.add_argument("--seed", type=int, default=0, help="synthetic: seed, an integer in [0, 2^32) (default 0)")
     tree.add_argument("--sharpness", type=float, default=3.0, help="synthetic: Zipf exponent at depth 1")
     tree.add_argument("--decay", type=float, default=0.85, help="synthetic: sharpness factor per depth")
     tree.add_argument("--row", type=int, default=0, help="which batch row to show")
     tree.add_argument("--max-print", type=int, default=None, help="print at most this many nodes")
-    tree.add_argument("--plot", metavar="FILE", help="also draw the tree to FILE (png/pdf/svg)")
+    tree.add_argument(
+        "--plot", metavar="FILE", help="also draw the tree to FILE (png/pdf/svg, or another type matplotlib writes)"
+    )
     tree.set_defaults(func=_tree_command)
 
     gen = sub.add_parser(
@@ -590,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _dispatch_command(args: argparse.Namespace) -> int:
     from ddtree_jax import dispatch
     from ddtree_jax.checkpoint.hf_config import parse_config, read_config
+    from ddtree_jax.config import DFlashConfig
     from ddtree_jax.options import DecodeOptions
 
     options = DecodeOptions(
@@ -604,15 +671,15 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--budget >= 1, --block-size >= 2 and --batch >= 1, got {args.budget}, {args.block_size}, {args.batch}"
         )
-    path = args.config if os.path.isdir(args.config) else os.path.dirname(os.path.abspath(args.config))
-    if not os.path.isdir(args.config) and os.path.basename(args.config) != "config.json":
-        import json as json_module
-
-        with open(args.config) as f:
-            raw = json_module.load(f)
-    else:
-        raw = read_config(path)
+    if args.context is not None and args.context < 0:
+        raise ValueError(f"--context must be >= 0 (tokens committed before the step), got {args.context}")
+    raw = read_config(args.config)  # a directory's config.json or a config file; errors name the file
     config = parse_config(raw)
+    if isinstance(config, DFlashConfig):
+        raise UsageError(
+            f"--config {args.config} is a drafter (DFlash) config, not a target's: dispatch plans the target's "
+            "step; give the target's config.json"
+        )
     backend = args.backend or dispatch.backend()
     weights = dispatch.weights_dtype(args.dtype, backend)
     stored = raw.get("torch_dtype") or raw.get("dtype") or "float32"  # HF's names for the stored dtype

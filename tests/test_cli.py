@@ -23,7 +23,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_tiny")  # h
 
 
 def test_tree_tool_prints_the_tree_and_plots(tmp_path, capsys):
-    plot = tmp_path / "tree.png"
+    plot = tmp_path / "plots" / "tree.png"  # --plot's directory is created, as the training stages create theirs
     assert main(["tree", "--budget", "12", "--depth", "4", "--vocab", "300", "--seed", "3", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     tree = build_tree(synthetic_draft_logits(jax.random.key(3), 1, 4, 300), 12)
@@ -340,6 +340,18 @@ def test_dispatch_prints_every_choice(capsys):
     assert "DecodeOptions.attn_impl must be one of" in capsys.readouterr().err
 
 
+def test_dispatch_refuses_a_drafter_config_a_negative_context_and_names_a_bad_file(tmp_path, capsys):
+    assert "--config checkpoints/embedded/drafter is a drafter (DFlash) config, not a target's" in _error(
+        ["dispatch", "--config", "checkpoints/embedded/drafter"], capsys
+    )
+    assert "--context must be >= 0 (tokens committed before the step), got -500" in _error(
+        ["dispatch", "--context", "-500", "--backend", "gpu"], capsys
+    )
+    not_json = tmp_path / "notes.md"
+    not_json.write_text("# not a config\n")
+    assert f"{not_json} is not valid JSON: Expecting value" in _error(["dispatch", "--config", str(not_json)], capsys)
+
+
 # ------------------------------------------------------------------------------------------------ defaults, exit codes
 
 
@@ -444,6 +456,79 @@ def test_bad_requests_fail_before_any_output(capsys):
     assert "outside the target vocabulary" in _error_before_output(
         ["bench", *TINY, "--prompt-ids", "1,2", "--prompt-ids", "1,512"], capsys
     )
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Loading or running a pair fails the test: the request must be refused before any work."""
+    from ddtree_jax.engine import run as run_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the request was not refused up front")
+
+    for name in ("random_tiny_pair", "load_pair", "run", "benchmark", "enable_compilation_cache"):
+        monkeypatch.setattr(run_module, name, refuse)
+
+
+def test_random_tiny_refuses_pair_options(nothing_runs, capsys):
+    for command in ("generate", "bench"):
+        for option in ("--target", "--drafter", "--child-head"):
+            err = _error_before_output([command, "--random-tiny", option, "/nonexistent"], capsys)
+            assert f"--random-tiny builds its own random pair: it cannot be combined with {option} /nonexistent" in err
+    assert "--child-head directory '/nonexistent' does not exist" in _error_before_output(
+        ["generate", "--child-head", "/nonexistent"], capsys
+    )
+    assert "--child-head needs a drafter" in _error_before_output(
+        ["generate", "--target", FIXTURE, "--child-head", FIXTURE], capsys
+    )
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, nothing_runs, monkeypatch, capsys):
+    from ddtree_jax.tree import render
+
+    monkeypatch.setattr(render, "plot_tree", lambda *args, **kwargs: pytest.fail("plotted"))
+    (tmp_path / "file").write_text("x")
+    unwritable = str(tmp_path / "file" / "out.json")  # under a file: no directory can be made there
+    assert f"--json {unwritable!r} cannot be written: {str(tmp_path / 'file')!r} is not a directory" in (
+        _error_before_output(["bench", *TINY, "--json", unwritable], capsys)
+    )
+    assert f"--json {str(tmp_path)!r} is a directory" in _error_before_output(
+        ["bench", *TINY, "--json", str(tmp_path)], capsys
+    )
+    assert "cannot be written" in _error_before_output(["tree", "--plot", str(tmp_path / "file" / "t.png")], capsys)
+    err = _error_before_output(["tree", "--plot", str(tmp_path / "t.xyz")], capsys)
+    assert "has extension .xyz: matplotlib writes" in err and "png" in err and "svg" in err
+    assert "has no extension" in _error_before_output(["tree", "--plot", str(tmp_path / "t")], capsys)
+    cli._check_output(str(tmp_path / "new" / "sub" / "out.json"), "--json")  # can be created: fine
+    assert not (tmp_path / "new").exists()  # ... and only when the file is written
+    assert {"png", "pdf", "svg"} <= set(cli.plot_formats()) and "pgf" not in cli.plot_formats()
+
+
+def test_repeats_and_seeds_are_checked_up_front(nothing_runs, capsys):
+    for value in ("0", "-1"):
+        for command in ("generate", "bench"):
+            assert f"repeats must be an integer >= 1, got {value}" in _error_before_output(
+                [command, "--random-tiny", "--repeats", value], capsys
+            )
+    for seed in ("-1", str(2**32)):  # tree takes generate's check
+        for command in (["tree"], ["generate", "--random-tiny"]):
+            assert f"seed must be an integer in [0, 2^32), got {seed}" in _error_before_output(
+                [*command, "--seed", seed], capsys
+            )
+
+
+def test_run_and_benchmark_refuse_repeats_below_one():
+    from ddtree_jax.engine.run import benchmark, check_repeats, run
+
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=re.escape(f"repeats must be an integer >= 1, got {bad!r}")):
+            check_repeats(bad)
+    assert check_repeats(np.int64(2)) == 2
+    # checked first, before the pair is looked at (no pair here) or anything compiles
+    with pytest.raises(ValueError, match="got 0"):
+        run(None, [[1]], method="ar", budget=1, block_size=None, max_new_tokens=1, temperature=0.0, repeats=0)
+    with pytest.raises(ValueError, match="got -1"):
+        benchmark(None, [[1]], repeats=-1)
 
 
 def test_every_generate_and_bench_option_has_help_with_its_default():

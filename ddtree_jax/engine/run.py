@@ -276,6 +276,14 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
+def check_repeats(repeats) -> int:
+    """Timed runs after compilation: an integer >= 1 (0 or a negative count would time nothing). Raises
+    ValueError naming the value."""
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    return int(repeats)
+
+
 def request_args(
     pair: Pair,
     prompt_ids: list[list[int]],
@@ -356,9 +364,9 @@ def check_fits(compiled, *, prompt_tokens: int, batch: int, static: dict, free_b
 
 
 def _timed(compiled, args: tuple, repeats: int):
-    """Runs a compiled generation `repeats` (>= 1) times: (last result, median seconds)."""
+    """Runs a compiled generation `repeats` (>= 1, `check_repeats`) times: (last result, median seconds)."""
     times = []
-    for _ in range(max(repeats, 1)):
+    for _ in range(check_repeats(repeats)):
         start = time.perf_counter()
         result = jax.block_until_ready(compiled(*args[1:]))  # the static target_config is baked in
         times.append(time.perf_counter() - start)
@@ -383,7 +391,8 @@ def run(
     options: DecodeOptions = DecodeOptions(),
 ) -> dict:
     """Compiles once, then generates `repeats` times; returns tokens, tau and timings (seconds).
-    Checks the request first (`check_request`); options: how the step runs (`DecodeOptions`)."""
+    Checks the request first (`check_request`, `check_repeats`); options: how the step runs (`DecodeOptions`)."""
+    check_repeats(repeats)
     block, args = checked_request_args(
         pair,
         prompt_ids,
@@ -452,6 +461,7 @@ def benchmark(
     tokens_per_s (all generated tokens / the summed median run times), mean_tau (over prompts),
     speedup (tokens_per_s over AR's; None without an AR column), and per_prompt details.
     """
+    check_repeats(repeats)
     columns = bench_columns(budgets, methods)
     for method, budget in columns:  # every request is checked before anything compiles
         check_request(
