@@ -131,7 +131,25 @@ def _rope(cfg: dict) -> float:
     return _float(rope, "rope_theta", positive=True)
 
 
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of SiLU, the only activation the models implement
+
+
+def _check_silu(cfg: dict) -> None:
+    """hidden_act must name SiLU (absent: HF's default for these models, "silu"); the models' MLPs are
+    SwiGLU, so any other activation (or null) would run as SiLU silently."""
+    if "hidden_act" not in cfg:
+        return
+    value = cfg["hidden_act"]
+    if not isinstance(value, str) or value not in SILU_NAMES:
+        raise CheckpointError(
+            f"hidden_act {value!r} ({_json_type(value)}) is not supported; the models implement SiLU only "
+            f"(hidden_act one of {SILU_NAMES})"
+        )
+
+
 def _common(cfg: dict) -> dict:
+    _check_silu(cfg)
+    _check_dense_or_fp8(cfg.get("quantization_config"))
     if _bool(cfg, "attention_bias", False):
         raise CheckpointError("attention_bias = true is not supported (Qwen3 has no attention biases)")
     if _bool(cfg, "use_sliding_window", False):
@@ -309,6 +327,8 @@ def _deepseek(cfg: dict) -> DeepSeekV3Config:
         raise CheckpointError("only sigmoid scoring with noaux_tc top-k routing is supported (DeepSeek-V3 / Kimi K2)")
     if _bool(cfg, "attention_bias", False):
         raise CheckpointError("attention_bias = true is not supported")
+    _check_silu(cfg)
+    _int(cfg, "num_nextn_predict_layers", 0)  # the MTP layers' count (checked here; load_weights skips them)
     return DeepSeekV3Config(
         expert_format=_expert_format(cfg.get("quantization_config")),
         vocab_size=_int(cfg, "vocab_size", minimum=1),
@@ -339,16 +359,54 @@ def _deepseek(cfg: dict) -> DeepSeekV3Config:
     )
 
 
+def _quantization(quant) -> tuple[dict, object]:
+    """(quantization_config as a dict ({} when absent, null or empty), its quant_method)."""
+    if not quant:
+        return {}, None
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"quantization_config must be a JSON object, got {quant!r} ({_json_type(quant)})")
+    return quant, quant.get("quant_method")
+
+
+def _check_block_fp8(quant: dict) -> None:
+    """HF's block FP8 ("fp8": e4m3 weights, a weight_scale_inv per 128 x 128 block, dynamic activation
+    quantisation) as the loaders read it; any other block size, format or activation scheme raises."""
+    block = quant.get("weight_block_size", [128, 128])  # HF's default (128, 128)
+    if not isinstance(block, list) or block != [128, 128]:
+        raise CheckpointError(
+            f"quantization_config.weight_block_size {block!r} is not supported (block FP8 needs [128, 128])"
+        )
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"quantization_config.fmt {quant.get('fmt')!r} is not supported (FP8 needs 'e4m3')")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(
+            f"quantization_config.activation_scheme {quant.get('activation_scheme')!r} is not supported "
+            "(block FP8 needs 'dynamic')"
+        )
+
+
+def _check_dense_or_fp8(quant) -> None:
+    """Qwen3 targets and DFlash drafters: no quantization_config, or block FP8 (the weights are dequantised
+    to the load dtype as they load, `hf_weights.load_weights`); anything else raises naming its quant_method."""
+    quant, method = _quantization(quant)
+    if not quant:
+        return
+    if method == "fp8":
+        _check_block_fp8(quant)
+        return
+    raise CheckpointError(
+        f"unsupported quantization_config (quant_method {method!r}, format {quant.get('format')!r}); "
+        "supported for this model family: block FP8 (quant_method 'fp8', 128 x 128 blocks)"
+    )
+
+
 def _expert_format(quant: dict | None) -> str:
     """'dense', or 'int4' for compressed-tensors pack-quantized symmetric group-32 INT4 weights."""
+    quant, method = _quantization(quant)
     if not quant:
         return "dense"
-    if not isinstance(quant, dict):
-        raise CheckpointError(f"quantization_config must be a JSON object, got {quant!r}")
-    method = quant.get("quant_method")
     if method == "fp8":  # block FP8 (DeepSeek-V3, original K2): found per tensor from its weight_scale_inv
-        if list(quant.get("weight_block_size", [128, 128])) != [128, 128]:
-            raise CheckpointError(f"block-FP8 needs 128 x 128 blocks, got {quant.get('weight_block_size')}")
+        _check_block_fp8(quant)
         return "dense"
     if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
         for group in quant.get("config_groups", {}).values():
@@ -362,6 +420,19 @@ def _expert_format(quant: dict | None) -> str:
         f"unsupported quantization_config (quant_method {method!r}, format {quant.get('format')!r}); "
         "supported: compressed-tensors pack-quantized INT4 experts, block FP8"
     )
+
+
+def mtp_layer_count(cfg: dict) -> int:
+    """num_nextn_predict_layers of a DeepSeek-V3 / Kimi K2 config (kimi_k25: of its text_config): the
+    multi-token-prediction layers stored after the decoder layers, which HF's model (and ours) does not
+    run; 0 for other model types."""
+    if not isinstance(cfg, dict):
+        return 0
+    if cfg.get("model_type") == "kimi_k25":
+        return mtp_layer_count(_object(cfg, "text_config"))
+    if cfg.get("model_type") in DEEPSEEK_FAMILY:
+        return _int(cfg, "num_nextn_predict_layers", 0)
+    return 0
 
 
 def _rope_dict(config) -> dict:

@@ -19,9 +19,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ddtree_jax.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from ddtree_jax.checkpoint.hf_config import mtp_layer_count, read_config
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
-from ddtree_kernels.quant import Fp8BlockWeight, Int4Weight
+from ddtree_kernels.quant import FP8_BLOCK, Fp8BlockWeight, Int4Weight
 
 _LAYER_NAMES = {  # our name -> HF suffix within a layer
     "input_norm": "input_layernorm.weight",
@@ -136,6 +137,42 @@ def hf_tensor_names(config) -> list[str]:
     for layer in range(config.num_layers):
         names += [f"{prefix}.{layer}.{suffix}" for suffix in _LAYER_NAMES.values()]
     return names
+
+
+SCALE_SUFFIX = "_scale_inv"  # block FP8: "<module>.weight" + "_scale_inv" holds the weight's block scales
+
+
+def is_linear_weight(name: str) -> bool:
+    """An HF tensor name of a linear projection's weight ([out, in]), the tensors HF's block-FP8
+    quantiser stores as FP8 with a weight_scale_inv; not the embedding, norms, routers or biases."""
+    return name in ("lm_head.weight", "fc.weight") or name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
+def fp8_block_shape(shape) -> tuple[int, int]:
+    """The weight_scale_inv shape of a block-FP8 [out, in] weight: one scale per 128 x 128 block."""
+    out, inner = shape[-2:]
+    return -(-out // FP8_BLOCK), -(-inner // FP8_BLOCK)
+
+
+def dequantize_fp8(codes: np.ndarray, scale_inv: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """A block-FP8 weight (float8_e4m3fn codes [out, in], scales [ceil(out / 128), ceil(in / 128)]) as
+    `dtype`: codes x the scale of their 128 x 128 block, computed in float32 (as HF's dequantisation)."""
+    out, inner = codes.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:out, :inner]
+    return (codes.astype(np.float32) * scale).astype(dtype)
+
+
+def _mtp_tensors(path: str, config, available: set[str], mtp_layers: int | None) -> set[str]:
+    """The tensors of DeepSeek-V3's multi-token-prediction layers (`model.layers.{L + i}.*` for i <
+    num_nextn_predict_layers, L = num_hidden_layers), which HF's DeepseekV3ForCausalLM ignores, as we do.
+    mtp_layers None: num_nextn_predict_layers of the config.json in `path` (0 without one)."""
+    if not isinstance(config, DeepSeekV3Config):
+        return set()
+    if mtp_layers is None:
+        has_config = os.path.isfile(os.path.join(path, "config.json"))
+        mtp_layers = mtp_layer_count(read_config(path)) if has_config else 0
+    prefixes = tuple(f"model.layers.{config.num_layers + i}." for i in range(mtp_layers))
+    return {name for name in available if name.startswith(prefixes)} if prefixes else set()
 
 
 def read_safetensors_header(file: str) -> dict:
@@ -284,14 +321,21 @@ def resolve_dtype(dtype, source: TensorSource, names) -> object:
         raise ValueError(f"dtype must be 'auto' or a floating dtype, got {dtype!r}") from None
 
 
-def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False) -> dict:
+def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False, mtp_layers: int | None = None) -> dict:
     """Our param tree from the safetensors in `path`.
 
     dtype: the device dtype of the arrays; "auto" (default, as transformers' dtype="auto") keeps the
-      checkpoint's stored floating dtype; e.g. jnp.bfloat16 or "bfloat16" casts to it. FP8 weights stay
-      FP8, routers and FP8 scales float32, packed INT4 int32.
+      checkpoint's stored floating dtype; e.g. jnp.bfloat16 or "bfloat16" casts to it. DeepSeek-V3's FP8
+      decoder projections stay FP8 (`Fp8BlockWeight`), routers and FP8 scales float32, packed INT4 int32.
+      Block-FP8 weights of a Qwen3 target or DFlash drafter (and any FP8 lm_head) are dequantised to
+      `dtype` as they load (codes x the scale of their 128 x 128 block).
     check_finite: check every floating-point tensor for NaN/inf as read from the file (CheckpointError
       naming the tensor and file); off by default (it reads every value once more on the host).
+    mtp_layers: DeepSeek-V3's num_nextn_predict_layers, whose layers (after the decoder layers) are
+      skipped as HF skips them; None: read from the config.json in `path`.
+
+    Every tensor in the checkpoint is used or reported: a weight_scale_inv is used with its FP8 linear
+    weight, and one beside any other tensor (or an FP8 tensor without its scales) raises CheckpointError.
     """
     source = TensorSource(path)
     expected = set(hf_tensor_names(config))
@@ -299,8 +343,10 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
     missing = sorted(expected - available)
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[0]!r}")
-    fp8_scales = {n for n in available if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in expected}
-    unexpected = sorted(n for n in available - expected - fp8_scales if not n.endswith("rotary_emb.inv_freq"))
+    # the FP8 weights: the linear weights stored with their block scales (used with them, below)
+    quantised = {n for n in expected if is_linear_weight(n) and f"{n}{SCALE_SUFFIX}" in available}
+    used = expected | {f"{n}{SCALE_SUFFIX}" for n in quantised} | _mtp_tensors(path, config, available, mtp_layers)
+    unexpected = sorted(n for n in available - used if not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise CheckpointError(
             f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}"
@@ -313,14 +359,34 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(info['shape'])}, expected {tuple(shape)} (in {file})"
             )
+        fp8 = info["dtype"].startswith("F8_")
+        if name in quantised and info["dtype"] != "F8_E4M3":
+            raise CheckpointError(
+                f"tensor {name!r} has a {name}{SCALE_SUFFIX} but is stored as {info['dtype']}, not F8_E4M3 (in {file})"
+            )
+        if fp8 and name not in quantised:
+            raise CheckpointError(
+                f"tensor {name!r} is stored as {info['dtype']} without its block scales "
+                f"({name}{SCALE_SUFFIX}); only block-FP8 linear weights with their scales can load (in {file})"
+            )
         arr = source.get(name)
         if check_finite:
             check_finite_array(arr, name, file)
         return arr
 
+    def fetch_array(name, shape, as_dtype):
+        """A tensor as a host array of `as_dtype`; an FP8 one dequantised with its block scales."""
+        if name not in quantised:
+            return fetch(name, shape)
+        scale = fetch(f"{name}{SCALE_SUFFIX}", fp8_block_shape(shape))
+        return dequantize_fp8(fetch(name, shape), scale, np.dtype(as_dtype))
+
     if isinstance(config, DeepSeekV3Config):
         shapes = deepseek_v3.param_shapes(config)
-        params = {ours: jnp.asarray(fetch(hf, shapes[ours][0]), dtype) for ours, hf in _deepseek_top(config).items()}
+        params = {
+            ours: jnp.asarray(fetch_array(hf, shapes[ours][0], dtype), dtype)
+            for ours, hf in _deepseek_top(config).items()
+        }
         for stack in ("dense_layers", "moe_layers"):
             params[stack] = {}
         for (stack_name, ours), per_layer in _deepseek_names(config).items():
@@ -344,14 +410,14 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
                 continue
             names = [[f"{n}.weight" for n in e] for e in per_layer] if ours in _EXPERT_NAMES else per_layer
             flat = [n for e in names for n in (e if isinstance(e, list) else [e])]
-            if flat and f"{flat[0]}_scale_inv" in fp8_scales:  # block-FP8: kept in FP8 with its scales
-                missing_scale = [n for n in flat if f"{n}_scale_inv" not in fp8_scales]
+            if any(n in quantised for n in flat):  # block-FP8: kept in FP8 with its scales
+                missing_scale = [n for n in flat if n not in quantised]
                 if missing_scale:
                     raise CheckpointError(
-                        f"tensor '{missing_scale[0]}_scale_inv' is missing (the other layers are FP8)"
+                        f"tensor '{missing_scale[0]}{SCALE_SUFFIX}' is missing (the other layers are FP8)"
                     )
                 out, inner = one[-2:]
-                blocks = (-(-out // 128), -(-inner // 128))
+                blocks = fp8_block_shape((out, inner))
 
                 def stacked_arrays(suffix, shape):
                     if ours in _EXPERT_NAMES:
@@ -360,7 +426,7 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
 
                 params[stack_name][ours] = Fp8BlockWeight(
                     jnp.asarray(stacked_arrays("", (out, inner))),
-                    jnp.asarray(stacked_arrays("_scale_inv", blocks), jnp.float32),
+                    jnp.asarray(stacked_arrays(SCALE_SUFFIX, blocks), jnp.float32),
                 )
                 continue
             if ours in _EXPERT_NAMES:
@@ -371,11 +437,11 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False)
             params[stack][ours] = jnp.asarray(np.stack(arrays) if arrays else np.zeros((0,) + one), keep)
         return params
     top, shapes, prefix = _layout(config)
-    params = {ours: jnp.asarray(fetch(hf, shapes[ours][0]), dtype) for ours, hf in top.items()}
+    params = {ours: jnp.asarray(fetch_array(hf, shapes[ours][0], dtype), dtype) for ours, hf in top.items()}
     params["layers"] = {}
     for ours, suffix in _LAYER_NAMES.items():
         layer_shape = shapes["layers"][ours][0][1:]
-        stacked = [fetch(f"{prefix}.{layer}.{suffix}", layer_shape) for layer in range(config.num_layers)]
+        stacked = [fetch_array(f"{prefix}.{layer}.{suffix}", layer_shape, dtype) for layer in range(config.num_layers)]
         params["layers"][ours] = jnp.asarray(np.stack(stacked), dtype)
     return params
 
