@@ -19,7 +19,7 @@ from ddtree_jax.engine.step import DecodeState, StepTrace, steps_per_token, trac
 from ddtree_jax.models import target_module
 from ddtree_jax.models.layers import unstack_layers
 from ddtree_jax.options import DecodeOptions, check_method
-from ddtree_jax.sampling import SamplingParams, sample
+from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams, sample
 
 PREFILL_SALT = 2**31 - 1  # the first token's coin: a fold-in no decode step uses
 
@@ -178,7 +178,9 @@ def start_state(
     options: DecodeOptions = DecodeOptions(),
 ) -> DecodeState:
     """`prefill`, then rows whose first token is a stop token or whose max_new <= 1 are marked done: the
-    state the decode loop starts from (`generate`'s while_loop, `engine.host_loop`)."""
+    state the decode loop starts from (`generate`'s while_loop, `engine.host_loop`). A row whose request
+    `check_generate_inputs` would refuse (traced inputs, which it cannot read: `request_rows_valid`) is an
+    invalid row: its first token INVALID_TOKEN, done."""
     check_method(method)
     state = prefill(
         target_config,
@@ -195,8 +197,25 @@ def start_state(
         cache_dtype=cache_dtype,
         options=options,
     )
-    first_stop = (state.bonus[:, None] == stop_tokens).any(1)
-    return dataclasses.replace(state, done=state.done | first_stop | (max_new <= 1))
+    valid = request_rows_valid(target_config, prompts, prompt_lengths, max_new, max_new_tokens=max_new_tokens)
+    bonus = jnp.where(valid, state.bonus, INVALID_TOKEN)
+    first_stop = (bonus[:, None] == stop_tokens).any(1)
+    return dataclasses.replace(
+        state,
+        bonus=bonus,
+        output=state.output.at[:, 0].set(bonus),
+        done=state.done | ~valid | first_stop | (max_new <= 1),
+    )
+
+
+def request_rows_valid(target_config, prompts, prompt_lengths, max_new, *, max_new_tokens: int) -> jax.Array:
+    """bool [B]: the rows `check_generate_inputs` accepts, traceable: 1 <= prompt_lengths[b] <= T, the real prompt
+    ids in [0, vocab), 1 <= max_new[b] <= max_new_tokens."""
+    width = prompts.shape[1]
+    real = jnp.arange(width)[None, :] < prompt_lengths[:, None]
+    ids_ok = ~(real & ((prompts < 0) | (prompts >= target_config.vocab_size))).any(1)
+    lengths_ok = (prompt_lengths >= 1) & (prompt_lengths <= width)
+    return lengths_ok & ids_ok & (max_new >= 1) & (max_new <= max_new_tokens)
 
 
 Recorder = Callable[[StepTrace, SamplingParams], dict]
@@ -261,7 +280,7 @@ def check_generate_inputs(target_config, prompts, prompt_lengths, max_new, *, ma
     """Eager checks of `generate`'s inputs (ValueError naming the row and value); inputs that are traced or
     abstract (jax.ShapeDtypeStruct, e.g. under an outer jit or in `.lower`) are not checked.
 
-    - max_new[b] <= max_new_tokens (the static size the KV cache and the output are allocated for);
+    - 1 <= max_new[b] <= max_new_tokens (the static size the KV cache and the output are allocated for);
     - 1 <= prompt_lengths[b] <= T (the prompt's width);
     - the real prompt ids (the first prompt_lengths[b] of row b) lie in [0, target_config.vocab_size).
     """
@@ -274,6 +293,9 @@ def check_generate_inputs(target_config, prompts, prompt_lengths, max_new, *, ma
             f"max_new[{row}] = {int(limits.reshape(-1)[row])} exceeds max_new_tokens = {max_new_tokens} "
             "(the static size of the KV cache and the output)"
         )
+    if limits is not None and limits.size and (limits < 1).any():
+        row = int(np.argmax(limits.reshape(-1) < 1))
+        raise ValueError(f"max_new[{row}] = {int(limits.reshape(-1)[row])} must be >= 1 (the prefill emits one token)")
     ids, lengths = _concrete(prompts), _concrete(prompt_lengths)
     if lengths is None or ids is None or ids.ndim != 2:
         return
@@ -420,9 +442,9 @@ def generate(
       GenerationResult. A row stops at its first stop token (kept) or at max_new[b] tokens.
 
     Raises:
-      ValueError (`check_generate_inputs`, concrete inputs only; skipped under an outer jit / tracing):
-      max_new[b] > max_new_tokens, prompt_lengths[b] outside [1, T], a real prompt id outside the
-      vocabulary.
+      ValueError (`check_generate_inputs`, concrete inputs only): max_new[b] outside [1, max_new_tokens],
+      prompt_lengths[b] outside [1, T], a real prompt id outside the vocabulary. Under an outer jit, where
+      they cannot be read, such a row is an invalid row instead (`request_rows_valid`: tokens INVALID_TOKEN).
     """
     request = (prompts, prompt_lengths, sampling, keys, stop_tokens, max_new)
     statics = (max_new_tokens, method, budget, block_size, cache_dtype, options)

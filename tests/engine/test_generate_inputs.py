@@ -35,6 +35,8 @@ STATIC = dict(max_new_tokens=6, method="ddtree", budget=4, block_size=5)
     "prompts, lengths, max_new, message",
     [
         (GOOD, [3, 4], [6, 9], r"max_new\[1\] = 9 exceeds max_new_tokens = 6"),
+        (GOOD, [3, 4], [0, 6], r"max_new\[0\] = 0 must be >= 1"),
+        (GOOD, [3, 4], [6, -3], r"max_new\[1\] = -3 must be >= 1"),
         (GOOD, [0, 4], [6, 6], r"prompt_lengths\[0\] = 0 is outside \[1, T = 4\]"),
         (GOOD, [3, -2], [6, 6], r"prompt_lengths\[1\] = -2"),
         (GOOD, [3, 5], [6, 6], r"prompt_lengths\[1\] = 5"),
@@ -65,6 +67,24 @@ def test_padding_ids_are_not_checked_and_abstract_inputs_skip_the_checks():
     args = _args(GOOD, [3, 4], [6, 6])
     jax.eval_shape(lambda p: generate(*args[:3], p, *args[4:], **STATIC), args[3])
     assert callable(generate.lower) and generate.__name__ == "generate"
+
+
+def test_bad_rows_under_an_outer_jit_are_invalid_rows():
+    """Under an outer jit the checks cannot read the inputs: each row they would refuse (prompt length 0, a prompt
+    id outside the vocabulary, max_new 0 or above max_new_tokens) generates INVALID_TOKEN only, and the good row
+    is unchanged."""
+    from ddtree_jax.sampling import INVALID_TOKEN
+
+    prompts = np.array([[1, 2, 3, 0]] * 5)
+    good = (prompts, [3] * 5, [4] * 5)
+    bad_prompts = prompts.copy()
+    bad_prompts[2, 1] = V
+    bad = (bad_prompts, [3, 0, 3, 3, 3], [4, 4, 4, 9, 0])
+    static = dict(max_new_tokens=4, method="ar", budget=1, block_size=2)
+    run = jax.jit(lambda p, lengths, m: generate(*_args(p, lengths, m), **static).tokens)
+    got, want = (np.asarray(run(*(jnp.asarray(a, jnp.int32) for a in case))) for case in (bad, good))
+    assert (got[1:] == INVALID_TOKEN).all() and (want[1:] != INVALID_TOKEN).any(axis=1).all()
+    np.testing.assert_array_equal(got[0], want[0])
 
 
 def test_seeds_outside_32_bits_are_refused():
