@@ -14,6 +14,7 @@ from ddtree_jax import dispatch
 METHODS = ("ddtree", "chain", "ar")  # decode methods: DDTree's best-first tree, the DFlash chain, plain AR
 VERIFIERS = ("sampling", "sample_then_walk")  # tree rejection walks: coin buckets (verify_sampling), the DDTree paper's
 ORDER_POLICIES = ("draft", "reverse", "random")  # sibling verification orders
+MAX_BUDGET = 1024  # the largest DDTree budget: build_tree / build_conditional_tree and --budget (N = budget + 1 slots)
 
 
 def check_method(method: str) -> str:

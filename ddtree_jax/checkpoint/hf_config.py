@@ -154,6 +154,16 @@ def _common(cfg: dict) -> dict:
         raise CheckpointError("attention_bias = true is not supported (Qwen3 has no attention biases)")
     if _bool(cfg, "use_sliding_window", False):
         raise CheckpointError("use_sliding_window = true is not supported (full attention only)")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:  # transformers' per-layer attention kinds: only full attention is implemented
+        if not isinstance(layer_types, list):
+            raise CheckpointError(f"layer_types must be a list, got {layer_types!r} ({_json_type(layer_types)})")
+        other = [(i, kind) for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        if other:
+            raise CheckpointError(
+                f"layer_types[{other[0][0]}] = {other[0][1]!r} is not supported (full attention only; "
+                f"{len(other)} layer(s) are not 'full_attention')"
+            )
     hidden = _int(cfg, "hidden_size", minimum=1)
     num_heads = _int(cfg, "num_attention_heads", minimum=1)
     num_kv_heads = _int(cfg, "num_key_value_heads", num_heads, minimum=1)

@@ -23,7 +23,7 @@ from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.models import dflash, qwen3, target_module
-from ddtree_jax.options import METHODS, DecodeOptions
+from ddtree_jax.options import MAX_BUDGET, METHODS, DecodeOptions  # MAX_BUDGET: the largest --budget, re-exported
 from ddtree_jax.presets import preset_pair
 from ddtree_jax.sampling import SamplingParams, row_keys
 
@@ -76,7 +76,6 @@ def load_dtype(name: str):
     return "auto" if choice == "checkpoint" else DTYPES[choice]
 
 
-MAX_BUDGET = 1024  # the largest --budget accepted (a tree of N = budget + 1 slots per row and step)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>")
 
 

@@ -29,6 +29,7 @@ from jax import lax
 
 from ddtree_jax import dispatch
 from ddtree_jax.dispatch import BUILD_TOPK_IMPLS, TREE_IMPLS
+from ddtree_jax.options import MAX_BUDGET
 from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
 from ddtree_jax.tree.select import prefilter_candidates, top_k_log_probs
 from ddtree_jax.tree.vocab_parallel import sharded_top_k_log_probs
@@ -50,9 +51,18 @@ def _as_array(draft_logits):
     )
 
 
-def _check_inputs(draft_logits, budget: int) -> None:
+def check_budget(budget) -> None:
+    """ValueError naming the budget unless it is an int in [1, MAX_BUDGET] (`ddtree_jax.options`): a budget is
+    static, so this raises under jit too. A budget above the nodes a shape can reach (V + V^2 + ... + V^L) is
+    allowed: those slots are padding."""
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if budget > MAX_BUDGET:
+        raise ValueError(f"budget must be at most MAX_BUDGET = {MAX_BUDGET} (ddtree_jax.options), got {budget}")
+
+
+def _check_inputs(draft_logits, budget: int) -> None:
+    check_budget(budget)
     if draft_logits.ndim != 3:
         raise ValueError(f"draft_logits must have shape [B, L, V], got shape {tuple(draft_logits.shape)}")
     if not jnp.issubdtype(draft_logits.dtype, jnp.floating):
@@ -185,8 +195,10 @@ def build_tree(
 
     Args:
       draft_logits: float32 or bfloat16 [B, L, V], the drafter's logits for depths 1..L (no temperature).
-      budget: static number of draft nodes (root not counted), >= 1; any V and L are allowed
-        (fewer reachable nodes than `budget` leave padding slots).
+      budget: static number of draft nodes (root not counted): an int in [1, MAX_BUDGET = 1024]
+        (`ddtree_jax.options.MAX_BUDGET`; ValueError otherwise, under jit too: the budget is static). Any V and
+        L are allowed: fewer reachable nodes than `budget` (a small V x L, -inf logits, dead depths) leave
+        padding slots.
       root_tokens: int32 [B] tokens for slot 0 (the bonus tokens), or None for 0.
       topk_impl: per-depth top-K selection: one of `dispatch.TOPK_IMPLS`, or
         "vocab_parallel" for logits whose vocabulary is split over the "model" axis of the mesh set with

@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax import dispatch
-from ddtree_jax.tree.build import kernel_top_k_logits, kernel_top_k_logits_fits
+from ddtree_jax.tree.build import check_budget, kernel_top_k_logits, kernel_top_k_logits_fits
 from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
 from ddtree_jax.tree.reference import log_softmax_f32, top_k_ranked
 from ddtree_kernels import tree_build
@@ -314,7 +314,8 @@ def build_conditional_tree(
         1 .. depth_limit - 1 with the `budget` kept parents of that depth (padding parents hold token 0;
         their children are never real).
       inputs: the pytree the function reads (traced).
-      budget: static number of draft nodes (root not counted), >= 1.
+      budget: static number of draft nodes (root not counted): an int in [1, MAX_BUDGET = 1024], as in
+        `build_tree` (ValueError otherwise, under jit too).
       depth_limit: static L, the deepest depth, >= 1.
       root_tokens: int32 [B] tokens for slot 0, or None for 0.
       impl: the two top-Ks of every level (each parent's child list, then the level's `budget` best
@@ -333,6 +334,7 @@ def build_conditional_tree(
         raise ValueError(f"first_logits must have shape [B, V] (non-empty), got shape {tuple(first_logits.shape)}")
     if not jnp.issubdtype(first_logits.dtype, jnp.floating):
         raise ValueError(f"first_logits must be a float array, got {first_logits.dtype}")
+    check_budget(budget)  # an int in [1, MAX_BUDGET]
     batch = first_logits.shape[0]
     root_tokens = jnp.zeros((batch,), jnp.int32) if root_tokens is None else jnp.asarray(root_tokens, jnp.int32)
     if root_tokens.shape != (batch,):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ddtree_jax.options import ORDER_POLICIES
@@ -13,17 +14,58 @@ from ddtree_jax.tree.draft_tree import DraftTree
 __all__ = ["ORDER_POLICIES", "ancestor_mask", "positions", "verification_order"]
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _check_tree(tree, fn: str) -> None:
+    """ValueError unless `tree` is a DraftTree (a plain array has no parents / depths to read); works under jit."""
+    if not isinstance(tree, DraftTree):
+        raise ValueError(f"{fn} takes a DraftTree (from build_tree / build_chain), got {type(tree).__name__}")
+
+
+def _check_start(tree: DraftTree, start) -> None:
+    """Eager check of a concrete `start` (skipped when traced): integers, a scalar or shape [B], >= 0, and
+    start + L (the tree's depth limit) within int32. ValueError naming the bad row and value."""
+    if isinstance(start, jax.core.Tracer):
+        return
+    values = np.asarray(start)
+    if values.dtype == object and values.ndim == 0 and isinstance(start, int):  # beyond int64: a Python int
+        values = np.asarray(min(max(start, -1), _INT32_MAX), np.int64)  # out of bounds either way, named below
+    if not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(f"start must be integers (each row's cache length), got {values.dtype} {start!r}")
+    batch = tree.batch_size
+    if values.ndim != 0 and values.shape != (batch,):
+        raise ValueError(f"start must be a scalar or have shape [B] = ({batch},), got shape {values.shape}")
+    flat = values.reshape(-1)
+    highest = _INT32_MAX - tree.max_depth  # the deepest slot's position, start + L, must fit int32
+    for bad, why in (
+        (flat < 0, "negative"),
+        (flat > highest, f"too large: start + L (the depth limit, {tree.max_depth}) must be <= {_INT32_MAX}"),
+    ):
+        if bad.any():
+            row = int(np.argmax(bad))
+            where = "start" if values.ndim == 0 else f"start[{row}]"
+            shown = start if values.ndim == 0 and isinstance(start, int) else int(flat[row])
+            raise ValueError(f"{where} = {shown} is {why}")
+
+
 def positions(tree: DraftTree, start: jax.Array) -> jax.Array:
     """int32 [B, N]: sequence position of each slot, start[b] + depth (siblings share a position).
 
-    start: int32 [B] (the row's cache length) or a scalar.
+    start: integers [B] (the row's cache length) or a scalar (every row), >= 0, with start + L (the tree's
+    depth limit, `tree.max_depth`) within int32. Eagerly a bad start raises ValueError naming the row; a
+    traced start (under jit) cannot be read and is not checked: the caller must keep to the same bounds, else
+    the positions are negative or wrap around int32 (nothing marks such a row).
     """
+    _check_tree(tree, "positions")
+    _check_start(tree, start)
     start = jnp.asarray(start, jnp.int32)
     return jnp.reshape(start, (-1, 1)) + tree.depths
 
 
 def ancestor_mask(tree: DraftTree) -> jax.Array:
     """bool [B, N, N]: mask[b, i, j] = slot j is slot i or an ancestor of i (padding rows: self only)."""
+    _check_tree(tree, "ancestor_mask")
     batch, slots = tree.parents.shape
     mask = jnp.broadcast_to(jnp.eye(slots, dtype=bool), (batch, slots, slots))
     ancestor = tree.parents  # [B, N], -1 once past the root
@@ -52,6 +94,7 @@ def verification_order(
       slot i in verification order, next_sibling[i] the child of the same parent tried after i.
       Padding slots are in no list.
     """
+    _check_tree(tree, "verification_order")
     if order not in ORDER_POLICIES:
         raise ValueError(f"order must be one of {ORDER_POLICIES}, got {order!r}")
     if order == "random" and key is None:

@@ -335,3 +335,16 @@ def test_deepseek_multi_token_prediction_layers_are_skipped(tmp_path):
     beyond = _rewrite_tensors(fixture, tmp_path / "beyond", add_mtp(config.num_layers + 1))  # past the MTP layers
     with pytest.raises(CheckpointError, match=rf"does not use, first: 'model.layers.{config.num_layers + 1}\."):
         load_hf(beyond, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("family", [_qwen3_dict, _drafter_dict])
+def test_layer_types_other_than_full_attention_raise(family):
+    """transformers' `layer_types` (one attention kind a layer): a sliding-window layer would load as full
+    attention, so it raises naming the layer; an all-"full_attention" list parses as no list."""
+    layers = family()["num_hidden_layers"]
+    full = ["full_attention"] * layers
+    assert parse_config(family(layer_types=full)) == parse_config(family())
+    with pytest.raises(CheckpointError, match=r"layer_types\[1\] = 'sliding_attention' is not supported"):
+        parse_config(family(layer_types=["full_attention", "sliding_attention"] + full[2:]))
+    with pytest.raises(CheckpointError, match="layer_types must be a list"):
+        parse_config(family(layer_types="full_attention"))

@@ -58,6 +58,22 @@ def test_vocab_smaller_than_budget_pads():
     assert (np.asarray(tree.num_nodes) == 1 + 2 + 4 + 8).all()  # every prefix fits: 14 nodes + root
 
 
+def test_a_huge_budget_is_refused_before_anything_is_allocated():
+    """The audit's case: budget 2^31 on [2, 3, 16] logits used > 20 GB before being killed. Above MAX_BUDGET (the
+    engine's --budget limit too): ValueError at once, eagerly and under jit (the budget is static)."""
+    from ddtree_jax.engine.run import MAX_BUDGET as engine_max  # the engine's name for it still works
+    from ddtree_jax.options import MAX_BUDGET
+
+    assert engine_max == MAX_BUDGET == 1024
+    logits = np.zeros((2, 3, 16), np.float32)
+    for budget in (2**31, 2**31 - 1, np.int64(2**40), MAX_BUDGET + 1):
+        with pytest.raises(ValueError, match=f"budget must be at most MAX_BUDGET = 1024.*got {budget}"):
+            build_tree(logits, budget)
+    with pytest.raises(ValueError, match="got 1025"):
+        jax.jit(lambda x: build_tree(x, MAX_BUDGET + 1))(logits)
+    assert int(build_tree(np.zeros((1, 4, 1), np.float32), MAX_BUDGET).num_nodes[0]) == 5  # V = 1: a padded chain
+
+
 def test_budget_one_and_depth_one():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 1, 50)).astype(np.float32)

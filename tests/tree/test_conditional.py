@@ -176,6 +176,7 @@ def test_invalid_rows_are_root_only_under_jit_and_minus_inf_is_valid(impl):
     "change,message",
     [
         (dict(budget=0), "budget must be an integer >= 1, got 0"),
+        (dict(budget=2**31), r"budget must be at most MAX_BUDGET = 1024 .*got 2147483648"),
         (dict(depth_limit=0), "depth_limit must be an integer >= 1, got 0"),
         (dict(first_logits=np.zeros((2, 3, 4), np.float32)), r"first_logits must have shape \[B, V\]"),
         (dict(first_logits=np.zeros((2, 4), np.int32)), "first_logits must be a float array"),

@@ -38,6 +38,57 @@ def test_positions_are_start_plus_depth():
     )
 
 
+def test_positions_takes_a_scalar_start_for_every_row():
+    tree = _tree(0)
+    for start in (7, np.int32(7), jnp.int32(7)):
+        np.testing.assert_array_equal(np.asarray(positions(tree, start)), 7 + np.asarray(tree.depths))
+
+
+@pytest.mark.parametrize(
+    "start,message",
+    [
+        ([-5, 0, 3], r"start\[0\] = -5 is negative"),
+        (jnp.array([4, 0, -1], jnp.int32), r"start\[2\] = -1 is negative"),
+        (-2, r"start = -2 is negative"),
+        (2**31 - 2, r"start = 2147483646 is too large: start \+ L \(the depth limit, 5\) must be <= 2147483647"),
+        (np.array([0, 2**31 - 5, 0], np.int64), r"start\[1\] = 2147483643 is too large"),
+        (2**70, r"start = 1180591620717411303424 is too large"),  # beyond int64: named, not an OverflowError
+        ([1, 2], r"start must be a scalar or have shape \[B\] = \(3,\), got shape \(2,\)"),
+        (np.zeros((3, 1), np.int32), r"shape \[B\] = \(3,\), got shape \(3, 1\)"),
+        ([1.5, 2.0, 0.0], r"start must be integers .* got float64"),
+    ],
+)
+def test_positions_refuses_a_bad_start(start, message):
+    """Eagerly a start that is negative, whose deepest slot (start + L) would wrap int32, of the wrong shape or
+    not integral raises ValueError naming the row and value (before: negative or wrapped positions, or a
+    broadcasting TypeError)."""
+    with pytest.raises(ValueError, match=message):
+        positions(_tree(0), start)
+
+
+def test_positions_at_the_int32_limit_and_under_jit():
+    tree = _tree(0)
+    top = 2**31 - 1 - tree.max_depth  # the largest start: the deepest slot lands on int32's maximum
+    pos = np.asarray(positions(tree, [0, top, 5]))
+    assert pos[1].min() == top and pos.max() <= 2**31 - 1
+    # a traced start cannot be read: not checked (documented); the caller's cache lengths must obey the bounds
+    got = jax.jit(positions)(tree, jnp.array([-5, 0, 1], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got)[0], -5 + np.asarray(tree.depths)[0])
+
+
+@pytest.mark.parametrize("fn", ["positions", "ancestor_mask", "verification_order"])
+def test_structure_functions_refuse_a_plain_array_for_the_tree(fn):
+    """A plain array (e.g. tree.parents) for the tree: ValueError naming the function and the type, not an
+    AttributeError from deep inside."""
+    tree = _tree(0)
+    args = {"positions": (0,), "ancestor_mask": (), "verification_order": ("draft",)}[fn]
+    call = {"positions": positions, "ancestor_mask": ancestor_mask, "verification_order": verification_order}[fn]
+    with pytest.raises(ValueError, match=f"{fn} takes a DraftTree .* got ArrayImpl"):
+        call(tree.parents, *args)
+    with pytest.raises(ValueError, match=f"{fn} takes a DraftTree .* got ndarray"):
+        call(np.asarray(tree.parents), *args)
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_ancestor_mask_is_the_ancestor_closure(seed):
