@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ddtree_jax import dispatch
 
 METHODS = ("ddtree", "chain", "ar")  # decode methods: DDTree's best-first tree, the DFlash chain, plain AR
@@ -21,6 +23,30 @@ def check_method(method: str) -> str:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return method
+
+
+def check_options(
+    method: str, *, budget: int | None = None, block_size: int | None = None, max_new_tokens: int = 1, drafter=None
+) -> None:
+    """The prompt-independent checks of a generation (`engine.run.check_request`, `engine.generate`): the method
+    (and its drafter, for DDTree / chain), budget in [1, MAX_BUDGET] (DDTree), block size an int in [2, the
+    drafter's max_block_size] (DDTree / chain), max_new_tokens >= 1. ValueError naming the bad value."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "ar":
+        if drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        largest = drafter.max_block_size
+        if block_size is not None and (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, (int, np.integer))
+            or not 2 <= block_size <= largest
+        ):
+            raise ValueError(f"block_size must be in [2, {largest}] (the drafter's block_size), got {block_size}")
+    if method == "ddtree" and not (isinstance(budget, (int, np.integer)) and 1 <= budget <= MAX_BUDGET):
+        raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {budget}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
 def check_budgets(budgets) -> tuple[int, ...]:

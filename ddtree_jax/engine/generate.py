@@ -18,7 +18,7 @@ from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.step import DecodeState, StepTrace, steps_per_token, traced_decode_step
 from ddtree_jax.models import target_module
 from ddtree_jax.models.layers import unstack_layers
-from ddtree_jax.options import DecodeOptions, check_method
+from ddtree_jax.options import DecodeOptions, check_method, check_options
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams, sample
 
 PREFILL_SALT = 2**31 - 1  # the first token's coin: a fold-in no decode step uses
@@ -333,6 +333,13 @@ class _CheckedJit:
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
+        check_options(
+            a["method"],
+            budget=a["budget"],
+            block_size=a["block_size"],
+            max_new_tokens=a["max_new_tokens"],
+            drafter=a["drafter"],
+        )
         check_generate_inputs(
             a["target_config"], a["prompts"], a["prompt_lengths"], a["max_new"], max_new_tokens=a["max_new_tokens"]
         )

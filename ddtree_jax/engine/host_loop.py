@@ -31,7 +31,7 @@ from ddtree_jax.engine.generate import (
     start_state,
 )
 from ddtree_jax.engine.step import decode_step
-from ddtree_jax.options import DecodeOptions
+from ddtree_jax.options import DecodeOptions, check_options
 
 _START_STATIC = ("target_config", "max_new_tokens", "method", "budget", "block_size", "cache_dtype", "options")
 _start = jax.jit(start_state, static_argnames=_START_STATIC)
@@ -63,6 +63,7 @@ def generate_host_loop(
     between reads of the rows' done flags (>= 1). Each read is one host sync."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+    check_options(method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens, drafter=drafter)
     check_generate_inputs(target_config, prompts, prompt_lengths, max_new, max_new_tokens=max_new_tokens)
     target_params, drafter = layers_sliced_once(target_config, target_params, drafter, options)  # once, eagerly
     state = _start(

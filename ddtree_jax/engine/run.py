@@ -23,7 +23,7 @@ from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.models import dflash, qwen3, target_module
-from ddtree_jax.options import MAX_BUDGET, METHODS, DecodeOptions  # MAX_BUDGET: the largest --budget, re-exported
+from ddtree_jax.options import METHODS, DecodeOptions, check_options  # re-exported: the engine's names
 from ddtree_jax.presets import preset_pair
 from ddtree_jax.sampling import SamplingParams, row_keys
 
@@ -131,26 +131,6 @@ def check_pair(pair: Pair) -> None:
             f"drafter fc has shape {fc}, expected {want} ({len(drafter.config.target_layers)} tapped "
             f"layers of hidden size {config.hidden_size})"
         )
-
-
-def check_options(
-    method: str, *, budget: int | None = None, block_size: int | None = None, max_new_tokens: int = 1, drafter=None
-) -> None:
-    """The prompt-independent half of `check_request`: the method (and its drafter, for DDTree / chain),
-    budget in [1, MAX_BUDGET] (DDTree), block size in [2, the drafter's block_size] (DDTree / chain),
-    max_new_tokens >= 1. ValueError naming the bad value."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method != "ar":
-        if drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        largest = drafter.max_block_size
-        if block_size is not None and not 2 <= block_size <= largest:
-            raise ValueError(f"block_size must be in [2, {largest}] (the drafter's block_size), got {block_size}")
-    if method == "ddtree" and not (isinstance(budget, (int, np.integer)) and 1 <= budget <= MAX_BUDGET):
-        raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {budget}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
 def check_request(

@@ -69,6 +69,29 @@ def test_padding_ids_are_not_checked_and_abstract_inputs_skip_the_checks():
     assert callable(generate.lower) and generate.__name__ == "generate"
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(block_size=0), r"block_size must be in \[2, 5\]"),
+        (dict(block_size=6), r"block_size must be in \[2, 5\]"),
+        (dict(budget=0), r"budget must be in \[1, 1024\], got 0"),
+        (dict(method="beam"), "method must be one of"),
+        (dict(drafter=None), "method 'ddtree' needs a drafter"),
+        (dict(drafter=None, method="chain"), "method 'chain' needs a drafter"),
+    ],
+)
+def test_bad_statics_raise_before_tracing(change, message):
+    """The method, budget, block size and drafter (`options.check_options`): block_size 0 used to fail deep in the
+    while_loop with a carry-type error, a missing drafter with an AttributeError."""
+    args = list(_args(GOOD, [3, 4], [6, 6]))
+    if "drafter" in change:
+        args[2] = change.pop("drafter")
+    with pytest.raises(ValueError, match=message):
+        generate(*args, **{**STATIC, **change})
+    with pytest.raises(ValueError, match=message):
+        generate_recorded(*args, recorder=_recorder, **{**STATIC, **change})
+
+
 def test_bad_rows_under_an_outer_jit_are_invalid_rows():
     """Under an outer jit the checks cannot read the inputs: each row they would refuse (prompt length 0, a prompt
     id outside the vocabulary, max_new 0 or above max_new_tokens) generates INVALID_TOKEN only, and the good row
