@@ -175,6 +175,24 @@ def _mtp_tensors(path: str, config, available: set[str], mtp_layers: int | None)
     return {name for name in available if name.startswith(prefixes)} if prefixes else set()
 
 
+def _tied_lm_head_copy(source, config, available: set[str]) -> set[str]:
+    """{"lm_head.weight"} when a tied-embedding checkpoint also stores the head (some exporters write the tied
+    tensor twice; HF loads them, the head being the embedding): accepted only if it equals the embedding,
+    else CheckpointError (the model would silently use the embedding instead of that head)."""
+    embed_name = "model.embed_tokens.weight"
+    if not (
+        getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in available and embed_name in available
+    ):
+        return set()
+    head, embed = source.get("lm_head.weight"), source.get(embed_name)
+    if head.shape != embed.shape or not np.array_equal(np.asarray(head), np.asarray(embed)):
+        raise CheckpointError(
+            "tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight: the tied model "
+            "would use the embedding as its head; set tie_word_embeddings false to load this head"
+        )
+    return {"lm_head.weight"}
+
+
 def read_safetensors_header(file: str) -> dict:
     """{tensor name: {dtype, shape, data_offsets}} of a safetensors file, checked against the file's size:
     CheckpointError naming the file (and tensor) for a truncated file or a damaged header."""
@@ -346,7 +364,8 @@ def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False,
     # the FP8 weights: the linear weights stored with their block scales (used with them, below)
     quantised = {n for n in expected if is_linear_weight(n) and f"{n}{SCALE_SUFFIX}" in available}
     used = expected | {f"{n}{SCALE_SUFFIX}" for n in quantised} | _mtp_tensors(path, config, available, mtp_layers)
-    unexpected = sorted(n for n in available - used if not n.endswith("rotary_emb.inv_freq"))
+    tied_copy = _tied_lm_head_copy(source, config, available)
+    unexpected = sorted(n for n in available - used - tied_copy if not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise CheckpointError(
             f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not use, first: {unexpected[0]!r}"

@@ -348,3 +348,25 @@ def test_layer_types_other_than_full_attention_raise(family):
         parse_config(family(layer_types=["full_attention", "sliding_attention"] + full[2:]))
     with pytest.raises(CheckpointError, match="layer_types must be a list"):
         parse_config(family(layer_types="full_attention"))
+
+
+def test_a_tied_checkpoint_that_also_stores_the_head_loads_only_if_the_head_is_the_embedding(tmp_path):
+    """Some exporters write a tied head twice (lm_head.weight beside embed_tokens); HF loads that. Equal to the
+    embedding: it loads as the tied model does. Different: CheckpointError (the tied model would ignore it)."""
+    fixture = FIXTURES / "qwen3_tiny_tied"
+    _, reference = load_hf(str(fixture), dtype=jnp.float32)
+    tensors = load_file(str(fixture / "model.safetensors"))
+    for name, head in (
+        ("copy", tensors["model.embed_tokens.weight"]),
+        ("other", tensors["model.embed_tokens.weight"] * 2),
+    ):
+        directory = tmp_path / name
+        shutil.copytree(fixture, directory)
+        save_file({**tensors, "lm_head.weight": head}, str(directory / "model.safetensors"))
+        if name == "copy":
+            _, params = load_hf(str(directory), dtype=jnp.float32)
+            for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        else:
+            with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+                load_hf(str(directory), dtype=jnp.float32)
