@@ -197,14 +197,14 @@ PAIRS: dict[str, tuple[str, str]] = {
 
 def preset(name: str) -> ModelConfig:
     """The config named `name` in PRESETS (ValueError listing the names otherwise)."""
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"no model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]()
 
 
 def preset_pair(name: str) -> tuple[ModelConfig, DFlashConfig]:
     """(target config, drafter config) of the pair named `name` in PAIRS (ValueError listing the names)."""
-    if name not in PAIRS:
+    if not isinstance(name, str) or name not in PAIRS:
         raise ValueError(f"no preset pair {name!r}; pairs: {', '.join(sorted(PAIRS))}")
     target, drafter = PAIRS[name]
     return preset(target), preset(drafter)

@@ -45,6 +45,10 @@ def test_unknown_names_list_the_presets():
         presets.preset("qwen3-9b")
     with pytest.raises(ValueError, match=r"no preset pair 'k2'; pairs: .*kimi-k2.6"):
         presets.preset_pair("k2")
+    with pytest.raises(ValueError, match=r"no model preset \['x'\]"):  # not a string (unhashable): same error
+        presets.preset(["x"])
+    with pytest.raises(ValueError, match=r"no preset pair \['x'\]"):
+        presets.preset_pair(["x"])
 
 
 def test_the_random_tiny_pair_is_the_tiny_preset():

@@ -33,6 +33,11 @@ class SamplingParams:
 
     def __post_init__(self):
         leaves = (self.temperature, self.top_k, self.top_p, self.min_p)
+        if any(isinstance(x, (list, tuple)) for x in leaves):  # never a pytree leaf: a direct call with sequences
+            raise ValueError(
+                "SamplingParams fields must be arrays [B]; build from scalars or sequences with SamplingParams.create("
+                f"batch, ...), got {tuple(type(x).__name__ for x in leaves)}"
+            )
         if all(_is_concrete_array(x) for x in leaves) and len({x.shape for x in leaves}) == 1 and leaves[0].ndim == 1:
             self.validate()
 
@@ -41,6 +46,8 @@ class SamplingParams:
         """Broadcasts scalars or [B] sequences to [B] arrays, then validates (eagerly, at construction)."""
 
         def as_row(name, value, dtype):
+            if np.asarray(value).dtype == bool:
+                raise ValueError(f"{name} must be numbers, got a boolean {value!r}")
             arr = np.asarray(value, dtype=np.float64)
             if arr.ndim == 0:
                 arr = np.full((batch,), arr)
@@ -51,7 +58,14 @@ class SamplingParams:
             if dtype == np.int32 and (np.abs(arr) > np.iinfo(np.int32).max).any():
                 row = int(np.argmax(np.abs(arr) > np.iinfo(np.int32).max))
                 raise ValueError(f"top_k[{row}] = {int(arr[row])} does not fit int32 (0 or any k >= V turns top-k off)")
-            return arr.astype(dtype)
+            out = arr.astype(dtype)
+            underflow = (arr != 0) & (out == 0)
+            if underflow.any():  # e.g. temperature 1e-46 would become 0: greedy, silently
+                row = int(np.argmax(underflow))
+                raise ValueError(
+                    f"{name}[{row}] = {float(arr[row])!r} rounds to 0 in {np.dtype(dtype).name}; give 0 or a larger value"
+                )
+            return out
 
         return cls(
             temperature=jnp.asarray(as_row("temperature", temperature, np.float32)),

@@ -45,6 +45,18 @@ def test_create_has_no_unvalidated_path():
         SamplingParams.create(2, temperature=-1.0)
 
 
+def test_sequences_booleans_and_float32_underflow_are_refused():
+    """A direct construction from Python sequences (never a pytree leaf) names SamplingParams.create; create refuses
+    booleans (top_k=True was k = 1) and values that round to 0 in float32 (temperature 1e-46 was greedy)."""
+    with pytest.raises(ValueError, match=r"fields must be arrays \[B\].*SamplingParams.create"):
+        SamplingParams([0.5], [0], [1.0], [0.0])
+    with pytest.raises(ValueError, match="top_k must be numbers, got a boolean True"):
+        SamplingParams.create(2, top_k=True)
+    with pytest.raises(ValueError, match=r"temperature\[1\] = 1e-46 rounds to 0 in float32"):
+        SamplingParams.create(2, temperature=[0.5, 1e-46])
+    assert SamplingParams.create(2, temperature=1e-30).temperature[0] > 0  # representable: kept
+
+
 def test_pytree_operations_still_work():
     params = SamplingParams.create(3, temperature=[0.0, 0.5, 1.0], top_k=2, top_p=0.9)
     # traced rebuilds, abstract rebuilds, stacked and scalar leaves: not checked, never raise
