@@ -265,11 +265,14 @@ def _on_gpu(backend_name: str | None) -> bool:
 MOSAIC_GPU_MAJOR = 9
 
 
-@functools.cache
 def gpu_compute_capability() -> tuple[int, int] | None:
     """(major, minor) of this process's first GPU on CUDA; None off CUDA (CPU, TPU, ROCm)."""
-    if backend() != "gpu":
-        return None
+    return _device_capability() if backend() == "gpu" else None
+
+
+@functools.cache
+def _device_capability() -> tuple[int, int] | None:
+    """The first device's CUDA compute capability, read once (only ever called on the GPU backend)."""
     try:
         major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
         return int(major), int(minor)

@@ -215,15 +215,18 @@ def test_the_compute_capability_is_read_from_the_device(monkeypatch):
     monkeypatch.setattr(dispatch, "backend", lambda: "gpu")
     for reported, parsed in (("9.0", (9, 0)), ("8.6", (8, 6)), ("gfx90a", None)):
         monkeypatch.setattr(jax, "devices", lambda reported=reported: [Device(reported)])
-        dispatch.gpu_compute_capability.cache_clear()
+        dispatch._device_capability.cache_clear()
         assert dispatch.gpu_compute_capability() == parsed
     monkeypatch.setattr(jax, "devices", lambda: [object()])  # no attribute at all
-    dispatch.gpu_compute_capability.cache_clear()
+    dispatch._device_capability.cache_clear()
     assert dispatch.gpu_compute_capability() is None
     monkeypatch.undo()
-    dispatch.gpu_compute_capability.cache_clear()
-    assert dispatch.gpu_compute_capability() is None  # the CPU backend
-    assert dispatch.mosaic_gpu("gpu") and not dispatch.mosaic_gpu() and not dispatch.mosaic_gpu("cpu")
+    dispatch._device_capability.cache_clear()  # this process's real device from here on
+    if jax.default_backend() != "gpu":
+        assert dispatch.gpu_compute_capability() is None  # the CPU backend
+        assert dispatch.mosaic_gpu("gpu") and not dispatch.mosaic_gpu() and not dispatch.mosaic_gpu("cpu")
+    else:  # on the GPU machine: its own card
+        assert dispatch.mosaic_gpu() == (dispatch.gpu_compute_capability()[0] == dispatch.MOSAIC_GPU_MAJOR)
 
 
 def test_the_weights_dtype_is_the_checkpoints_on_gpu_only():

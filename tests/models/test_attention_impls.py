@@ -232,6 +232,7 @@ def test_auto_takes_the_kernel_only_where_the_h200_measured_it_faster(monkeypatc
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cpu")
     assert resolve("auto", queries=17) == "xla"
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))  # the H200 (Mosaic: Hopper only)
     assert resolve("auto", queries=17) == "pallas" and resolve("auto") == "pallas"
     assert resolve("auto", queries=dispatch.AUTO_PALLAS_GQA_QUERIES) == "pallas"
     assert resolve("auto", queries=dispatch.AUTO_PALLAS_GQA_QUERIES + 1, keys=1 << 15) == "xla"
