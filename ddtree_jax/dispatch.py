@@ -89,6 +89,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 
 import jax
 
@@ -288,7 +289,20 @@ def mosaic_gpu(backend_name: str | None = None) -> bool:
     if backend() != "gpu":
         return True
     capability = gpu_compute_capability()
-    return capability is not None and capability[0] == MOSAIC_GPU_MAJOR
+    hopper = capability is not None and capability[0] == MOSAIC_GPU_MAJOR
+    if not hopper:
+        _warn_no_mosaic(capability)
+    return hopper
+
+
+@functools.cache
+def _warn_no_mosaic(capability) -> None:
+    """Says once a process that this GPU runs the Triton / XLA paths where an H200 runs a Mosaic GPU kernel."""
+    warnings.warn(
+        f"this GPU's compute capability is {capability}, not {MOSAIC_GPU_MAJOR}.x (Hopper): the Mosaic GPU kernels are "
+        "off and their choices fall back to the Triton kernels / XLA (dispatch.mosaic_gpu)",
+        stacklevel=3,
+    )
 
 
 def _check(kind: str, impl: str, allowed: tuple[str, ...]) -> None:

@@ -1,5 +1,7 @@
 """ddtree_jax.dispatch (every "auto" rule in one table) and DecodeOptions (the engine's one options object)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -183,7 +185,12 @@ def test_mosaic_kernels_are_chosen_on_hopper_gpus_only(monkeypatch, capability, 
     monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: capability)
     monkeypatch.setattr(dispatch, "AUTO_MOSAIC_DECODE", True)
     monkeypatch.setattr(dispatch, "GROUPED_INT4_DECODE", "stream")
-    assert dispatch.mosaic_gpu() is mosaic
+    dispatch._warn_no_mosaic.cache_clear()
+    if mosaic:
+        assert dispatch.mosaic_gpu() is True
+    else:  # said once a process, with the capability
+        with pytest.warns(UserWarning, match=rf"compute capability is {re.escape(str(capability))}, not 9.x"):
+            assert dispatch.mosaic_gpu() is False
     fallback = {
         "mla": "triton",
         "mla auto": "xla",
