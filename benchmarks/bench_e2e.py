@@ -187,8 +187,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--steps-per-iteration", type=int, default=1, help="DecodeOptions.steps_per_iteration (default 1)"
     )
-    parser.add_argument("--max-new", type=int, default=256, help="new tokens per prompt (default 256)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt (default 3; medians)")
+    parser.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (default 256; --quick: 64)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per prompt (default 3; --quick: 1; medians)"
+    )
     parser.add_argument("--settings", default="T0,T1", help="T0 (greedy) and / or T1 (T = 1, top-p 0.95)")
     parser.add_argument(
         "--dtype",
@@ -202,9 +204,17 @@ def main(argv=None) -> int:
         default="auto",
         help="DecodeOptions.attn_impl (default auto: the dispatch rule); not auto: the JSON name says it",
     )
-    parser.add_argument("--quick", action="store_true", help="4 prompts, budgets 16 and 64, 64 new tokens, 1 repeat")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="4 prompts; budgets 16 and 64, 64 new tokens, 1 repeat unless --budgets / --max-new / --repeats say otherwise",
+    )
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.max_new is None:  # --quick's defaults only where the option is not given
+        args.max_new = 64 if args.quick else 256
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     budgets = [int(b) for b in (args.budgets or ("16,64" if args.quick else "16,32,64,128,256")).split(",")]
     methods = tuple(args.methods.split(","))
     names = args.settings.split(",")
@@ -218,7 +228,7 @@ def main(argv=None) -> int:
         )
     prompt_ids = load_prompt_ids(args.prompts)
     if args.quick:
-        prompt_ids, args.max_new, args.repeats = prompt_ids[:4], 64, 1
+        prompt_ids = prompt_ids[:4]
     pair = load_pair(os.path.join(args.pair, "target"), os.path.join(args.pair, "drafter"), load_dtype(args.dtype))
     print(
         f"device: {device_description()}; commit {args.commit}; {len(prompt_ids)} prompts of "

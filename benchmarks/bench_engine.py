@@ -38,7 +38,7 @@ from ddtree_jax.engine.generate import prefill
 from ddtree_jax.engine.run import Pair, enable_compilation_cache, request_args
 from ddtree_jax.engine.step import append_stage, decode_step, draft_stage, tree_forward_stage, tree_stage, walk_stage
 from ddtree_jax.models import dflash, qwen3, target_module
-from ddtree_jax.options import DecodeOptions
+from ddtree_jax.options import METHODS, DecodeOptions
 from ddtree_jax.presets import preset_pair
 
 # --shape name -> (target config, drafter config), from the preset pairs of ddtree_jax.presets
@@ -205,9 +205,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--budgets", default="16,64,256")
-    parser.add_argument("--methods", default="ar,chain,ddtree")
+    parser.add_argument("--batches", default=None, help="batch sizes (default 1,8; --quick: 1)")
+    parser.add_argument("--budgets", default=None, help="DDTree budgets (default 16,64,256; --quick: 16,64)")
+    parser.add_argument("--methods", default=None, help="methods (default ar,chain,ddtree; --quick: ar,ddtree)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.95)
@@ -225,7 +225,9 @@ def main() -> None:
         choices=["auto", "scan", "unrolled"],
         help="the target's layer loop (auto: the model's default)",
     )
-    parser.add_argument("--quick", action="store_true", help="B = 1, budgets 16 and 64, AR + DDTree")
+    parser.add_argument(
+        "--quick", action="store_true", help="B = 1, budgets 16 and 64, AR + DDTree (where those options are not given)"
+    )
     parser.add_argument(
         "--step-only",
         action="store_true",
@@ -244,8 +246,14 @@ def main() -> None:
         help="also profile each step (3 traced steps): device us, launches and the N largest ops",
     )
     args = parser.parse_args()
-    if args.quick:
-        args.batches, args.budgets, args.methods = "1", "16,64", "ar,ddtree"
+    defaults = ("1", "16,64", "ar,ddtree") if args.quick else ("1,8", "16,64,256", "ar,chain,ddtree")
+    args.batches, args.budgets, args.methods = (
+        given if given is not None else default
+        for given, default in zip((args.batches, args.budgets, args.methods), defaults)
+    )
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods takes a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
     enable_compilation_cache()
     dtype = jnp.bfloat16 if args.shape != "tiny" else jnp.float32
     start = time.perf_counter()

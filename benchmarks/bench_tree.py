@@ -73,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--quick", action="store_true", help="small shapes, few reps (CPU smoke run)")
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 50; --quick: 3)")
     parser.add_argument("--cases", help="comma-separated BxBUDGET list, e.g. 1x64,32x64 (default: the full set)")
     parser.add_argument("--impls", default="pallas,prefilter,xla", help="variants to time (module docstring)")
     parser.add_argument(
@@ -85,7 +85,9 @@ def main() -> None:
 
     depth, vocab = (15, args.vocab or 151936) if not args.quick else (4, args.vocab or 4096)
     cases = [(1, 64), (1, 256), (32, 64), (1, 16), (1, 1024)] if not args.quick else [(1, 16), (2, 32)]
-    reps = args.reps if not args.quick else 3
+    reps = args.reps if args.reps is not None else (3 if args.quick else 50)
+    if reps < 1:
+        parser.error(f"--reps must be >= 1, got {reps}")
     if args.cases:
         cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
     impls = args.impls.split(",")

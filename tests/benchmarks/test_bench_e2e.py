@@ -49,3 +49,24 @@ def test_a_tiny_run_writes_the_bench_layout(tmp_path):
         assert all(p["decode_s"] > 0 and p["num_tokens"] == 6 for p in row["per_prompt"])
     ar_text = [p["tokens"] for p in rows[0]["per_prompt"]]
     assert all([p["tokens"] for p in row["per_prompt"]] == ar_text for row in rows)  # greedy: the same text
+
+
+def test_quick_fills_only_the_options_not_given(tmp_path, monkeypatch):
+    """--quick's 64 new tokens / 1 repeat / budgets 16,64 are defaults: an explicit --max-new, --repeats or
+    --budgets wins (they were overwritten, and the JSON recorded the overwritten values). No pair is run here."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(pair, prompt_ids, *, budgets, max_new, repeats, **kwargs):
+        seen.append((len(prompt_ids), list(budgets), max_new, repeats))
+        raise Stop
+
+    monkeypatch.setattr(bench_e2e, "load_pair", lambda *args: None)
+    monkeypatch.setattr(bench_e2e, "pair_dtype", lambda pair: "float32")
+    monkeypatch.setattr(bench_e2e, "run_setting", capture)
+    for argv in (["--quick"], ["--quick", "--max-new", "8", "--repeats", "2", "--budgets", "4"]):
+        with pytest.raises(Stop):
+            bench_e2e.main([*argv, "--settings", "T0", "--out", str(tmp_path)])
+    assert seen == [(4, [16, 64], 64, 1), (4, [4], 8, 2)]
