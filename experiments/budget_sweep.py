@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from benchmarks.common import markdown_table
+from ddtree_jax.options import MAX_BUDGET
 from experiments.studies import (
     TAU_HEAD,
     eos_stop_tokens,
@@ -152,7 +153,10 @@ def run_sweep(
     Every column sees the same prompts and request keys (seed)."""
     stop = eos_stop_tokens(pair) if stop_tokens is None else list(stop_tokens)
     cols = columns(budgets, include_chain)
-    batch_size = batch_size or len(prompt_ids) * max(samples, 1)  # one shape for every temperature: one compilation
+    if batch_size is None:  # one shape for every temperature: one compilation
+        batch_size = len(prompt_ids) * max(samples, 1)
+    elif batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     rows = []
     bar = progress_bar(len(cols) * len(temperatures), "budget sweep", progress)
     began = time.perf_counter()
@@ -165,7 +169,7 @@ def run_sweep(
                     pair,
                     prompt_ids * reps,
                     method=method,
-                    budget=budget or 1,
+                    budget=1 if budget is None else budget,  # the chain's placeholder; DDTree's is validated
                     max_new_tokens=max_new,
                     temperature=temperature,
                     seed=seed,
@@ -384,10 +388,18 @@ def sweep(
     """The whole study from checkpoint directories: prompts, `run_sweep`, and what a result file records.
     Unset settings come from FULL (or SMALL with small=True)."""
     base = SMALL if small else FULL
-    budgets = tuple(budgets or base["budgets"])
+    budgets = tuple(base["budgets"] if budgets is None else budgets)
     temperatures = tuple(base["temperatures"] if temperatures is None else temperatures)
-    num_prompts, prompt_len = num_prompts or base["num_prompts"], prompt_len or base["prompt_len"]
-    max_new, samples = max_new or base["max_new"], samples or base["samples"]
+    num_prompts = base["num_prompts"] if num_prompts is None else num_prompts
+    prompt_len = base["prompt_len"] if prompt_len is None else prompt_len
+    max_new = base["max_new"] if max_new is None else max_new
+    samples = base["samples"] if samples is None else samples
+    check_sweep_budgets(budgets)
+    for name, value in (("num_prompts", num_prompts), ("prompt_len", prompt_len), ("max_new", max_new)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; got {value}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1; got {samples}")
     pair, prompts, summary = setup(
         target_dir,
         drafter_dir,
@@ -421,6 +433,71 @@ def sweep(
     return result
 
 
+def check_sweep_budgets(budgets) -> tuple[int, ...]:
+    """The budgets as ints, each in [1, MAX_BUDGET] and none twice (a repeated budget would give duplicate rows);
+    ValueError naming the value otherwise."""
+    out = []
+    for b in budgets:
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= MAX_BUDGET:
+            raise ValueError(f"budget {b!r}: a budget is an int in [1, {MAX_BUDGET}]")
+        if int(b) in out:
+            raise ValueError(f"budget {b} given twice")
+        out.append(int(b))
+    if not out:
+        raise ValueError("no budgets given")
+    return tuple(out)
+
+
+def budget_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated budgets (`check_sweep_budgets`)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers expected") from None
+    try:
+        return check_sweep_budgets(values)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated floats (temperatures), none twice (a repeat would give duplicate rows)."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers expected") from None
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(f'{v:g}' for v in repeated)} given twice")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a count: 0 is not "unset")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} given; must be >= 1")
+    return value
+
+
+def output_problem(path: str) -> str | None:
+    """Why `path` cannot be written as a file (a directory; a parent that is a file or not writable), else None:
+    checked before a long run, so a bad --out fails at once instead of after the sweep."""
+    if os.path.isdir(path):
+        return f"{path!r} is a directory; give a file path"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the nearest existing ancestor: write_json creates the rest
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{path!r}: {parent!r} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path!r}: {parent!r} is not writable"
+    return None
+
+
 def device_label() -> str:
     """'platform:device kind (jax version)' of the first device, for a study's JSON."""
     import jax
@@ -440,21 +517,31 @@ def main(argv=None) -> int:
         help="target HF directory (default: $DDTREE_PAIR_DIR/target or checkpoints/embedded/target)",
     )
     parser.add_argument("--drafter", default=drafter, help="drafter HF directory")
-    parser.add_argument("--budgets", default=None, help=f"comma-separated (default {','.join(map(str, BUDGETS))})")
-    parser.add_argument("--temperatures", default=None, help="comma-separated (default 0,1)")
-    parser.add_argument("--prompts", type=int, default=None, help=f"held-out prompts (default {FULL['num_prompts']})")
     parser.add_argument(
-        "--prompt-len", type=int, default=None, help=f"tokens per prompt (default {FULL['prompt_len']})"
+        "--budgets",
+        type=budget_list,
+        default=None,
+        help=f"comma-separated, each in [1, {MAX_BUDGET}] (default {','.join(map(str, BUDGETS))})",
+    )
+    parser.add_argument("--temperatures", type=float_list, default=None, help="comma-separated (default 0,1)")
+    parser.add_argument(
+        "--prompts", type=positive_int, default=None, help=f"held-out prompts (default {FULL['num_prompts']})"
     )
     parser.add_argument(
-        "--max-new", type=int, default=None, help=f"tokens generated per prompt (default {FULL['max_new']})"
+        "--prompt-len", type=positive_int, default=None, help=f"tokens per prompt (default {FULL['prompt_len']})"
     )
     parser.add_argument(
-        "--samples", type=int, default=None, help=f"generations per prompt at T > 0 (default {FULL['samples']})"
+        "--max-new", type=positive_int, default=None, help=f"tokens generated per prompt (default {FULL['max_new']})"
+    )
+    parser.add_argument(
+        "--samples",
+        type=positive_int,
+        default=None,
+        help=f"generations per prompt at T > 0 (default {FULL['samples']})",
     )
     parser.add_argument("--seed", type=int, default=0, help="request-key seed")
     parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out prompts")
-    parser.add_argument("--batch-size", type=int, default=None, help="rows per compiled call (default: all)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="rows per compiled call (default: all)")
     parser.add_argument("--small", action="store_true", help="the seconds-on-CPU settings (tiny pairs, tests)")
     parser.add_argument("--no-chain", action="store_true")
     parser.add_argument("--no-steps", action="store_true", help="leave the per-step records out of the JSON")
@@ -463,13 +550,17 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=None, help="PNG (default: the JSON path with .png)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    floats = lambda s: tuple(float(x) for x in s.split(",")) if s else None  # noqa: E731
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    for flag, path in (("--out", args.out), ("--plot", plot)):
+        problem = output_problem(path)
+        if problem:
+            parser.error(f"{flag} {problem}")  # before the sweep, not after it
     try:
         result = sweep(
             args.target,
             args.drafter,
-            budgets=tuple(int(b) for b in args.budgets.split(",")) if args.budgets else None,
-            temperatures=floats(args.temperatures),
+            budgets=args.budgets,
+            temperatures=args.temperatures,
             num_prompts=args.prompts,
             prompt_len=args.prompt_len,
             max_new=args.max_new,
@@ -488,7 +579,6 @@ def main(argv=None) -> int:
         return 2
     print(format_table(result))
     write_json(result, args.out)
-    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     plot_sweep(result, plot)
     print(f"wrote {args.out} and {plot}")
     return 0

@@ -38,7 +38,15 @@ from ddtree_jax.checkpoint.child_head import load_child_head
 from ddtree_jax.engine.budget import fit_budget_policy
 from ddtree_jax.engine.run import Pair, benchmark, enable_compilation_cache, load_dtype, pair_dtype
 from ddtree_jax.options import DecodeOptions
-from experiments.budget_sweep import device_label, summarise
+from experiments.budget_sweep import (
+    budget_list,
+    check_sweep_budgets,
+    device_label,
+    float_list,
+    output_problem,
+    positive_int,
+    summarise,
+)
 from experiments.held_out_prompts import load_prompts
 from experiments.studies import (
     TAU_HEAD,
@@ -134,7 +142,7 @@ def tau_rows(
                     run_pair,
                     prompt_ids * reps,
                     method="chain" if method == "chain" else "ddtree",
-                    budget=budget or 1,
+                    budget=1 if budget is None else budget,  # the chain's placeholder; DDTree's is validated
                     max_new_tokens=max_new,
                     temperature=temperature,
                     seed=seed,
@@ -346,9 +354,14 @@ def study(
         base["auto_budgets"] = tuple(auto_budgets)
     if repeats is not None:
         base["repeats"] = int(repeats)
-    budgets = tuple(budgets or base["budgets"])
+    budgets = check_sweep_budgets(base["budgets"] if budgets is None else budgets)
+    check_sweep_budgets(base["auto_budgets"])
     temperatures = tuple(base["temperatures"] if temperatures is None else temperatures)
-    num_prompts, samples = num_prompts or base["num_prompts"], samples or base["samples"]
+    num_prompts = base["num_prompts"] if num_prompts is None else num_prompts
+    samples = base["samples"] if samples is None else samples
+    for name, value in (("num_prompts", num_prompts), ("samples", samples), ("repeats", base["repeats"])):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; got {value}")
     if not (tau or timing):
         raise ValueError("nothing to run: tau and timing are both off")
     root = pair_dir or pair_root()
@@ -441,13 +454,62 @@ def study(
     return result(rows, timing_out, policies)
 
 
-def merge_results(results: list[dict]) -> dict:
+# What may differ between merged parts (each part's own values are kept in settings.parts): the columns split
+# across runs, which part ran, and how it was timed / in which weights (the tau part on a CPU in float32, the
+# timing part on a GPU in bf16). Every other setting must match; the pair's paths may differ between machines.
+PART_SETTINGS = ("budgets", "temperatures", "tau", "timing", "repeats", "dtype", "weights_dtype")
+PAIR_PATHS = ("target", "drafter", "child_head")
+
+
+def check_mergeable(results: list[dict], names: list[str] | None = None) -> None:
+    """ValueError naming the files (`names`, default part 0, 1, ...) unless every part is a conditional_study
+    result of the same pair and settings (all but PART_SETTINGS) and no (method, budget, temperature) row or
+    timing column comes twice."""
+    names = names or [f"part {i}" for i in range(len(results))]
+    for res, name in zip(results, names):
+        if not isinstance(res, dict) or res.get("study") != "conditional_study":
+            found = res.get("study", "no study key") if isinstance(res, dict) else type(res).__name__
+            raise ValueError(f"{name}: not a conditional_study result ({found})")
+        missing = [k for k in ("settings", "rows", "timing", "policies") if k not in res]
+        if missing:
+            raise ValueError(f"{name}: a conditional_study result without {', '.join(missing)}")
+    first, first_name = results[0], names[0]
+    for res, name in zip(results[1:], names[1:]):
+        for label, a, b, skip in (
+            ("settings", first["settings"], res["settings"], PART_SETTINGS + ("parts",)),
+            ("pair", first.get("pair") or {}, res.get("pair") or {}, PAIR_PATHS),
+        ):
+            for key in sorted((set(a) | set(b)) - set(skip)):
+                if a.get(key) != b.get(key):
+                    raise ValueError(
+                        f"{first_name} and {name} differ in {label}.{key} ({a.get(key)!r} vs {b.get(key)!r}): "
+                        "only runs of the same pair and settings merge"
+                    )
+    for key, fields in (
+        ("rows", ("method", "budget", "temperature")),
+        ("timing", ("tree", "method", "budget", "temperature")),
+    ):
+        seen = {}
+        for res, name in zip(results, names):
+            for r in res[key]:
+                k = tuple(r.get(f) for f in fields)
+                if k in seen:
+                    raise ValueError(
+                        f"{key} {dict(zip(fields, k))} is in both {seen[k]} and {name}"
+                        if seen[k] != name
+                        else f"{key} {dict(zip(fields, k))} is twice in {name}"
+                    )
+                seen[k] = name
+
+
+def merge_results(results: list[dict], names: list[str] | None = None) -> dict:
     """One result from runs of the same pair over different temperatures, budgets or parts (e.g. the tau part
     and the timing part in separate GPU processes): rows, timing and policies concatenated, targets recomputed;
     settings.parts keeps each run's own budgets, temperatures and parts, with its device, commit and date (and
     the top-level device / commit / date list every run's where they differ)."""
     if not results:
         raise ValueError("nothing to merge")
+    check_mergeable(results, names)
     out = dict(results[0])
     for key in ("rows", "timing", "policies"):
         out[key] = [r for res in results for r in res[key]]
@@ -611,14 +673,23 @@ def main(argv=None) -> int:
         default=None,
         help="pair directory with target/, drafter/, child_head/ (default: $DDTREE_PAIR_DIR or checkpoints/embedded)",
     )
-    parser.add_argument("--budgets", default=None, help="comma-separated (default 16,32,64,128,256)")
-    parser.add_argument("--temperatures", default=None, help="comma-separated (default 0,1)")
-    parser.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 16)")
-    parser.add_argument("--samples", type=int, default=None, help="generations per prompt at T > 0 (default 4)")
+    parser.add_argument(
+        "--budgets",
+        type=budget_list,
+        default=None,
+        help="comma-separated, each in [1, 1024] (default 16,32,64,128,256)",
+    )
+    parser.add_argument("--temperatures", type=float_list, default=None, help="comma-separated (default 0,1)")
+    parser.add_argument("--prompts", type=positive_int, default=None, help="held-out prompts (default 16)")
+    parser.add_argument(
+        "--samples", type=positive_int, default=None, help="generations per prompt at T > 0 (default 4)"
+    )
     parser.add_argument("--timing", action="store_true", help="also tokens/s and the cost-aware budget (GPU)")
     parser.add_argument("--no-tau", action="store_true", help="skip the acceptance part (with --timing)")
-    parser.add_argument("--auto-budgets", default=None, help="the cost-aware budget's set (default 16,32,64,128,256)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per column (default 3)")
+    parser.add_argument(
+        "--auto-budgets", type=budget_list, default=None, help="the cost-aware budget's set (default 16,32,64,128,256)"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed repeats per column (default 3)")
     parser.add_argument("--small", action="store_true", help="the seconds-on-CPU settings (tiny pairs, tests)")
     parser.add_argument(
         "--dtype",
@@ -632,17 +703,43 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "conditional_study.json"))
     parser.add_argument("--plot", default=None, help="PNG (default: the JSON path with .png)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--merge", nargs="+", default=None, help="JSON results to merge into --out (no run)")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="conditional_study JSONs of the same pair and settings to merge into --out (no run: only --out and "
+        "--plot go with it)",
+    )
     args = parser.parse_args(argv)
     plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    for flag, path in (("--out", args.out), ("--plot", plot)):
+        problem = output_problem(path)
+        if problem:
+            parser.error(f"{flag} {problem}")  # before the run, not after it
     if args.merge:
         import json
 
+        run_only = [
+            "--" + name.replace("_", "-")
+            for name, value in vars(args).items()
+            if name not in ("out", "plot", "merge") and value != parser.get_default(name)
+        ]
+        if run_only:
+            parser.error(f"{', '.join(run_only)}: run settings, not used by --merge (it only combines the JSONs)")
+        repeated = sorted({p for p in args.merge if args.merge.count(p) > 1})
+        if repeated or len({os.path.realpath(p) for p in args.merge}) < len(args.merge):
+            parser.error(f"--merge: a file given twice ({', '.join(repeated) or 'the same file by two paths'})")
         results = []
         for path in args.merge:
-            with open(path) as f:
-                results.append(json.load(f))
-        result = merge_results(results)
+            try:
+                with open(path) as f:
+                    results.append(json.load(f))
+            except (OSError, ValueError) as e:
+                parser.error(f"--merge {path}: {e}")
+        try:
+            result = merge_results(results, args.merge)
+        except ValueError as e:
+            parser.error(f"--merge: {e}")
         print(format_table(result))
         write_json(result, args.out)
         plot_study(result, plot)

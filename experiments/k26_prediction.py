@@ -28,6 +28,7 @@ Writes k26_prediction.json (and a plot with --plot) under --out; prints one mark
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 
@@ -70,6 +71,9 @@ def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict
     """(B, context, method, budget) -> the fastest measured row (over attention columns). The two timings are
     never compared: where any row of the given JSONs has the loop step, only loop-timed rows are used (a
     host-called step holds the host's dispatch, so it would lose to any loop row and mix commits silently)."""
+    layers = {row.get("layers") for row in rows}
+    if len(layers) > 1:  # a 4-layer step would beat a 61-layer one: never pick the fastest across models
+        raise ValueError(f"shard rows of different depths ({sorted(layers, key=str)} layers): one model at a time")
     kind = "loop" if any(timing(row) == "loop" for row in rows) else "host"
     best = {}
     for row in rows:
@@ -79,6 +83,51 @@ def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict
         if key not in best or measured_ms(row) < measured_ms(best[key]):
             best[key] = row
     return best
+
+
+SHARD_MODEL_FIELDS = ("benchmark", "model_size", "drafter_layers")  # the file's; "layers" is the rows'
+
+
+def shard_model(path: str, data: dict) -> dict:
+    """What a tp_shard_step JSON measured (the benchmark, TP size, drafter layers, and its rows' layers):
+    ValueError naming the file if its rows differ in layers."""
+    layers = {row.get("layers") for row in data["rows"]}
+    if len(layers) > 1:
+        raise ValueError(f"{path}: rows of different depths ({sorted(layers, key=str)} layers)")
+    return {**{k: data.get(k) for k in SHARD_MODEL_FIELDS}, "layers": layers.pop() if layers else None}
+
+
+def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    """(rows, sources) of tp_shard_step JSONs measured on the same model: ValueError naming both files and the
+    field where two differ (the fastest row per configuration would otherwise mix models, e.g. AR from a 4-layer
+    run against DDTree from the 61-layer one), or where a file is given twice."""
+    check_distinct(paths, "--shard")
+    rows, sources, first = [], [], None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        model = shard_model(path, data)
+        if first is None:
+            first = (path, model)
+        for key, value in model.items():
+            if value != first[1][key]:
+                raise ValueError(
+                    f"--shard {first[0]} and {path} differ in {key} ({first[1][key]!r} vs {value!r}): "
+                    "shard files of one model only"
+                )
+        rows += data["rows"]
+        sources.append({"file": path, **{k: data.get(k) for k in ("commit", "date", "device")}})
+    return rows, sources
+
+
+def check_distinct(paths: list[str], flag: str) -> None:
+    """ValueError if a file is given twice (its rows would count twice)."""
+    seen = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ValueError(f"{flag}: {path} given twice" + (f" (as {seen[real]})" if seen[real] != path else ""))
+        seen[real] = path
 
 
 def predict(shard_rows: list[dict], ratios: dict[int, float], chain_taus, max_tau: float = 8.0) -> list[dict]:
@@ -180,22 +229,34 @@ def main(argv=None) -> int:
     parser.add_argument("--e2e", required=True, help="comma-separated bench_e2e JSONs (one per temperature)")
     parser.add_argument("--chain-taus", default=",".join(str(t) for t in PUBLIC_CHAIN_TAUS))
     parser.add_argument("--max-tau", type=float, default=8.0, help="tokens a step at most (block 8: 7 drafted + bonus)")
-    parser.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
+    parser.add_argument("--commit", default="unknown", help="the code commit to record")
+    parser.add_argument("--out", default=os.environ.get("OUT", "experiments/results"), help="output directory")
     parser.add_argument("--plot", action="store_true", help="also write k26_prediction.png")
     args = parser.parse_args(argv)
-    chain_taus = [float(t) for t in args.chain_taus.split(",")]
+    try:
+        chain_taus = [float(t) for t in args.chain_taus.split(",")]
+    except ValueError:
+        parser.error(f"--chain-taus {args.chain_taus!r}: comma-separated numbers expected")
     if any(t < 1 for t in chain_taus) or any(t > args.max_tau for t in chain_taus):
         raise SystemExit(f"error: chain taus are tokens per step in [1, --max-tau {args.max_tau}]; got {chain_taus}")
-    shard_rows, sources = [], []
-    for path in args.shard.split(","):
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} is a file; give a directory")
+    e2e_paths = args.e2e.split(",")
+    try:
+        check_distinct(e2e_paths, "--e2e")
+        shard_rows, sources = load_shards(args.shard.split(","))
+    except ValueError as e:
+        parser.error(str(e))
+    e2es = []
+    for path in e2e_paths:
         with open(path) as f:
-            data = json.load(f)
-        shard_rows += data["rows"]
-        sources.append({"file": path, "commit": data.get("commit")})
+            e2es.append((path, json.load(f)))
+    temperatures = [e2e["settings"]["temperature"] for _, e2e in e2es]
+    for (path, _), temperature in zip(e2es, temperatures):
+        if temperatures.count(temperature) > 1:
+            parser.error(f"--e2e: more than one file at T = {temperature:g} ({path} and another): one per temperature")
     rows = []
-    for path in args.e2e.split(","):
-        with open(path) as f:
-            e2e = json.load(f)
+    for path, e2e in e2es:
         temperature = e2e["settings"]["temperature"]
         ratios = acceptance_ratios(e2e)
         print(
@@ -212,7 +273,18 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "k26_prediction.json")
     with open(out, "w") as f:
-        json.dump({"kind": "prediction", "shard_sources": sources, "chain_taus": chain_taus, "rows": rows}, f, indent=1)
+        record = {
+            "benchmark": "k26_prediction",
+            "kind": "prediction",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": args.commit,
+            # where the shard step was measured (the prediction itself is arithmetic on the host)
+            "shard_device": sorted({str(s["device"]) for s in sources}),
+            "shard_sources": sources,
+            "chain_taus": chain_taus,
+            "rows": rows,
+        }
+        json.dump(record, f, indent=1)
     print(f"\nwritten: {out}")
     if args.plot:
         plot(rows, os.path.join(args.out, "k26_prediction.png"))

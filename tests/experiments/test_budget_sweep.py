@@ -121,3 +121,42 @@ def test_cli_writes_json_and_plot(tiny_pair_dir, tmp_path, capsys):
     assert "| 0 | ddtree | 4 |" in capsys.readouterr().out
     assert budget_sweep.main(["--target", str(tmp_path / "missing"), "--drafter", drafter, "--out", str(out)]) == 2
     assert "no trained target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budgets", "0"], "budget 0"),
+        (["--budgets", "4,1025"], "budget 1025"),
+        (["--budgets", "4,4"], "budget 4 given twice"),
+        (["--budgets", "4,x"], "comma-separated integers"),
+        (["--temperatures", "0,0"], "given twice"),
+        (["--prompts", "0"], "--prompts: 0 given; must be >= 1"),
+        (["--samples", "0"], "--samples: 0 given"),
+        (["--max-new", "-3"], "--max-new: -3 given"),
+        (["--batch-size", "-1"], "--batch-size: -1 given"),
+        (["--out", "{tmp}"], "is a directory"),
+        (["--out", "{tmp}/afile/x.json"], "is a file, not a directory"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_sweep(args, message, tmp_path, monkeypatch, capsys):
+    """Each is an argparse error (exit 2) naming the value, before any model is loaded: budget 0 once ran budget 1
+    and recorded 0, --prompts 0 ran 4 prompts, --batch-size -1 raised IndexError, and a bad --out failed only
+    after the whole sweep."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(budget_sweep, "sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    argv = [a.format(tmp=tmp_path) for a in args]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "ok.json")]
+    with pytest.raises(SystemExit) as e:
+        budget_sweep.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_library_calls_refuse_bad_budgets_and_counts():
+    """`sweep` (the notebooks' entry) checks before loading anything: 0 is not "unset"."""
+    with pytest.raises(ValueError, match="budget 0"):
+        budget_sweep.sweep("missing", "missing", budgets=(0,))
+    with pytest.raises(ValueError, match="num_prompts must be >= 1; got 0"):
+        budget_sweep.sweep("missing", "missing", num_prompts=0)

@@ -3,6 +3,7 @@
 at T = 0, the spine accounting, the cost-aware budget's report, and the merge of separately run parts."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -122,3 +123,100 @@ def test_the_cli_names_what_is_wrong(tmp_path, capsys):
     assert "nothing to run" in capsys.readouterr().err
     assert cs.main(["--pair", str(tmp_path / "missing"), "--out", str(tmp_path / "x.json")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def _part(tmp_path, name, *, budgets=(16,), temperatures=(0.0,), **settings):
+    """A minimal conditional_study result file (no run): what the merge checks read."""
+    part = {
+        "study": "conditional_study",
+        "device": "cpu:test",
+        "commit": "abc",
+        "date": "2026-12-05T00:00:00+00:00",
+        "pair": {"target": f"/{name}/target", "num_layers": 6, "trained_at_commit": "16cca97"},
+        "settings": {
+            "budgets": list(budgets),
+            "temperatures": list(temperatures),
+            "num_prompts": 16,
+            "samples": 4,
+            "seed": 0,
+            "prompt_seed": 0,
+            "tau": True,
+            "timing": False,
+            "dtype": "float32",
+        }
+        | settings,
+        "rows": [
+            {"method": m, "budget": b, "temperature": t}
+            for t in temperatures
+            for m, b in [("chain", None)] * (16 in budgets) + [("marginal", b) for b in budgets]
+        ],
+        "timing": [],
+        "policies": [],
+        "wall_s": 1.0,
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(part))
+    return str(path), part
+
+
+def test_merge_refuses_incompatible_parts(tmp_path):
+    """Parts of different prompts, seeds or pairs, a repeated row, or a file of another study are refused naming
+    the files; the columns split across parts (budgets, temperatures, tau / timing, repeats, dtype) and the pair's
+    paths may differ."""
+    tmp = tmp_path
+    a = _part(tmp, "a")[1]
+    b = _part(tmp, "b", budgets=(32,), temperatures=(1.0,), repeats=2, dtype="auto")[1]
+    cs.check_mergeable([a, b], ["a.json", "b.json"])  # what may differ
+    cases = [
+        (_part(tmp, "c", budgets=(32,), prompt_seed=1)[1], "differ in settings.prompt_seed (0 vs 1)"),
+        (_part(tmp, "c", budgets=(32,), num_prompts=8)[1], "differ in settings.num_prompts"),
+        (_part(tmp, "c", budgets=(32,), seed=3)[1], "differ in settings.seed"),
+        (dict(b, pair=dict(b["pair"], trained_at_commit="x")), "differ in pair.trained_at_commit"),
+        (_part(tmp, "c", temperatures=(0.0,))[1], "is in both a.json and c.json"),
+        (dict(b, study="budget_sweep"), "c.json: not a conditional_study result (budget_sweep)"),
+        ({"rows": []}, "c.json: not a conditional_study result"),
+    ]
+    for other, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cs.merge_results([a, other], ["a.json", "c.json"])
+
+
+def test_merge_cli_refuses_run_flags_duplicates_and_bad_files(tmp_path, capsys):
+    a, _ = _part(tmp_path, "a")
+    b, _ = _part(tmp_path, "b", budgets=(32,))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"study": "budget_sweep", "settings": {}, "rows": []}))
+    out = str(tmp_path / "merged.json")
+    for argv, message in [
+        (["--merge", a, b, "--budgets", "64"], "--budgets"),
+        (["--merge", a, b, "--timing"], "--timing"),
+        (["--merge", a, b, "--prompt-seed", "1"], "--prompt-seed"),
+        (["--merge", a, a], "given twice"),
+        (["--merge", a, str(sweep)], "sweep.json: not a conditional_study result"),
+        (["--merge", a, str(tmp_path / "missing.json")], "missing.json"),
+        (["--merge", a, b, "--out", str(tmp_path)], "is a directory"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cs.main(argv + (["--out", out] if "--out" not in argv else []))
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "merged.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budgets", "0"], "budget 0"),
+        (["--budgets", "16,16"], "given twice"),
+        (["--auto-budgets", "2000"], "budget 2000"),
+        (["--prompts", "0"], "--prompts: 0 given"),
+        (["--samples", "0"], "--samples: 0 given"),
+        (["--repeats", "0"], "--repeats: 0 given"),
+    ],
+)
+def test_bad_run_arguments_are_refused_at_parse_time(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cs, "study", lambda *a, **k: pytest.fail("the study ran"))
+    with pytest.raises(SystemExit) as e:
+        cs.main(args + ["--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

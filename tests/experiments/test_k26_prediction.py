@@ -101,3 +101,72 @@ def test_each_column_keeps_its_colour_in_every_panel():
     colours = column_colours(rows)
     assert set(colours) == {("chain", 0), ("ddtree", 32), ("ddtree", 64)}
     assert len(set(colours.values())) == 3
+
+
+def _shard_file(tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.0):
+    rows = [
+        {"B": 1, "context": 4096, "method": m, "budget": b, "loop_step_ms": ms * k, "step_ms": ms * k}
+        | {"collectives_ms": 0.1, "layers": layers}
+        for m, b, k in (("ar", None, 1.0), ("ddtree", 64, 2.0))
+    ]
+    path = tmp_path / name
+    path.write_text(
+        json.dumps(
+            {
+                "benchmark": "k26_tp8_shard",
+                "commit": "c0ffee",
+                "date": "2026-12-05T00:00:00+00:00",
+                "device": "gpu:test",
+                "model_size": model_size,
+                "drafter_layers": drafter_layers,
+                "rows": rows,
+            }
+        )
+    )
+    return str(path)
+
+
+def _e2e_file(tmp_path, name="e2e.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(_e2e(chain_steps=50, ddtree_steps=25)))
+    return str(path)
+
+
+def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
+    """A 61-layer and a 4-layer shard file would mix models (AR from one, DDTree from the other): refused, naming
+    both files and the field, before anything is written; so are a file given twice and other model fields."""
+    deep = _shard_file(tmp_path, "deep.json", 61)
+    e2e = _e2e_file(tmp_path)
+    out = tmp_path / "out"
+    cases = [
+        (_shard_file(tmp_path, "shallow.json", 4, ms=0.1), "layers (61 vs 4)"),
+        (_shard_file(tmp_path, "tp4.json", 61, model_size=4), "model_size (8 vs 4)"),
+        (_shard_file(tmp_path, "drafter3.json", 61, drafter_layers=3), "drafter_layers (6 vs 3)"),
+        (deep, "given twice"),
+    ]
+    for other, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["--shard", f"{deep},{other}", "--e2e", e2e, "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and deep in err and (other in err or other == deep), err
+    with pytest.raises(SystemExit):  # the same e2e file twice would count every row twice
+        main(["--shard", deep, "--e2e", f"{e2e},{e2e}", "--out", str(out)])
+    assert "given twice" in capsys.readouterr().err
+    assert not out.exists()
+    rows = json.loads((tmp_path / "deep.json").read_text())["rows"]
+    with pytest.raises(ValueError, match="different depths"):  # the library call refuses mixed rows too
+        predict(rows + [dict(rows[1], layers=4)], {}, [4.0])
+
+
+def test_the_prediction_json_records_date_commit_and_sources(tmp_path):
+    shard = _shard_file(tmp_path, "a.json", 61)
+    out = tmp_path / "out"
+    assert main(["--shard", shard, "--e2e", _e2e_file(tmp_path), "--out", str(out), "--commit", "abc1234"]) == 0
+    record = json.loads((out / "k26_prediction.json").read_text())
+    assert record["commit"] == "abc1234" and record["date"].endswith("+00:00")
+    assert record["shard_device"] == ["gpu:test"]
+    assert record["shard_sources"] == [
+        {"file": shard, "commit": "c0ffee", "date": "2026-12-05T00:00:00+00:00", "device": "gpu:test"}
+    ]
+    assert {r["method"] for r in record["rows"]} == {"ar", "ddtree"}
