@@ -614,18 +614,53 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "ordering_ablation.json"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    # every argument is checked here, before any model runs (a bad entry late in a list used to fail only after
+    # the earlier configurations ran)
+    orders = tuple(o.strip() for o in args.orders.split(","))
+    bad = [o for o in orders if o not in ORDERS]
+    if bad:
+        parser.error(f"--orders: unknown order(s) {', '.join(map(repr, bad))}; choose from {', '.join(ORDERS)}")
+    if len(set(orders)) != len(orders):
+        # a repeated order overwrote the first run's counts, so the homogeneity test compared an order with itself
+        parser.error(f"--orders {args.orders!r}: each order may appear only once")
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        parser.error(f"--temperatures {args.temperatures!r}: expected comma-separated numbers, e.g. 0.5,1")
+    if any(t < 0 for t in temperatures) or len(set(temperatures)) != len(temperatures):
+        parser.error(f"--temperatures {args.temperatures!r}: expected distinct temperatures >= 0")
+    for name in (
+        "budget",
+        "prompts",
+        "prompt_len",
+        "tau_max_new",
+        "tau_samples",
+        "law_samples",
+        "law_tokens",
+        "batch_size",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
     thresholds = {"exact": (1.0, 1.0)}
     if args.lossy != "none":
-        acc, single = (float(x) for x in args.lossy.split(","))
+        parts = args.lossy.split(",")
+        try:
+            acc, single = (float(x) for x in parts)
+        except ValueError:
+            parser.error(
+                f"--lossy {args.lossy!r}: expected 'THRESHOLD_ACC,THRESHOLD_SINGLE' (two numbers, e.g. 0.5,0.3) "
+                "or 'none'"
+            )
         thresholds["lossy"] = (acc, single)
     try:
         result = ablation(
             args.target,
             args.drafter,
             small=args.small,
-            orders=tuple(args.orders.split(",")),
+            orders=orders,
             thresholds=thresholds,
-            temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+            temperatures=temperatures,
             seed=args.seed,
             prompt_seed=args.prompt_seed,
             fit=not args.no_fit,

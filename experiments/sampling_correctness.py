@@ -215,17 +215,52 @@ def main(argv=None) -> int:
     parser.add_argument("--commit", default="unknown", help="the commit being measured (recorded in the output)")
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs"), help="directory for the JSON and CSV")
     args = parser.parse_args(argv)
-    samples = args.samples or (20_000 if args.quick else 1_000_000)
-    chunk = args.chunk or min(samples, 1_000_000)
-    shapes = tuple(tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(","))
-    configs = default_grid(args.quick, tuple(args.filters.split(",")) if args.filters else None, shapes)
+    # every argument is checked before any chain runs (0 used to mean "the default", a malformed shape gave a
+    # traceback, and repeated filters or shapes gave duplicate rows)
+    for name in ("samples", "chunk"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} {value}: must be at least 1")
+    samples = 1_000_000 if args.samples is None else args.samples
+    if args.quick and args.samples is None:
+        samples = 20_000
+    chunk = min(samples, 1_000_000) if args.chunk is None else args.chunk
+    shapes = []
+    for shape in args.shapes.split(","):
+        try:
+            budget, depth = (int(v) for v in shape.split("x"))
+        except ValueError:
+            parser.error(f"--shapes: {shape!r} is not BUDGETxDEPTH (two integers, e.g. 10x3; comma-separate several)")
+        if budget < 1 or depth < 1:
+            parser.error(f"--shapes: {shape!r}: budget and depth must be at least 1")
+        shapes.append((budget, depth))
+    if len(set(shapes)) != len(shapes):
+        parser.error(f"--shapes {args.shapes!r}: each shape may appear only once")
+    filters = None
+    if args.filters is not None:
+        filters = tuple(args.filters.split(","))
+        if not args.filters or any(not f for f in filters):
+            parser.error(f"--filters {args.filters!r}: empty filter name; choose from: {', '.join(FILTERS)}")
+        unknown = [f for f in filters if f not in FILTERS]
+        if unknown:
+            parser.error(
+                f"--filters: unknown filter(s) {', '.join(map(repr, unknown))}; choose from: {', '.join(FILTERS)}"
+            )
+        if len(set(filters)) != len(filters):
+            parser.error(f"--filters {args.filters!r}: each filter may appear only once")
+    shapes = tuple(shapes)
+    configs = default_grid(args.quick, filters, shapes)
     print(f"{len(configs)} configurations x {samples} chains on {jax.devices()[0].platform}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": str(jax.devices()[0]),
         "commit": args.commit,
-        "problem": dataclasses.asdict(Problem()),
+        # the tree shapes actually run (Problem's own budget/depth are only defaults, replaced per configuration)
+        "problem": {
+            **{k: v for k, v in dataclasses.asdict(Problem()).items() if k not in ("budget", "depth")},
+            "shapes": [{"budget": b, "depth": d} for b, d in shapes],
+        },
         "samples": samples,
         "impl": args.impl,
     }

@@ -16,7 +16,10 @@ the tokens it already holds, a psum over "model"); `--attn-impl pallas` runs the
 per shard (batch over "data", heads over "model", `sharding.regions`).
 
 Usage (2 GPUs): python -m experiments.sharded_run --model 2 --layers 2,4 --budgets 8,16,32,64 --commit C
-       (8 CPU devices, tiny): XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.sharded_run --tiny
+       (4 CPU devices, tiny): XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m experiments.sharded_run --tiny
+The tiny model's routed experts have 128 columns, 4 INT4 groups of 32: under the TP layout the model axis must
+divide 4 (on 8 devices pass --model 4 or --model 2; 8-way TP is refused up front), EP splits its 16 experts.
+--model defaults to all local devices / --data; it must be at least 1 when given.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ddtree_jax.models import deepseek_v3, dflash
 from ddtree_jax.options import DecodeOptions
 from ddtree_jax.presets import preset
 from ddtree_jax.sharding import make_mesh, param_shardings
+from ddtree_kernels.quant import INT4_GROUP
 
 
 def drafter_config(config: DeepSeekV3Config, layers: int, tiny: bool = False) -> DFlashConfig:
@@ -82,7 +86,18 @@ def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pa
 MOE_IMPL = {"tp": "auto", "ep": "ep"}
 
 
-def main() -> None:
+def _int_list(parser, name: str, text: str) -> list[int]:
+    """`text` as distinct comma-separated integers >= 1, or a parser error naming `--name`."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"--{name} {text!r}: expected comma-separated integers")
+    if any(v < 1 for v in values) or len(set(values)) != len(values):
+        parser.error(f"--{name} {text!r}: expected distinct integers >= 1")
+    return values
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--tiny", action="store_true", help="a tiny K2-shaped model (CPU check of the script)")
@@ -102,14 +117,35 @@ def main() -> None:
         help="time the fused step alone (one compilation per case instead of four); the per-layer "
         "time is then the slope of the step time",
     )
-    args = parser.parse_args()
-    model = args.model or jax.device_count() // args.data
+    args = parser.parse_args(argv)
+    # every argument is checked here, before any model is built or compiled
+    for name in ("model", "data", "drafter_layers", "context", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    layouts = args.layouts.split(",")
+    if any(layout not in MOE_IMPL for layout in layouts) or len(set(layouts)) != len(layouts):
+        parser.error(f"--layouts {args.layouts!r}: expected distinct entries of {', '.join(MOE_IMPL)}")
+    depths = _int_list(parser, "layers", args.layers)
+    budgets = _int_list(parser, "budgets", args.budgets)
+    model = args.model if args.model is not None else jax.device_count() // args.data
+    if model < 1 or model * args.data > jax.device_count():
+        parser.error(
+            f"a data={args.data} x model={model} mesh needs {args.data * model} devices, {jax.device_count()} "
+            "available (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+        )
+    groups = k26_config(1, args.tiny).moe_intermediate_size // INT4_GROUP
+    if "tp" in layouts and groups % model:
+        parser.error(
+            f"--model {model}: under the tp layout the routed experts' {groups} INT4 groups of {INT4_GROUP} "
+            f"columns do not split {model} ways; use a model axis dividing {groups}"
+            + (" (e.g. --model 4) or --layouts ep" if args.tiny else "")
+        )
     mesh = make_mesh(model=model, data=args.data)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    depths = [int(d) for d in args.layers.split(",")]
     print(f"device: {device_description()}; mesh data={args.data} x model={model}; commit {args.commit}", flush=True)
     rows = []
-    for layout in args.layouts.split(","):
+    for layout in layouts:
         for layers in depths:
             config = k26_config(layers, args.tiny)
             pair = None  # drop the previous model first: two deep ones do not fit side by side
@@ -118,7 +154,7 @@ def main() -> None:
             jax.block_until_ready(pair.target_params)
             init_s = time.perf_counter() - start
             with jax.set_mesh(mesh):
-                for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
+                for method, budget in [("ar", 0)] + [("ddtree", b) for b in budgets]:
                     row = bench_case(
                         pair,
                         1,
@@ -131,7 +167,14 @@ def main() -> None:
                         step_only=args.step_only,
                         options=DecodeOptions(attn_impl=args.attn_impl, matmul_impl="xla", moe_impl=MOE_IMPL[layout]),
                     )
-                    row.update(layout=layout, layers=layers, init_s=init_s, mesh=[args.data, model])
+                    row.update(
+                        layout=layout,
+                        layers=layers,
+                        init_s=init_s,
+                        mesh=[args.data, model],
+                        temperature=args.temperature,
+                        repeats=args.repeats,
+                    )
                     rows.append(row)
                     parts = (
                         ""
@@ -148,8 +191,8 @@ def main() -> None:
         timed = "step_ms" if args.step_only else "tree_forward_ms"
         print(f"\nper-layer time (slope of {timed} between depths) and the 61-layer extrapolation:")
         lo, hi = min(depths), max(depths)
-        for layout in args.layouts.split(","):
-            for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
+        for layout in layouts:
+            for method, budget in [("ar", 0)] + [("ddtree", b) for b in budgets]:
                 pick = {
                     r["layers"]: r
                     for r in rows

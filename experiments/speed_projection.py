@@ -71,19 +71,40 @@ def _recorded(path: str) -> tuple[str, str]:
     return date, str(data.get("commit") or "")
 
 
-def newest_recorded(paths) -> str | None:
+def newest_recorded(paths, usable=None) -> str | None:
     """The path whose recorded date is the newest; ties (the same date, or none recorded) go to the file name
-    that sorts last, so the choice does not depend on the file system."""
-    paths = list(paths)
+    that sorts last, so the choice does not depend on the file system. usable(path) -> bool, when given, skips
+    the paths it rejects (e.g. a benchmark without the AR row the projection needs)."""
+    paths = [p for p in paths if usable is None or usable(p)]
     if not paths:
         return None
     return max(paths, key=lambda p: (_recorded(p)[0], os.path.basename(p), p))
 
 
-def find_bench_json(root: str | None = None) -> str | None:
-    """The newest Qwen3-8B engine benchmark result by the date recorded in it (`newest_recorded`), or None."""
+def has_step_times(path: str, batch: int = 1) -> bool:
+    """Whether a bench_engine JSON has what the projection needs at `batch`: a timed AR row (the baseline) and
+    at least one timed DDTree row (a profile of one method alone has not)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        rows = data.get("rows", []) if isinstance(data, dict) else []
+        methods = {
+            r.get("method")
+            for r in rows
+            if isinstance(r, dict) and int(r.get("B", 0)) == batch and r.get("step_ms") is not None
+        }
+    except (OSError, ValueError, TypeError):
+        return False
+    return {"ar", "ddtree"} <= methods
+
+
+def find_bench_json(root: str | None = None, batch: int = 1) -> str | None:
+    """The newest Qwen3-8B engine benchmark result with AR and DDTree step times at `batch` (`has_step_times`),
+    by the date recorded in it (`newest_recorded`), or None."""
     root = REPO if root is None else root
-    return newest_recorded(p for g in BENCH_GLOBS for p in glob.glob(os.path.join(root, g)))
+    return newest_recorded(
+        (p for g in BENCH_GLOBS for p in glob.glob(os.path.join(root, g))), usable=lambda p: has_step_times(p, batch)
+    )
 
 
 def find_sweep_json(root: str | None = None) -> str | None:
@@ -200,7 +221,8 @@ def project(sweep: dict, step_source: dict, *, roofline_fn=None, tau_kind: str =
     key = f"{tau_kind}_tau"
     times, batch = step_source["times"], step_source.get("batch", 1)
     if ("ar", None) not in times:
-        raise NoStepTimes(f"the step times ({step_source['source']}) have no AR row at batch {batch}")
+        where = f" {step_source['path']}" if step_source.get("path") else ""
+        raise NoStepTimes(f"the step times ({step_source['source']}{where}) have no AR row at batch {batch}")
     ar_s = times[("ar", None)]
     rows, best = [], {}
     for temperature in sorted({r["temperature"] for r in sweep["rows"]}):
@@ -323,7 +345,7 @@ def speed_projection(
     budgets = sorted({r["budget"] for r in sweep["rows"] if r["method"] == "ddtree"})
     have_roofline = roofline_available()
     overhead_s = overhead_us * 1e-6
-    bench = None if use_roofline else (bench or find_bench_json())
+    bench = None if use_roofline else (bench or find_bench_json(batch=batch))
     if bench:
         source = step_times_from_bench(bench, batch)
         if overhead_us:
@@ -377,8 +399,17 @@ def main(argv=None) -> int:
         choices=TAU_KINDS,
         help="pooled: all tokens / all steps of a column (throughput; default); mean: mean per-generation tau",
     )
+    parser.add_argument("--commit", default="unknown", help="the commit being measured (recorded in the JSON)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "outputs"), "speed_projection.json"))
     args = parser.parse_args(argv)
+    if args.roofline and args.bench is not None:
+        parser.error("--roofline and --bench exclude each other (--roofline ignores every benchmark)")
+    if args.bench is not None and not os.path.isfile(args.bench):
+        parser.error(f"--bench {args.bench!r}: no such file")
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: must be at least 1")
+    if args.context < 1:
+        parser.error(f"--context {args.context}: must be at least 1")
     if args.sweep is None:
         args.sweep = find_sweep_json()
         if args.sweep is None:
@@ -405,6 +436,7 @@ def main(argv=None) -> int:
     except NoStepTimes as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    result["commit"] = args.commit
     print(format_table(result))
     write_json(result, args.out)
     print(f"wrote {args.out}")

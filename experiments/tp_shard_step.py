@@ -20,7 +20,11 @@ so its tokens are meaningless; its work is the real one's.
 Usage (one H200): python -m experiments.tp_shard_step --commit C [--layers 61] [--contexts 4096,32768]
        [--batches 1,8] [--budgets 8,16,32,64]
        (CPU check): python -m experiments.tp_shard_step --tiny --model-size 2 (the tiny K2's 128 expert
-       columns split 8 ways would be half an INT4 group)
+       columns split 8 ways would be half an INT4 group: --tiny with --model-size 8 is refused up front)
+
+Every argument is checked before the shard is built, so an argument error cannot stop a run midway. The JSON is
+rewritten after each row under a fixed name, `k26_tp<n>_shard[_tiny][_<tag>].json`: a new run with the same
+--model-size, --tiny and --tag replaces the previous run's file (pass --tag to keep both).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, markdown_table, write_result
-from benchmarks.k26_model import ROUTER_BIASES, k26_config, random_int4_target
+from benchmarks.k26_model import EXPERTS, ROUTER_BIASES, k26_config, random_int4_target
 from benchmarks.op_profile import format_profile
 from ddtree_jax import dispatch
 from ddtree_jax.analysis.roofline import step_cost
@@ -43,7 +47,8 @@ from ddtree_jax.analysis.tp_shard import tp_shard_config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.run import Pair
 from ddtree_jax.models import deepseek_v3, dflash
-from ddtree_jax.options import DecodeOptions
+from ddtree_jax.options import METHODS, DecodeOptions
+from ddtree_kernels.quant import INT4_GROUP
 from experiments.sharded_run import drafter_config
 
 
@@ -69,10 +74,76 @@ def shard_pair(
     return full, full_drafter, pair
 
 
-def main() -> None:
+def _int_list(parser, name: str, text: str) -> list[int]:
+    """`text` as distinct comma-separated integers >= 1, or a parser error naming `--name`."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"--{name} {text!r}: expected comma-separated integers")
+    if any(v < 1 for v in values) or len(set(values)) != len(values):
+        parser.error(f"--{name} {text!r}: expected distinct integers >= 1")
+    return values
+
+
+def _check_args(parser, args) -> tuple[list[str], list[int], list[int], list[int], list[str]]:
+    """Every argument checked before any work (methods, lists, counts, the shard's divisibility); returns the
+    parsed (methods, budgets, contexts, batches, attention implementations)."""
+    methods = args.methods.split(",")
+    bad = [m for m in methods if m not in METHODS]
+    if bad or len(set(methods)) != len(methods):
+        parser.error(f"--methods {args.methods!r}: expected distinct entries of {', '.join(METHODS)}")
+    budgets = _int_list(parser, "budgets", args.budgets)
+    contexts = _int_list(parser, "contexts", args.contexts)
+    batches = _int_list(parser, "batches", args.batches)
+    for name in ("model_size", "layers", "drafter_layers", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.profile_top < 0:
+        parser.error(f"--profile-top {args.profile_top}: must be >= 0")
+    attn_impls = args.attn_impls.split(",")
+    if len(set(attn_impls)) != len(attn_impls):
+        parser.error(f"--attn-impls {args.attn_impls!r}: each implementation may appear only once")
+    for attn_impl in attn_impls:
+        try:
+            DecodeOptions(matmul_impl="xla", layer_loop=args.layer_loop, moe_impl=args.moe_impl, attn_impl=attn_impl)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.tag is not None and (not args.tag or not all(c.isalnum() or c in "-_." for c in args.tag)):
+        parser.error(f"--tag {args.tag!r}: expected letters, digits, '-', '_' or '.'")
+    # the shard's shapes (no weights): the split must divide the model and leave whole INT4 groups per expert row
+    try:
+        full = k26_config(args.layers, args.tiny)
+        target = tp_shard_config(full, args.model_size)
+        tp_shard_config(
+            drafter_config(full, args.drafter_layers, args.tiny), args.model_size, target_hidden=full.hidden_size
+        )
+    except ValueError as e:
+        parser.error(
+            f"--model-size {args.model_size}: {e}" + (" (--tiny works with --model-size 2 or 4)" if args.tiny else "")
+        )
+    shapes = deepseek_v3.param_shapes(target).get("moe_layers", {})
+    for name in EXPERTS:
+        if name in shapes and shapes[name][0][-1] % INT4_GROUP:
+            parser.error(
+                f"--model-size {args.model_size}: the shard's {name} input dimension {shapes[name][0][-1]} is not a "
+                f"whole number of INT4 groups of {INT4_GROUP}"
+                + (" (--tiny works with --model-size 2 or 4)" if args.tiny else "")
+            )
+    return methods, budgets, contexts, batches, attn_impls
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--tiny", action="store_true", help="the 8-way-divisible tiny K2 (CPU check of the script)")
+    parser.add_argument(
+        "--tag", default=None, help="suffix of the JSON's name (k26_tp<n>_shard[_tiny]_<tag>.json): keeps earlier runs"
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tiny K2 (CPU check of the script); its experts' INT4 groups split at most 4 ways: pass "
+        "--model-size 2 or 4",
+    )
     parser.add_argument("--model-size", type=int, default=8, help="the TP degree whose one shard is run")
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--drafter-layers", type=int, default=6)
@@ -142,7 +213,8 @@ def main() -> None:
     parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    methods, budgets, contexts, batches, attn_impls = _check_args(parser, args)
     if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
         dispatch.MOE_SORT = args.moe_sort
     if args.grouped_gather is not None:  # read by the models at trace time (`moe.routed_pallas`)
@@ -183,13 +255,13 @@ def main() -> None:
         flush=True,
     )
     columns = []
-    for method in args.methods.split(","):
-        columns += [(method, int(b)) for b in args.budgets.split(",")] if method == "ddtree" else [(method, 0)]
+    for method in methods:
+        columns += [(method, b) for b in budgets] if method == "ddtree" else [(method, 0)]
     rows = []
     layout = f"tp{args.model_size}"
-    for batch in (int(b) for b in args.batches.split(",")):
-        for context in (int(c) for c in args.contexts.split(",")):
-            for (method, budget), attn_impl in itertools.product(columns, args.attn_impls.split(",")):
+    for batch in batches:
+        for context in contexts:
+            for (method, budget), attn_impl in itertools.product(columns, attn_impls):
                 row = bench_case(
                     pair,
                     batch,
@@ -231,6 +303,8 @@ def main() -> None:
                     in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
                     mla_reduce_max_rows=dispatch.MLA_REDUCE_MAX_ROWS,
                     router_bias=args.router_bias,
+                    temperature=args.temperature,
+                    repeats=args.repeats,
                     init_s=init_s,
                     collectives_ms=cost.collectives_s * 1e3,
                     shard_roofline_ms=max(cost.memory_s, cost.compute_s) * 1e3,
@@ -249,7 +323,9 @@ def main() -> None:
                     flush=True,
                 )
                 write_result(
-                    f"k26_tp{args.model_size}_shard" + ("_tiny" if args.tiny else ""),
+                    f"k26_tp{args.model_size}_shard"
+                    + ("_tiny" if args.tiny else "")
+                    + (f"_{args.tag}" if args.tag else ""),
                     {"rows": rows, "model_size": args.model_size, "drafter_layers": args.drafter_layers},
                     args.commit,
                 )

@@ -23,7 +23,7 @@ from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.models import dflash, qwen3, target_module
-from ddtree_jax.options import METHODS, DecodeOptions, check_options  # re-exported: the engine's names
+from ddtree_jax.options import METHODS, DecodeOptions, check_options
 from ddtree_jax.presets import preset_pair
 from ddtree_jax.sampling import SamplingParams, row_keys
 

@@ -102,3 +102,27 @@ def test_the_controls_reject(ablation):
     assert any(r["fit_reject"] for r in lossy)
     exact_vs_lossy = next(c for c in ablation["controls"] if not c["must_reject"])
     assert exact_vs_lossy["reject"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # a repeated order overwrote the first run's counts: the homogeneity test compared draft with itself
+        (["--orders", "draft,draft"], "only once"),
+        (["--orders", "draft,bogus"], "'bogus'"),
+        (["--law-tokens", "0"], "--law-tokens 0"),
+        (["--budget", "-1"], "--budget -1"),
+        (["--lossy", "0.5"], "THRESHOLD_ACC,THRESHOLD_SINGLE"),
+        (["--lossy", "a,b"], "THRESHOLD_ACC,THRESHOLD_SINGLE"),
+        (["--temperatures", "1,1"], "distinct"),
+        (["--temperatures", "hot"], "--temperatures"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_run(argv, message, monkeypatch, tmp_path, capsys):
+    def ablation(*args, **kwargs):
+        raise AssertionError("an argument error must stop the driver before any configuration runs")
+
+    monkeypatch.setattr(ab, "ablation", ablation)
+    with pytest.raises(SystemExit) as e:
+        ab.main([*argv, "--small", "--out", str(tmp_path / "out.json")])
+    assert e.value.code == 2 and message in capsys.readouterr().err

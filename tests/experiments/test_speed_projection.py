@@ -100,7 +100,7 @@ def test_projection_from_the_roofline():
 
 def test_no_step_times_is_a_clear_error(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(sp, "roofline_available", lambda: False)
-    monkeypatch.setattr(sp, "find_bench_json", lambda root=None: None)
+    monkeypatch.setattr(sp, "find_bench_json", lambda root=None, batch=1: None)
     with pytest.raises(sp.NoStepTimes, match="bench_engine.py"):
         sp.speed_projection(SWEEP)
     path = tmp_path / "sweep.json"
@@ -114,8 +114,9 @@ def test_cli_writes_json(bench, tmp_path, capsys):
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(SWEEP))
     out = tmp_path / "speed.json"
-    assert sp.main(["--sweep", str(path), "--bench", bench, "--out", str(out)]) == 0
+    assert sp.main(["--sweep", str(path), "--bench", bench, "--out", str(out), "--commit", "c0ffee"]) == 0
     assert json.loads(out.read_text())["best_budget"]
+    assert json.loads(out.read_text())["commit"] == "c0ffee"
     assert "speedup vs AR" in capsys.readouterr().out
 
 
@@ -129,7 +130,12 @@ def test_the_newest_bench_is_picked_by_its_recorded_date_not_its_mtime(tmp_path)
     """A fresh clone gives every file the same (or an arbitrary) modification time: the recorded date decides,
     ties by file name."""
     archive = tmp_path / "benchmarks" / "results_archive"
-    rows = {"rows": []}
+    rows = {
+        "rows": [
+            {"B": 1, "method": "ar", "budget": None, "step_ms": 10.0},
+            {"B": 1, "method": "ddtree", "budget": 16, "step_ms": 12.0},
+        ]
+    }
     _write(archive / "engine_qwen3-8b_b_old.json", {"date": "2026-11-30T19:45:31+00:00", "commit": "a", **rows}, 300)
     _write(archive / "engine_qwen3-8b_a_new.json", {"date": "2026-11-30T23:44:22+00:00", "commit": "b", **rows}, 100)
     _write(tmp_path / "benchmarks" / "results" / "engine_qwen3-8b_x.json", {"commit": "c", **rows}, 400)  # no date
@@ -156,3 +162,38 @@ def test_without_sweep_the_newest_committed_sweep_is_used(bench, tmp_path, monke
 
 def test_the_repository_has_a_committed_sweep():
     assert sp.find_sweep_json() is not None and os.path.isfile(sp.find_sweep_json())
+
+
+def test_newest_bench_skips_results_without_ar_and_ddtree_rows(tmp_path):
+    """Profile-only results (DDTree rows without the AR baseline, or AR alone) are newer but cannot carry the
+    projection: skipped."""
+    results = tmp_path / "benchmarks" / "results"
+    ar = {"B": 1, "method": "ar", "budget": None, "step_ms": 10.0}
+    dd = {"B": 1, "method": "ddtree", "budget": 64, "step_ms": 12.0}
+    _write(results / "engine_qwen3-8b_old.json", {"date": "2026-11-30T19:00:00+00:00", "rows": [ar, dd]}, 100)
+    _write(results / "engine_qwen3-8b_profile.json", {"date": "2026-12-01T19:00:00+00:00", "rows": [dd]}, 200)
+    _write(results / "engine_qwen3-8b_ar_profile.json", {"date": "2026-12-02T19:00:00+00:00", "rows": [ar]}, 300)
+    assert os.path.basename(sp.find_bench_json(str(tmp_path))) == "engine_qwen3-8b_old.json"
+    assert sp.find_bench_json(str(tmp_path), batch=8) is None  # no AR row at batch 8 anywhere
+
+
+def test_a_bench_without_an_ar_row_is_named_in_the_error(tmp_path):
+    path = tmp_path / "engine_qwen3-8b_profile.json"
+    path.write_text(json.dumps({"rows": [{"B": 1, "method": "ddtree", "budget": 64, "step_ms": 12.0}]}))
+    with pytest.raises(sp.NoStepTimes, match="engine_qwen3-8b_profile.json"):
+        sp.speed_projection(SWEEP, bench=str(path))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--roofline", "--bench", "/nonexistent.json"], "exclude each other"),
+        (["--bench", "/nonexistent.json"], "no such file"),
+        (["--batch", "0"], "--batch 0"),
+    ],
+)
+def test_bad_arguments_are_refused_up_front(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sp.main([*argv, "--out", str(tmp_path / "out.json")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from experiments import tp_shard_step
 
@@ -38,7 +39,7 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 4)]
     for r in rows:
         assert r["step_ms"] > 0 and r["collectives_ms"] > 0 and r["mla_schedule"] == "alternate"
-        assert r["router_bias"] == "zero"
+        assert r["router_bias"] == "zero" and r["temperature"] == 0.0 and r["repeats"] == 1
         assert r["grouped_gather"] == "kernel" and r["grouped_int4_decode"] == "triton"
         # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
         # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
@@ -47,3 +48,28 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         assert abs(r["predicted_tp_step_ms"] - r["loop_step_ms"] - r["collectives_ms"]) < 1e-9
         # --profile-top: the step's device time by kind of op, GEMMs among them, and its largest ops
         assert len(r["op_profile"]) == 3 and any(k["kind"] == "gemm" and k["us_per_run"] > 0 for k in r["op_kinds"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "ar,bogus"], "--methods"),
+        (["--methods", "ar,ar"], "--methods"),
+        (["--budgets", "4,0"], "--budgets"),
+        (["--contexts", "abc"], "--contexts"),
+        (["--repeats", "0"], "--repeats 0"),
+        (["--model-size", "8"], "--model-size 2 or 4"),  # the tiny K2's experts: half an INT4 group each 8 ways
+        (["--model-size", "3"], "--model-size 3"),
+        (["--attn-impls", "bogus"], "attn_impl"),
+        (["--tag", "a/b"], "--tag 'a/b'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_shard_is_built(argv, message, monkeypatch, capsys):
+    def shard_pair(*args, **kwargs):
+        raise AssertionError("an argument error must stop the driver before the shard is built")
+
+    monkeypatch.setattr(tp_shard_step, "shard_pair", shard_pair)
+    argv = ["--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1", *argv]
+    with pytest.raises(SystemExit) as e:
+        tp_shard_step.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

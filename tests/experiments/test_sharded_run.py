@@ -1,0 +1,34 @@
+"""experiments/sharded_run.py's arguments: bad values are refused before any model is built or compiled (the
+model builder is replaced by one that fails)."""
+
+import pytest
+
+from experiments import sharded_run
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def sharded_pair(*args, **kwargs):
+        raise AssertionError("an argument error must stop the driver before any model is built")
+
+    monkeypatch.setattr(sharded_run, "sharded_pair", sharded_pair)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "0"], "--model 0"),
+        (["--repeats", "0"], "--repeats 0"),
+        (["--data", "0"], "--data 0"),
+        (["--layouts", "tp,bogus"], "--layouts"),
+        (["--layouts", "ep,ep"], "--layouts"),
+        (["--layers", "2,2"], "--layers"),
+        (["--budgets", "8,x"], "--budgets"),
+        (["--model", "1000"], "devices"),
+        (["--model", "8"], "INT4 groups"),  # the tiny experts' 4 groups of 32 columns do not split 8 ways under tp
+    ],
+)
+def test_bad_arguments_are_refused_up_front(argv, message, no_model, capsys):
+    with pytest.raises(SystemExit) as e:
+        sharded_run.main(["--tiny", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
