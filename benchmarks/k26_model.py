@@ -1,5 +1,5 @@
 """The K2.6-width DeepSeek-V3 target that the part timings (`benchmarks.bench_model_parts`) and the sharded
-runs (`experiments.sharded_run`) build: the `kimi-k2.6` preset (or the 8-way-divisible tiny one) at a chosen
+runs (`experiments.sharded_run`) build: the `kimi-k2.6` preset (or the tiny one, which splits up to 4 ways under TP) at a chosen
 depth, with random weights whose routed experts are INT4 pack-quantized as in the real checkpoint."""
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -469,6 +470,9 @@ def float_list(text: str) -> tuple[float, ...]:
     repeated = sorted({v for v in values if values.count(v) > 1})
     if repeated:
         raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(f'{v:g}' for v in repeated)} given twice")
+    bad = [v for v in values if not math.isfinite(v) or v < 0]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: a temperature is finite and >= 0 (0: greedy), got {bad[0]:g}")
     return values
 
 

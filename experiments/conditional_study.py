@@ -37,7 +37,7 @@ from benchmarks.common import markdown_table
 from ddtree_jax.checkpoint.child_head import load_child_head
 from ddtree_jax.engine.budget import fit_budget_policy
 from ddtree_jax.engine.run import Pair, benchmark, enable_compilation_cache, load_dtype, pair_dtype
-from ddtree_jax.options import DecodeOptions
+from ddtree_jax.options import DecodeOptions, check_budgets
 from experiments.budget_sweep import (
     budget_list,
     check_sweep_budgets,
@@ -457,7 +457,18 @@ def study(
 # What may differ between merged parts (each part's own values are kept in settings.parts): the columns split
 # across runs, which part ran, and how it was timed / in which weights (the tau part on a CPU in float32, the
 # timing part on a GPU in bf16). Every other setting must match; the pair's paths may differ between machines.
-PART_SETTINGS = ("budgets", "temperatures", "tau", "timing", "repeats", "dtype", "weights_dtype")
+# settings each part keeps for itself (settings.parts): what a tau part and a timing part legitimately differ in
+def increasing_budget_list(text: str) -> tuple[int, ...]:
+    """argparse type: the cost-aware budget's set (`budget_list`, and strictly increasing, as `options.check_budgets`
+    requires: refused here, not after the tau part)."""
+    budgets = budget_list(text)
+    try:
+        return check_budgets(budgets)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+PART_SETTINGS = ("budgets", "temperatures", "tau", "timing", "auto_budgets", "repeats", "dtype", "weights_dtype")
 PAIR_PATHS = ("target", "drafter", "child_head")
 
 
@@ -522,11 +533,7 @@ def merge_results(results: list[dict], names: list[str] | None = None) -> dict:
         timing=any(s["timing"] for s in settings),
         parts=[
             {
-                **{
-                    k: s[k]
-                    for k in ("budgets", "temperatures", "tau", "timing", "repeats", "dtype", "weights_dtype")
-                    if k in s
-                },
+                **{k: s[k] for k in PART_SETTINGS if k in s},
                 **{k: res.get(k) for k in ("device", "commit", "date")},
             }
             for s, res in zip(settings, results)
@@ -687,7 +694,10 @@ def main(argv=None) -> int:
     parser.add_argument("--timing", action="store_true", help="also tokens/s and the cost-aware budget (GPU)")
     parser.add_argument("--no-tau", action="store_true", help="skip the acceptance part (with --timing)")
     parser.add_argument(
-        "--auto-budgets", type=budget_list, default=None, help="the cost-aware budget's set (default 16,32,64,128,256)"
+        "--auto-budgets",
+        type=increasing_budget_list,
+        default=None,
+        help="the cost-aware budget's set, increasing (default 16,32,64,128,256)",
     )
     parser.add_argument("--repeats", type=positive_int, default=None, help="timed repeats per column (default 3)")
     parser.add_argument("--small", action="store_true", help="the seconds-on-CPU settings (tiny pairs, tests)")
@@ -749,13 +759,13 @@ def main(argv=None) -> int:
         result = study(
             args.pair,
             small=args.small,
-            budgets=tuple(int(b) for b in args.budgets.split(",")) if args.budgets else None,
-            temperatures=tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else None,
+            budgets=args.budgets,  # parsed and checked by argparse (budget_list, float_list)
+            temperatures=args.temperatures,
             num_prompts=args.prompts,
             samples=args.samples,
             tau=not args.no_tau,
             timing=args.timing,
-            auto_budgets=tuple(int(b) for b in args.auto_budgets.split(",")) if args.auto_budgets else None,
+            auto_budgets=args.auto_budgets,
             repeats=args.repeats,
             seed=args.seed,
             prompt_seed=args.prompt_seed,

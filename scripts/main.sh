@@ -10,7 +10,9 @@ for arg in "$@"; do
     cat <<'USAGE'
 usage: scripts/main.sh [ddtree-jax generate options ...]
 
-Runs `python -m ddtree_jax generate` with these options (extra arguments come after them, so they override):
+Runs `python -m ddtree_jax generate` with these options (extra arguments come after them, so they override
+them; --random-tiny cannot be combined with the embedded pair's --target / --drafter: remove the checkpoints or run
+`python -m ddtree_jax generate --random-tiny` directly):
   with checkpoints/embedded/{target,drafter}:
     --target checkpoints/embedded/target --drafter checkpoints/embedded/drafter
     --prompt <the start of a Python function, list_python_files(root)>

@@ -15,9 +15,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 INTERPRET_PARAMS = plgpu.InterpretGPUParams()
 # Interpret mode runs each CTA's warpgroups as host threads that block inside callbacks (barrier waits), each
 # on a thread of XLA's CPU pool (NPROC, read when the CPU client starts; default the core count). Independent
-# kernel calls of one jitted function run at once (a MoE layer's gate and up: 2 x (3 warpgroups + the blocked
-# call) = 8 threads), so a pool below that starves a warpgroup and the run hangs, at random: the MoE test hung at
-# NPROC = 2 and 4 and once in CI at 8. Processes that interpret these kernels start with this many.
+# kernel calls of one jitted function may run at once (a MoE layer's gate and up), besides the pool's other work,
+# so whether a blocked warpgroup starves another depends on the scheduling: the MoE test hung at NPROC = 2 and 4
+# and once in CI at 8, and passed at 3, 8, 32 and 64 here. Processes that interpret these kernels start with a pool
+# far above any such count.
 INTERPRET_NPROC = 64
 
 

@@ -165,8 +165,9 @@ def test_merge_refuses_incompatible_parts(tmp_path):
     paths may differ."""
     tmp = tmp_path
     a = _part(tmp, "a")[1]
-    b = _part(tmp, "b", budgets=(32,), temperatures=(1.0,), repeats=2, dtype="auto")[1]
-    cs.check_mergeable([a, b], ["a.json", "b.json"])  # what may differ
+    b = _part(tmp, "b", budgets=(32,), temperatures=(1.0,), repeats=2, dtype="auto", auto_budgets=[16, 32, 64, 128])[1]
+    cs.check_mergeable([a, b], ["a.json", "b.json"])  # what may differ (a CPU tau part, a GPU timing part)
+    assert "auto_budgets" in cs.PART_SETTINGS  # recorded per part in settings.parts
     cases = [
         (_part(tmp, "c", budgets=(32,), prompt_seed=1)[1], "differ in settings.prompt_seed (0 vs 1)"),
         (_part(tmp, "c", budgets=(32,), num_prompts=8)[1], "differ in settings.num_prompts"),
@@ -212,6 +213,9 @@ def test_merge_cli_refuses_run_flags_duplicates_and_bad_files(tmp_path, capsys):
         (["--prompts", "0"], "--prompts: 0 given"),
         (["--samples", "0"], "--samples: 0 given"),
         (["--repeats", "0"], "--repeats: 0 given"),
+        (["--auto-budgets", "64,16"], "strictly increasing"),
+        (["--temperatures", "0,-1"], "a temperature is finite and >= 0"),
+        (["--temperatures", "nan"], "a temperature is finite and >= 0"),
     ],
 )
 def test_bad_run_arguments_are_refused_at_parse_time(args, message, tmp_path, monkeypatch, capsys):
@@ -220,3 +224,19 @@ def test_bad_run_arguments_are_refused_at_parse_time(args, message, tmp_path, mo
         cs.main(args + ["--out", str(tmp_path / "x.json")])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_parsed_lists_reach_the_study(tmp_path, monkeypatch):
+    """--budgets / --temperatures / --auto-budgets reach `study` as parsed tuples (main used to .split() the
+    argparse-parsed tuples: an AttributeError for the documented GPU timing command)."""
+    seen = {}
+
+    def capture(pair, **kwargs):
+        seen.update(kwargs)
+        raise FileNotFoundError("stop here")
+
+    monkeypatch.setattr(cs, "study", capture)
+    argv = ["--no-tau", "--timing", "--temperatures", "0", "--budgets", "16,32,64,128"]
+    assert cs.main(argv + ["--auto-budgets", "16,32,64,128", "--repeats", "2", "--out", str(tmp_path / "x.json")]) == 2
+    assert seen["budgets"] == (16, 32, 64, 128) and seen["auto_budgets"] == (16, 32, 64, 128)
+    assert seen["temperatures"] == (0.0,) and seen["timing"] and not seen["tau"]
