@@ -53,6 +53,7 @@ import numpy as np
 from experiments.studies import (
     eos_stop_tokens,
     mean_and_se,
+    output_problem,
     pooled_tau,
     progress_bar,
     setup,
@@ -652,7 +653,12 @@ def main(argv=None) -> int:
                 f"--lossy {args.lossy!r}: expected 'THRESHOLD_ACC,THRESHOLD_SINGLE' (two numbers, e.g. 0.5,0.3) "
                 "or 'none'"
             )
+        if not (0.0 <= acc <= 1.0 and 0.0 <= single <= 1.0):
+            parser.error(f"--lossy {args.lossy!r}: both thresholds must be in [0, 1]")
         thresholds["lossy"] = (acc, single)
+    problem = output_problem(args.out)
+    if problem:
+        parser.error(f"--out {problem}")
     try:
         result = ablation(
             args.target,

@@ -343,6 +343,21 @@ def tau_cells(row: dict) -> list[str]:
     ]
 
 
+def output_problem(path: str) -> str | None:
+    """Why `path` cannot be written as a file (a directory; a parent that is a file or not writable), else None:
+    checked before a long run, so a bad --out fails at once instead of after the sweep."""
+    if os.path.isdir(path):
+        return f"{path!r} is a directory; give a file path"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the nearest existing ancestor: write_json creates the rest
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{path!r}: {parent!r} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path!r}: {parent!r} is not writable"
+    return None
+
+
 def save_figure(fig, path: str | None):
     """Lays fig out (tight); with a path, saves it there (dpi 120, folders made) and closes it. Returns fig."""
     import matplotlib.pyplot as plt

@@ -116,6 +116,8 @@ def test_the_controls_reject(ablation):
         (["--lossy", "a,b"], "THRESHOLD_ACC,THRESHOLD_SINGLE"),
         (["--temperatures", "1,1"], "distinct"),
         (["--temperatures", "hot"], "--temperatures"),
+        (["--lossy", "0.5,1.5"], "both thresholds must be in [0, 1]"),
+        (["--out", "."], "is a directory"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_run(argv, message, monkeypatch, tmp_path, capsys):
@@ -124,5 +126,5 @@ def test_bad_arguments_are_refused_before_any_run(argv, message, monkeypatch, tm
 
     monkeypatch.setattr(ab, "ablation", ablation)
     with pytest.raises(SystemExit) as e:
-        ab.main([*argv, "--small", "--out", str(tmp_path / "out.json")])
+        ab.main([*argv, "--small"] + ([] if "--out" in argv else ["--out", str(tmp_path / "out.json")]))
     assert e.value.code == 2 and message in capsys.readouterr().err
