@@ -201,6 +201,18 @@ def block_capacity(keys: int, block: int = 64) -> int:
     return -(-keys // block) * block
 
 
+def int_list_argument(parser, name: str, text: str) -> list[int]:
+    """`text` as distinct comma-separated integers >= 1, or a parser error naming `--name` (the drivers' lists of
+    layers, budgets, contexts, batches)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"--{name} {text!r}: expected comma-separated integers")
+    if any(v < 1 for v in values) or len(set(values)) != len(values):
+        parser.error(f"--{name} {text!r}: expected distinct integers >= 1")
+    return values
+
+
 def random_tree_mask(rng, batch: int, steps: int, context: int):
     """bool [B, N, context + N] (numpy): the whole prefix, then each slot's ancestors and itself (slot 0 = root;
     slot i's parent uniform in 0 .. i - 1)."""

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_engine import bench_case
-from benchmarks.common import device_description, write_result
+from benchmarks.common import device_description, int_list_argument, write_result
 from benchmarks.k26_model import k26_config, random_int4_target
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.engine.drafters import DFlashDrafter
@@ -86,17 +86,6 @@ def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pa
 MOE_IMPL = {"tp": "auto", "ep": "ep"}
 
 
-def _int_list(parser, name: str, text: str) -> list[int]:
-    """`text` as distinct comma-separated integers >= 1, or a parser error naming `--name`."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        parser.error(f"--{name} {text!r}: expected comma-separated integers")
-    if any(v < 1 for v in values) or len(set(values)) != len(values):
-        parser.error(f"--{name} {text!r}: expected distinct integers >= 1")
-    return values
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
@@ -126,8 +115,8 @@ def main(argv=None) -> None:
     layouts = args.layouts.split(",")
     if any(layout not in MOE_IMPL for layout in layouts) or len(set(layouts)) != len(layouts):
         parser.error(f"--layouts {args.layouts!r}: expected distinct entries of {', '.join(MOE_IMPL)}")
-    depths = _int_list(parser, "layers", args.layers)
-    budgets = _int_list(parser, "budgets", args.budgets)
+    depths = int_list_argument(parser, "layers", args.layers)
+    budgets = int_list_argument(parser, "budgets", args.budgets)
     model = args.model if args.model is not None else jax.device_count() // args.data
     if model < 1 or model * args.data > jax.device_count():
         parser.error(

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
-from benchmarks.common import device_description, markdown_table, write_result
+from benchmarks.common import device_description, int_list_argument, markdown_table, write_result
 from benchmarks.k26_model import EXPERTS, ROUTER_BIASES, k26_config, random_int4_target
 from benchmarks.op_profile import format_profile
 from ddtree_jax import dispatch
@@ -74,17 +74,6 @@ def shard_pair(
     return full, full_drafter, pair
 
 
-def _int_list(parser, name: str, text: str) -> list[int]:
-    """`text` as distinct comma-separated integers >= 1, or a parser error naming `--name`."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        parser.error(f"--{name} {text!r}: expected comma-separated integers")
-    if any(v < 1 for v in values) or len(set(values)) != len(values):
-        parser.error(f"--{name} {text!r}: expected distinct integers >= 1")
-    return values
-
-
 def _check_args(parser, args) -> tuple[list[str], list[int], list[int], list[int], list[str]]:
     """Every argument checked before any work (methods, lists, counts, the shard's divisibility); returns the
     parsed (methods, budgets, contexts, batches, attention implementations)."""
@@ -92,9 +81,9 @@ def _check_args(parser, args) -> tuple[list[str], list[int], list[int], list[int
     bad = [m for m in methods if m not in METHODS]
     if bad or len(set(methods)) != len(methods):
         parser.error(f"--methods {args.methods!r}: expected distinct entries of {', '.join(METHODS)}")
-    budgets = _int_list(parser, "budgets", args.budgets)
-    contexts = _int_list(parser, "contexts", args.contexts)
-    batches = _int_list(parser, "batches", args.batches)
+    budgets = int_list_argument(parser, "budgets", args.budgets)
+    contexts = int_list_argument(parser, "contexts", args.contexts)
+    batches = int_list_argument(parser, "batches", args.batches)
     for name in ("model_size", "layers", "drafter_layers", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")

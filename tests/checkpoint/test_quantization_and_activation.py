@@ -19,6 +19,7 @@ from ddtree_jax.checkpoint import CheckpointError, load_hf, parse_config, save_h
 from ddtree_jax.checkpoint.hf_weights import TensorSource, read_safetensors_header
 from ddtree_jax.models import deepseek_v3, dflash, qwen3
 from ddtree_jax.models.layers import is_shape_leaf
+from tests.checkpoint.test_load_hf import _hf_dict
 from tests.tiny_models import QWEN3_CHECKPOINT, tiny_drafter
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
@@ -222,18 +223,7 @@ def test_fp8_scales_are_used_or_reported(dense_and_fp8, tmp_path, mutate, messag
 
 
 def _qwen3_dict(**over):
-    cfg = {
-        "model_type": "qwen3",
-        "vocab_size": 40,
-        "hidden_size": 16,
-        "intermediate_size": 24,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 4,
-        "rope_theta": 10_000.0,
-    }
-    return {**cfg, **over}
+    return _hf_dict(**{"rope_theta": 10_000.0, **over})  # test_load_hf's tiny Qwen3 config
 
 
 def _drafter_dict(**over):
