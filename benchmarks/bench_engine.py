@@ -85,7 +85,8 @@ def bench_case(
     step_only: the fused step alone, without the per-stage breakdown (each stage is one more compilation
     of the model: 30-75 s per case for the Qwen3-8B shape on the H200); profile_top > 0: the step's
     `profile_top` largest ops by device time (`benchmarks.op_profile.op_times`, 3 traced steps) in
-    row["op_profile"], with the launches and device time of the whole step; hlo_path: the compiled step's
+    row["op_profile"], with the launches and device time of the whole step, its device time by stage
+    (row["stages"]) and the non-forward share of it (`op_profile.stage_shares`); hlo_path: the compiled step's
     HLO text written there (to name the profile's fusions).
 
     row["step_ms"] is one step called from the host (its dispatch included: for a model of many parameter
@@ -136,15 +137,31 @@ def bench_case(
         with open(hlo_path, "w") as f:
             f.write(step.as_text())
     if profile_top > 0:
-        from benchmarks.op_profile import device_timeline, kind_table, op_kinds, op_sources, op_times, timeline_gaps
+        from benchmarks.op_profile import (
+            device_timeline,
+            kind_table,
+            op_kinds,
+            op_sources,
+            op_stages,
+            op_times,
+            stage_shares,
+            stage_table,
+            timeline_gaps,
+        )
 
         ops = op_times(step, *step_args, runs=3)
         row["device_us"] = sum(r["us_per_run"] for r in ops)
         row["launches"] = sum(r["events_per_run"] for r in ops)
         hlo_text = step.as_text()  # a 61-layer step's text is large: printed once, read twice
         sources = op_sources(hlo_text)  # each op's JAX op path
-        row["op_profile"] = [r | {"source": sources.get(r["op"], "")} for r in ops[:profile_top]]
+        stages = op_stages(hlo_text)  # each op's decode-step stage (engine.step's named scopes)
+        row["op_profile"] = [
+            r | {"source": sources.get(r["op"], ""), "stage": stages.get(r["op"], "other")} for r in ops[:profile_top]
+        ]
         row["op_kinds"] = kind_table(ops, op_kinds(hlo_text))  # by kind: GEMMs, each kernel, fusions
+        # device time by stage over every op of the step, and the non-forward share (tree, walk, commit, ...)
+        row["stages"] = stage_table(ops, stages)
+        row.update(stage_shares(row["stages"]))
         # one step as a timeline: its span on the device and the idle gaps between launches inside it. Traced, the
         # step usually runs without command buffers (XLA turns them off under the profiler, though a traced program
         # may keep some: op_profile.COMMAND_BUFFER): the gaps are those of kernels launched one by one, an upper

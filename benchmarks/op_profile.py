@@ -33,6 +33,87 @@ import warnings
 
 import jax
 
+STAGE_SCOPES = ("append", "draft", "tree_forward", "tree", "walk", "commit", "emit")  # engine.step's named scopes
+NON_FORWARD_SCOPES = ("append", "tree", "walk", "commit", "emit")  # outside the target's and the drafter's forwards
+_STAGE_RE = re.compile(r"ddtree_(" + "|".join(STAGE_SCOPES) + r")\b")
+
+
+def op_stages(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the decode-step stage whose named scope (`engine.step`, "ddtree_<stage>")
+    its op_name metadata carries. A fusion whose own metadata names no op (XLA drops it on many fusions)
+    takes the stage most of its fused computation's instructions carry; instructions outside every stage
+    are left out."""
+    computation_stages: dict[str, dict[str, int]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$", line)
+        if header:
+            current = computation_stages.setdefault(header.group(1), {})
+            continue
+        if current is not None:
+            found = re.search(r'op_name="([^"]*)"', line)
+            match = _STAGE_RE.search(found.group(1)) if found else None
+            if match:
+                current[match.group(1)] = current.get(match.group(1), 0) + 1
+    stages = {}
+    for line in hlo_text.splitlines():
+        instr = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line)
+        if not instr:
+            continue
+        found = re.search(r'op_name="([^"]*)"', line)
+        match = _STAGE_RE.search(found.group(1)) if found else None
+        if match:
+            stages[instr.group(1)] = match.group(1)
+            continue
+        calls = re.search(r"calls=%?([\w.\-]+)", line)
+        counts = computation_stages.get(calls.group(1), {}) if calls else {}
+        if counts:
+            stages[instr.group(1)] = max(counts, key=counts.get)
+    return stages
+
+
+def stage_table(ops: list[dict], stages: dict[str, str]) -> dict[str, dict]:
+    """Per stage: {"us", "launches"} summed over `ops` rows (per step), "other" for ops of no stage."""
+    table = {}
+    for row in ops:
+        stage = stages.get(row["op"], "other")
+        entry = table.setdefault(stage, {"us": 0.0, "launches": 0.0})
+        entry["us"] += row["us_per_run"]
+        entry["launches"] += row["events_per_run"]
+    return table
+
+
+def stage_shares(table: dict[str, dict]) -> dict[str, float]:
+    """From `stage_table`'s per-stage device time: {"forward_us", "non_forward_us", "other_us",
+    "non_forward_share"}. Forward: the two models' forwards (draft, tree_forward); non-forward: the tree build,
+    the walk, the commit, the drafter's context append and the output bookkeeping (`NON_FORWARD_SCOPES`);
+    other: ops outside every scope (the loop's control, fusions XLA left without metadata). The share is of
+    the whole device time, other included (0 when there is none)."""
+    us = {stage: entry["us"] for stage, entry in table.items()}
+    forward = sum(us.get(s, 0.0) for s in STAGE_SCOPES if s not in NON_FORWARD_SCOPES)
+    non_forward = sum(us.get(s, 0.0) for s in NON_FORWARD_SCOPES)
+    total = sum(us.values())
+    return {
+        "forward_us": forward,
+        "non_forward_us": non_forward,
+        "other_us": us.get("other", 0.0),
+        "non_forward_share": non_forward / total if total > 0 else 0.0,
+    }
+
+
+def format_stages(stages: dict[str, dict]) -> str:
+    """`stage_table`'s rows, then the non-forward share of the device time (`stage_shares`)."""
+    lines = ["  by stage (device us per step, launches per step; ops outside every stage under 'other'):"]
+    for stage in (*STAGE_SCOPES, "other"):
+        if stage in stages:
+            lines.append(f"  {stage:>13} {stages[stage]['us']:9.1f} us  x{stages[stage]['launches']:.1f}")
+    shares = stage_shares(stages)
+    lines.append(
+        f"  non-forward ({', '.join(NON_FORWARD_SCOPES)}): {shares['non_forward_us']:.1f} us, "
+        f"{shares['non_forward_share']:.1%} of the device time"
+    )
+    return "\n".join(lines)
+
 
 def _stats(event) -> dict:
     with warnings.catch_warnings():  # the binding's stat type warns that it has no __module__ (harmless)

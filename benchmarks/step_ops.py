@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import time
 
 import jax
@@ -42,7 +41,15 @@ import numpy as np
 
 from benchmarks.bench_e2e import PROMPTS, load_prompt_ids
 from benchmarks.common import write_result
-from benchmarks.op_profile import device_timeline, format_op_table, op_times, timeline_gaps
+from benchmarks.op_profile import (
+    device_timeline,
+    format_op_table,
+    format_stages,
+    op_stages,
+    op_times,
+    stage_table,
+    timeline_gaps,
+)
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.profile import warm_step
 from ddtree_jax.engine.run import (
@@ -82,55 +89,6 @@ def profile_step(pair, prompt_ids, *, method: str, budget: int, runs: int, optio
         "wall_us": float(np.median(walls)) * 1e6,
         "ops": rows,
     }
-
-
-STAGE_SCOPES = ("append", "draft", "tree_forward", "tree", "walk", "commit", "emit")  # engine.step's scopes
-_STAGE_RE = re.compile(r"ddtree_(" + "|".join(STAGE_SCOPES) + r")\b")
-
-
-def op_stages(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the decode-step stage whose named scope (`engine.step`, "ddtree_<stage>")
-    its op_name metadata carries. A fusion whose own metadata names no op (XLA drops it on many fusions)
-    takes the stage most of its fused computation's instructions carry; instructions outside every stage
-    are left out."""
-    computation_stages: dict[str, dict[str, int]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$", line)
-        if header:
-            current = computation_stages.setdefault(header.group(1), {})
-            continue
-        if current is not None:
-            found = re.search(r'op_name="([^"]*)"', line)
-            match = _STAGE_RE.search(found.group(1)) if found else None
-            if match:
-                current[match.group(1)] = current.get(match.group(1), 0) + 1
-    stages = {}
-    for line in hlo_text.splitlines():
-        instr = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line)
-        if not instr:
-            continue
-        found = re.search(r'op_name="([^"]*)"', line)
-        match = _STAGE_RE.search(found.group(1)) if found else None
-        if match:
-            stages[instr.group(1)] = match.group(1)
-            continue
-        calls = re.search(r"calls=%?([\w.\-]+)", line)
-        counts = computation_stages.get(calls.group(1), {}) if calls else {}
-        if counts:
-            stages[instr.group(1)] = max(counts, key=counts.get)
-    return stages
-
-
-def stage_table(ops: list[dict], stages: dict[str, str]) -> dict[str, dict]:
-    """Per stage: {"us", "launches"} summed over `ops` rows (per step), "other" for ops of no stage."""
-    table = {}
-    for row in ops:
-        stage = stages.get(row["op"], "other")
-        entry = table.setdefault(stage, {"us": 0.0, "launches": 0.0})
-        entry["us"] += row["us_per_run"]
-        entry["launches"] += row["events_per_run"]
-    return table
 
 
 def profile_loop(
@@ -186,14 +144,6 @@ def profile_loop(
         "ops": [{**row, "stage": stage_map.get(row["op"], "other")} for row in ops],
         "stages": stage_table(ops, stage_map),
     }
-
-
-def format_stages(stages: dict[str, dict]) -> str:
-    lines = ["  by stage (us per step, launches per step; prefill and loop control under 'other'):"]
-    for stage in (*STAGE_SCOPES, "other"):
-        if stage in stages:
-            lines.append(f"  {stage:>13} {stages[stage]['us']:9.1f} us  x{stages[stage]['launches']:.1f}")
-    return "\n".join(lines)
 
 
 def format_gaps(gaps: list[dict], top: int) -> str:

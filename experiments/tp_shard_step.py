@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, int_list_argument, markdown_table, write_result
 from benchmarks.k26_model import EXPERTS, ROUTER_BIASES, k26_config, random_int4_target
-from benchmarks.op_profile import format_profile
+from benchmarks.op_profile import format_profile, format_stages
 from ddtree_jax import dispatch
 from ddtree_jax.analysis.roofline import step_cost
 from ddtree_jax.analysis.tp_shard import tp_shard_config
@@ -303,6 +303,7 @@ def main(argv=None) -> None:
                 rows.append(row)
                 if args.profile_top:
                     print(format_profile(row["op_kinds"], row["op_profile"], args.profile_top), flush=True)
+                    print(format_stages(row["stages"]), flush=True)
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s}: shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "

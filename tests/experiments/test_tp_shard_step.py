@@ -48,6 +48,12 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         assert abs(r["predicted_tp_step_ms"] - r["loop_step_ms"] - r["collectives_ms"]) < 1e-9
         # --profile-top: the step's device time by kind of op, GEMMs among them, and its largest ops
         assert len(r["op_profile"]) == 3 and any(k["kind"] == "gemm" and k["us_per_run"] > 0 for k in r["op_kinds"])
+        # and by stage: the target's forward found, every op counted once, the non-forward share in (0, 1)
+        stages = r["stages"]
+        assert stages["tree_forward"]["us"] > 0
+        assert sum(s["us"] for s in stages.values()) == pytest.approx(r["device_us"])
+        assert 0 < r["non_forward_share"] < 1 and r["non_forward_us"] > 0
+    assert {"draft", "tree", "walk", "commit"} <= set(rows[1]["stages"])  # the tree step's stages all ran
 
 
 @pytest.mark.parametrize(
