@@ -11,7 +11,8 @@ A **prediction**, not a measurement (issue #26, item 4): the 8-GPU kind is not l
 2. Acceptance, tokens per step (the bonus token included): the chain's tau from the public
    Kimi-K2.5-DFlash numbers at block 8 (3.7-5.5: `--chain-taus`), and DDTree's as the chain's times the
    embedded pair's measured DDTree / chain tokens-per-step ratio at the same budget and temperature
-   (`bench_e2e` JSONs: tokens over decode steps, all 16 prompts pooled), capped at `--max-tau` (8: a block-8
+   (`bench_e2e` JSONs: tokens over decode steps, all 16 prompts pooled; each budget against the chain of its
+   own file, so several files of one temperature combine when their budgets differ), capped at `--max-tau` (8: a block-8
    drafter proposes 7 tokens, + the bonus). That the ratio transfers from the embedded pair (block 16) to
    K2.6's block-8 drafter is an assumption; the ratio is printed with its source.
 
@@ -54,6 +55,25 @@ def acceptance_ratios(e2e: dict) -> dict[int, float]:
         raise ValueError("the e2e JSON has no chain row")
     chain = tps["chain", None]
     return {budget: value / chain for (method, budget), value in tps.items() if method == "ddtree"}
+
+
+def merged_ratios(e2es: list[tuple[str, dict]]) -> dict[float, tuple[dict[int, float], dict[int, str]]]:
+    """temperature -> (budget -> DDTree / chain ratio, budget -> the file it came from), from several bench_e2e
+    JSONs: each budget's ratio is taken against the chain of its own file (one run, one machine), so files of one
+    temperature may be combined if their DDTree budgets are disjoint (e.g. a later run of budget 8 beside the
+    main run); ValueError naming both files where a budget at one temperature is in two of them."""
+    out: dict[float, tuple[dict[int, float], dict[int, str]]] = {}
+    for path, e2e in e2es:
+        temperature = e2e["settings"]["temperature"]
+        ratios, sources = out.setdefault(temperature, ({}, {}))
+        for budget, ratio in acceptance_ratios(e2e).items():
+            if budget in ratios:
+                raise ValueError(
+                    f"--e2e: budget {budget} at T = {temperature:g} is in both {sources[budget]} and {path}: "
+                    "one file per budget and temperature"
+                )
+            ratios[budget], sources[budget] = ratio, path
+    return out
 
 
 def measured_ms(row: dict) -> float:
@@ -226,7 +246,11 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shard", required=True, help="comma-separated tp_shard_step JSONs")
-    parser.add_argument("--e2e", required=True, help="comma-separated bench_e2e JSONs (one per temperature)")
+    parser.add_argument(
+        "--e2e",
+        required=True,
+        help="comma-separated bench_e2e JSONs (files of one temperature must hold different DDTree budgets)",
+    )
     parser.add_argument("--chain-taus", default=",".join(str(t) for t in PUBLIC_CHAIN_TAUS))
     parser.add_argument("--max-tau", type=float, default=8.0, help="tokens a step at most (block 8: 7 drafted + bonus)")
     parser.add_argument("--commit", default="unknown", help="the code commit to record")
@@ -251,22 +275,20 @@ def main(argv=None) -> int:
     for path in e2e_paths:
         with open(path) as f:
             e2es.append((path, json.load(f)))
-    temperatures = [e2e["settings"]["temperature"] for _, e2e in e2es]
-    for (path, _), temperature in zip(e2es, temperatures):
-        if temperatures.count(temperature) > 1:
-            parser.error(f"--e2e: more than one file at T = {temperature:g} ({path} and another): one per temperature")
+    try:
+        by_temperature = merged_ratios(e2es)
+    except ValueError as e:
+        parser.error(str(e))
     rows = []
-    for path, e2e in e2es:
-        temperature = e2e["settings"]["temperature"]
-        ratios = acceptance_ratios(e2e)
+    for temperature, (ratios, paths) in by_temperature.items():
         print(
-            f"T = {temperature:g}: DDTree / chain tokens per step on the embedded pair ({path}): "
-            + ", ".join(f"{b}: {r:.2f}" for b, r in sorted(ratios.items()))
+            f"T = {temperature:g}: DDTree / chain tokens per step on the embedded pair: "
+            + ", ".join(f"{b}: {r:.2f} ({paths[b]})" for b, r in sorted(ratios.items()))
         )
         mine = predict(shard_rows, ratios, chain_taus, args.max_tau)
         for r in mine:
             r["temperature"] = temperature
-            r["e2e_source"] = path
+            r["e2e_source"] = paths[r["budget"]] if r["method"] == "ddtree" else ",".join(sorted(set(paths.values())))
         rows += mine
         print(f"\nT = {temperature:g} (prediction: measured one-GPU shard step + modelled collectives)\n")
         print(table(mine))
