@@ -241,8 +241,11 @@ RANK_SORT_MAX_ASSIGNMENTS = 2048
 # shard's DDTree 16 profile (17 tokens, 136 assignments, 8fec69d) the gather, with the pad and the plane transpose of
 # the gathered [136, 7168] rows, was one fusion of 16.9 us a layer; "kernel" transposes 17 rows instead. On one H200
 # (42be6ae): the gate call 1.09x / 1.00x / 1.06x faster at T = 9 / 17 / 65, the 4-layer DDTree 16 step in the loop a
-# tie (2.725 against 2.722 ms), so "auto" keeps "xla".
-GROUPED_GATHERS = ("auto", "xla", "kernel")
+# tie (2.725 against 2.722 ms), so "auto" keeps "xla". "xla_apart": the same gather, materialised behind an
+# optimization barrier so that XLA cannot fuse it into the kernel's pad and plane transpose (the fused form reads the
+# gathered rows with the transpose's strides; apart, the gather copies whole rows and the transpose is XLA's tiled
+# one). In the 4-layer chain step on one H100 (07977f7) that fusion took 16.7 us a MoE layer for 64 rows.
+GROUPED_GATHERS = ("auto", "xla", "xla_apart", "kernel")
 GROUPED_GATHER = "auto"
 # The router's logits from this many rows (B x T) as one bf16 GEMM with float32 accumulation (`router_bf16_gemm`):
 # in the 4-layer K2.6 shard's DDTree 16 profile (17 rows, 8fec69d) the float32 path cost a float32 copy of the
@@ -550,7 +553,8 @@ def moe_sort(assignments: int, backend_name: str | None = None) -> str:
 
 def grouped_gather() -> str:
     """Where the "pallas" MoE path's grouped Triton kernel gets its gate / up rows in expert order: GROUPED_GATHER
-    unless "auto"; "auto": "xla" (the gather before the kernel; "kernel": read in place through a row index)."""
+    unless "auto"; "auto": "xla" (the gather before the kernel; "xla_apart": that gather kept out of the kernel's
+    layout transpose by an optimization barrier; "kernel": read in place through a row index)."""
     _check("grouped gather", GROUPED_GATHER, GROUPED_GATHERS)
     return "xla" if GROUPED_GATHER == "auto" else GROUPED_GATHER
 

@@ -157,9 +157,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--grouped-gather",
         default=None,
-        choices=dispatch.GROUPED_GATHERS,
-        help="where the grouped expert kernel's gate / up rows are put in expert order (dispatch.GROUPED_GATHERS: "
-        "xla gathers them first, kernel reads the tokens through a row index; default: dispatch.GROUPED_GATHER)",
+        help="where the grouped expert kernel's gate / up rows are put in expert order, comma-separated, one row "
+        "each (dispatch.GROUPED_GATHERS: xla gathers them first, xla_apart the same behind an optimization "
+        "barrier, kernel reads the tokens through a row index; default: dispatch.GROUPED_GATHER)",
     )
     parser.add_argument(
         "--grouped-int4-decode",
@@ -206,8 +206,14 @@ def main(argv=None) -> None:
     methods, budgets, contexts, batches, attn_impls = _check_args(parser, args)
     if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
         dispatch.MOE_SORT = args.moe_sort
-    if args.grouped_gather is not None:  # read by the models at trace time (`moe.routed_pallas`)
-        dispatch.GROUPED_GATHER = args.grouped_gather
+    grouped_gathers = [None]  # None: dispatch.GROUPED_GATHER as it is
+    if args.grouped_gather is not None:  # read by the models at trace time (`moe.routed_pallas`): set per row below
+        grouped_gathers = args.grouped_gather.split(",")
+        bad = [g for g in grouped_gathers if g not in dispatch.GROUPED_GATHERS]
+        if bad or len(set(grouped_gathers)) != len(grouped_gathers):
+            parser.error(
+                f"--grouped-gather {args.grouped_gather!r}: distinct values of {list(dispatch.GROUPED_GATHERS)} expected"
+            )
     if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
         dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
@@ -250,7 +256,9 @@ def main(argv=None) -> None:
     layout = f"tp{args.model_size}"
     for batch in batches:
         for context in contexts:
-            for (method, budget), attn_impl in itertools.product(columns, attn_impls):
+            for (method, budget), attn_impl, grouped_gather in itertools.product(columns, attn_impls, grouped_gathers):
+                if grouped_gather is not None:
+                    dispatch.GROUPED_GATHER = grouped_gather
                 row = bench_case(
                     pair,
                     batch,
@@ -267,7 +275,10 @@ def main(argv=None) -> None:
                     profile_top=args.profile_top,
                     hlo_path=(
                         os.path.join(
-                            args.hlo_dir, f"step_B{batch}_ctx{context}_{method}{budget or ''}_{attn_impl}.hlo.txt"
+                            args.hlo_dir,
+                            f"step_B{batch}_ctx{context}_{method}{budget or ''}_{attn_impl}"
+                            + (f"_{grouped_gather}" if grouped_gather else "")
+                            + ".hlo.txt",
                         )
                         if args.hlo_dir
                         else None
@@ -305,7 +316,8 @@ def main(argv=None) -> None:
                     print(format_profile(row["op_kinds"], row["op_profile"], args.profile_top), flush=True)
                     print(format_stages(row["stages"]), flush=True)
                 print(
-                    f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s}: shard step {row['loop_step_ms']:8.2f} ms "
+                    f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s} "
+                    f"gather {row['grouped_gather']}: shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
                     f"collectives {row['collectives_ms']:.2f} ms = {row['predicted_tp_step_ms']:.2f} ms "
@@ -325,6 +337,7 @@ def main(argv=None) -> None:
         "method",
         "budget",
         "attention",
+        "grouped gather",
         "shard step ms (loop)",
         "called from host ms",
         "shard roofline ms",
@@ -338,6 +351,7 @@ def main(argv=None) -> None:
             r["method"],
             r["budget"] or "",
             r["attn_impl"],
+            r["grouped_gather"],
             r["loop_step_ms"],
             r["step_ms"],
             r["shard_roofline_ms"],

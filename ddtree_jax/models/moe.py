@@ -272,14 +272,18 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
     token_of = order // k  # [N]: the token of each sorted assignment
 
+    gather = dispatch.grouped_gather()
+
+    def kernel_for(rows, weight) -> str:
+        stack = weight.stack if isinstance(weight, LayerOf) else weight
+        if isinstance(stack, Int4Weight):
+            return dispatch.grouped_int4_kernel(flat.shape[0], stack.shape, rows.dtype)
+        return "triton"
+
     def grouped(rows, weight, row_index=None):
         """rows [N, D] in expert order, or (row_index [N] given) the tokens [M, D], sorted row a = rows[row_index[a]]."""
         stack, layer = (weight.stack, weight.layer) if isinstance(weight, LayerOf) else (weight, None)
-        kernel = "triton"
-        if isinstance(stack, Int4Weight):
-            kernel = dispatch.grouped_int4_kernel(flat.shape[0], stack.shape, rows.dtype)
-        if row_index is not None and (kernel != "triton" or dispatch.grouped_gather() == "xla"):
-            rows, row_index = rows[row_index], None  # the Mosaic kernels take rows in expert order
+        kernel = kernel_for(rows, weight)
         # a LayerOf is read in place: no per-layer copy of the experts
         if kernel == "mosaic":
             return grouped_int4_matmul(rows, stack, group_sizes, layer=layer)
@@ -287,7 +291,15 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
             return streamed_int4_matmul(rows, stack, group_sizes, layer=layer)
         return grouped_matmul(rows, stack, group_sizes, layer=layer, row_index=row_index)
 
-    h = jax.nn.silu(grouped(x, p["expert_gate"], token_of)) * grouped(x, p["expert_up"], token_of)
+    # the gate / up rows: the tokens read through a row index by the Triton kernel ("kernel"), else gathered into
+    # expert order once for both (the Mosaic kernels take rows in expert order); "xla_apart" materialises the gather
+    if gather == "kernel" and kernel_for(x, p["expert_gate"]) == "triton":
+        rows, row_index = x, token_of
+    else:
+        rows, row_index = x[token_of], None
+        if gather == "xla_apart":
+            rows = lax.optimization_barrier(rows)
+    h = jax.nn.silu(grouped(rows, p["expert_gate"], row_index)) * grouped(rows, p["expert_up"], row_index)
     out_sorted = grouped(h, p["expert_down"])
     out = out_sorted[position].reshape(tokens, k, -1)
     return contract("mkd,mk->md", out, weights.astype(out.dtype))

@@ -68,6 +68,8 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         (["--model-size", "3"], "--model-size 3"),
         (["--attn-impls", "bogus"], "attn_impl"),
         (["--tag", "a/b"], "--tag 'a/b'"),
+        (["--grouped-gather", "xla,sideways"], "--grouped-gather 'xla,sideways'"),
+        (["--grouped-gather", "xla,xla"], "--grouped-gather 'xla,xla'"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_shard_is_built(argv, message, monkeypatch, capsys):

@@ -283,17 +283,20 @@ def test_sort_by_expert_is_the_stable_sort_and_its_inverse(sort, monkeypatch):
 def test_pallas_with_the_rows_read_through_a_row_index(fmt, monkeypatch):
     """`dispatch.GROUPED_GATHER` "kernel": the gate / up kernels read the tokens in place through each sorted
     assignment's token (no gathered copy): the same output bits as "xla" (the rows gathered first, the kernel reading
-    them in order), and the reference's values."""
+    them in order) and as "xla_apart" (that gather behind an optimization barrier, once for gate and up), and the
+    reference's values."""
     p = _layer(fmt, seed=11)
     x = jax.random.normal(jax.random.key(6), (3, 5, CONFIG.hidden_size), jnp.bfloat16)
     run = {}
-    for where in ("xla", "kernel"):
+    for where in ("xla", "xla_apart", "kernel"):
         monkeypatch.setattr(dispatch, "GROUPED_GATHER", where)
         call = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="pallas"))
         kernels = str(jax.make_jaxpr(call)(p, x))
         assert ("_gathered" in kernels) == (where == "kernel"), where  # the kernel's row-index form
+        assert kernels.count("optimization_barrier") == (where == "xla_apart"), where  # one gather for gate and up
         run[where] = np.asarray(call(p, x), np.float32)
     np.testing.assert_array_equal(run["kernel"], run["xla"])
+    np.testing.assert_array_equal(run["xla_apart"], run["xla"])
     assert relerr(jnp.asarray(run["kernel"]), _reference(p, x.astype(jnp.float32))) < 2e-2  # bf16 activations
     monkeypatch.setattr(dispatch, "GROUPED_GATHER", "sideways")
     with pytest.raises(ValueError, match="sideways"):
