@@ -18,7 +18,8 @@ per shard (batch over "data", heads over "model", `sharding.regions`).
 Usage (2 GPUs): python -m experiments.sharded_run --model 2 --layers 2,4 --budgets 8,16,32,64 --commit C
        (4 CPU devices, tiny): XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m experiments.sharded_run --tiny
 The tiny model's routed experts have 128 columns, 4 INT4 groups of 32: under the TP layout the model axis must
-divide 4 (on 8 devices pass --model 4 or --model 2; 8-way TP is refused up front), EP splits its 16 experts.
+divide 4 (on 8 devices pass --model 4 or --model 2; 8-way TP is refused up front), EP splits its 16 experts
+(and 8 heads: 3- or 6-way EP is refused up front too, naming the array that does not divide).
 --model defaults to all local devices / --data; it must be at least 1 when given.
 """
 
@@ -62,18 +63,25 @@ def drafter_config(config: DeepSeekV3Config, layers: int, tiny: bool = False) ->
     )
 
 
+def pair_shardings(config, dconfig, mesh, layout: str, dtype, key) -> tuple:
+    """(target, drafter) parameter shardings under `layout`, from the initialisers' shapes (jax.eval_shape:
+    nothing is built). ValueError naming the first array whose sharded dimension does not divide the mesh axis
+    (`sharding.rules.param_shardings`): e.g. the heads' columns or the experts over a 3- or 6-way "model" axis."""
+    shapes = jax.eval_shape(lambda k: random_int4_target(config, k, dtype), key)
+    dshapes = jax.eval_shape(lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), key)
+    return (
+        param_shardings(shapes, deepseek_v3.param_axes(config), mesh, layout),
+        param_shardings(dshapes, dflash.param_axes(dconfig, config.hidden_size), mesh, layout),
+    )
+
+
 def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pair:
     key = jax.random.key(seed)
-    shapes = jax.eval_shape(lambda k: random_int4_target(config, k, dtype), key)
-    target_params = jax.jit(
-        lambda k: random_int4_target(config, k, dtype),
-        out_shardings=param_shardings(shapes, deepseek_v3.param_axes(config), mesh, layout),
-    )(key)
     dkey = jax.random.fold_in(key, 1)
-    dshapes = jax.eval_shape(lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), dkey)
+    target_shardings, drafter_shardings = pair_shardings(config, dconfig, mesh, layout, dtype, key)
+    target_params = jax.jit(lambda k: random_int4_target(config, k, dtype), out_shardings=target_shardings)(key)
     drafter_params = jax.jit(
-        lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype),
-        out_shardings=param_shardings(dshapes, dflash.param_axes(dconfig, config.hidden_size), mesh, layout),
+        lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), out_shardings=drafter_shardings
     )(dkey)
     drafter = DFlashDrafter(
         dconfig, drafter_params, deepseek_v3.embedding(target_params), deepseek_v3.head(config, target_params)
@@ -132,6 +140,13 @@ def main(argv=None) -> None:
         )
     mesh = make_mesh(model=model, data=args.data)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    for layout in layouts:  # every sharded dimension (heads, experts, vocabulary, FFN columns) must divide --model
+        config = k26_config(min(depths), args.tiny)  # the layer axis is never split: one depth stands for all
+        drafter = drafter_config(config, args.drafter_layers, args.tiny)
+        try:
+            pair_shardings(config, drafter, mesh, layout, dtype, jax.random.key(0))
+        except ValueError as e:
+            parser.error(f"--model {model} under the {layout} layout: {e}")
     print(f"device: {device_description()}; mesh data={args.data} x model={model}; commit {args.commit}", flush=True)
     rows = []
     for layout in layouts:

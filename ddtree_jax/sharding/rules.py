@@ -7,7 +7,7 @@ PartitionSpec, and `param_shardings` does it for a whole parameter tree, quantis
 (an INT4 / FP8 weight's arrays share the weight's logical axes; packing and block scales shrink the
 last dimension, so where that dimension is sharded - the TP expert down projection, "expert_mlp" - a
 shard must hold whole groups / blocks: K2.6's 2048 / 8 = 256 columns per device is 8 INT4 groups;
-`shard_params` checks every array divides and names the one that does not).
+`param_shardings` (so `shard_params` too) checks every array divides and names the one that does not).
 
 Layouts (mesh axes "data" and "model"):
   tp   tensor parallel: attention heads, the dense / shared FFN columns, each routed expert's FFN
@@ -75,14 +75,12 @@ def param_specs(params, axes, layout: str):
 
 
 def param_shardings(params, axes, mesh, layout: str):
-    """NamedShardings for every array of `params` on `mesh`."""
+    """NamedShardings for every array of `params` on `mesh` (params: arrays or jax.ShapeDtypeStructs, e.g.
+    `jax.eval_shape` of an initialiser whose jit takes these as out_shardings). Every array's dimension on a
+    mesh axis must divide by the axis size: a ValueError names the first one that does not (e.g. the 64-wide
+    kv_b_proj columns, 4 heads of 16, over a 3-way "model" axis), before anything is placed or compiled."""
     specs = param_specs(params, axes, layout)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def shard_params(params, axes, mesh, layout: str):
-    """Places `params` on `mesh` by the layout's rules (jax.device_put; arrays must divide evenly)."""
-    shardings = param_shardings(params, axes, mesh, layout)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings)):
         for dim, axis in enumerate(sharding.spec):
             if axis is not None and leaf.shape[dim] % mesh.shape[axis]:
@@ -90,7 +88,13 @@ def shard_params(params, axes, mesh, layout: str):
                     f"{jax.tree_util.keystr(path)}: dimension {dim} of size {leaf.shape[dim]} does not "
                     f"divide over mesh axis {axis!r} of size {mesh.shape[axis]} (layout {layout!r})"
                 )
-    return jax.device_put(params, shardings)
+    return shardings
+
+
+def shard_params(params, axes, mesh, layout: str):
+    """Places `params` on `mesh` by the layout's rules (jax.device_put; arrays must divide evenly,
+    `param_shardings` names the one that does not)."""
+    return jax.device_put(params, param_shardings(params, axes, mesh, layout))
 
 
 def batch_sharding(mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:

@@ -26,6 +26,10 @@ def no_model(monkeypatch):
         (["--budgets", "8,x"], "--budgets"),
         (["--model", "1000"], "devices"),
         (["--model", "8"], "INT4 groups"),  # the tiny experts' 4 groups of 32 columns do not split 8 ways under tp
+        # ep splits the tiny model's 8 heads' columns too: 3 or 6 ways they do not divide (was a JAX IndivisibleError
+        # raised from inside sharded_pair's jit)
+        (["--model", "3", "--layouts", "ep"], "does not divide over mesh axis 'model' of size 3 (layout 'ep')"),
+        (["--model", "6", "--layouts", "ep"], "does not divide over mesh axis 'model' of size 6 (layout 'ep')"),
     ],
 )
 def test_bad_arguments_are_refused_up_front(argv, message, no_model, capsys):

@@ -14,7 +14,7 @@ from ddtree_jax.models import deepseek_v3, dflash
 from ddtree_jax.options import DecodeOptions
 from ddtree_jax.sampling import SamplingParams, row_keys
 from ddtree_jax.sharding.mesh import make_mesh
-from ddtree_jax.sharding.rules import param_specs, partition_spec, shard_params
+from ddtree_jax.sharding.rules import param_shardings, param_specs, partition_spec, shard_params
 from ddtree_kernels.quant import Int4Weight, quantize_int4
 from tests.sharding.tiny_k2 import CONFIG, DRAFTER, prefill_verify
 
@@ -94,3 +94,18 @@ def test_rule_tables_and_errors(params, mesh):
         shard_params(small, deepseek_v3.param_axes(CONFIG), mesh, "tp")
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(model=8, data=2)
+
+
+@pytest.mark.parametrize("model", [3, 6])
+def test_param_shardings_refuse_a_model_axis_that_does_not_divide(model):
+    """3- and 6-way meshes of the 8 fake devices: the tiny K2 target's kv_b_proj holds 4 heads x 16 = 64 columns,
+    which do not split 3 or 6 ways. param_shardings (the out_shardings of a jitted initialiser, as
+    experiments/sharded_run.py uses them: no shard_params on the way) names the array, its size and the axis
+    up front, from shapes alone, instead of JAX's IndivisibleError out of the jit."""
+    mesh = make_mesh(model=model)
+    shapes = jax.eval_shape(lambda k: deepseek_v3.init_params(CONFIG, k), jax.random.key(0))
+    for layout in ("tp", "ep"):
+        with pytest.raises(
+            ValueError, match=rf"kv_b_proj.*size 64 does not divide over mesh axis 'model' of size {model}"
+        ):
+            param_shardings(shapes, deepseek_v3.param_axes(CONFIG), mesh, layout)
