@@ -159,7 +159,8 @@ def bench_case(
             r | {"source": sources.get(r["op"], ""), "stage": stages.get(r["op"], "other")} for r in ops[:profile_top]
         ]
         row["op_kinds"] = kind_table(ops, op_kinds(hlo_text))  # by kind: GEMMs, each kernel, fusions
-        # device time by stage over every op of the step, and the non-forward share (tree, walk, commit, ...)
+        # device time by stage over every op of the step, and its non-forward share (device_*: apart from the
+        # host-timed non_forward_* of the stage breakdown below)
         row["stages"] = stage_table(ops, stages)
         row.update(stage_shares(row["stages"]))
         # one step as a timeline: its span on the device and the idle gaps between launches inside it. Traced, the

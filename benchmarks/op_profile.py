@@ -84,33 +84,38 @@ def stage_table(ops: list[dict], stages: dict[str, str]) -> dict[str, dict]:
 
 
 def stage_shares(table: dict[str, dict]) -> dict[str, float]:
-    """From `stage_table`'s per-stage device time: {"forward_us", "non_forward_us", "other_us",
-    "non_forward_share"}. Forward: the two models' forwards (draft, tree_forward); non-forward: the tree build,
-    the walk, the commit, the drafter's context append and the output bookkeeping (`NON_FORWARD_SCOPES`);
-    other: ops outside every scope (the loop's control, fusions XLA left without metadata). The share is of
-    the whole device time, other included (0 when there is none)."""
+    """From `stage_table`'s per-stage device time: {"device_forward_us", "device_non_forward_us",
+    "device_other_us", "device_non_forward_share"}. Forward: the two models' forwards (draft, tree_forward);
+    non-forward: the tree build, the walk, the commit, the drafter's context append and the output bookkeeping
+    (`NON_FORWARD_SCOPES`: the stages `bench_engine`'s host-timed `non_forward_ms` = step - draft - tree_forward
+    holds); other: ops outside every scope (the loop's control, the budget policy's scope, fusions XLA left without
+    metadata, and in a whole generation's timeline its prefill). The share is of the whole device time, other
+    included, as the host-timed share is of the whole step (0 when there is no device time)."""
     us = {stage: entry["us"] for stage, entry in table.items()}
     forward = sum(us.get(s, 0.0) for s in STAGE_SCOPES if s not in NON_FORWARD_SCOPES)
     non_forward = sum(us.get(s, 0.0) for s in NON_FORWARD_SCOPES)
     total = sum(us.values())
     return {
-        "forward_us": forward,
-        "non_forward_us": non_forward,
-        "other_us": us.get("other", 0.0),
-        "non_forward_share": non_forward / total if total > 0 else 0.0,
+        "device_forward_us": forward,
+        "device_non_forward_us": non_forward,
+        "device_other_us": us.get("other", 0.0),
+        "device_non_forward_share": non_forward / total if total > 0 else 0.0,
     }
 
 
 def format_stages(stages: dict[str, dict]) -> str:
     """`stage_table`'s rows, then the non-forward share of the device time (`stage_shares`)."""
-    lines = ["  by stage (device us per step, launches per step; ops outside every stage under 'other'):"]
+    lines = [
+        "  by stage (device us per step, launches per step; under 'other': ops outside every stage, such as the "
+        "loop's control and, in a whole generation, its prefill):"
+    ]
     for stage in (*STAGE_SCOPES, "other"):
         if stage in stages:
             lines.append(f"  {stage:>13} {stages[stage]['us']:9.1f} us  x{stages[stage]['launches']:.1f}")
     shares = stage_shares(stages)
     lines.append(
-        f"  non-forward ({', '.join(NON_FORWARD_SCOPES)}): {shares['non_forward_us']:.1f} us, "
-        f"{shares['non_forward_share']:.1%} of the device time"
+        f"  non-forward ({', '.join(NON_FORWARD_SCOPES)}): {shares['device_non_forward_us']:.1f} us, "
+        f"{shares['device_non_forward_share']:.1%} of the device time"
     )
     return "\n".join(lines)
 

@@ -242,9 +242,10 @@ RANK_SORT_MAX_ASSIGNMENTS = 2048
 # the gathered [136, 7168] rows, was one fusion of 16.9 us a layer; "kernel" transposes 17 rows instead. On one H200
 # (42be6ae): the gate call 1.09x / 1.00x / 1.06x faster at T = 9 / 17 / 65, the 4-layer DDTree 16 step in the loop a
 # tie (2.725 against 2.722 ms), so "auto" keeps "xla". "xla_apart": the same gather, materialised behind an
-# optimization barrier so that XLA cannot fuse it into the kernel's pad and plane transpose (the fused form reads the
-# gathered rows with the transpose's strides; apart, the gather copies whole rows and the transpose is XLA's tiled
-# one). In the 4-layer chain step on one H100 (07977f7) that fusion took 16.7 us a MoE layer for 64 rows.
+# optimization barrier so that XLA cannot fuse it into the kernel's pad and plane transpose. The fused form reads the
+# gathered rows with the transpose's strides: in the 4-layer chain step on one H100 (07977f7) that fusion took 16.7 us
+# a MoE layer for 64 rows. Apart, the gather should copy whole rows and the transpose be XLA's tiled one (expected,
+# not yet timed on the GPU; not "auto").
 GROUPED_GATHERS = ("auto", "xla", "xla_apart", "kernel")
 GROUPED_GATHER = "auto"
 # The router's logits from this many rows (B x T) as one bf16 GEMM with float32 accumulation (`router_bf16_gemm`):

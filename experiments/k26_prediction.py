@@ -57,16 +57,34 @@ def acceptance_ratios(e2e: dict) -> dict[int, float]:
     return {budget: value / chain for (method, budget), value in tps.items() if method == "ddtree"}
 
 
+E2E_RUN_FIELDS = ("top_p", "prompts", "num_prompts", "max_new_tokens", "dtype")  # files combined must share these
+
+
 def merged_ratios(e2es: list[tuple[str, dict]]) -> dict[float, tuple[dict[int, float], dict[int, str]]]:
     """temperature -> (budget -> DDTree / chain ratio, budget -> the file it came from), from several bench_e2e
     JSONs: each budget's ratio is taken against the chain of its own file (one run, one machine), so files of one
-    temperature combine (e.g. a later run of budget 8 beside the main run). A budget in several files of one
-    temperature takes the first file listed (the others' ratio for it is ignored; `main` prints which)."""
+    temperature combine (e.g. a later run of budget 8 beside the main run) when they ran the same requests
+    (`E2E_RUN_FIELDS` of their settings equal; else ValueError naming both files and the field). A budget in
+    several files of one temperature takes the first file listed (the others' ratio for it is ignored; `main`
+    prints which). A file without a chain row or decode steps: ValueError naming it."""
     out: dict[float, tuple[dict[int, float], dict[int, str]]] = {}
+    first: dict[float, tuple[str, dict]] = {}
     for path, e2e in e2es:
-        temperature = e2e["settings"]["temperature"]
+        settings = e2e["settings"]
+        temperature = settings["temperature"]
+        seen_path, seen = first.setdefault(temperature, (path, settings))
+        for field in E2E_RUN_FIELDS:
+            if settings.get(field) != seen.get(field):
+                raise ValueError(
+                    f"--e2e {seen_path} and {path} (T = {temperature:g}) differ in {field} "
+                    f"({seen.get(field)!r} vs {settings.get(field)!r}): their ratios do not combine"
+                )
+        try:
+            file_ratios = acceptance_ratios(e2e)
+        except ValueError as e:
+            raise ValueError(f"--e2e {path}: {e}") from e
         ratios, sources = out.setdefault(temperature, ({}, {}))
-        for budget, ratio in acceptance_ratios(e2e).items():
+        for budget, ratio in file_ratios.items():
             if budget not in ratios:
                 ratios[budget], sources[budget] = ratio, path
     return out
@@ -84,7 +102,8 @@ def timing(row: dict) -> str:
 
 
 def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict]:
-    """(B, context, method, budget) -> the fastest measured row (over attention columns). The two timings are
+    """(B, context, method, budget) -> the fastest measured row (over attention columns, grouped-gather forms and
+    files; each prediction row records its attn_impl and grouped_gather). The two timings are
     never compared: where any row of the given JSONs has the loop step, only loop-timed rows are used (a
     host-called step holds the host's dispatch, so it would lose to any loop row and mix commits silently)."""
     layers = {row.get("layers") for row in rows}
@@ -183,6 +202,7 @@ def predict(shard_rows: list[dict], ratios: dict[int, float], chain_taus, max_ta
                     "x_ar": tau / step_ms * ar_ms,
                     "break_even_tau": step_ms / ar_ms,
                     "attn_impl": row.get("attn_impl"),
+                    "grouped_gather": row.get("grouped_gather"),
                 }
             )
     return out
@@ -271,7 +291,10 @@ def main(argv=None) -> int:
     for path in e2e_paths:
         with open(path) as f:
             e2es.append((path, json.load(f)))
-    by_temperature = merged_ratios(e2es)
+    try:
+        by_temperature = merged_ratios(e2es)
+    except ValueError as e:
+        parser.error(str(e))
     rows = []
     for temperature, (ratios, paths) in by_temperature.items():
         print(

@@ -69,10 +69,16 @@ def pair_shardings(config, dconfig, mesh, layout: str, dtype, key) -> tuple:
     (`sharding.rules.param_shardings`): e.g. the heads' columns or the experts over a 3- or 6-way "model" axis."""
     shapes = jax.eval_shape(lambda k: random_int4_target(config, k, dtype), key)
     dshapes = jax.eval_shape(lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), key)
-    return (
-        param_shardings(shapes, deepseek_v3.param_axes(config), mesh, layout),
-        param_shardings(dshapes, dflash.param_axes(dconfig, config.hidden_size), mesh, layout),
-    )
+    shardings = []
+    for name, tree, axes in (
+        ("target", shapes, deepseek_v3.param_axes(config)),
+        ("drafter", dshapes, dflash.param_axes(dconfig, config.hidden_size)),
+    ):
+        try:
+            shardings.append(param_shardings(tree, axes, mesh, layout))
+        except ValueError as e:
+            raise ValueError(f"the {name}'s {e}") from e
+    return tuple(shardings)
 
 
 def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pair:

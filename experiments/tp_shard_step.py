@@ -204,16 +204,18 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     methods, budgets, contexts, batches, attn_impls = _check_args(parser, args)
-    if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
-        dispatch.MOE_SORT = args.moe_sort
     grouped_gathers = [None]  # None: dispatch.GROUPED_GATHER as it is
     if args.grouped_gather is not None:  # read by the models at trace time (`moe.routed_pallas`): set per row below
         grouped_gathers = args.grouped_gather.split(",")
         bad = [g for g in grouped_gathers if g not in dispatch.GROUPED_GATHERS]
-        if bad or len(set(grouped_gathers)) != len(grouped_gathers):
-            parser.error(
-                f"--grouped-gather {args.grouped_gather!r}: distinct values of {list(dispatch.GROUPED_GATHERS)} expected"
-            )
+        if bad:
+            parser.error(f"--grouped-gather {args.grouped_gather!r}: {bad} not of {list(dispatch.GROUPED_GATHERS)}")
+        resolved = ["xla" if g == "auto" else g for g in grouped_gathers]  # as dispatch.grouped_gather resolves it
+        repeated = sorted({g for g in resolved if resolved.count(g) > 1})
+        if repeated:
+            parser.error(f"--grouped-gather {args.grouped_gather!r}: {repeated} more than once (auto is xla)")
+    if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
+        dispatch.MOE_SORT = args.moe_sort
     if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
         dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)

@@ -284,6 +284,8 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
         """rows [N, D] in expert order, or (row_index [N] given) the tokens [M, D], sorted row a = rows[row_index[a]]."""
         stack, layer = (weight.stack, weight.layer) if isinstance(weight, LayerOf) else (weight, None)
         kernel = kernel_for(rows, weight)
+        if row_index is not None and kernel != "triton":  # only the Triton kernel reads rows through an index
+            raise ValueError(f"a row index reached the {kernel!r} grouped kernel, which takes rows in expert order")
         # a LayerOf is read in place: no per-layer copy of the experts
         if kernel == "mosaic":
             return grouped_int4_matmul(rows, stack, group_sizes, layer=layer)
@@ -293,13 +295,14 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
 
     # the gate / up rows: the tokens read through a row index by the Triton kernel ("kernel"), else gathered into
     # expert order once for both (the Mosaic kernels take rows in expert order); "xla_apart" materialises the gather
-    if gather == "kernel" and kernel_for(x, p["expert_gate"]) == "triton":
-        rows, row_index = x, token_of
+    if gather == "kernel" and all(kernel_for(x, p[name]) == "triton" for name in ("expert_gate", "expert_up")):
+        gate_rows, row_index = x, token_of
     else:
-        rows, row_index = x[token_of], None
+        gate_rows, row_index = x[token_of], None
         if gather == "xla_apart":
-            rows = lax.optimization_barrier(rows)
-    h = jax.nn.silu(grouped(rows, p["expert_gate"], row_index)) * grouped(rows, p["expert_up"], row_index)
+            gate_rows = lax.optimization_barrier(gate_rows)
+    gate = grouped(gate_rows, p["expert_gate"], row_index)
+    h = jax.nn.silu(gate) * grouped(gate_rows, p["expert_up"], row_index)
     out_sorted = grouped(h, p["expert_down"])
     out = out_sorted[position].reshape(tokens, k, -1)
     return contract("mkd,mk->md", out, weights.astype(out.dtype))

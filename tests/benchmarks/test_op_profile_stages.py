@@ -45,8 +45,12 @@ def test_stage_table_and_the_non_forward_share():
         "other": {"us": 10.0, "launches": 1.0},
     }
     shares = stage_shares(table)
-    assert shares["forward_us"] == 60.0 and shares["non_forward_us"] == 30.0 and shares["other_us"] == 10.0
-    assert shares["non_forward_share"] == pytest.approx(0.30)  # of the whole device time, "other" included
-    assert stage_shares({})["non_forward_share"] == 0.0
+    assert (
+        shares["device_forward_us"] == 60.0
+        and shares["device_non_forward_us"] == 30.0
+        and shares["device_other_us"] == 10.0
+    )
+    assert shares["device_non_forward_share"] == pytest.approx(0.30)  # of the whole device time, "other" included
+    assert stage_shares({})["device_non_forward_share"] == 0.0
     text = format_stages(table)
     assert "tree_forward" in text and "30.0%" in text

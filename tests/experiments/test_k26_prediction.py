@@ -194,3 +194,24 @@ def test_e2e_files_of_one_temperature_combine(tmp_path):
     assert trees[64]["acceptance_ratio"] == pytest.approx(2.0) and trees[64]["e2e_source"] == paths[0]
     assert trees[8]["acceptance_ratio"] == pytest.approx(1.25) and trees[8]["e2e_source"] == paths[1]
     assert trees[8]["tau"] == pytest.approx(5.0)
+
+
+def test_e2e_files_of_different_runs_do_not_combine(tmp_path, capsys):
+    """Files of one temperature but other requests (here top-p) would mix ratios of different runs: refused naming
+    both files and the field; a file without a chain row is named too."""
+    first, other = _e2e(chain_steps=50, ddtree_steps=25), _e2e(chain_steps=40, ddtree_steps=32)
+    first["settings"]["top_p"], other["settings"]["top_p"] = 1.0, 0.95
+    no_chain = _e2e(chain_steps=50, ddtree_steps=25)
+    no_chain["results"] = no_chain["results"][1:]
+    paths = {}
+    for name, data in (("first.json", first), ("other.json", other), ("nochain.json", no_chain)):
+        (tmp_path / name).write_text(json.dumps(data))
+        paths[name] = str(tmp_path / name)
+    shard = _shard_file(tmp_path, "a.json", 61)
+    for e2e, message in (
+        (f"{paths['first.json']},{paths['other.json']}", "differ in top_p (1.0 vs 0.95)"),
+        (paths["nochain.json"], f"--e2e {paths['nochain.json']}: the e2e JSON has no chain row"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["--shard", shard, "--e2e", e2e, "--out", str(tmp_path / "out")])
+        assert message in capsys.readouterr().err
