@@ -9,6 +9,7 @@ import pytest
 
 from experiments import budget_sweep
 from experiments.studies import pair_dirs
+from tests.experiments.refusal import assert_refused, refuse_to_run
 
 
 @pytest.fixture(scope="module")
@@ -144,14 +145,11 @@ def test_bad_arguments_are_refused_before_the_sweep(args, message, tmp_path, mon
     and recorded 0, --prompts 0 ran 4 prompts, --batch-size -1 raised IndexError, and a bad --out failed only
     after the whole sweep."""
     (tmp_path / "afile").write_text("")
-    monkeypatch.setattr(budget_sweep, "sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    refuse_to_run(monkeypatch, budget_sweep, "sweep")
     argv = [a.format(tmp=tmp_path) for a in args]
     if "--out" not in argv:
         argv += ["--out", str(tmp_path / "ok.json")]
-    with pytest.raises(SystemExit) as e:
-        budget_sweep.main(argv)
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(budget_sweep.main, argv, message, capsys)
 
 
 def test_library_calls_refuse_bad_budgets_and_counts():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import conditional_study as cs
+from tests.experiments.refusal import assert_refused, refuse_to_run
 
 
 @pytest.fixture(scope="module")
@@ -197,10 +198,7 @@ def test_merge_cli_refuses_run_flags_duplicates_and_bad_files(tmp_path, capsys):
         (["--merge", a, str(tmp_path / "missing.json")], "missing.json"),
         (["--merge", a, b, "--out", str(tmp_path)], "is a directory"),
     ]:
-        with pytest.raises(SystemExit) as e:
-            cs.main(argv + (["--out", out] if "--out" not in argv else []))
-        assert e.value.code == 2
-        assert message in capsys.readouterr().err
+        assert_refused(cs.main, argv + (["--out", out] if "--out" not in argv else []), message, capsys)
     assert not (tmp_path / "merged.json").exists()
 
 
@@ -219,11 +217,8 @@ def test_merge_cli_refuses_run_flags_duplicates_and_bad_files(tmp_path, capsys):
     ],
 )
 def test_bad_run_arguments_are_refused_at_parse_time(args, message, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cs, "study", lambda *a, **k: pytest.fail("the study ran"))
-    with pytest.raises(SystemExit) as e:
-        cs.main(args + ["--out", str(tmp_path / "x.json")])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    refuse_to_run(monkeypatch, cs, "study")
+    assert_refused(cs.main, args + ["--out", str(tmp_path / "x.json")], message, capsys)
 
 
 def test_parsed_lists_reach_the_study(tmp_path, monkeypatch):

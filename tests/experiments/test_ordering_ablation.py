@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import ordering_ablation as ab
+from tests.experiments.refusal import assert_refused, refuse_to_run
 from tests.stats_helpers import ALPHA
 
 
@@ -121,10 +122,6 @@ def test_the_controls_reject(ablation):
     ],
 )
 def test_bad_arguments_are_refused_before_any_run(argv, message, monkeypatch, tmp_path, capsys):
-    def ablation(*args, **kwargs):
-        raise AssertionError("an argument error must stop the driver before any configuration runs")
-
-    monkeypatch.setattr(ab, "ablation", ablation)
-    with pytest.raises(SystemExit) as e:
-        ab.main([*argv, "--small"] + ([] if "--out" in argv else ["--out", str(tmp_path / "out.json")]))
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    refuse_to_run(monkeypatch, ab, "ablation")
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out.json")]
+    assert_refused(ab.main, [*argv, "--small", *out], message, capsys)

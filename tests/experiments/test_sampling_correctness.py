@@ -6,14 +6,12 @@ import json
 import pytest
 
 from experiments import sampling_correctness as sc
+from tests.experiments.refusal import assert_refused, refuse_to_run
 
 
 @pytest.fixture
 def no_runs(monkeypatch):
-    def run_grid(*args, **kwargs):
-        raise AssertionError("an argument error must stop the driver before any configuration runs")
-
-    monkeypatch.setattr(sc, "run_grid", run_grid)
+    refuse_to_run(monkeypatch, sc, "run_grid")
 
 
 @pytest.mark.parametrize(
@@ -32,9 +30,7 @@ def no_runs(monkeypatch):
     ],
 )
 def test_bad_arguments_are_refused_up_front(argv, message, no_runs, tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        sc.main([*argv, "--quick", "--out", str(tmp_path)])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert_refused(sc.main, [*argv, "--quick", "--out", str(tmp_path)], message, capsys)
 
 
 def test_the_json_records_the_shapes_run_and_explicit_counts(monkeypatch, tmp_path):

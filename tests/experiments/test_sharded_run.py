@@ -4,14 +4,12 @@ model builder is replaced by one that fails)."""
 import pytest
 
 from experiments import sharded_run
+from tests.experiments.refusal import assert_refused, refuse_to_run
 
 
 @pytest.fixture
 def no_model(monkeypatch):
-    def sharded_pair(*args, **kwargs):
-        raise AssertionError("an argument error must stop the driver before any model is built")
-
-    monkeypatch.setattr(sharded_run, "sharded_pair", sharded_pair)
+    refuse_to_run(monkeypatch, sharded_run, "sharded_pair")
 
 
 @pytest.mark.parametrize(
@@ -33,6 +31,4 @@ def no_model(monkeypatch):
     ],
 )
 def test_bad_arguments_are_refused_up_front(argv, message, no_model, capsys):
-    with pytest.raises(SystemExit) as e:
-        sharded_run.main(["--tiny", *argv])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert_refused(sharded_run.main, ["--tiny", *argv], message, capsys)

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from experiments import speed_projection as sp
+from tests.experiments.refusal import assert_refused
 
 SWEEP = {
     "settings": {"block_size": 16},
@@ -193,7 +194,5 @@ def test_a_bench_without_an_ar_row_is_named_in_the_error(tmp_path):
     ],
 )
 def test_bad_arguments_are_refused_up_front(argv, message, tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        sp.main([*argv, "--out", str(tmp_path / "out.json")])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert_refused(sp.main, [*argv, "--out", str(tmp_path / "out.json")], message, capsys)
     assert not (tmp_path / "out.json").exists()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from experiments import tp_shard_step
+from tests.experiments.refusal import assert_refused, refuse_to_run
 
 
 def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
@@ -80,11 +81,6 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     ],
 )
 def test_bad_arguments_are_refused_before_the_shard_is_built(argv, message, monkeypatch, capsys):
-    def shard_pair(*args, **kwargs):
-        raise AssertionError("an argument error must stop the driver before the shard is built")
-
-    monkeypatch.setattr(tp_shard_step, "shard_pair", shard_pair)
+    refuse_to_run(monkeypatch, tp_shard_step, "shard_pair")
     argv = ["--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1", *argv]
-    with pytest.raises(SystemExit) as e:
-        tp_shard_step.main(argv)
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert_refused(tp_shard_step.main, argv, message, capsys)
