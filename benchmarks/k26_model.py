@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.config import DeepSeekV3Config
+from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.models import deepseek_v3
 from ddtree_jax.presets import preset
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight
@@ -88,3 +89,42 @@ def routing_spread(config: DeepSeekV3Config, params: dict, tokens: int = 48, row
         moe_module.route = route
     last = [e.reshape(-1, e.shape[-1])[-rows:] for e in seen]
     return [(len(np.unique(e)), e.size) for e in last]
+
+
+DRAFTS = ("distinct", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistinctDraftsDrafter(DFlashDrafter):
+    """A random-weight DFlash drafter whose draft pass proposes a different token at each depth, as a trained
+    drafter does: its own pass, then `spread_logits` (a fixed logit boost of one token per depth, chosen from the
+    context length). The random drafter alone gives nearly the same hidden state at every mask position (its
+    attention over the context is near-uniform), so its chain repeats one token and the target's verify rows route
+    to the same experts: a K2.6 chain step of 8 rows then reads ~10 experts' weights a layer where 8 distinct
+    tokens read ~60, flattering the chain against the tree, whose siblings are distinct tokens. Same work as the
+    real drafter plus one [B, L, V] add; for step timings only (the boosted tokens mean nothing)."""
+
+    def draft(self, state, bonus, block_size: int):
+        return spread_logits(super().draft(state, bonus, block_size), state.lengths)
+
+
+jax.tree_util.register_dataclass(
+    DistinctDraftsDrafter,
+    data_fields=["params", "embed", "lm_head", "head_params"],
+    meta_fields=["config", "head_config"],
+)
+
+
+SPREAD_BOOST = 1e4  # far above a random drafter's logit range: the boosted token is each depth's argmax
+
+
+def spread_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
+    """float32 logits [B, L, V] with one token a (row, depth) boosted by SPREAD_BOOST: token (lengths[b] * 7919 +
+    b * 131 + (j + 1) * 104729) mod V at depth j, so a step's depths differ (distinct for L <= 8 at any V >= 2,048
+    the K2.6 shards have) and successive steps move on. lengths int32 [B] (the drafter's context lengths)."""
+    batch, depth, vocab = logits.shape
+    offsets = (jnp.arange(depth, dtype=jnp.int32) + 1) * (104729 % vocab)
+    rows = (lengths.astype(jnp.int32) * 7919 + jnp.arange(batch, dtype=jnp.int32) * 131) % vocab
+    token = (rows[:, None] + offsets[None, :]) % vocab  # [B, L]
+    boost = jnp.where(jnp.arange(vocab)[None, None, :] == token[:, :, None], SPREAD_BOOST, 0.0)
+    return logits + boost.astype(logits.dtype)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, int_list_argument, markdown_table, write_result
-from benchmarks.k26_model import EXPERTS, ROUTER_BIASES, k26_config, random_int4_target
+from benchmarks.k26_model import DRAFTS, EXPERTS, ROUTER_BIASES, DistinctDraftsDrafter, k26_config, random_int4_target
 from benchmarks.op_profile import format_profile, format_stages
 from ddtree_jax import dispatch
 from ddtree_jax.analysis.roofline import step_cost
@@ -53,10 +53,22 @@ from experiments.sharded_run import drafter_config
 
 
 def shard_pair(
-    layers: int, drafter_layers: int, model_size: int, *, tiny: bool, dtype, seed: int = 0, router_bias: str = "zero"
+    layers: int,
+    drafter_layers: int,
+    model_size: int,
+    *,
+    tiny: bool,
+    dtype,
+    seed: int = 0,
+    router_bias: str = "zero",
+    drafts: str = "distinct",
 ):
     """(full target config, full drafter config, the shard Pair) with the shard's weights made on the device;
-    router_bias: `random_int4_target`'s (zero: a load-balanced spread of experts over a step's rows)."""
+    router_bias: `random_int4_target`'s (zero: a load-balanced spread of experts over a step's rows); drafts:
+    "distinct" (`DistinctDraftsDrafter`: a different token at each depth, as a trained drafter proposes) or "model"
+    (the random drafter's own tokens, one token repeated along the chain: before 2026-12-05)."""
+    if drafts not in DRAFTS:
+        raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
     full = k26_config(layers, tiny)
     full_drafter = drafter_config(full, drafter_layers, tiny)
     target = tp_shard_config(full, model_size)
@@ -69,7 +81,9 @@ def shard_pair(
     pair = Pair(
         target,
         params,
-        DFlashDrafter(drafter, drafter_params, deepseek_v3.embedding(params), deepseek_v3.head(target, params)),
+        (DistinctDraftsDrafter if drafts == "distinct" else DFlashDrafter)(
+            drafter, drafter_params, deepseek_v3.embedding(params), deepseek_v3.head(target, params)
+        ),
     )
     return full, full_drafter, pair
 
@@ -200,6 +214,14 @@ def main(argv=None) -> None:
         "trained model does; random (before 2026-12-04) sent every row to nearly the same ~40 experts",
     )
     parser.add_argument(
+        "--drafts",
+        default="distinct",
+        choices=DRAFTS,
+        help="the drafter's proposals: distinct (a different token at each depth, as a trained drafter's; "
+        "`k26_model.DistinctDraftsDrafter`) or model (the random drafter's own, which repeat one token along the "
+        "chain, so its verify rows read few experts: every run before 2026-12-05)",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args(argv)
@@ -239,7 +261,13 @@ def main(argv=None) -> None:
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     start = time.perf_counter()
     full, full_drafter, pair = shard_pair(
-        args.layers, args.drafter_layers, args.model_size, tiny=args.tiny, dtype=dtype, router_bias=args.router_bias
+        args.layers,
+        args.drafter_layers,
+        args.model_size,
+        tiny=args.tiny,
+        dtype=dtype,
+        router_bias=args.router_bias,
+        drafts=args.drafts,
     )
     jax.block_until_ready(pair.target_params)
     init_s = time.perf_counter() - start
@@ -305,6 +333,7 @@ def main(argv=None) -> None:
                     in_place_projections=dict(dispatch.IN_PLACE_PROJECTIONS),
                     mla_reduce_max_rows=dispatch.MLA_REDUCE_MAX_ROWS,
                     router_bias=args.router_bias,
+                    drafts=args.drafts,
                     temperature=args.temperature,
                     repeats=args.repeats,
                     init_s=init_s,
