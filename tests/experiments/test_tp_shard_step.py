@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks.k26_model import DistinctDraftsDrafter
 from experiments import tp_shard_step
 from tests.experiments.refusal import assert_refused, refuse_to_run
 
@@ -33,7 +34,13 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     tp_shard_step.main()
     assert tp_shard_step.dispatch.MLA_SCHEDULE == "alternate"
     [(args, kwargs, (full, _, pair))] = built
-    assert args == (2, 1, 2) and kwargs == {"tiny": True, "dtype": jax.numpy.float32, "router_bias": "zero"}
+    assert args == (2, 1, 2) and kwargs == {
+        "tiny": True,
+        "dtype": jax.numpy.float32,
+        "router_bias": "zero",
+        "drafts": "distinct",
+    }
+    assert isinstance(pair.drafter, DistinctDraftsDrafter)  # the default: a different token a depth
     assert pair.target_config.num_heads == full.num_heads // 2
     assert pair.target_params["embed"].shape[0] == full.vocab_size // 2  # its half of the vocabulary
     rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
@@ -46,7 +53,9 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     ]
     for r in rows:
         assert r["step_ms"] > 0 and r["collectives_ms"] > 0 and r["mla_schedule"] == "alternate"
-        assert r["router_bias"] == "zero" and r["temperature"] == 0.0 and r["repeats"] == 1
+        assert (
+            r["router_bias"] == "zero" and r["drafts"] == "distinct" and r["temperature"] == 0.0 and r["repeats"] == 1
+        )
         assert r["grouped_int4_decode"] == "triton"
         # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
         # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
@@ -78,6 +87,7 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         (["--grouped-gather", "xla,sideways"], "--grouped-gather 'xla,sideways': ['sideways'] not of"),
         (["--grouped-gather", "xla,xla"], "['xla'] more than once"),
         (["--grouped-gather", "auto,xla"], "['xla'] more than once (auto is xla)"),
+        (["--drafts", "oracle"], "--drafts"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_shard_is_built(argv, message, monkeypatch, capsys):
