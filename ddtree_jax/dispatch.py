@@ -36,8 +36,10 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               layer (q_a_proj at 1 row, every dense weight but the router at 8+): q_a_proj and the dense FFN
               from 1 row, kv_a / q_b / o_proj and the shared expert from 8. The K2.6 shard's 61-layer step at
               4k: AR 8.91 -> 8.49 ms, DDTree 16 23.20 -> 20.97 ms (the same run, off against on).
-  moe         routed experts on GPU: "gather" up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k), the
-              grouped kernel ("pallas") beyond (a tie up to 16 assignments, 2.4x at 72); off GPU:
+  moe         routed experts on GPU: up to GPU_GATHER_MAX_ASSIGNMENTS (tokens x top-k) the in-place
+              "decode" kernels (INT4 experts; "gather" for others; AR on the 61-layer K2.6 shard 8.49 ->
+              7.75 ms), the grouped kernel ("pallas") beyond (a tie with gather up to 16 assignments, 2.4x at
+              72); off GPU:
               "gather" while assignments <= experts, else the dense "reference". Inside "pallas", INT4
               experts at prefill sizes take the Mosaic GPU grouped kernel (`grouped_int4_kernel`: 2.3x the
               Triton kernel's prefill tiling at a 2,048-token K2.6 chunk), smaller calls the Triton kernel (the
@@ -202,6 +204,11 @@ TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chu
 # 143 against 113 at 256 (its 285 programs each run the latency-bound bisection; more programs add waves, not speed)
 AUTO_TREE_TOPK_CHUNKED = False
 GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
+# ... and those take the in-place "decode" kernels (`moe.routed_decode`: `moe_decode`, INT4 experts read in place,
+# "gather" for other weights) where AUTO_MOE_DECODE: the 61-layer K2.6 TP8 shard's AR step (8 assignments a layer) took
+# 7.75 / 7.72 ms in the loop on "decode" against 8.49 on "gather" (one H200, 7258db7, two runs of one session,
+# BENCHMARKS.md); at 4 layers the two had tied (0.745 / 0.746 ms)
+AUTO_MOE_DECODE = True
 # The grouped INT4 expert matmul of prefill-sized calls (more than MOSAIC_GROUPED_MIN_ROWS assignments an expert
 # on average): the Mosaic GPU kernel (`grouped_int4_mgpu`) where it takes the shapes; on the H200 at a 2,048-token
 # K2.6 chunk (16,384 assignments over 384 experts, ~43 an expert; 39f2627, scales read in place) 3,182 / 3,563 us
@@ -536,10 +543,13 @@ def matmul_impl(
 
 
 def moe_impl(assignments: int, experts: int, backend_name: str | None = None) -> str:
-    """The routed experts' "auto" dispatch for `assignments` (tokens x top-k) over `experts` experts:
-    "gather" / "pallas" on GPU, "gather" / "reference" elsewhere."""
+    """The routed experts' "auto" dispatch for `assignments` (tokens x top-k) over `experts` experts: on GPU
+    "decode" (AUTO_MOE_DECODE; else "gather") up to GPU_GATHER_MAX_ASSIGNMENTS, "pallas" beyond; elsewhere
+    "gather" / "reference"."""
     if _on_gpu(backend_name):
-        return "gather" if assignments <= GPU_GATHER_MAX_ASSIGNMENTS else "pallas"
+        if assignments <= GPU_GATHER_MAX_ASSIGNMENTS:
+            return "decode" if AUTO_MOE_DECODE else "gather"
+        return "pallas"
     return "gather" if assignments <= experts else "reference"
 
 
@@ -832,6 +842,8 @@ def decode_plan(
                 f"; INT4 experts on the {int4} grouped kernel, sorted by {moe_sort(assignments, backend_name)}"
                 + (f", gate / up rows gathered by {grouped_gather()}" if int4 == "triton" else "")
             )
+        if choice == "decode":
+            detail += "; INT4 experts read in place by the moe_decode kernels, other weights gathered"
         plan.append(StageChoice("tree-forward MoE", choice, detail))
     verifier = options.verifier
     plan.append(

@@ -98,7 +98,7 @@ def test_gpu_rules_and_their_thresholds(monkeypatch):
         dict(backend_name="cpu"),
     ):
         assert dispatch.matmul_impl("mosaic", **{"rows": 65, **dense, **gpu, **change}) == "xla", change
-    assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS, 384, **gpu) == "gather"
+    assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS, 384, **gpu) == "decode"
     assert dispatch.moe_impl(dispatch.GPU_GATHER_MAX_ASSIGNMENTS + 1, 384, **gpu) == "pallas"
     # inside "pallas": the Mosaic GPU grouped INT4 kernel at prefill sizes, on shapes it takes, bf16, GPU only
     chunk = dict(rows=16384, weight_shape=(61, 384, 2048, 7168), x_dtype=jnp.bfloat16)
@@ -346,7 +346,7 @@ def test_decode_plan_answers_what_runs_where():
         row.stage: row.choice
         for row in dispatch.decode_plan(DecodeOptions(), k26, method="ar", budget=1, block_size=16, backend_name="gpu")
     }
-    assert ar["tree-forward MoE"] == "gather" and "tree top-k" not in ar
+    assert ar["tree-forward MoE"] == "decode" and "tree top-k" not in ar
     cpu = dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="cpu")
     assert {row.choice for row in cpu if row.stage in ("tree-forward attention", "rejection walk")} == {"xla"}
     cpu_plan = {row.stage: row.choice for row in cpu}

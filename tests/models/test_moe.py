@@ -130,14 +130,18 @@ def test_decode_kernels_read_a_stacked_layer_in_place():
     assert relerr(got, _reference(first, x)) > 1e-2  # the other layer would differ
 
 
-def test_auto_rule_and_unknown_impl():
+def test_auto_rule_and_unknown_impl(monkeypatch):
     k, experts = CONFIG.num_experts_per_tok, CONFIG.n_routed_experts
     assert dispatch.moe_impl(5 * k, experts, backend_name="cpu") == "gather"  # 15 assignments <= 16 experts
     assert dispatch.moe_impl(6 * k, experts, backend_name="cpu") == "reference"
-    # GPU: gather up to GPU_GATHER_MAX_ASSIGNMENTS (16: two K2.6 tokens), then the grouped kernel
+    # GPU: the in-place decode kernels up to GPU_GATHER_MAX_ASSIGNMENTS (16: two K2.6 tokens; "gather" with
+    # AUTO_MOE_DECODE off), then the grouped kernel
     assert dispatch.GPU_GATHER_MAX_ASSIGNMENTS == 16
-    assert dispatch.moe_impl(16, experts, backend_name="gpu") == "gather"
+    assert dispatch.moe_impl(16, experts, backend_name="gpu") == "decode"
+    assert dispatch.moe_impl(1, experts, backend_name="gpu") == "decode"
     assert dispatch.moe_impl(17, experts, backend_name="gpu") == "pallas"
+    monkeypatch.setattr(dispatch, "AUTO_MOE_DECODE", False)
+    assert dispatch.moe_impl(16, experts, backend_name="gpu") == "gather"
     assert dispatch.local_expert_impl(4, 4, backend_name="cpu") == "gather"
     assert dispatch.local_expert_impl(5, 4, backend_name="cpu") == "dense"
     assert dispatch.local_expert_impl(16, 48, backend_name="gpu") == "gather"
