@@ -95,8 +95,9 @@ def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pa
     return Pair(config, target_params, drafter)
 
 
-# the routed experts' dispatch per layout: TP leaves "auto" (gather / dense) to the XLA partitioner, each
-# device reading its column slice of the chosen experts; EP runs the "ep" shard_map region (models/moe.py)
+# the routed experts' dispatch per layout: TP takes "auto" (`dispatch.moe_impl`: on GPU the in-place decode kernels
+# or the grouped kernel in a TP region, each device reading its column slice of the chosen experts; on CPU gather /
+# dense under the XLA partitioner); EP runs the "ep" shard_map region (models/moe.py)
 MOE_IMPL = {"tp": "auto", "ep": "ep"}
 
 

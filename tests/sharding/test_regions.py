@@ -33,11 +33,16 @@ def unsharded(params):
     return prefill_verify(params, moe_impl="reference")
 
 
-@pytest.mark.parametrize("layout,moe_impl", [("ep", "ep"), ("tp", "pallas")])
-def test_pallas_attention_and_moe_regions_equal_unsharded(params, mesh, unsharded, layout, moe_impl):
+# "decode": what "auto" takes on GPU up to 16 assignments (`dispatch.moe_impl`), on the TP split in the region
+@pytest.mark.parametrize("layout,moe_impl", [("ep", "ep"), ("tp", "pallas"), ("tp", "decode")])
+def test_pallas_attention_and_moe_regions_equal_unsharded(params, mesh, unsharded, layout, moe_impl, monkeypatch):
+    traced, kernel = [], moe.moe_decode
+    monkeypatch.setattr(moe, "moe_decode", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
     sharded = shard_params(params, deepseek_v3.param_axes(CONFIG), mesh, layout)
     got = prefill_verify(sharded, mesh, in_mesh_context=True, attn_impl="pallas", moe_impl=moe_impl)
     _close(got, unsharded)
+    # "decode": the in-place INT4 kernels ran in the region (a row of 7 tokens x top-3: 21 assignments <= 32)
+    assert bool(traced) == (moe_impl == "decode")
 
 
 def test_moe_names_the_rule_tables_model_axis():
