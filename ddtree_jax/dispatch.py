@@ -49,7 +49,8 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               RANK_SORT_MAX_ASSIGNMENTS, XLA's sort beyond and off GPU. The Triton kernel's gate / up rows
               (`grouped_gather`): gathered into expert order by XLA; "kernel" (reading the tokens in place
               through a row index) measured a tie in the 4-layer K2.6 shard step (2.725 against 2.722 ms at
-              DDTree 16), so not "auto".
+              DDTree 16), "xla_apart" (the gather behind an optimization barrier) one in the 61-layer step
+              (17.15 against 17.13 ms at DDTree 8, H200), so neither is "auto".
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
   tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
               (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
@@ -251,8 +252,8 @@ RANK_SORT_MAX_ASSIGNMENTS = 2048
 # tie (2.725 against 2.722 ms), so "auto" keeps "xla". "xla_apart": the same gather, materialised behind an
 # optimization barrier so that XLA cannot fuse it into the kernel's pad and plane transpose. The fused form reads the
 # gathered rows with the transpose's strides: in the 4-layer chain step on one H100 (07977f7) that fusion took 16.7 us
-# a MoE layer for 64 rows. Apart, the gather should copy whole rows and the transpose be XLA's tiled one (expected,
-# not yet timed on the GPU; not "auto").
+# a MoE layer for 64 rows. Apart, the gather copies whole rows and the transpose is XLA's own; in the 61-layer K2.6
+# shard step on one H200 (7258db7) it tied: chain 14.61 against 14.55 ms, DDTree 8 17.15 against 17.13. Not "auto".
 GROUPED_GATHERS = ("auto", "xla", "xla_apart", "kernel")
 GROUPED_GATHER = "auto"
 # The router's logits from this many rows (B x T) as one bf16 GEMM with float32 accumulation (`router_bf16_gemm`):
