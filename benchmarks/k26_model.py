@@ -91,11 +91,11 @@ def routing_spread(config: DeepSeekV3Config, params: dict, tokens: int = 48, row
     return [(len(np.unique(e)), e.size) for e in last]
 
 
-DRAFTS = ("distinct", "model")
+DRAFTS = ("spread", "model")
 
 
 @dataclasses.dataclass(frozen=True)
-class DistinctDraftsDrafter(DFlashDrafter):
+class SpreadDraftsDrafter(DFlashDrafter):
     """A random-weight DFlash drafter whose draft pass gives each (row, depth) its own distribution, as a trained
     drafter's positions have: its own pass, then `spread_logits` (fresh random logits a step, the pass's own kept at a
     small weight so none of its work is dropped). The random drafter alone gives nearly the same hidden state at every
@@ -110,7 +110,7 @@ class DistinctDraftsDrafter(DFlashDrafter):
 
 
 jax.tree_util.register_dataclass(
-    DistinctDraftsDrafter,
+    SpreadDraftsDrafter,
     data_fields=["params", "embed", "lm_head", "head_params"],
     meta_fields=["config", "head_config"],
 )

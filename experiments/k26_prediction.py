@@ -96,6 +96,14 @@ def measured_ms(row: dict) -> float:
     return row["loop_step_ms"] if row.get("loop_step_ms") is not None else row["step_ms"]
 
 
+def drafts(row: dict) -> str:
+    """A shard row's drafter proposals (`tp_shard_step --drafts`): "spread" (a random distribution a depth, as a
+    trained drafter's positions have), "distinct" (`32e5c1a`'s one-hot boost a depth: the chain's tokens distinct, a
+    tree's siblings repeated) or "model" (the random drafter's own, which repeat one token along the chain: every row
+    before the field existed, `1031e46`)."""
+    return row.get("drafts", "model")
+
+
 def timing(row: dict) -> str:
     """ "loop" (the on-device loop's step) or "host" (the host-called step of older JSONs)."""
     return "loop" if row.get("loop_step_ms") is not None else "host"
@@ -109,6 +117,12 @@ def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict
     layers = {row.get("layers") for row in rows}
     if len(layers) > 1:  # a 4-layer step would beat a 61-layer one: never pick the fastest across models
         raise ValueError(f"shard rows of different depths ({sorted(layers, key=str)} layers): one model at a time")
+    forms = {drafts(row) for row in rows}
+    if len(forms) > 1:  # the model's own drafts read fewer experts in the chain: its step would always win
+        raise ValueError(
+            f"shard rows of different drafts ({sorted(forms)}): the random drafter's own drafts repeat one token "
+            "along the chain and flatter its step; predict from one form at a time (tp_shard_step --drafts)"
+        )
     kind = "loop" if any(timing(row) == "loop" for row in rows) else "host"
     best = {}
     for row in rows:
@@ -124,12 +138,19 @@ SHARD_MODEL_FIELDS = ("benchmark", "model_size", "drafter_layers")  # the file's
 
 
 def shard_model(path: str, data: dict) -> dict:
-    """What a tp_shard_step JSON measured (the benchmark, TP size, drafter layers, and its rows' layers):
-    ValueError naming the file if its rows differ in layers."""
+    """What a tp_shard_step JSON measured (the benchmark, TP size, drafter layers, and its rows' layers and drafts):
+    ValueError naming the file if its rows differ in layers or drafts."""
     layers = {row.get("layers") for row in data["rows"]}
     if len(layers) > 1:
         raise ValueError(f"{path}: rows of different depths ({sorted(layers, key=str)} layers)")
-    return {**{k: data.get(k) for k in SHARD_MODEL_FIELDS}, "layers": layers.pop() if layers else None}
+    forms = {drafts(row) for row in data["rows"]}
+    if len(forms) > 1:
+        raise ValueError(f"{path}: rows of different drafts ({sorted(forms)})")
+    return {
+        **{k: data.get(k) for k in SHARD_MODEL_FIELDS},
+        "layers": layers.pop() if layers else None,
+        "drafts": forms.pop() if forms else None,
+    }
 
 
 def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -203,6 +224,7 @@ def predict(shard_rows: list[dict], ratios: dict[int, float], chain_taus, max_ta
                     "break_even_tau": step_ms / ar_ms,
                     "attn_impl": row.get("attn_impl"),
                     "grouped_gather": row.get("grouped_gather"),
+                    "drafts": drafts(row),
                 }
             )
     return out

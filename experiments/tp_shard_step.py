@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, int_list_argument, markdown_table, write_result
-from benchmarks.k26_model import DRAFTS, EXPERTS, ROUTER_BIASES, DistinctDraftsDrafter, k26_config, random_int4_target
+from benchmarks.k26_model import DRAFTS, EXPERTS, ROUTER_BIASES, SpreadDraftsDrafter, k26_config, random_int4_target
 from benchmarks.op_profile import format_profile, format_stages
 from ddtree_jax import dispatch
 from ddtree_jax.analysis.roofline import step_cost
@@ -61,12 +61,13 @@ def shard_pair(
     dtype,
     seed: int = 0,
     router_bias: str = "zero",
-    drafts: str = "distinct",
+    drafts: str = "spread",
 ):
     """(full target config, full drafter config, the shard Pair) with the shard's weights made on the device;
     router_bias: `random_int4_target`'s (zero: a load-balanced spread of experts over a step's rows); drafts:
-    "distinct" (`DistinctDraftsDrafter`: a different token at each depth, as a trained drafter proposes) or "model"
-    (the random drafter's own tokens, one token repeated along the chain: before 2026-12-05)."""
+    "spread" (`SpreadDraftsDrafter`: each depth its own random distribution, as a trained drafter's positions
+    have) or "model" (the random drafter's own tokens, one token repeated along the chain: before 2026-12-05; rows
+    of `32e5c1a` say "distinct": a one-hot boost a depth, which made DDTree's trees a spine with repeated siblings)."""
     if drafts not in DRAFTS:
         raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
     full = k26_config(layers, tiny)
@@ -81,7 +82,7 @@ def shard_pair(
     pair = Pair(
         target,
         params,
-        (DistinctDraftsDrafter if drafts == "distinct" else DFlashDrafter)(
+        (SpreadDraftsDrafter if drafts == "spread" else DFlashDrafter)(
             drafter, drafter_params, deepseek_v3.embedding(params), deepseek_v3.head(target, params)
         ),
     )
@@ -215,11 +216,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--drafts",
-        default="distinct",
+        default="spread",
         choices=DRAFTS,
-        help="the drafter's proposals: distinct (a different token at each depth, as a trained drafter's; "
-        "`k26_model.DistinctDraftsDrafter`) or model (the random drafter's own, which repeat one token along the "
-        "chain, so its verify rows read few experts: every run before 2026-12-05)",
+        help="the drafter's proposals: spread (each depth its own random distribution, as a trained drafter's "
+        "positions have: `k26_model.SpreadDraftsDrafter`) or model (the random drafter's own, which repeat one token "
+        "along the chain, so its verify rows read few experts: every run before 2026-12-05)",
     )
     parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"

@@ -1,4 +1,4 @@
-"""benchmarks/k26_model.py's DistinctDraftsDrafter: a random-weight drafter giving each (row, depth) its own
+"""benchmarks/k26_model.py's SpreadDraftsDrafter: a random-weight drafter giving each (row, depth) its own
 distribution (a trained drafter's positions have theirs; the random drafter's own repeat one token along the chain,
 so the K2.6 shard's chain step read few experts)."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.k26_model import OWN_WEIGHT, SPREAD_SCALE, DistinctDraftsDrafter, spread_logits
+from benchmarks.k26_model import OWN_WEIGHT, SPREAD_SCALE, SpreadDraftsDrafter, spread_logits
 from ddtree_jax.engine.drafters import DFlashDrafter
 from experiments.tp_shard_step import shard_pair
 
@@ -32,13 +32,13 @@ def test_spread_logits_give_each_row_and_depth_its_own_distribution(vocab):
     np.testing.assert_allclose(np.asarray(grad), OWN_WEIGHT, rtol=1e-6)
 
 
-def test_the_distinct_drafter_drafts_a_different_token_at_each_depth():
+def test_the_spread_drafter_drafts_a_different_token_at_each_depth():
     _, _, model_pair = shard_pair(2, 1, 2, tiny=True, dtype=jnp.float32, drafts="model")
-    _, _, distinct_pair = shard_pair(2, 1, 2, tiny=True, dtype=jnp.float32, drafts="distinct")
-    drafter = distinct_pair.drafter
-    assert isinstance(drafter, DistinctDraftsDrafter) and isinstance(drafter, DFlashDrafter)
+    _, _, spread_pair = shard_pair(2, 1, 2, tiny=True, dtype=jnp.float32, drafts="spread")
+    drafter = spread_pair.drafter
+    assert isinstance(drafter, SpreadDraftsDrafter) and isinstance(drafter, DFlashDrafter)
     assert type(model_pair.drafter) is DFlashDrafter
-    # same weights: the distinct drafter's pass is the model's own, then spread_logits
+    # same weights: the spread drafter's pass is the model's own, then spread_logits
     state = drafter.init_state(2, 64)
     features = jax.random.normal(jax.random.key(1), (2, 16, drafter.params["fc"].shape[1]), jnp.float32)
     state = drafter.append(state, features, jnp.array([16, 9], jnp.int32))
@@ -50,7 +50,7 @@ def test_the_distinct_drafter_drafts_a_different_token_at_each_depth():
         assert len(set(row.tolist())) == 7, row
     # a pytree the engine's jitted step takes: flattened and rebuilt as the same class
     leaves, treedef = jax.tree_util.tree_flatten(drafter)
-    assert type(jax.tree_util.tree_unflatten(treedef, leaves)) is DistinctDraftsDrafter
+    assert type(jax.tree_util.tree_unflatten(treedef, leaves)) is SpreadDraftsDrafter
 
 
 def test_unknown_drafts_are_refused():

@@ -103,10 +103,11 @@ def test_each_column_keeps_its_colour_in_every_panel():
     assert len(set(colours.values())) == 3
 
 
-def _shard_file(tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.0):
+def _shard_file(tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.0, drafts=None):
     rows = [
         {"B": 1, "context": 4096, "method": m, "budget": b, "loop_step_ms": ms * k, "step_ms": ms * k}
         | {"collectives_ms": 0.1, "layers": layers}
+        | ({} if drafts is None else {"drafts": drafts})
         for m, b, k in (("ar", None, 1.0), ("ddtree", 64, 2.0))
     ]
     path = tmp_path / name
@@ -142,6 +143,8 @@ def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
         (_shard_file(tmp_path, "shallow.json", 4, ms=0.1), "layers (61 vs 4)"),
         (_shard_file(tmp_path, "tp4.json", 61, model_size=4), "model_size (8 vs 4)"),
         (_shard_file(tmp_path, "drafter3.json", 61, drafter_layers=3), "drafter_layers (6 vs 3)"),
+        # the random drafter's own drafts (rows without the field: before it existed) beside spread ones
+        (_shard_file(tmp_path, "spread.json", 61, drafts="spread"), "drafts ('model' vs 'spread')"),
         (deep, "given twice"),
     ]
     for other, message in cases:
@@ -157,6 +160,8 @@ def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
     rows = json.loads((tmp_path / "deep.json").read_text())["rows"]
     with pytest.raises(ValueError, match="different depths"):  # the library call refuses mixed rows too
         predict(rows + [dict(rows[1], layers=4)], {}, [4.0])
+    with pytest.raises(ValueError, match="different drafts"):
+        predict(rows + [dict(rows[1], drafts="spread")], {}, [4.0])
 
 
 def test_the_prediction_json_records_date_commit_and_sources(tmp_path):

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.k26_model import DistinctDraftsDrafter
+from benchmarks.k26_model import SpreadDraftsDrafter
 from experiments import tp_shard_step
 from tests.experiments.refusal import assert_refused, refuse_to_run
 
@@ -38,9 +38,9 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         "tiny": True,
         "dtype": jax.numpy.float32,
         "router_bias": "zero",
-        "drafts": "distinct",
+        "drafts": "spread",
     }
-    assert isinstance(pair.drafter, DistinctDraftsDrafter)  # the default: a different token a depth
+    assert isinstance(pair.drafter, SpreadDraftsDrafter)  # the default: a different token a depth
     assert pair.target_config.num_heads == full.num_heads // 2
     assert pair.target_params["embed"].shape[0] == full.vocab_size // 2  # its half of the vocabulary
     rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
@@ -53,9 +53,7 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     ]
     for r in rows:
         assert r["step_ms"] > 0 and r["collectives_ms"] > 0 and r["mla_schedule"] == "alternate"
-        assert (
-            r["router_bias"] == "zero" and r["drafts"] == "distinct" and r["temperature"] == 0.0 and r["repeats"] == 1
-        )
+        assert r["router_bias"] == "zero" and r["drafts"] == "spread" and r["temperature"] == 0.0 and r["repeats"] == 1
         assert r["grouped_int4_decode"] == "triton"
         # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
         # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
