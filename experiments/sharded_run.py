@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, int_list_argument, write_result
-from benchmarks.k26_model import k26_config, random_int4_target
+from benchmarks.k26_model import DRAFTS, SpreadDraftsDrafter, k26_config, random_int4_target
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.run import Pair
@@ -81,7 +81,12 @@ def pair_shardings(config, dconfig, mesh, layout: str, dtype, key) -> tuple:
     return tuple(shardings)
 
 
-def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pair:
+def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0, drafts: str = "spread") -> Pair:
+    """The random K2-shaped pair on `mesh` under `layout`'s rule table; drafts: "spread" (`SpreadDraftsDrafter`:
+    each depth its own random distribution, as a trained drafter's positions have) or "model" (the random drafter's
+    own drafts, one token repeated along the chain: before 2026-12-05)."""
+    if drafts not in DRAFTS:
+        raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
     key = jax.random.key(seed)
     dkey = jax.random.fold_in(key, 1)
     target_shardings, drafter_shardings = pair_shardings(config, dconfig, mesh, layout, dtype, key)
@@ -89,7 +94,7 @@ def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0) -> Pa
     drafter_params = jax.jit(
         lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), out_shardings=drafter_shardings
     )(dkey)
-    drafter = DFlashDrafter(
+    drafter = (SpreadDraftsDrafter if drafts == "spread" else DFlashDrafter)(
         dconfig, drafter_params, deepseek_v3.embedding(target_params), deepseek_v3.head(config, target_params)
     )
     return Pair(config, target_params, drafter)
@@ -115,6 +120,13 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--attn-impl", default="xla", choices=["xla", "pallas"])
+    parser.add_argument(
+        "--drafts",
+        default="spread",
+        choices=DRAFTS,
+        help="the drafter's proposals: spread (each depth its own random distribution: `k26_model.SpreadDraftsDrafter`)"
+        " or model (the random drafter's own, one token repeated along a depth's nodes: every run before 2026-12-05)",
+    )
     parser.add_argument(
         "--step-only",
         action="store_true",
@@ -161,7 +173,14 @@ def main(argv=None) -> None:
             config = k26_config(layers, args.tiny)
             pair = None  # drop the previous model first: two deep ones do not fit side by side
             start = time.perf_counter()
-            pair = sharded_pair(config, drafter_config(config, args.drafter_layers, args.tiny), mesh, layout, dtype)
+            pair = sharded_pair(
+                config,
+                drafter_config(config, args.drafter_layers, args.tiny),
+                mesh,
+                layout,
+                dtype,
+                drafts=args.drafts,
+            )
             jax.block_until_ready(pair.target_params)
             init_s = time.perf_counter() - start
             with jax.set_mesh(mesh):
@@ -183,6 +202,7 @@ def main(argv=None) -> None:
                         layers=layers,
                         init_s=init_s,
                         mesh=[args.data, model],
+                        drafts=args.drafts,
                         temperature=args.temperature,
                         repeats=args.repeats,
                     )

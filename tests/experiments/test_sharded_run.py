@@ -1,8 +1,13 @@
 """experiments/sharded_run.py's arguments: bad values are refused before any model is built or compiled (the
 model builder is replaced by one that fails)."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from benchmarks.k26_model import SpreadDraftsDrafter, k26_config
+from ddtree_jax.engine.drafters import DFlashDrafter
+from ddtree_jax.sharding.mesh import make_mesh
 from experiments import sharded_run
 from tests.experiments.refusal import assert_refused, refuse_to_run
 
@@ -32,3 +37,18 @@ def no_model(monkeypatch):
 )
 def test_bad_arguments_are_refused_up_front(argv, message, no_model, capsys):
     assert_refused(sharded_run.main, ["--tiny", *argv], message, capsys)
+
+
+def test_the_pair_drafts_spread_by_default_and_refuses_unknown_drafts(capsys):
+    config = k26_config(2, tiny=True)
+    dconfig = sharded_run.drafter_config(config, 1, True)
+    mesh = make_mesh(model=2)  # a TP2 mesh over the first 2 devices (one on a 1-device run would not split)
+    pair = sharded_run.sharded_pair(config, dconfig, mesh, "tp", jnp.float32)
+    assert isinstance(pair.drafter, SpreadDraftsDrafter)
+    # the drafter's weights are those of the model's own drafts (same seed), so only the proposals differ
+    own = sharded_run.sharded_pair(config, dconfig, mesh, "tp", jnp.float32, drafts="model")
+    assert type(own.drafter) is DFlashDrafter
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), pair.drafter.params, own.drafter.params))
+    with pytest.raises(ValueError, match="drafts must be one of .* got 'oracle'"):
+        sharded_run.sharded_pair(config, dconfig, mesh, "tp", jnp.float32, drafts="oracle")
+    assert_refused(sharded_run.main, ["--tiny", "--drafts", "oracle"], "--drafts", capsys)
