@@ -9,7 +9,7 @@ For each slot count T (T = 1: the AR step; T = 9: a budget-8 tree), B = 1, a bf1
   mla          one layer's absorbed MLA: q/kv LoRA projections, the latent-cache attention, o_proj
   dense_mlp    the dense layer's SwiGLU (18432 wide)
   moe:<impl>   one MoE layer's routed + shared experts for each --moe-impls entry (the engine's "auto"
-               picks gather at <= 16 assignments on GPU, `models.moe.GPU_GATHER_MAX_ASSIGNMENTS`)
+               picks the decode kernels (INT4) at <= 16 assignments on GPU, `dispatch.GPU_GATHER_MAX_ASSIGNMENTS`)
   head         final RMSNorm + the LM head (163,840 x 7168) to float32 logits
   forward      the whole `deepseek_v3.prefill` over all layers for each --loops entry
 

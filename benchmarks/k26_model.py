@@ -108,6 +108,10 @@ class SpreadDraftsDrafter(DFlashDrafter):
     def draft(self, state, bonus, block_size: int):
         return spread_logits(super().draft(state, bonus, block_size), state.lengths)
 
+    def draft_children(self, state, bonus, block_size: int):
+        logits, child_logits_fn, inputs = super().draft_children(state, bonus, block_size)
+        return spread_logits(logits, state.lengths), child_logits_fn, inputs
+
 
 jax.tree_util.register_dataclass(
     SpreadDraftsDrafter,
@@ -116,7 +120,7 @@ jax.tree_util.register_dataclass(
 )
 
 
-SPREAD_SCALE = 4.0  # std of the random logits: the top token of 20,480 takes ~a third of the mass
+SPREAD_SCALE = 4.0  # std of the random logits: the top token of 20,480 takes a fifth to a quarter of the mass
 OWN_WEIGHT = 1e-3  # the drafter's own logits, kept (not dead code) but far below the random ones
 
 

@@ -103,6 +103,7 @@ from ddtree_kernels import (
     prefill_attention_mgpu,
     skinny_matmul_mgpu,
 )
+from ddtree_kernels import moe_decode as moe_decode_kernels
 from ddtree_kernels.tree_build import CHUNK as TOPK_CHUNK
 from ddtree_kernels.tree_build import MAX_ROW
 
@@ -204,9 +205,9 @@ TREE_TOPK_CHUNK = TOPK_CHUNK  # ... of at least this many logits (`tree_topk_chu
 # the chunked top-K stage measured slower than the XLA prefilter + one kernel a row: 102 against 85 us at budget 64,
 # 143 against 113 at 256 (its 285 programs each run the latency-bound bisection; more programs add waves, not speed)
 AUTO_TREE_TOPK_CHUNKED = False
-GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: gather up to this many (token, expert) assignments
-# ... and those take the in-place "decode" kernels (`moe.routed_decode`: `moe_decode`, INT4 experts read in place,
-# "gather" for other weights) where AUTO_MOE_DECODE: the 61-layer K2.6 TP8 shard's AR step (8 assignments a layer) took
+GPU_GATHER_MAX_ASSIGNMENTS = 16  # MoE on GPU: up to this many (token, expert) assignments, no grouped kernel: ...
+# ... INT4 experts take the in-place "decode" kernels (`moe.routed_decode`: `moe_decode`) where AUTO_MOE_DECODE, other
+# weights the gather: the 61-layer K2.6 TP8 shard's AR step (8 assignments a layer) took
 # 7.75 / 7.72 ms in the loop on "decode" against 8.49 on "gather" (one H200, 7258db7, two runs of one session,
 # BENCHMARKS.md); at 4 layers the two had tied (0.745 / 0.746 ms)
 AUTO_MOE_DECODE = True
@@ -543,13 +544,14 @@ def matmul_impl(
     return "pallas" if rows <= AUTO_PALLAS_MAX_ROWS else "xla"
 
 
-def moe_impl(assignments: int, experts: int, backend_name: str | None = None) -> str:
-    """The routed experts' "auto" dispatch for `assignments` (tokens x top-k) over `experts` experts: on GPU
-    "decode" (AUTO_MOE_DECODE; else "gather") up to GPU_GATHER_MAX_ASSIGNMENTS, "pallas" beyond; elsewhere
-    "gather" / "reference"."""
+def moe_impl(assignments: int, experts: int, backend_name: str | None = None, *, int4: bool = True) -> str:
+    """The routed experts' "auto" dispatch for `assignments` (tokens x top-k) over `experts` experts: on GPU, up to
+    GPU_GATHER_MAX_ASSIGNMENTS, "decode" for INT4 experts (`int4`; AUTO_MOE_DECODE) else "gather", "pallas" beyond;
+    elsewhere "gather" / "reference". Under an expert-parallel mesh pass "ep" instead ("decode" and "pallas" run on
+    the TP split)."""
     if _on_gpu(backend_name):
         if assignments <= GPU_GATHER_MAX_ASSIGNMENTS:
-            return "decode" if AUTO_MOE_DECODE else "gather"
+            return "decode" if AUTO_MOE_DECODE and int4 else "gather"
         return "pallas"
     return "gather" if assignments <= experts else "reference"
 
@@ -844,7 +846,11 @@ def decode_plan(
                 + (f", gate / up rows gathered by {grouped_gather()}" if int4 == "triton" else "")
             )
         if choice == "decode":
-            detail += "; INT4 experts read in place by the moe_decode kernels, other weights gathered"
+            detail += (
+                "; INT4 experts read in place by the moe_decode kernels, other weights gathered"
+                if assignments <= moe_decode_kernels.MAX_ASSIGNMENTS
+                else f"; gathered (above the moe_decode kernels' {moe_decode_kernels.MAX_ASSIGNMENTS} assignments)"
+            )
         plan.append(StageChoice("tree-forward MoE", choice, detail))
     verifier = options.verifier
     plan.append(

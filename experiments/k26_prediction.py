@@ -98,8 +98,8 @@ def measured_ms(row: dict) -> float:
 
 def drafts(row: dict) -> str:
     """A shard row's drafter proposals (`tp_shard_step --drafts`): "spread" (a random distribution a depth, as a
-    trained drafter's positions have), "distinct" (`32e5c1a`'s one-hot boost a depth: the chain's tokens distinct, a
-    tree's siblings repeated) or "model" (the random drafter's own, which repeat one token along the chain: every row
+    trained drafter's positions have), "distinct" (rows of `1031e46`-`32e5c1a`: a one-hot boost a depth, the chain's
+    tokens distinct, a tree's siblings repeated; at `a90156e` the flag's name for "spread") or "model" (the random drafter's own, which repeat one token along the chain: every row
     before the field existed, `1031e46`)."""
     return row.get("drafts", "model")
 

@@ -84,7 +84,7 @@ def pair_shardings(config, dconfig, mesh, layout: str, dtype, key) -> tuple:
 def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0, drafts: str = "spread") -> Pair:
     """The random K2-shaped pair on `mesh` under `layout`'s rule table; drafts: "spread" (`SpreadDraftsDrafter`:
     each depth its own random distribution, as a trained drafter's positions have) or "model" (the random drafter's
-    own drafts, one token repeated along the chain: before 2026-12-05)."""
+    own drafts, one token repeated along the chain: every run before 1031e46)."""
     if drafts not in DRAFTS:
         raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
     key = jax.random.key(seed)
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         default="spread",
         choices=DRAFTS,
         help="the drafter's proposals: spread (each depth its own random distribution: `k26_model.SpreadDraftsDrafter`)"
-        " or model (the random drafter's own, one token repeated along a depth's nodes: every run before 2026-12-05)",
+        " or model (the random drafter's own, one token repeated along the chain: every run before 1031e46)",
     )
     parser.add_argument(
         "--step-only",

@@ -66,8 +66,9 @@ def shard_pair(
     """(full target config, full drafter config, the shard Pair) with the shard's weights made on the device;
     router_bias: `random_int4_target`'s (zero: a load-balanced spread of experts over a step's rows); drafts:
     "spread" (`SpreadDraftsDrafter`: each depth its own random distribution, as a trained drafter's positions
-    have) or "model" (the random drafter's own tokens, one token repeated along the chain: before 2026-12-05; rows
-    of `32e5c1a` say "distinct": a one-hot boost a depth, which made DDTree's trees a spine with repeated siblings)."""
+    have) or "model" (the random drafter's own tokens, one token repeated along the chain: every row without a
+    `drafts` field, before `1031e46`). Rows of `1031e46`-`32e5c1a` say "distinct": a one-hot boost a depth, which made
+    DDTree's trees a spine with repeated siblings; at `a90156e` "distinct" was briefly the name of "spread")."""
     if drafts not in DRAFTS:
         raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
     full = k26_config(layers, tiny)
@@ -220,7 +221,7 @@ def main(argv=None) -> None:
         choices=DRAFTS,
         help="the drafter's proposals: spread (each depth its own random distribution, as a trained drafter's "
         "positions have: `k26_model.SpreadDraftsDrafter`) or model (the random drafter's own, which repeat one token "
-        "along the chain, so its verify rows read few experts: every run before 2026-12-05)",
+        "along the chain, so its verify rows read few experts: every run before 1031e46)",
     )
     parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"

@@ -347,6 +347,14 @@ def test_decode_plan_answers_what_runs_where():
         for row in dispatch.decode_plan(DecodeOptions(), k26, method="ar", budget=1, block_size=16, backend_name="gpu")
     }
     assert ar["tree-forward MoE"] == "decode" and "tree top-k" not in ar
+    # an explicit "decode" above the kernels' 32 assignments gathers, and the plan says so
+    explicit = {
+        row.stage: row.why
+        for row in dispatch.decode_plan(
+            DecodeOptions(moe_impl="decode"), k26, method="ddtree", budget=32, block_size=16, backend_name="gpu"
+        )
+    }["tree-forward MoE"]
+    assert explicit == "264 assignments over 384 experts; gathered (above the moe_decode kernels' 32 assignments)"
     cpu = dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="cpu")
     assert {row.choice for row in cpu if row.stage in ("tree-forward attention", "rejection walk")} == {"xla"}
     cpu_plan = {row.stage: row.choice for row in cpu}

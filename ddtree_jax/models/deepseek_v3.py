@@ -5,7 +5,8 @@ the absorbed form over a latent cache (kv_lora_rank + qk_rope_head_dim values pe
 one shared KV head), tested against the reference; `commit` from models.cache applies unchanged.
 The MoE block (routing and the expert dispatches) lives in models.moe: `forward_logits` uses
 `moe_reference` (every expert evaluated), `prefill` / `tree_forward` an efficient dispatch (`moe_impl`,
-default "auto": gather for few tokens, else the every-expert form; "ragged" on request).
+default "auto", `dispatch.moe_impl`: on GPU the in-place INT4 decode kernels for few tokens, else the grouped kernel;
+off GPU gather for few tokens, else the every-expert form; "ragged" on request).
 
 Parameters: a dict with two stacks, "dense_layers" (the first `first_k_dense_replace` layers) and
 "moe_layers", each with a leading "layers" axis; `param_axes` names every axis.
@@ -523,7 +524,8 @@ def prefill(
 ):
     """Causal pass appending input_ids [B, T] (row b: num_new[b] real) -> (logits, tapped, cache with lengths += num_new).
     head_rows int32 [B] (or None): the logits [B, 1, V] of only that position of each row.
-    moe_impl: models.moe.MOE_IMPLS ("auto": gather while B * T * k <= n_routed_experts, else reference);
+    moe_impl: models.moe.MOE_IMPLS ("auto": `dispatch.moe_impl`; off GPU gather while B * T * k <= n_routed_experts,
+      else reference);
     attn_impl: models.attention's ("pallas": kernels/tree_attention with the latent and rope key parts);
     layer_loop: "scan" (default; 61 layers compile like 2) or "unrolled" (see `_run`)."""
     _check_matmul_impl(matmul_impl)

@@ -366,7 +366,10 @@ def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") 
     lead, width = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, width)
     if impl == "auto":
-        impl = dispatch.moe_impl(flat.shape[0] * config.num_experts_per_tok, config.n_routed_experts)
+        gate = p["expert_gate"].stack if isinstance(p["expert_gate"], LayerOf) else p["expert_gate"]
+        impl = dispatch.moe_impl(
+            flat.shape[0] * config.num_experts_per_tok, config.n_routed_experts, int4=isinstance(gate, Int4Weight)
+        )
     if impl == "reference":
         return moe_reference(config, p, x)
     experts, weights = route(config, p["router"], p["router_bias"], flat)

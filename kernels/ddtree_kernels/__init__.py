@@ -10,7 +10,7 @@ its own.
   grouped_int4_mgpu    grouped INT4 MoE matmul on Mosaic GPU (prefill chunks; a per-assignment decode form)
   grouped_int4_stream_mgpu  the same at tree sizes: persistent CTAs streaming many experts through one TMA ring
   mosaic_common        what the Mosaic GPU attention kernels share (P @ V accumulation, mask bits, split merge)
-  moe_decode           INT4 MoE decode: the chosen experts read in place (moe_impl "decode"; not yet run on a GPU)
+  moe_decode           INT4 MoE decode: the chosen experts read in place (moe_impl "decode", "auto" at <= 16 on GPU)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits
   sampling_reference   the pure-jnp definitions tree_sampling computes (processed probabilities, the walk)

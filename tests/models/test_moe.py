@@ -139,6 +139,7 @@ def test_auto_rule_and_unknown_impl(monkeypatch):
     assert dispatch.GPU_GATHER_MAX_ASSIGNMENTS == 16
     assert dispatch.moe_impl(16, experts, backend_name="gpu") == "decode"
     assert dispatch.moe_impl(1, experts, backend_name="gpu") == "decode"
+    assert dispatch.moe_impl(16, experts, backend_name="gpu", int4=False) == "gather"  # FP8 / bf16 experts
     assert dispatch.moe_impl(17, experts, backend_name="gpu") == "pallas"
     monkeypatch.setattr(dispatch, "AUTO_MOE_DECODE", False)
     assert dispatch.moe_impl(16, experts, backend_name="gpu") == "gather"

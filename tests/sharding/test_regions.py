@@ -43,6 +43,7 @@ def test_pallas_attention_and_moe_regions_equal_unsharded(params, mesh, unsharde
     _close(got, unsharded)
     # "decode": the in-place INT4 kernels ran in the region (a row of 7 tokens x top-3: 21 assignments <= 32)
     assert bool(traced) == (moe_impl == "decode")
+    assert all(shape[0] <= 7 for shape in traced), traced  # inside the region: one data shard's row of tokens
 
 
 def test_moe_names_the_rule_tables_model_axis():
