@@ -350,7 +350,7 @@ def main(argv=None) -> None:
                     print(format_stages(row["stages"]), flush=True)
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s} "
-                    f"gather {row['grouped_gather']}: shard step {row['loop_step_ms']:8.2f} ms "
+                    f"gather {row['grouped_gather']} drafts {row['drafts']}: shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
                     f"collectives {row['collectives_ms']:.2f} ms = {row['predicted_tp_step_ms']:.2f} ms "
@@ -371,6 +371,7 @@ def main(argv=None) -> None:
         "budget",
         "attention",
         "grouped gather",
+        "drafts",
         "shard step ms (loop)",
         "called from host ms",
         "shard roofline ms",
@@ -385,6 +386,7 @@ def main(argv=None) -> None:
             r["budget"] or "",
             r["attn_impl"],
             r["grouped_gather"],
+            r["drafts"],
             r["loop_step_ms"],
             r["step_ms"],
             r["shard_roofline_ms"],
