@@ -120,6 +120,21 @@ jax.tree_util.register_dataclass(
 )
 
 
+DRAFTS_HELP = (
+    "the drafter's proposals: spread (each depth its own random distribution, as a trained drafter's positions have: "
+    "`k26_model.SpreadDraftsDrafter`) or model (the random drafter's own, which repeat one token along the chain, so "
+    "its verify rows read few experts: every run before 1031e46)"
+)
+
+
+def drafter_class(drafts: str) -> type[DFlashDrafter]:
+    """The benchmarks' random-weight drafter class for `drafts` (DRAFTS): "spread" SpreadDraftsDrafter, "model" the
+    plain DFlashDrafter; ValueError naming any other value (call it before building weights: it checks up front)."""
+    if drafts not in DRAFTS:
+        raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
+    return SpreadDraftsDrafter if drafts == "spread" else DFlashDrafter
+
+
 SPREAD_SCALE = 4.0  # std of the random logits: the top token of 20,480 takes a fifth to a quarter of the mass
 OWN_WEIGHT = 1e-3  # the drafter's own logits, kept (not dead code) but far below the random ones
 

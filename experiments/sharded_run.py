@@ -35,9 +35,8 @@ import numpy as np
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, int_list_argument, write_result
-from benchmarks.k26_model import DRAFTS, SpreadDraftsDrafter, k26_config, random_int4_target
+from benchmarks.k26_model import DRAFTS, DRAFTS_HELP, drafter_class, k26_config, random_int4_target
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
-from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.run import Pair
 from ddtree_jax.models import deepseek_v3, dflash
 from ddtree_jax.options import DecodeOptions
@@ -85,8 +84,7 @@ def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0, draft
     """The random K2-shaped pair on `mesh` under `layout`'s rule table; drafts: "spread" (`SpreadDraftsDrafter`:
     each depth its own random distribution, as a trained drafter's positions have) or "model" (the random drafter's
     own drafts, one token repeated along the chain: every run before 1031e46)."""
-    if drafts not in DRAFTS:
-        raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
+    drafter_type = drafter_class(drafts)  # checked before any weight is made
     key = jax.random.key(seed)
     dkey = jax.random.fold_in(key, 1)
     target_shardings, drafter_shardings = pair_shardings(config, dconfig, mesh, layout, dtype, key)
@@ -94,7 +92,7 @@ def sharded_pair(config, dconfig, mesh, layout: str, dtype, seed: int = 0, draft
     drafter_params = jax.jit(
         lambda k: dflash.init_params(dconfig, config.hidden_size, k, dtype), out_shardings=drafter_shardings
     )(dkey)
-    drafter = (SpreadDraftsDrafter if drafts == "spread" else DFlashDrafter)(
+    drafter = drafter_type(
         dconfig, drafter_params, deepseek_v3.embedding(target_params), deepseek_v3.head(config, target_params)
     )
     return Pair(config, target_params, drafter)
@@ -124,8 +122,7 @@ def main(argv=None) -> None:
         "--drafts",
         default="spread",
         choices=DRAFTS,
-        help="the drafter's proposals: spread (each depth its own random distribution: `k26_model.SpreadDraftsDrafter`)"
-        " or model (the random drafter's own, one token repeated along the chain: every run before 1031e46)",
+        help=DRAFTS_HELP,
     )
     parser.add_argument(
         "--step-only",

@@ -39,12 +39,19 @@ import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
 from benchmarks.common import device_description, int_list_argument, markdown_table, write_result
-from benchmarks.k26_model import DRAFTS, EXPERTS, ROUTER_BIASES, SpreadDraftsDrafter, k26_config, random_int4_target
+from benchmarks.k26_model import (
+    DRAFTS,
+    DRAFTS_HELP,
+    EXPERTS,
+    ROUTER_BIASES,
+    drafter_class,
+    k26_config,
+    random_int4_target,
+)
 from benchmarks.op_profile import format_profile, format_stages
 from ddtree_jax import dispatch
 from ddtree_jax.analysis.roofline import step_cost
 from ddtree_jax.analysis.tp_shard import tp_shard_config
-from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.run import Pair
 from ddtree_jax.models import deepseek_v3, dflash
 from ddtree_jax.options import METHODS, DecodeOptions
@@ -69,8 +76,7 @@ def shard_pair(
     have) or "model" (the random drafter's own tokens, one token repeated along the chain: every row without a
     `drafts` field, before `1031e46`). Rows of `1031e46`-`32e5c1a` say "distinct": a one-hot boost a depth, which made
     DDTree's trees a spine with repeated siblings; at `a90156e` "distinct" was briefly the name of "spread")."""
-    if drafts not in DRAFTS:
-        raise ValueError(f"drafts must be one of {DRAFTS}, got {drafts!r}")
+    drafter_type = drafter_class(drafts)  # checked before any weight is made
     full = k26_config(layers, tiny)
     full_drafter = drafter_config(full, drafter_layers, tiny)
     target = tp_shard_config(full, model_size)
@@ -83,9 +89,7 @@ def shard_pair(
     pair = Pair(
         target,
         params,
-        (SpreadDraftsDrafter if drafts == "spread" else DFlashDrafter)(
-            drafter, drafter_params, deepseek_v3.embedding(params), deepseek_v3.head(target, params)
-        ),
+        drafter_type(drafter, drafter_params, deepseek_v3.embedding(params), deepseek_v3.head(target, params)),
     )
     return full, full_drafter, pair
 
@@ -219,9 +223,7 @@ def main(argv=None) -> None:
         "--drafts",
         default="spread",
         choices=DRAFTS,
-        help="the drafter's proposals: spread (each depth its own random distribution, as a trained drafter's "
-        "positions have: `k26_model.SpreadDraftsDrafter`) or model (the random drafter's own, which repeat one token "
-        "along the chain, so its verify rows read few experts: every run before 1031e46)",
+        help=DRAFTS_HELP,
     )
     parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"

@@ -84,6 +84,11 @@ def _layer(weight):
     return weight.get() if isinstance(weight, LayerOf) else weight
 
 
+def _stored(weight):
+    """The expert weights as stored: a LayerOf's whole stack (not sliced), else the weight itself."""
+    return weight.stack if isinstance(weight, LayerOf) else weight
+
+
 def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """noaux_tc routing: sigmoid scores, the correction bias only for the choice, group-limited top-k.
 
@@ -177,7 +182,7 @@ def routed_decode(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     stacked = [isinstance(p[name], LayerOf) for name in names]
     if any(stacked) and not all(stacked):
         raise ValueError(f"the routed experts must be all LayerOf or none, got LayerOf for {stacked} of {names}")
-    stored = [p[name].stack if isinstance(p[name], LayerOf) else p[name] for name in names]
+    stored = [_stored(p[name]) for name in names]
     if not all(isinstance(w, Int4Weight) for w in stored):
         return routed_gather(p, x, experts, weights)
     layer = p["expert_gate"].layer if isinstance(p["expert_gate"], LayerOf) else None
@@ -276,7 +281,7 @@ def routed_pallas(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array)
     gather = dispatch.grouped_gather()
 
     def kernel_for(rows, weight) -> str:
-        stack = weight.stack if isinstance(weight, LayerOf) else weight
+        stack = _stored(weight)
         if isinstance(stack, Int4Weight):
             return dispatch.grouped_int4_kernel(flat.shape[0], stack.shape, rows.dtype)
         return "triton"
@@ -366,10 +371,8 @@ def moe(config: DeepSeekV3Config, p: dict, x: jax.Array, *, impl: str = "auto") 
     lead, width = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, width)
     if impl == "auto":
-        gate = p["expert_gate"].stack if isinstance(p["expert_gate"], LayerOf) else p["expert_gate"]
-        impl = dispatch.moe_impl(
-            flat.shape[0] * config.num_experts_per_tok, config.n_routed_experts, int4=isinstance(gate, Int4Weight)
-        )
+        int4 = isinstance(_stored(p["expert_gate"]), Int4Weight)
+        impl = dispatch.moe_impl(flat.shape[0] * config.num_experts_per_tok, config.n_routed_experts, int4=int4)
     if impl == "reference":
         return moe_reference(config, p, x)
     experts, weights = route(config, p["router"], p["router_bias"], flat)
