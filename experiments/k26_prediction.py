@@ -134,11 +134,19 @@ def shard_steps(rows: list[dict]) -> dict[tuple[int, int, str, int | None], dict
     return best
 
 
-SHARD_MODEL_FIELDS = ("benchmark", "model_size", "drafter_layers")  # the file's; "layers" is the rows'
+SHARD_MODEL_FIELDS = ("model_size", "drafter_layers")  # the file's; "tiny" from the file, "layers" the rows'
+
+
+def shard_tiny(data: dict) -> bool:
+    """Whether a tp_shard_step JSON ran the tiny K2: its "tiny" field, else (files before the field) its name,
+    `k26_tp<n>_shard_tiny[_<tag>]`. The name's --tag is not the model: files of one model with other tags combine."""
+    if "tiny" in data:
+        return bool(data["tiny"])
+    return str(data.get("benchmark", "")).startswith(f"k26_tp{data.get('model_size')}_shard_tiny")
 
 
 def shard_model(path: str, data: dict) -> dict:
-    """What a tp_shard_step JSON measured (the benchmark, TP size, drafter layers, and its rows' layers and drafts):
+    """What a tp_shard_step JSON measured (TP size, tiny or K2.6, drafter layers, and its rows' layers and drafts):
     ValueError naming the file if its rows differ in layers or drafts."""
     layers = {row.get("layers") for row in data["rows"]}
     if len(layers) > 1:
@@ -148,6 +156,7 @@ def shard_model(path: str, data: dict) -> dict:
         raise ValueError(f"{path}: rows of different drafts ({sorted(forms)})")
     return {
         **{k: data.get(k) for k in SHARD_MODEL_FIELDS},
+        "tiny": shard_tiny(data),
         "layers": layers.pop() if layers else None,
         "drafts": forms.pop() if forms else None,
     }

@@ -363,7 +363,13 @@ def main(argv=None) -> None:
                     f"k26_tp{args.model_size}_shard"
                     + ("_tiny" if args.tiny else "")
                     + (f"_{args.tag}" if args.tag else ""),
-                    {"rows": rows, "model_size": args.model_size, "drafter_layers": args.drafter_layers},
+                    {
+                        "rows": rows,
+                        "model_size": args.model_size,
+                        "tiny": args.tiny,
+                        "tag": args.tag,
+                        "drafter_layers": args.drafter_layers,
+                    },
                     args.commit,
                 )
     header = [

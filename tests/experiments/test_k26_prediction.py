@@ -103,7 +103,9 @@ def test_each_column_keeps_its_colour_in_every_panel():
     assert len(set(colours.values())) == 3
 
 
-def _shard_file(tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.0, drafts=None):
+def _shard_file(
+    tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.0, drafts=None, benchmark="k26_tp8_shard", tiny=None
+):
     rows = [
         {"B": 1, "context": 4096, "method": m, "budget": b, "loop_step_ms": ms * k, "step_ms": ms * k}
         | {"collectives_ms": 0.1, "layers": layers}
@@ -114,7 +116,7 @@ def _shard_file(tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.
     path.write_text(
         json.dumps(
             {
-                "benchmark": "k26_tp8_shard",
+                "benchmark": benchmark,
                 "commit": "c0ffee",
                 "date": "2026-12-05T00:00:00+00:00",
                 "device": "gpu:test",
@@ -122,6 +124,7 @@ def _shard_file(tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.
                 "drafter_layers": drafter_layers,
                 "rows": rows,
             }
+            | ({} if tiny is None else {"tiny": tiny})
         )
     )
     return str(path)
@@ -143,6 +146,9 @@ def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
         (_shard_file(tmp_path, "shallow.json", 4, ms=0.1), "layers (61 vs 4)"),
         (_shard_file(tmp_path, "tp4.json", 61, model_size=4), "model_size (8 vs 4)"),
         (_shard_file(tmp_path, "drafter3.json", 61, drafter_layers=3), "drafter_layers (6 vs 3)"),
+        # the tiny K2's shard: by the "tiny" field, and by the name of a file from before the field
+        (_shard_file(tmp_path, "tiny.json", 61, tiny=True), "tiny (False vs True)"),
+        (_shard_file(tmp_path, "tiny_old.json", 61, benchmark="k26_tp8_shard_tiny_x"), "tiny (False vs True)"),
         # the random drafter's own drafts (rows without the field: before it existed) beside spread ones
         (_shard_file(tmp_path, "spread.json", 61, drafts="spread"), "drafts ('model' vs 'spread')"),
         (deep, "given twice"),
@@ -162,6 +168,21 @@ def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
         predict(rows + [dict(rows[1], layers=4)], {}, [4.0])
     with pytest.raises(ValueError, match="different drafts"):
         predict(rows + [dict(rows[1], drafts="spread")], {}, [4.0])
+
+
+def test_shard_files_of_one_model_with_other_tags_combine(tmp_path):
+    """--tag names a run's file (`k26_tp8_shard_<tag>`), not its model: a 4k run and a 32k run of one model, tagged
+    apart, give one prediction with both contexts."""
+    first = _shard_file(tmp_path, "a.json", 61, benchmark="k26_tp8_shard_61l_spread", drafts="spread", tiny=False)
+    second = _shard_file(tmp_path, "b.json", 61, benchmark="k26_tp8_shard_61l_spread_32k", drafts="spread")
+    data = json.loads((tmp_path / "b.json").read_text())
+    for row in data["rows"]:
+        row["context"] = 32768
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    out = tmp_path / "out"
+    assert main(["--shard", f"{first},{second}", "--e2e", _e2e_file(tmp_path), "--out", str(out)]) == 0
+    record = json.loads((out / "k26_prediction.json").read_text())
+    assert {r["context"] for r in record["rows"]} == {4096, 32768}
 
 
 def test_the_prediction_json_records_date_commit_and_sources(tmp_path):

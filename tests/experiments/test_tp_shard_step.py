@@ -43,7 +43,10 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     assert isinstance(pair.drafter, SpreadDraftsDrafter)  # the default: a different token a depth
     assert pair.target_config.num_heads == full.num_heads // 2
     assert pair.target_params["embed"].shape[0] == full.vocab_size // 2  # its half of the vocabulary
-    rows = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())["rows"]
+    record = json.loads((tmp_path / "k26_tp2_shard_tiny.json").read_text())
+    # the model apart from the file's name (k26_prediction combines tagged files of one model by these fields)
+    assert (record["model_size"], record["tiny"], record["tag"], record["drafter_layers"]) == (2, True, None, 1)
+    rows = record["rows"]
     # one row per (method, grouped gather form), each recording its form
     assert [(r["method"], r["budget"], r["grouped_gather"]) for r in rows] == [
         ("ar", None, "kernel"),
