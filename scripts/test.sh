@@ -7,5 +7,6 @@ cd "$repo_root"
 ruff format --check --quiet . || { echo "error: files need 'ruff format' (run: .venv/bin/ruff format .)" >&2; exit 1; }
 ruff check --quiet . || { echo "error: 'ruff check' found problems (see above)" >&2; exit 1; }
 # --max-worker-restart=0: a crashed worker ends the run with an error (xdist's loadfile scheduler would
-# otherwise wait forever for the crashed worker's remaining files)
-exec python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q "$@"
+# otherwise wait forever for the crashed worker's remaining files); --durations: the 25 slowest tests close the log,
+# so a CI run that nears its 30-minute budget names what to mark slow or make lighter
+exec python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q --durations=25 "$@"

@@ -4,7 +4,15 @@ Interpret mode runs a CTA's warpgroups as threads that block inside host callbac
 XLA's CPU thread pool too small for the warpgroups of the kernel calls running at once, a blocked warpgroup
 starves another and the kernel hangs (`mosaic_common.INTERPRET_NPROC`). The cases therefore run in one subprocess
 with that pool (NPROC=64, read when the CPU client starts), which prints one JSON line of results. Should one
-hang anyway, the subprocess dumps every thread's stack before its time limit, so the failure says where."""
+hang anyway, the subprocess dumps every thread's stack before its time limit, so the failure says where.
+
+The code run there calls each kernel as one jitted program and waits for its result before the next dispatch
+(`run_jitted`). The
+interpreter's callback threads dispatch small JAX ops of their own (`thread_map` makes each thread's id a JAX
+scalar); with the main thread dispatching op by op meanwhile (an un-jitted MoE layer's sort, tile table and
+gathers), the likely hang (not proven): a callback's op waits behind the main thread's, which waits for the kernel, which waits for the
+callback. Under CPU load that race hung the MoE test (tests/models/test_moe.py) for its whole time limit in a CI-like
+run, and reproducibly with two CPU-bound processes beside it on 2 cores; jitted and waited for, it passed there."""
 
 import json
 import os
@@ -32,6 +40,14 @@ def run_in_subprocess(code: str, timeout: int = 600) -> dict:
     if proc.returncode:
         pytest.fail(f"interpret-mode run failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_jitted(kernel, *arrays, **static):
+    """kernel(*arrays, **static) as one jitted program (`static`: its keyword arguments, closed over), waited for:
+    the rule of this module's docstring for code run in the interpret-mode subprocess."""
+    import jax
+
+    return jax.block_until_ready(jax.jit(lambda *args: kernel(*args, **static))(*arrays))
 
 
 def tree_mask(rng, steps: int, capacity: int, kv_lengths) -> np.ndarray:

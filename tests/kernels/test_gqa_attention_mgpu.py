@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.mosaic_interpret import compare, run_in_subprocess, tree_mask
+from tests.kernels.mosaic_interpret import compare, run_in_subprocess, run_jitted, tree_mask
 
 # name: (B, T, Hq, Hkv, D, S, kv_lengths (None: visible_lengths(mask)), kwargs).
 # Rows G * T = 68, 18, 4, 9, 17, 136, 132, 36: none a multiple of 64, 68 / 18 / 4 / 9 / 17 / 36 not of 8; 136
@@ -63,7 +63,7 @@ def run_case(name: str) -> dict:
         unread = -(-np.asarray(lengths) // block_kv) * block_kv  # [B] the first key never read
         poisoned = jnp.arange(capacity)[None, :, None, None] >= jnp.asarray(unread)[:, None, None, None]
         k_in, v_in = jnp.where(poisoned, jnp.nan, k), jnp.where(poisoned, jnp.nan, v)
-    out = gqa_tree_attention(q, k_in, v_in, mask, kv_lengths=kv_lengths, **kwargs)
+    out = run_jitted(gqa_tree_attention, q, k_in, v_in, mask, kv_lengths=kv_lengths, **kwargs)
     scale = kwargs.get("scale")
     ref = gqa_tree_attention_reference(q, k, v, mask, scale=scale, kv_lengths=kv_lengths)
     return compare(out, ref, mask)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.mosaic_interpret import assert_close, run_in_subprocess
+from tests.kernels.mosaic_interpret import assert_close, run_in_subprocess, run_jitted
 
 # name: (group sizes, N, K, scale dtype, kwargs). Empty experts (first, middle, last), an expert over several
 # row blocks, experts sharing a block, A not a multiple of the block (zeros past A), one row, the ring's steady
@@ -80,14 +80,14 @@ def run_case(name: str) -> dict:
         x, weight, _ = _inputs(name, [1] * num_experts, n, k, scale_dtype, layers=2 if layer is not None else None)
         x = jnp.asarray(np.random.default_rng(zlib.crc32(name.encode()) + 1).normal(size=(len(ids), k)), jnp.bfloat16)
         experts = jnp.asarray(ids, jnp.int32)
-        out = gathered_int4_matmul(x, weight, experts, layer=layer, interpret=True, **kwargs)
+        out = run_jitted(gathered_int4_matmul, x, weight, experts, layer=layer, interpret=True, **kwargs)
         ref = np.asarray(gathered_int4_matmul_reference(x, weight, experts, layer=layer), np.float32)
     else:
         sizes, n, k, scale_dtype, kwargs = CASES[name]
         kwargs = dict(kwargs)
         layer = kwargs.pop("layer", None)
         x, weight, group_sizes = _inputs(name, sizes, n, k, scale_dtype, layers=3 if layer is not None else None)
-        out = grouped_int4_matmul(x, weight, group_sizes, layer=layer, interpret=True, **kwargs)
+        out = run_jitted(grouped_int4_matmul, x, weight, group_sizes, layer=layer, interpret=True, **kwargs)
         ref = np.asarray(grouped_int4_matmul_reference(x, weight, group_sizes, layer=layer), np.float32)
     y = np.asarray(out, np.float32)
     return {

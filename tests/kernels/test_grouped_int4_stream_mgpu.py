@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.mosaic_interpret import assert_close, run_in_subprocess
+from tests.kernels.mosaic_interpret import assert_close, run_in_subprocess, run_jitted
 from tests.kernels.test_grouped_int4_mgpu import _inputs
 
 # name: (group sizes, N, K, scale dtype, kwargs). Few CTAs, so that each walks several items and its ring wraps
@@ -38,7 +38,7 @@ def run_case(name: str) -> dict:
     kwargs = dict(kwargs)
     layer = kwargs.pop("layer", None)
     x, weight, group_sizes = _inputs(name, sizes, n, k, scale_dtype, layers=3 if layer is not None else None)
-    out = streamed_int4_matmul(x, weight, group_sizes, layer=layer, interpret=True, **kwargs)
+    out = run_jitted(streamed_int4_matmul, x, weight, group_sizes, layer=layer, interpret=True, **kwargs)
     ref = np.asarray(streamed_int4_matmul_reference(x, weight, group_sizes, layer=layer), np.float32)
     y = np.asarray(out, np.float32)
     return {

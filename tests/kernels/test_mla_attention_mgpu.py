@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.mosaic_interpret import compare, run_in_subprocess, tree_mask
+from tests.kernels.mosaic_interpret import compare, run_in_subprocess, run_jitted, tree_mask
 
 # name: (B, T, H, S, kv_lengths, kwargs). Rows T * H = 136, 72, 68, 144, 66: partial row blocks; S not a
 # multiple of the key block in two; ragged lengths with 0 and 1; one split with the pipeline in its steady
@@ -92,13 +92,15 @@ def run_case(name: str) -> dict:
     kv_lengths = jnp.asarray(lengths, jnp.int32)
     if stack:  # the layer a traced scalar, as in a layer scan; the reference reads that layer's slice
         attend = jax.jit(lambda *a: mla_tree_attention(*a[:5], kv_lengths=kv_lengths, layer=a[5], **kwargs))
-        out = attend(q_latent, q_rope, latent, rope_key, mask, jnp.int32(layer))
+        out = run_jitted(attend, q_latent, q_rope, latent, rope_key, mask, jnp.int32(layer))
         latent, rope_key = latent[layer], rope_key[layer]
     elif packed:  # the kernel reads the packing, not mask's values: hand it an all-False mask beside it
         packed_mask = pack_tree_mask(mask, kv_lengths)
-        out = mla_tree_attention(q_latent, q_rope, latent, rope_key, jnp.zeros_like(mask), packed_mask=packed_mask)
+        out = run_jitted(
+            mla_tree_attention, q_latent, q_rope, latent, rope_key, jnp.zeros_like(mask), packed_mask=packed_mask
+        )
     else:
-        out = mla_tree_attention(q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
+        out = run_jitted(mla_tree_attention, q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
     scale = kwargs.get("scale")
     ref = mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale, kv_lengths=kv_lengths)
     return compare(out, ref, mask)

@@ -209,7 +209,8 @@ def test_pallas_takes_the_mosaic_grouped_kernel_for_int4():
     warpgroups are threads) and equals the reference, also on stacked layers read in place (`LayerOf`); the kernel
     is really called (a spy counts its calls). Where `dispatch.decode_moe_kernel` says "mosaic", "decode" runs
     them on the decode form (`gathered_int4_matmul`), stacked layers read in place; where `grouped_int4_kernel`
-    says "stream", "pallas" runs them on the streamed kernel (`streamed_int4_matmul`)."""
+    says "stream", "pallas" runs them on the streamed kernel (`streamed_int4_matmul`). Each MoE call runs under
+    jit and is waited for (`mosaic_interpret`'s rule: op-by-op calls deadlocked the interpreter under CPU load)."""
     from tests.kernels.mosaic_interpret import run_in_subprocess
 
     out = run_in_subprocess(
@@ -232,13 +233,16 @@ calls = []
 real = moe.grouped_int4_matmul
 moe.grouped_int4_matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
 dispatch.grouped_int4_kernel = lambda *a, **k: "mosaic"
-got = np.asarray(moe.moe(config, p, x, impl="pallas"), np.float32)
+# one program a call, waited for: no op-by-op dispatch while a kernel's warpgroups run (mosaic_interpret's rule)
+run = lambda impl, params, rows: np.asarray(jax.jit(lambda q, r: moe.moe(config, q, r, impl=impl))(params, rows),
+                                            np.float32)
+got = run("pallas", p, x)
 want = np.asarray(moe.moe_reference(config, p, x), np.float32)
 # the layer loops' form: every layer's experts stacked, this layer read in place (moe.LayerOf)
 stacked = dict(p)
 for name in EXPERTS:
     stacked[name] = moe.LayerOf(jax.tree.map(lambda a: jnp.stack([a * 0 + 1, a]), p[name]), jnp.int32(1))
-got_stacked = np.asarray(moe.moe(config, stacked, x, impl="pallas"), np.float32)
+got_stacked = run("pallas", stacked, x)
 # "decode" on the Mosaic decode form (forced on; 4 tokens x top-2: 8 assignments, each its own tile), stacked too
 gathered = []
 real_gathered = moe.gathered_int4_matmul
@@ -246,13 +250,13 @@ moe.gathered_int4_matmul = lambda *a, **k: gathered.append(1) or real_gathered(*
 dispatch.decode_moe_kernel = lambda *a, **k: "mosaic"
 few = x[:4]
 want_few = np.asarray(moe.moe_reference(config, p, few), np.float32)
-got_decode = np.asarray(moe.moe(config, stacked, few, impl="decode"), np.float32)
+got_decode = run("decode", stacked, few)
 # "pallas" on the streamed kernel (forced on, as `dispatch.GROUPED_INT4_DECODE = "stream"` would on GPU), stacked
 streamed = []
 real_streamed = moe.streamed_int4_matmul
 moe.streamed_int4_matmul = lambda *a, **k: streamed.append(1) or real_streamed(*a, **k)
 dispatch.grouped_int4_kernel = lambda *a, **k: "stream"
-got_streamed = np.asarray(moe.moe(config, stacked, x, impl="pallas"), np.float32)
+got_streamed = run("pallas", stacked, x)
 rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
 print(json.dumps({"calls": len(calls), "rel": rel(got, want), "rel_stacked": rel(got_stacked, want),
                   "gathered_calls": len(gathered), "rel_decode": rel(got_decode, want_few),
