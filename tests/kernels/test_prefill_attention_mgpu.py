@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.mosaic_interpret import run_in_subprocess
+from tests.kernels.mosaic_interpret import run_in_subprocess, run_jitted
 
 # name: (B, T, Hq, Hkv, Dk, Dv, S, starts, kwargs)
 CASES = {
@@ -71,8 +71,8 @@ def run_case(name: str) -> dict:
 
     q, k, v, start, k_poisoned, v_poisoned = inputs(name)
     kwargs = ALL_CASES[name][-1]
-    out = np.asarray(causal_prefill_attention(q, k_poisoned, v_poisoned, start, **kwargs), np.float32)
-    clean = np.asarray(causal_prefill_attention(q, k, v, start, **kwargs), np.float32)
+    out = np.asarray(run_jitted(causal_prefill_attention, q, k_poisoned, v_poisoned, start, **kwargs), np.float32)
+    clean = np.asarray(run_jitted(causal_prefill_attention, q, k, v, start, **kwargs), np.float32)
     ref = np.asarray(causal_prefill_attention_reference(q, k, v, start, scale=kwargs.get("scale")), np.float32)
     return {
         "shape": list(out.shape),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.kernels.mosaic_interpret import assert_close, run_in_subprocess
+from tests.kernels.mosaic_interpret import assert_close, run_in_subprocess, run_jitted
 
 # name: (M, N, K, kwargs). Rows 1 / 17 / 65 / 33 / 130 are not multiples of 8 (padded to M_pad); the ring runs
 # its steady state (8 K steps of a split through 2 slots), has more slots than K steps, a single K step per
@@ -55,7 +55,7 @@ def run_case(name: str, interpret: bool = True) -> dict:
     m, n, k, kwargs = CASES[name]
     kwargs = dict(kwargs)
     x, w = _inputs(name, m, n, k, kwargs.pop("layers", None))
-    out = skinny_matmul(x, w, interpret=interpret, **kwargs)
+    out = run_jitted(skinny_matmul, x, w, interpret=interpret, **kwargs)
     y = np.asarray(out, np.float32)
     ref = np.asarray(skinny_matmul_reference(x, w, layer=kwargs.get("layer")), np.float32)
     return {
