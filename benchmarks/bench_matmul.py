@@ -291,7 +291,10 @@ def grouped_sweep(
             for config in mosaic_list:
                 label = {"impl": impl, "projection": proj, "T": tokens, **config}
                 try:
-                    y = np.asarray(mosaic_fn(xs[0], weight, sizes, **config), np.float32)
+                    # one jitted program, waited for (in interpret mode an op-by-op call can hang the interpreter:
+                    # tests/kernels/mosaic_interpret.py)
+                    one = jax.jit(lambda x, w, c=config: mosaic_fn(x, w, sizes, **c))
+                    y = np.asarray(jax.block_until_ready(one(xs[0], weight)), np.float32)
                     seconds = _timed(lambda x, w, c=config: mosaic_fn(x, w, sizes, **c), xs, weight)
                 except Exception as err:  # noqa: BLE001 - a tiling that fails to compile or run is a result
                     rows.append({**label, "error": str(err)[:300]})

@@ -142,7 +142,15 @@ def shard_tiny(data: dict) -> bool:
     `k26_tp<n>_shard_tiny[_<tag>]`. The name's --tag is not the model: files of one model with other tags combine."""
     if "tiny" in data:
         return bool(data["tiny"])
-    return str(data.get("benchmark", "")).startswith(f"k26_tp{data.get('model_size')}_shard_tiny")
+    name, tiny = str(data.get("benchmark", "")), f"k26_tp{data.get('model_size')}_shard_tiny"
+    return name == tiny or name.startswith(
+        tiny + "_"
+    )  # (an old K2.6 file tagged "tiny_..." reads as tiny: no such file)
+
+
+# per-row settings that change a step's time without changing the model: a file's rows must agree, and files whose
+# rows recorded them must agree with each other (rows from before a field existed did not record it: they combine)
+SHARD_ROW_SETTINGS = ("router_bias", "temperature")
 
 
 def shard_model(path: str, data: dict) -> dict:
@@ -154,6 +162,10 @@ def shard_model(path: str, data: dict) -> dict:
     forms = {drafts(row) for row in data["rows"]}
     if len(forms) > 1:
         raise ValueError(f"{path}: rows of different drafts ({sorted(forms)})")
+    for setting in SHARD_ROW_SETTINGS:
+        values = {row[setting] for row in data["rows"] if setting in row}
+        if len(values) > 1:
+            raise ValueError(f"{path}: rows of different {setting} ({sorted(values, key=str)})")
     return {
         **{k: data.get(k) for k in SHARD_MODEL_FIELDS},
         "tiny": shard_tiny(data),
@@ -167,7 +179,7 @@ def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
     field where two differ (the fastest row per configuration would otherwise mix models, e.g. AR from a 4-layer
     run against DDTree from the 61-layer one), or where a file is given twice."""
     check_distinct(paths, "--shard")
-    rows, sources, first = [], [], None
+    rows, sources, first, recorded = [], [], None, {}
     for path in paths:
         with open(path) as f:
             data = json.load(f)
@@ -179,6 +191,17 @@ def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
                 raise ValueError(
                     f"--shard {first[0]} and {path} differ in {key} ({first[1][key]!r} vs {value!r}): "
                     "shard files of one model only"
+                )
+        for setting in SHARD_ROW_SETTINGS:
+            values = {row[setting] for row in data["rows"] if setting in row}  # at most one (shard_model)
+            if not values:
+                continue
+            value = next(iter(values))
+            seen_path, seen = recorded.setdefault(setting, (path, value))
+            if value != seen:
+                raise ValueError(
+                    f"--shard {seen_path} and {path} differ in {setting} ({seen!r} vs {value!r}): "
+                    "the fastest row per configuration would mix settings"
                 )
         rows += data["rows"]
         sources.append({"file": path, **{k: data.get(k) for k in ("commit", "date", "device")}})

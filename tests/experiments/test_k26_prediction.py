@@ -104,12 +104,23 @@ def test_each_column_keeps_its_colour_in_every_panel():
 
 
 def _shard_file(
-    tmp_path, name, layers, *, model_size=8, drafter_layers=6, ms=1.0, drafts=None, benchmark="k26_tp8_shard", tiny=None
+    tmp_path,
+    name,
+    layers,
+    *,
+    model_size=8,
+    drafter_layers=6,
+    ms=1.0,
+    drafts=None,
+    benchmark="k26_tp8_shard",
+    tiny=None,
+    row_fields=None,
 ):
     rows = [
         {"B": 1, "context": 4096, "method": m, "budget": b, "loop_step_ms": ms * k, "step_ms": ms * k}
         | {"collectives_ms": 0.1, "layers": layers}
         | ({} if drafts is None else {"drafts": drafts})
+        | (row_fields or {})
         for m, b, k in (("ar", None, 1.0), ("ddtree", 64, 2.0))
     ]
     path = tmp_path / name
@@ -139,7 +150,7 @@ def _e2e_file(tmp_path, name="e2e.json"):
 def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
     """A 61-layer and a 4-layer shard file would mix models (AR from one, DDTree from the other): refused, naming
     both files and the field, before anything is written; so are a file given twice and other model fields."""
-    deep = _shard_file(tmp_path, "deep.json", 61)
+    deep = _shard_file(tmp_path, "deep.json", 61, row_fields={"router_bias": "zero", "temperature": 0.0})
     e2e = _e2e_file(tmp_path)
     out = tmp_path / "out"
     cases = [
@@ -149,6 +160,12 @@ def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
         # the tiny K2's shard: by the "tiny" field, and by the name of a file from before the field
         (_shard_file(tmp_path, "tiny.json", 61, tiny=True), "tiny (False vs True)"),
         (_shard_file(tmp_path, "tiny_old.json", 61, benchmark="k26_tp8_shard_tiny_x"), "tiny (False vs True)"),
+        # settings the rows record: a random router bias (faster steps) or another temperature beside zero / 0
+        (
+            _shard_file(tmp_path, "random.json", 61, row_fields={"router_bias": "random"}),
+            "router_bias ('zero' vs 'random')",
+        ),
+        (_shard_file(tmp_path, "hot.json", 61, row_fields={"temperature": 1.0}), "temperature (0.0 vs 1.0)"),
         # the random drafter's own drafts (rows without the field: before it existed) beside spread ones
         (_shard_file(tmp_path, "spread.json", 61, drafts="spread"), "drafts ('model' vs 'spread')"),
         (deep, "given twice"),
@@ -168,6 +185,16 @@ def test_shard_files_of_different_models_are_refused(tmp_path, capsys):
         predict(rows + [dict(rows[1], layers=4)], {}, [4.0])
     with pytest.raises(ValueError, match="different drafts"):
         predict(rows + [dict(rows[1], drafts="spread")], {}, [4.0])
+    mixed = tmp_path / "mixed.json"  # one file whose rows ran two router biases
+    data = json.loads((tmp_path / "deep.json").read_text())
+    data["rows"][1]["router_bias"] = "random"
+    mixed.write_text(json.dumps(data))
+    with pytest.raises(SystemExit):
+        main(["--shard", str(mixed), "--e2e", e2e, "--out", str(out)])
+    assert "rows of different router_bias" in capsys.readouterr().err
+    # a file from before the fields (rows without them) combines with one that recorded them
+    old = _shard_file(tmp_path, "old.json", 61)
+    assert main(["--shard", f"{deep},{old}", "--e2e", e2e, "--out", str(tmp_path / "combined")]) == 0
 
 
 def test_shard_files_of_one_model_with_other_tags_combine(tmp_path):
