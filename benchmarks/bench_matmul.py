@@ -291,11 +291,11 @@ def grouped_sweep(
             for config in mosaic_list:
                 label = {"impl": impl, "projection": proj, "T": tokens, **config}
                 try:
+                    call = lambda x, w, c=config: mosaic_fn(x, w, sizes, **c)  # noqa: E731
                     # one jitted program, waited for (in interpret mode an op-by-op call can hang the interpreter:
                     # tests/kernels/mosaic_interpret.py)
-                    one = jax.jit(lambda x, w, c=config: mosaic_fn(x, w, sizes, **c))
-                    y = np.asarray(jax.block_until_ready(one(xs[0], weight)), np.float32)
-                    seconds = _timed(lambda x, w, c=config: mosaic_fn(x, w, sizes, **c), xs, weight)
+                    y = np.asarray(jax.block_until_ready(jax.jit(call)(xs[0], weight)), np.float32)
+                    seconds = _timed(call, xs, weight)
                 except Exception as err:  # noqa: BLE001 - a tiling that fails to compile or run is a result
                     rows.append({**label, "error": str(err)[:300]})
                     print(f"{impl} {proj} T={tokens} {config}: {type(err).__name__}: {str(err)[:300]}", flush=True)

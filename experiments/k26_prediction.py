@@ -142,10 +142,9 @@ def shard_tiny(data: dict) -> bool:
     `k26_tp<n>_shard_tiny[_<tag>]`. The name's --tag is not the model: files of one model with other tags combine."""
     if "tiny" in data:
         return bool(data["tiny"])
+    # (an old K2.6 file tagged "tiny_..." would read as tiny: no such file exists)
     name, tiny = str(data.get("benchmark", "")), f"k26_tp{data.get('model_size')}_shard_tiny"
-    return name == tiny or name.startswith(
-        tiny + "_"
-    )  # (an old K2.6 file tagged "tiny_..." reads as tiny: no such file)
+    return name == tiny or name.startswith(tiny + "_")
 
 
 # per-row settings that change a step's time without changing the model: a file's rows must agree, and files whose
@@ -162,16 +161,24 @@ def shard_model(path: str, data: dict) -> dict:
     forms = {drafts(row) for row in data["rows"]}
     if len(forms) > 1:
         raise ValueError(f"{path}: rows of different drafts ({sorted(forms)})")
-    for setting in SHARD_ROW_SETTINGS:
-        values = {row[setting] for row in data["rows"] if setting in row}
-        if len(values) > 1:
-            raise ValueError(f"{path}: rows of different {setting} ({sorted(values, key=str)})")
     return {
         **{k: data.get(k) for k in SHARD_MODEL_FIELDS},
         "tiny": shard_tiny(data),
         "layers": layers.pop() if layers else None,
         "drafts": forms.pop() if forms else None,
     }
+
+
+def shard_settings(path: str, data: dict) -> dict:
+    """setting -> the value a tp_shard_step JSON's rows recorded for it (`SHARD_ROW_SETTINGS`), None where none did:
+    ValueError naming the file if its rows differ in one."""
+    settings = {}
+    for setting in SHARD_ROW_SETTINGS:
+        values = {row[setting] for row in data["rows"] if setting in row}
+        if len(values) > 1:
+            raise ValueError(f"{path}: rows of different {setting} ({sorted(values, key=str)})")
+        settings[setting] = values.pop() if values else None
+    return settings
 
 
 def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -192,11 +199,9 @@ def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
                     f"--shard {first[0]} and {path} differ in {key} ({first[1][key]!r} vs {value!r}): "
                     "shard files of one model only"
                 )
-        for setting in SHARD_ROW_SETTINGS:
-            values = {row[setting] for row in data["rows"] if setting in row}  # at most one (shard_model)
-            if not values:
+        for setting, value in shard_settings(path, data).items():
+            if value is None:
                 continue
-            value = next(iter(values))
             seen_path, seen = recorded.setdefault(setting, (path, value))
             if value != seen:
                 raise ValueError(

@@ -7,11 +7,10 @@ with that pool (NPROC=64, read when the CPU client starts), which prints one JSO
 hang anyway, the subprocess dumps every thread's stack before its time limit, so the failure says where.
 
 The code run there calls each kernel as one jitted program and waits for its result before the next dispatch
-(`run_jitted`). The
-interpreter's callback threads dispatch small JAX ops of their own (`thread_map` makes each thread's id a JAX
-scalar); with the main thread dispatching op by op meanwhile (an un-jitted MoE layer's sort, tile table and
-gathers), the likely hang (not proven): a callback's op waits behind the main thread's, which waits for the kernel, which waits for the
-callback. Under CPU load that race hung the MoE test (tests/models/test_moe.py) for its whole time limit in a CI-like
+(`run_jitted`). The interpreter's callback threads dispatch small JAX ops of their own (`thread_map` makes each
+thread's id a JAX scalar); with the main thread dispatching op by op meanwhile (an un-jitted MoE layer's sort, tile
+table and gathers), the likely hang (not proven): a callback's op waits behind the main thread's, which waits for
+the kernel, which waits for the callback. Under CPU load that race hung the MoE test (tests/models/test_moe.py) for its whole time limit in a CI-like
 run, and reproducibly with two CPU-bound processes beside it on 2 cores; jitted and waited for, it passed there."""
 
 import json

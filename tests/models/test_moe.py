@@ -215,11 +215,12 @@ def test_pallas_takes_the_mosaic_grouped_kernel_for_int4():
 
     out = run_in_subprocess(
         """
-import dataclasses, json
+import dataclasses, functools, json
 import jax, jax.numpy as jnp, numpy as np
 from ddtree_jax import dispatch
 from ddtree_jax.models import deepseek_v3, moe
 from ddtree_kernels.quant import quantize_int4
+from tests.kernels.mosaic_interpret import run_jitted
 from tests.models.test_moe import CONFIG, EXPERTS
 
 config = dataclasses.replace(CONFIG, hidden_size=256, moe_intermediate_size=256, n_routed_experts=4,
@@ -234,7 +235,7 @@ real = moe.grouped_int4_matmul
 moe.grouped_int4_matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
 dispatch.grouped_int4_kernel = lambda *a, **k: "mosaic"
 # one program a call, waited for: no op-by-op dispatch while a kernel's warpgroups run (mosaic_interpret's rule)
-run = lambda impl, params, rows: np.asarray(jax.jit(lambda q, r: moe.moe(config, q, r, impl=impl))(params, rows),
+run = lambda impl, params, rows: np.asarray(run_jitted(functools.partial(moe.moe, config), params, rows, impl=impl),
                                             np.float32)
 got = run("pallas", p, x)
 want = np.asarray(moe.moe_reference(config, p, x), np.float32)
