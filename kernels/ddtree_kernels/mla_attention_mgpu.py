@@ -79,7 +79,6 @@ from ddtree_kernels.mosaic_common import (
     INTERPRET_PARAMS,
     accumulate,
     accumulate_from_smem,
-    layer_index,
     merge_splits,
     pack_mask,
     row_bits,
@@ -112,7 +111,7 @@ def _stages(block_kv: int, num_words: int = 1, split_scores: bool = False, alter
 
 
 def _kernel(
-    counts_ref,
+    lengths_ref,
     layer_ref,
     rows_ref,
     ql_ref,
@@ -136,6 +135,8 @@ def _kernel(
     *extra,
     block_kv: int,
     blocks_per_split: int,
+    capacity: int,
+    num_layers: int,
     stages: int,
     num_words: int,
     scale_log2: float,
@@ -144,9 +145,10 @@ def _kernel(
     alternate: bool,
     interpret: bool,
 ):
-    # GMEM: counts_ref i32 [B, splits] key blocks of each split; rows_ref i32 [2, R_pad] per row: the bit
+    # GMEM: lengths_ref i32 [B] keys visible to the row (clamped into [0, S] here); rows_ref i32 [2, R_pad] per row: the bit
     #   (1 << t % 32) and the word (t // 32) of its tree query (bit 0: padding row); ql_ref [B, R, 512],
-    #   qr_ref [B, R, 64] queries (row = t * H + h); layer_ref i32 [1] the layer read; lat_ref [L, B, S, 512],
+    #   qr_ref [B, R, 64] queries (row = t * H + h); layer_ref i32 [1] the layer read
+    #   (as `lax.dynamic_index_in_dim`: negative from the end, then clamped here); lat_ref [L, B, S, 512],
     #   rope_ref [L, B, S, 64] the caches of every layer (L = 1 for one layer's), read in place;
     #   words_ref i32 [B, W, S_pad] the packed mask (S_pad: S in whole key blocks); o_ref bf16
     #   [B, splits, R, 512] each split's normalised output; lse_ref f32 [B, splits, R_pad] its log2-sum-exp
@@ -173,11 +175,14 @@ def _kernel(
     elif interpret:
         (p_smem,) = extra
     row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
+    # the split's key blocks and the layer, from scalars: done here, not as XLA fusions beside every call
     layer = layer_ref[0]
+    layer = jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
     wg = lax.axis_index("wg")
     r0 = row_block * BLOCK_M
-    num_blocks = counts_ref[b, split]
     first_key = split * (blocks_per_split * block_kv)
+    kv_length = jnp.clip(lengths_ref[b], 0, capacity)
+    num_blocks = jnp.clip(lax.div(kv_length - first_key + (block_kv - 1), block_kv), 0, blocks_per_split)
 
     @pl.when(wg == 2)
     def _memory():
@@ -560,9 +565,7 @@ def _mla_tree_attention(
     stages = _stages(block_kv, num_words, split_scores, alternate)
     dtype = q_latent.dtype
 
-    kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, capacity)
-    starts = jnp.arange(splits, dtype=jnp.int32) * (per_split * block_kv)
-    counts = jnp.clip(pl.cdiv(kv_lengths[:, None] - starts[None, :], block_kv), 0, per_split).astype(jnp.int32)
+    kv_lengths = kv_lengths.astype(jnp.int32)  # clamped into [0, capacity] by the kernel (and by pack_mask)
     # TMA needs 16-byte row strides: the capacity is whole key blocks by now (padded above), so are the words
     # words: the caller's `pack_tree_mask` (one packing for many calls, e.g. every layer of a step) or packed here
     words = pack_mask(mask, kv_lengths, num_words) if words is None else words
@@ -574,6 +577,8 @@ def _mla_tree_attention(
         _kernel,
         block_kv=block_kv,
         blocks_per_split=per_split,
+        capacity=capacity,
+        num_layers=num_layers,
         stages=stages,
         num_words=num_words,
         scale_log2=scale * LOG2E,
@@ -610,8 +615,8 @@ def _mla_tree_attention(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=INTERPRET_PARAMS if interpret else None,
     )(
-        counts,
-        layer_index(layer, num_layers).reshape(1),
+        kv_lengths,
+        jnp.asarray(layer, jnp.int32).reshape(1),
         row_table,
         jnp.pad(q_latent.reshape(batch, rows, LATENT_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),
         jnp.pad(q_rope.reshape(batch, rows, ROPE_DIM), ((0, 0), (0, tma_rows - rows), (0, 0))),

@@ -52,6 +52,8 @@ CASES = {
     "stacked_layer0_split": (2, 9, 8, 192, (150, 40), dict(num_splits=2, stack=(3, 0), split_scores=True)),
     # a negative layer counts from the end, as lax.dynamic_index_in_dim (the callers' slicing path) reads it
     "stacked_layer_minus1": (1, 9, 8, 128, (100,), dict(num_splits=1, stack=(3, -1))),
+    # past the last layer: clamped to it (the kernel clamps the index itself, as dynamic_index_in_dim does)
+    "stacked_layer_past_end": (1, 9, 8, 128, (100,), dict(num_splits=2, stack=(3, 5))),
     # packed_mask: the mask packed once by the caller (pack_tree_mask), S = 300 padded to whole blocks
     "packed_t9_h16": (1, 9, 16, 300, (297,), dict(num_splits=2, packed=True)),
 }
@@ -93,7 +95,8 @@ def run_case(name: str) -> dict:
     if stack:  # the layer a traced scalar, as in a layer scan; the reference reads that layer's slice
         attend = jax.jit(lambda *a: mla_tree_attention(*a[:5], kv_lengths=kv_lengths, layer=a[5], **kwargs))
         out = run_jitted(attend, q_latent, q_rope, latent, rope_key, mask, jnp.int32(layer))
-        latent, rope_key = latent[layer], rope_key[layer]
+        latent = jax.lax.dynamic_index_in_dim(latent, layer, 0, keepdims=False)
+        rope_key = jax.lax.dynamic_index_in_dim(rope_key, layer, 0, keepdims=False)
     elif packed:  # the kernel reads the packing, not mask's values: hand it an all-False mask beside it
         packed_mask = pack_tree_mask(mask, kv_lengths)
         out = run_jitted(
