@@ -79,6 +79,7 @@ from ddtree_kernels.mosaic_common import (
     INTERPRET_PARAMS,
     accumulate,
     accumulate_from_smem,
+    layer_index,
     merge_splits,
     pack_mask,
     row_bits,
@@ -177,7 +178,7 @@ def _kernel(
     row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
     # the split's key blocks and the layer, from scalars: done here, not as XLA fusions beside every call
     layer = layer_ref[0]
-    layer = jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
+    layer = layer_index(layer, num_layers)
     wg = lax.axis_index("wg")
     r0 = row_block * BLOCK_M
     first_key = split * (blocks_per_split * block_kv)

@@ -108,24 +108,12 @@ def layer_index(layer, num_layers: int) -> jax.Array:
     return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
 
 
-SPLIT_MERGES = ("online", "twopass")
-# How `merge_splits` combines the splits, read at trace time: "online", one variadic reduction over the splits
-# carrying (running max, weight sum, weighted output) per element, is one XLA fusion; "twopass" (max, then the
-# weights' sum, then the weighted sum) compiled to three reduction fusions a call on the H200 (~12 us a layer of
-# the K2.6 shard's AR step at 8fec69d, against a 7.8 us kernel)
-SPLIT_MERGE = "online"
-
-
-def merge_splits(partial: jax.Array, lse: jax.Array, axis: int, form: str | None = None) -> jax.Array:
+def merge_splits(partial: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
     """The splits' normalised outputs partial [..., splits, rows, D] and their base-2 log-sum-exp lse
     [..., splits, rows] (splits at `axis` of both) -> float32 [..., rows, D]; rows that saw no key (lse -inf
-    in every split) come out zero. form: "online" or "twopass" (default SPLIT_MERGE): the same sum, grouped
-    differently (float32 rounding apart)."""
-    form = SPLIT_MERGE if form is None else form
-    if form not in SPLIT_MERGES:
-        raise ValueError(f"merge form {form!r}: expected one of {SPLIT_MERGES}")
-    if form == "online":
-        return _merge_online(partial, lse, axis)
+    in every split) come out zero. Three reductions (the maximum, the weights' sum, the weighted sum): one
+    variadic reduction of (maximum, weight sum, weighted output) measured slower on the GPU, its broadcast
+    operands materialised by XLA (BENCHMARKS.md, "The split merge as one reduction")."""
     top = jnp.max(lse, axis=axis, keepdims=True)
     weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for -inf
     total = jnp.sum(weight, axis=axis)

@@ -184,8 +184,9 @@ def _kernel(
     block_k: int,
     k_steps: int,
     stages: int,
+    num_layers: int,
 ):
-    # GMEM: layer_ref i32 [1] the layer read; x_ref bf16 [M_pad, K] (zero rows past M); w_ref bf16 [L, N, K]
+    # GMEM: layer_ref i32 [1] the layer read (clamped here, `layer_index`); x_ref bf16 [M_pad, K] (zero rows past M); w_ref bf16 [L, N, K]
     #   every layer's weights (L = 1 for one weight), read in place; o_ref [splits, M, N] (float32 partials
     #   when splits > 1, else bf16 y).
     # SMEM (`smem`, a union of the ring and the output tile):
@@ -203,7 +204,7 @@ def _kernel(
     @pl.when(wg == wgs)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        layer = layer_ref[0]
+        layer = layer_index(layer_ref[0], num_layers)  # here, not as an XLA fusion beside every call
 
         def load(i, slot):
             cols = pl.ds(k0 + i * block_k, block_k)
@@ -255,7 +256,9 @@ def _skinny_matmul(x, w, layer, *, block_n, block_k, stages, splits, interpret):
     rows = block_n // wgs
     k_steps = k // (block_k * splits)
     out_dtype = jnp.float32 if splits > 1 else x.dtype
-    kernel = functools.partial(_kernel, rows=rows, wgs=wgs, block_k=block_k, k_steps=k_steps, stages=stages)
+    kernel = functools.partial(
+        _kernel, rows=rows, wgs=wgs, block_k=block_k, k_steps=k_steps, stages=stages, num_layers=w.shape[0]
+    )
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
@@ -370,7 +373,7 @@ def skinny_matmul(
         stack, index = w[None], jnp.zeros((1,), jnp.int32)
     else:
         stack = w
-        index = layer_index(layer, w.shape[0]).reshape(1)
+        index = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped inside the kernel
     return _skinny_matmul(
         x,
         stack,

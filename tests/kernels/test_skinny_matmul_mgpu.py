@@ -35,6 +35,8 @@ CASES = {
     # by a negative index (as lax.dynamic_index_in_dim reads it), with K splits
     "m1_stacked_layer1": (1, 128, 256, dict(layers=3, layer=1)),
     "m17_stacked_last_splits2": (17, 128, 512, dict(layers=4, layer=-1, splits=2)),
+    # past the last layer: clamped to it inside the kernel (as lax.dynamic_index_in_dim clamps)
+    "m9_stacked_past_end": (9, 128, 256, dict(layers=2, layer=7)),
 }
 TOLERANCE = 1e-2  # max |y - ref| / max |ref| and ||y - ref|| / ||ref||: bf16 output rounding (measured <= 4e-3)
 
