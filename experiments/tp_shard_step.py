@@ -175,6 +175,13 @@ def main(argv=None) -> None:
         help="how the routed experts' assignments are sorted by expert (dispatch.MOE_SORTS; default: dispatch.MOE_SORT)",
     )
     parser.add_argument(
+        "--router-topk",
+        default=None,
+        choices=dispatch.ROUTER_TOPKS,
+        help="how the router picks each token's experts (dispatch.ROUTER_TOPKS: lax.top_k, or rank: by comparisons; "
+        "default: dispatch.ROUTER_TOPK)",
+    )
+    parser.add_argument(
         "--grouped-gather",
         default=None,
         help="where the grouped expert kernel's gate / up rows are put in expert order, comma-separated, one row "
@@ -242,6 +249,8 @@ def main(argv=None) -> None:
             parser.error(f"--grouped-gather {args.grouped_gather!r}: {repeated} more than once (auto is xla)")
     if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
         dispatch.MOE_SORT = args.moe_sort
+    if args.router_topk is not None:  # read by the models at trace time (`moe.route`)
+        dispatch.ROUTER_TOPK = args.router_topk
     if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
         dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
@@ -331,6 +340,7 @@ def main(argv=None) -> None:
                     layers=shard.num_layers,
                     mla_schedule=dispatch.MLA_SCHEDULE,
                     moe_sort=dispatch.MOE_SORT,
+                    router_topk=dispatch.router_topk(),
                     grouped_gather=dispatch.grouped_gather(),
                     grouped_int4_decode=dispatch.GROUPED_INT4_DECODE,
                     in_place=dispatch.AUTO_IN_PLACE,

@@ -111,11 +111,34 @@ def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.A
         _, best_groups = lax.top_k(group_score, c.topk_group)
         allowed = jax.nn.one_hot(best_groups, c.n_group, dtype=bool).any(-2)  # [..., G]
         choice = jnp.where(jnp.repeat(allowed, per_group, axis=-1), choice, -jnp.inf)
-    _, experts = lax.top_k(choice, c.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if dispatch.router_topk() == "rank":
+        experts, weights = top_k_by_rank(choice, c.num_experts_per_tok, scores)
+    else:
+        _, experts = lax.top_k(choice, c.num_experts_per_tok)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
     if c.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return experts.astype(jnp.int32), weights * c.routed_scaling_factor
+
+
+def top_k_by_rank(values: jax.Array, k: int, carried: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(values, k)`'s indices, and `carried` at them, by counting: values, carried float [..., E] ->
+    (indices int32 [..., k], carried [..., k]). Expert i's rank is the number of experts with a larger value, or an
+    equal one at a lower index ([..., E, E] comparisons, one reduction); slot r takes the expert of rank r ([..., k,
+    E], one reduction each for the index and the carried value). The same indices in the same order as lax.top_k
+    (largest first, ties to the lower index) for values without NaN; for routing's few tokens, where XLA's top-k
+    is a sort-like kernel and a slice (`dispatch.router_topk`)."""
+    num = values.shape[-1]
+    if not 1 <= k <= num:
+        raise ValueError(f"k must be 1 .. {num} (the last axis), got {k}")
+    index = jnp.arange(num, dtype=jnp.int32)
+    other, this = values[..., None, :], values[..., :, None]  # [..., i, j]: expert j against expert i
+    ahead = (other > this) | ((other == this) & (index[None, :] < index[:, None]))
+    rank = ahead.sum(axis=-1, dtype=jnp.int32)  # [..., E]
+    picked = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [..., k, E]: one expert a slot
+    indices = jnp.where(picked, index, 0).sum(axis=-1, dtype=jnp.int32)
+    chosen = jnp.where(picked, carried[..., None, :], jnp.zeros((), carried.dtype)).sum(axis=-1)
+    return indices, chosen
 
 
 def _shared(p: dict, x: jax.Array) -> jax.Array:

@@ -27,9 +27,10 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     argv = ["tp_shard_step", "--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1"]
     argv += ["--methods", "ar,ddtree", "--budgets", "4", "--contexts", "32", "--batches", "1", "--repeats", "1"]
     argv += ["--profile-top", "3", "--mla-schedule", "alternate"]
-    argv += ["--grouped-gather", "kernel,xla_apart", "--grouped-int4-decode", "triton"]
+    argv += ["--grouped-gather", "kernel,xla_apart", "--grouped-int4-decode", "triton", "--router-topk", "rank"]
     monkeypatch.setattr(sys, "argv", argv)
-    for name, value in (("MLA_SCHEDULE", "default"), ("GROUPED_GATHER", "auto"), ("GROUPED_INT4_DECODE", "auto")):
+    settings = (("MLA_SCHEDULE", "default"), ("GROUPED_GATHER", "auto"), ("GROUPED_INT4_DECODE", "auto"))
+    for name, value in settings + (("ROUTER_TOPK", "auto"),):
         monkeypatch.setattr(tp_shard_step.dispatch, name, value)  # restored after: main() sets them
     tp_shard_step.main()
     assert tp_shard_step.dispatch.MLA_SCHEDULE == "alternate"
@@ -57,7 +58,7 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     for r in rows:
         assert r["step_ms"] > 0 and r["collectives_ms"] > 0 and r["mla_schedule"] == "alternate"
         assert r["router_bias"] == "zero" and r["drafts"] == "spread" and r["temperature"] == 0.0 and r["repeats"] == 1
-        assert r["grouped_int4_decode"] == "triton"
+        assert r["grouped_int4_decode"] == "triton" and r["router_topk"] == "rank"
         # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
         # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
         assert r["loop_steps"] == 16 and np.isfinite(r["loop_step_ms"])
@@ -89,6 +90,7 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         (["--grouped-gather", "xla,xla"], "['xla'] more than once"),
         (["--grouped-gather", "auto,xla"], "['xla'] more than once (auto is xla)"),
         (["--drafts", "oracle"], "--drafts"),
+        (["--router-topk", "heap"], "--router-topk"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_shard_is_built(argv, message, monkeypatch, capsys):

@@ -343,3 +343,46 @@ def test_bf16_router_logits_are_the_float32_logits():
     )
     np.testing.assert_array_equal(got_experts, want_experts)
     np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5)
+
+
+def test_top_k_by_rank_is_lax_top_k():
+    """`moe.top_k_by_rank` gives lax.top_k's indices in its order (largest first, ties to the lower index) and the
+    carried values at them, on random rows with many ties (values drawn from 5 levels) and with -inf entries (the
+    group-limited routing's masked experts); a k outside 1 .. E is refused."""
+    rng = np.random.default_rng(21)
+    for shape, k in (((1, 384), 8), ((3, 17, 16), 3), ((40, 9), 9), ((2, 6), 1)):
+        values = rng.integers(0, 5, shape).astype(np.float32)
+        values[rng.random(shape) < 0.2] = -np.inf
+        values = jnp.asarray(values)
+        carried = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        indices, chosen = jax.jit(moe.top_k_by_rank, static_argnums=1)(values, k, carried)
+        _, want = jax.lax.top_k(values, k)
+        np.testing.assert_array_equal(indices, want)
+        np.testing.assert_array_equal(chosen, jnp.take_along_axis(carried, want, axis=-1))
+    with pytest.raises(ValueError, match="k must be 1 .. 6"):
+        moe.top_k_by_rank(jnp.zeros((2, 6)), 7, jnp.zeros((2, 6)))
+
+
+def test_route_by_rank_equals_route_by_lax(monkeypatch):
+    """`dispatch.ROUTER_TOPK` "rank" routes to the same experts with the same weights as "lax", with group-limited
+    routing and a drawn correction bias (CONFIG: 4 groups, top-2 groups), and the same MoE output; an unknown
+    choice is refused."""
+    p = _layer("float", seed=2)
+    x = jax.random.normal(jax.random.key(9), (2, 9, CONFIG.hidden_size))
+    run = {}
+    for choice in ("lax", "rank"):
+        monkeypatch.setattr(dispatch, "ROUTER_TOPK", choice)
+        route = jax.jit(lambda p, x: moe.route(CONFIG, p["router"], p["router_bias"], x))
+        layer = jax.jit(lambda p, x: moe.moe(CONFIG, p, x, impl="gather"))
+        run[choice] = (*route(p, x), layer(p, x))
+    (experts, weights, out), (want_experts, want_weights, want_out) = run["rank"], run["lax"]
+    np.testing.assert_array_equal(experts, want_experts)
+    # the weights are the same scores picked; XLA may fuse the sigmoid differently in the two programs (ulps)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    assert dispatch.router_topk() == "rank"
+    monkeypatch.setattr(dispatch, "ROUTER_TOPK", "auto")
+    assert dispatch.router_topk() == "lax"
+    monkeypatch.setattr(dispatch, "ROUTER_TOPK", "heap")
+    with pytest.raises(ValueError, match="heap"):
+        dispatch.router_topk()
