@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
 import types
 
 import jax
@@ -572,3 +573,22 @@ def test_main_sh_help_says_what_it_passes(tmp_path):
     assert "--target checkpoints/embedded/target --drafter checkpoints/embedded/drafter" in usage
     assert "--random-tiny --method all --budget 16" in usage
     assert "--max-new-tokens" in generate_help
+
+
+def test_export_commit_writes_a_runnable_copy_of_a_commit(tmp_path):
+    """scripts/export_commit.sh: a commit's code, configs and checkpoints in a folder, without the archived results
+    (the same-call before / after of docs/benchmarks.md); a bad commit or an existing folder is refused."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "export_commit.sh")
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "base"
+    done = subprocess.run(["bash", script, "HEAD", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for kept in ("ddtree_jax/dispatch.py", "kernels/ddtree_kernels/mosaic_common.py", "configs", "checkpoints"):
+        assert (out / kept).exists(), kept
+    assert not (out / "benchmarks" / "results_archive").exists() and not (out / "notebooks").exists()
+    again = subprocess.run(["bash", script, "HEAD", str(out)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "exists" in again.stderr
+    bad = subprocess.run(["bash", script, "no-such-commit", str(tmp_path / "x")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no-such-commit is not a commit" in bad.stderr
