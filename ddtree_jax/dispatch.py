@@ -52,7 +52,8 @@ The rules, by stage (the measurements are BENCHMARKS.md's, one H200):
               DDTree 16), "xla_apart" (the gather behind an optimization barrier) one in the 61-layer step
               (17.15 against 17.13 ms at DDTree 8, H200), so neither is "auto".
               The router's top-k (`router_topk`): `lax.top_k`; "rank" (each expert's rank by comparisons, the
-              same experts in the same order) on request, not yet timed on the GPU.
+              same experts in the same order) on request up to RANK_TOPK_MAX_ROWS tokens, not yet timed on the
+              GPU.
   sampling    the fused tree-sampling kernel on GPU, the XLA walk elsewhere.
   tree        the tree builder on GPU: the Pallas top-K and best-first selection kernels
               (`ddtree_kernels.tree_build`; one launch each instead of ~100 small XLA kernels); XLA elsewhere.
@@ -243,16 +244,18 @@ MOSAIC_DECODE_MAX_ASSIGNMENTS = 32
 # `moe.sort_by_expert`). "auto" takes "rank" on GPU up to that size. With the grouped tile table's prefix sums
 # (`decode_matmul._exclusive_prefix_sum`) it took the 4-layer K2.6 shard's DDTree 16 step (136 assignments a layer,
 # 8fec69d, command buffers off) from 2,293.9 to 2,244.7 us of device time and 3.25 to 3.10 ms in the loop.
-# The router's top-k experts a token (`moe.route`): "lax" = `lax.top_k` (in the 4-layer K2.6 shard's AR profile on
-# one H100, 25f5f18: a top-k fusion and a slice, 6.9 us a MoE layer); "rank" = `moe.top_k_by_rank`: each expert's
-# rank counted by comparisons ([E, E] a token, one reduction) and the k best picked by rank ([k, E], one more),
-# the same experts in the same order (ties: the lower index first, as lax.top_k). "rank" is not yet timed on the
-# GPU, so "auto" takes "lax" (tp_shard_step --router-topk compares them).
-ROUTER_TOPKS = ("auto", "lax", "rank")
-ROUTER_TOPK = "auto"
 MOE_SORTS = ("auto", "argsort", "rank")
 MOE_SORT = "auto"
 RANK_SORT_MAX_ASSIGNMENTS = 2048
+# The router's top-k experts a token (`moe.route`): "lax" = `lax.top_k` (in the 4-layer K2.6 shard's AR profile on
+# one H100, 25f5f18: a top-k fusion and a slice, 6.9 us a MoE layer); "rank" = `moe.top_k_by_rank`, up to
+# RANK_TOPK_MAX_ROWS token rows (lax.top_k beyond: [rows, E, E] comparisons, 147 k a token at E = 384): each expert's
+# rank counted by comparisons (one reduction) and the k best picked by rank (one reduction for the experts, one for
+# their scores, which XLA may fuse), the same experts in the same order (ties to the lower index, as lax.top_k).
+# "rank" is not yet timed on the GPU, so "auto" takes "lax" (tp_shard_step --router-topk compares them).
+ROUTER_TOPKS = ("auto", "lax", "rank")
+ROUTER_TOPK = "auto"
+RANK_TOPK_MAX_ROWS = 128
 # The grouped Triton expert kernel's gate / up activations ("pallas" MoE path, `moe.routed_pallas`): "kernel" hands
 # the kernel the layer's token rows [T, D] and each sorted assignment's token (`decode_matmul.grouped_matmul`'s
 # row_index), each row read in place; "xla" gathers the T x top-k rows into expert order first. In the 4-layer K2.6
@@ -565,11 +568,12 @@ def moe_impl(assignments: int, experts: int, backend_name: str | None = None, *,
     return "gather" if assignments <= experts else "reference"
 
 
-def router_topk() -> str:
-    """How `moe.route` picks each token's top-k experts: ROUTER_TOPK unless "auto"; "auto": "lax" (`lax.top_k`;
-    "rank", `moe.top_k_by_rank`, is not yet measured on the GPU)."""
+def router_topk(rows: int) -> str:
+    """How `moe.route` picks the top-k experts of `rows` tokens: "rank" (`moe.top_k_by_rank`) where ROUTER_TOPK is
+    "rank" and rows <= RANK_TOPK_MAX_ROWS, else "lax" (`lax.top_k`; "auto" is "lax": "rank" is not yet measured on
+    the GPU)."""
     _check("router top-k", ROUTER_TOPK, ROUTER_TOPKS)
-    return "lax" if ROUTER_TOPK == "auto" else ROUTER_TOPK
+    return "rank" if ROUTER_TOPK == "rank" and rows <= RANK_TOPK_MAX_ROWS else "lax"
 
 
 def moe_sort(assignments: int, backend_name: str | None = None) -> str:

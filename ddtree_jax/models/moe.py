@@ -111,7 +111,7 @@ def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.A
         _, best_groups = lax.top_k(group_score, c.topk_group)
         allowed = jax.nn.one_hot(best_groups, c.n_group, dtype=bool).any(-2)  # [..., G]
         choice = jnp.where(jnp.repeat(allowed, per_group, axis=-1), choice, -jnp.inf)
-    if dispatch.router_topk() == "rank":
+    if dispatch.router_topk(math.prod(choice.shape[:-1])) == "rank":
         experts, weights = top_k_by_rank(choice, c.num_experts_per_tok, scores)
     else:
         _, experts = lax.top_k(choice, c.num_experts_per_tok)
@@ -125,13 +125,16 @@ def top_k_by_rank(values: jax.Array, k: int, carried: jax.Array) -> tuple[jax.Ar
     """`lax.top_k(values, k)`'s indices, and `carried` at them, by counting: values, carried float [..., E] ->
     (indices int32 [..., k], carried [..., k]). Expert i's rank is the number of experts with a larger value, or an
     equal one at a lower index ([..., E, E] comparisons, one reduction); slot r takes the expert of rank r ([..., k,
-    E], one reduction each for the index and the carried value). The same indices in the same order as lax.top_k
-    (largest first, ties to the lower index) for values without NaN; for routing's few tokens, where XLA's top-k
-    is a sort-like kernel and a slice (`dispatch.router_topk`)."""
+    E]: one reduction for the index, one for the carried value, which XLA may fuse). The same indices in the same
+    order as lax.top_k: largest first, ties to the lower index, NaN above every number (as lax.top_k; NaN and +inf
+    count as equal here), except that -0.0 and +0.0 count as equal (lax.top_k puts +0.0 first; routing's sigmoid
+    scores are never -0.0). For routing's few tokens, where XLA's top-k is a sort-like kernel and a slice
+    (`dispatch.router_topk`)."""
     num = values.shape[-1]
     if not 1 <= k <= num:
         raise ValueError(f"k must be 1 .. {num} (the last axis), got {k}")
     index = jnp.arange(num, dtype=jnp.int32)
+    values = jnp.where(jnp.isnan(values), jnp.inf, values)  # else a NaN ranks 0 beside the maximum: ids out of range
     other, this = values[..., None, :], values[..., :, None]  # [..., i, j]: expert j against expert i
     ahead = (other > this) | ((other == this) & (index[None, :] < index[:, None]))
     rank = ahead.sum(axis=-1, dtype=jnp.int32)  # [..., E]

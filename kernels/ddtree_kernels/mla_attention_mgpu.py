@@ -146,8 +146,8 @@ def _kernel(
     alternate: bool,
     interpret: bool,
 ):
-    # GMEM: lengths_ref i32 [B] keys visible to the row (clamped into [0, S] here); rows_ref i32 [2, R_pad] per row: the bit
-    #   (1 << t % 32) and the word (t // 32) of its tree query (bit 0: padding row); ql_ref [B, R, 512],
+    # GMEM: lengths_ref i32 [B] keys visible to the row (clamped into [0, S] here); rows_ref i32 [2, R_pad] per
+    #   row: the bit (1 << t % 32) and the word (t // 32) of its tree query (bit 0: padding row); ql_ref [B, R, 512],
     #   qr_ref [B, R, 64] queries (row = t * H + h); layer_ref i32 [1] the layer read
     #   (as `lax.dynamic_index_in_dim`: negative from the end, then clamped here); lat_ref [L, B, S, 512],
     #   rope_ref [L, B, S, 64] the caches of every layer (L = 1 for one layer's), read in place;
@@ -177,8 +177,7 @@ def _kernel(
         (p_smem,) = extra
     row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
     # the split's key blocks and the layer, from scalars: done here, not as XLA fusions beside every call
-    layer = layer_ref[0]
-    layer = layer_index(layer, num_layers)
+    layer = layer_index(layer_ref[0], num_layers)
     wg = lax.axis_index("wg")
     r0 = row_block * BLOCK_M
     first_key = split * (blocks_per_split * block_kv)
@@ -566,7 +565,7 @@ def _mla_tree_attention(
     stages = _stages(block_kv, num_words, split_scores, alternate)
     dtype = q_latent.dtype
 
-    kv_lengths = kv_lengths.astype(jnp.int32)  # clamped into [0, capacity] by the kernel (and by pack_mask)
+    kv_lengths = kv_lengths.astype(jnp.int32)  # clamped into [0, capacity] by the kernel (no block past S is read)
     # TMA needs 16-byte row strides: the capacity is whole key blocks by now (padded above), so are the words
     # words: the caller's `pack_tree_mask` (one packing for many calls, e.g. every layer of a step) or packed here
     words = pack_mask(mask, kv_lengths, num_words) if words is None else words

@@ -113,32 +113,9 @@ def merge_splits(partial: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
     [..., splits, rows] (splits at `axis` of both) -> float32 [..., rows, D]; rows that saw no key (lse -inf
     in every split) come out zero. Three reductions (the maximum, the weights' sum, the weighted sum): one
     variadic reduction of (maximum, weight sum, weighted output) measured slower on the GPU, its broadcast
-    operands materialised by XLA (BENCHMARKS.md, "The split merge as one reduction")."""
+    operands materialised by XLA (BENCHMARKS.md, the K2.6 TP8 shard's "Session 35" paragraph)."""
     top = jnp.max(lse, axis=axis, keepdims=True)
     weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for -inf
     total = jnp.sum(weight, axis=axis)
     out = jnp.sum(jnp.expand_dims(weight, -1) * partial.astype(jnp.float32), axis=axis)
     return out / jnp.maximum(total, 1e-30)[..., None]
-
-
-def _merge_online(partial: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
-    """`merge_splits` as one reduction over the splits of (max m, weight sum l, weighted output o) per output
-    element, each split entering as (lse, 1, partial): two entries (m1, l1, o1), (m2, l2, o2) combine to
-    (m, l1 a1 + l2 a2, o1 a1 + o2 a2) with m = max(m1, m2), a_i = 2^(m_i - m) (0 where m_i = -inf). Commutative
-    and associative up to rounding, with (-inf, 0, 0) its identity, so XLA may reduce in any order."""
-    lse = jnp.broadcast_to(jnp.expand_dims(lse.astype(jnp.float32), -1), partial.shape)
-    partial = partial.astype(jnp.float32)
-    ones = jnp.ones_like(partial)
-
-    def combine(first, second):
-        (m1, l1, o1), (m2, l2, o2) = first, second
-        top = jnp.maximum(m1, m2)
-        a1 = jnp.where(m1 > -jnp.inf, jnp.exp2(m1 - top), 0.0)
-        a2 = jnp.where(m2 > -jnp.inf, jnp.exp2(m2 - top), 0.0)
-        return top, l1 * a1 + l2 * a2, o1 * a1 + o2 * a2
-
-    zero = jnp.zeros((), jnp.float32)
-    _, total, out = lax.reduce(
-        (lse, ones, partial), (jnp.float32(-jnp.inf), zero, zero), combine, (axis % partial.ndim,)
-    )
-    return out / jnp.maximum(total, 1e-30)

@@ -186,9 +186,9 @@ def _kernel(
     stages: int,
     num_layers: int,
 ):
-    # GMEM: layer_ref i32 [1] the layer read (clamped here, `layer_index`); x_ref bf16 [M_pad, K] (zero rows past M); w_ref bf16 [L, N, K]
-    #   every layer's weights (L = 1 for one weight), read in place; o_ref [splits, M, N] (float32 partials
-    #   when splits > 1, else bf16 y).
+    # GMEM: layer_ref i32 [1] the layer read (clamped here, `layer_index`); x_ref bf16 [M_pad, K] (zero rows past
+    #   M); w_ref bf16 [L, N, K] every layer's weights (L = 1 for one weight), read in place; o_ref [splits, M, N]
+    #   (float32 partials when splits > 1, else bf16 y).
     # SMEM (`smem`, a union of the ring and the output tile):
     #   ring: w_smem bf16 [stages, wgs, rows, block_k] each slot's W tile, one [rows, block_k] per compute WG;
     #     x_smem bf16 [stages, M_pad, block_k] each slot's x tile (both 128-byte swizzled);

@@ -54,6 +54,9 @@ CASES = {
     "stacked_layer_minus1": (1, 9, 8, 128, (100,), dict(num_splits=1, stack=(3, -1))),
     # past the last layer: clamped to it (the kernel clamps the index itself, as dynamic_index_in_dim does)
     "stacked_layer_past_end": (1, 9, 8, 128, (100,), dict(num_splits=2, stack=(3, 5))),
+    # lengths out of range (kv_lengths: the kernel's and the reference's, the mask built from the first): past S
+    # (clamped to S by the kernel, no block past the cache read) and negative (nothing seen: the row is zero)
+    "lengths_out_of_range": (2, 9, 8, 192, (150, 40), dict(num_splits=2, kv_lengths=(262, -5))),
     # packed_mask: the mask packed once by the caller (pack_tree_mask), S = 300 padded to whole blocks
     "packed_t9_h16": (1, 9, 16, 300, (297,), dict(num_splits=2, packed=True)),
 }
@@ -91,7 +94,7 @@ def run_case(name: str) -> dict:
         block_parity = (np.arange(capacity) // 64) % 2
         mask = mask & (block_parity[None, None, :] != (np.arange(steps) % 2)[None, :, None])
     mask = jnp.asarray(mask)
-    kv_lengths = jnp.asarray(lengths, jnp.int32)
+    kv_lengths = jnp.asarray(kwargs.pop("kv_lengths", lengths), jnp.int32)
     if stack:  # the layer a traced scalar, as in a layer scan; the reference reads that layer's slice
         attend = jax.jit(lambda *a: mla_tree_attention(*a[:5], kv_lengths=kv_lengths, layer=a[5], **kwargs))
         out = run_jitted(attend, q_latent, q_rope, latent, rope_key, mask, jnp.int32(layer))
@@ -106,7 +109,8 @@ def run_case(name: str) -> dict:
         out = run_jitted(mla_tree_attention, q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
     scale = kwargs.get("scale")
     ref = mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale, kv_lengths=kv_lengths)
-    return compare(out, ref, mask)
+    visible = mask & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])  # what the rows may see
+    return compare(out, ref, visible)
 
 
 def _main():  # the subprocess: every case, one JSON line
@@ -143,6 +147,12 @@ def test_compiled_on_gpu(name):
 def test_cases_cover_empty_and_single_key_rows():
     lengths = [length for case in CASES.values() for length in case[4]]
     assert 0 in lengths and 1 in lengths
+
+
+def test_out_of_range_lengths_see_their_clamped_keys(results):
+    """kv_lengths past S read the whole cache, a negative one nothing (its rows zero), as the reference says."""
+    result = results["lengths_out_of_range"]
+    assert result["empty_rows"] == 9 and result["empty_rows_zero"], result  # the batch row of length -5: 9 rows
 
 
 @pytest.mark.parametrize(

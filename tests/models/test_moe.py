@@ -348,7 +348,7 @@ def test_bf16_router_logits_are_the_float32_logits():
 def test_top_k_by_rank_is_lax_top_k():
     """`moe.top_k_by_rank` gives lax.top_k's indices in its order (largest first, ties to the lower index) and the
     carried values at them, on random rows with many ties (values drawn from 5 levels) and with -inf entries (the
-    group-limited routing's masked experts); a k outside 1 .. E is refused."""
+    group-limited routing's masked experts), and with NaNs; a k outside 1 .. E is refused."""
     rng = np.random.default_rng(21)
     for shape, k in (((1, 384), 8), ((3, 17, 16), 3), ((40, 9), 9), ((2, 6), 1)):
         values = rng.integers(0, 5, shape).astype(np.float32)
@@ -359,6 +359,10 @@ def test_top_k_by_rank_is_lax_top_k():
         _, want = jax.lax.top_k(values, k)
         np.testing.assert_array_equal(indices, want)
         np.testing.assert_array_equal(chosen, jnp.take_along_axis(carried, want, axis=-1))
+    # NaN above every number, as lax.top_k orders it (no out-of-range index from a NaN's rank)
+    values = jnp.asarray([[1.0, np.nan, 0.5, 2.0], [1.0, np.nan, 0.5, np.nan]])
+    indices, _ = moe.top_k_by_rank(values, 3, values)
+    np.testing.assert_array_equal(indices, jax.lax.top_k(values, 3)[1])
     with pytest.raises(ValueError, match="k must be 1 .. 6"):
         moe.top_k_by_rank(jnp.zeros((2, 6)), 7, jnp.zeros((2, 6)))
 
@@ -380,9 +384,10 @@ def test_route_by_rank_equals_route_by_lax(monkeypatch):
     # the weights are the same scores picked; XLA may fuse the sigmoid differently in the two programs (ulps)
     np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
-    assert dispatch.router_topk() == "rank"
+    assert dispatch.router_topk(dispatch.RANK_TOPK_MAX_ROWS) == "rank"
+    assert dispatch.router_topk(dispatch.RANK_TOPK_MAX_ROWS + 1) == "lax"  # a prefill chunk: [rows, E, E] too many
     monkeypatch.setattr(dispatch, "ROUTER_TOPK", "auto")
-    assert dispatch.router_topk() == "lax"
+    assert dispatch.router_topk(1) == "lax"
     monkeypatch.setattr(dispatch, "ROUTER_TOPK", "heap")
     with pytest.raises(ValueError, match="heap"):
-        dispatch.router_topk()
+        dispatch.router_topk(1)
