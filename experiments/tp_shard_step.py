@@ -177,9 +177,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--router-topk",
         default=None,
-        choices=dispatch.ROUTER_TOPKS,
-        help="how the router picks each token's experts (dispatch.ROUTER_TOPKS: lax.top_k, or rank: by comparisons; "
-        "default: dispatch.ROUTER_TOPK)",
+        help="how the router picks each token's experts, comma-separated, one row each (dispatch.ROUTER_TOPKS: lax: "
+        "lax.top_k, rank: by comparisons; e.g. lax,rank: both on the same weights in one run; default: "
+        "dispatch.ROUTER_TOPK)",
     )
     parser.add_argument(
         "--grouped-gather",
@@ -249,8 +249,16 @@ def main(argv=None) -> None:
             parser.error(f"--grouped-gather {args.grouped_gather!r}: {repeated} more than once (auto is xla)")
     if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
         dispatch.MOE_SORT = args.moe_sort
-    if args.router_topk is not None:  # read by the models at trace time (`moe.route`)
-        dispatch.ROUTER_TOPK = args.router_topk
+    router_topks = [None]  # None: dispatch.ROUTER_TOPK as it is
+    if args.router_topk is not None:  # read by the models at trace time (`moe.route`): set per row below
+        router_topks = args.router_topk.split(",")
+        bad = [t for t in router_topks if t not in dispatch.ROUTER_TOPKS]
+        if bad:
+            parser.error(f"--router-topk {args.router_topk!r}: {bad} not of {list(dispatch.ROUTER_TOPKS)}")
+        resolved = ["lax" if t == "auto" else t for t in router_topks]  # as dispatch.router_topk resolves it
+        repeated = sorted({t for t in resolved if resolved.count(t) > 1})
+        if repeated:
+            parser.error(f"--router-topk {args.router_topk!r}: {repeated} more than once (auto is lax)")
     if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
         dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
@@ -299,9 +307,12 @@ def main(argv=None) -> None:
     layout = f"tp{args.model_size}"
     for batch in batches:
         for context in contexts:
-            for (method, budget), attn_impl, grouped_gather in itertools.product(columns, attn_impls, grouped_gathers):
+            settings = itertools.product(columns, attn_impls, grouped_gathers, router_topks)
+            for (method, budget), attn_impl, grouped_gather, router_topk in settings:
                 if grouped_gather is not None:
                     dispatch.GROUPED_GATHER = grouped_gather
+                if router_topk is not None:
+                    dispatch.ROUTER_TOPK = router_topk
                 row = bench_case(
                     pair,
                     batch,
@@ -321,6 +332,7 @@ def main(argv=None) -> None:
                             args.hlo_dir,
                             f"step_B{batch}_ctx{context}_{method}{budget or ''}_{attn_impl}"
                             + (f"_{grouped_gather}" if grouped_gather else "")
+                            + (f"_topk_{router_topk}" if router_topk else "")
                             + ".hlo.txt",
                         )
                         if args.hlo_dir
@@ -362,7 +374,7 @@ def main(argv=None) -> None:
                     print(format_stages(row["stages"]), flush=True)
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s} "
-                    f"gather {row['grouped_gather']} drafts {row['drafts']}: shard step {row['loop_step_ms']:8.2f} ms "
+                    f"gather {row['grouped_gather']} top-k {row['router_topk']} drafts {row['drafts']}: shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
                     f"collectives {row['collectives_ms']:.2f} ms = {row['predicted_tp_step_ms']:.2f} ms "
@@ -389,6 +401,7 @@ def main(argv=None) -> None:
         "budget",
         "attention",
         "grouped gather",
+        "router top-k",
         "drafts",
         "shard step ms (loop)",
         "called from host ms",
@@ -404,10 +417,11 @@ def main(argv=None) -> None:
             r["budget"] or "",
             r["attn_impl"],
             r["grouped_gather"],
+            r["router_topk"],
             r["drafts"],
-            r["loop_step_ms"],
-            r["step_ms"],
-            r["shard_roofline_ms"],
+            f"{r['loop_step_ms']:.3f}",
+            f"{r['step_ms']:.3f}",
+            f"{r['shard_roofline_ms']:.3f}",
             f"{r['x_shard_roofline']:.2f}",
             r["collectives_ms"],
         ]

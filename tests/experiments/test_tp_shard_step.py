@@ -27,7 +27,8 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     argv = ["tp_shard_step", "--tiny", "--model-size", "2", "--layers", "2", "--drafter-layers", "1"]
     argv += ["--methods", "ar,ddtree", "--budgets", "4", "--contexts", "32", "--batches", "1", "--repeats", "1"]
     argv += ["--profile-top", "3", "--mla-schedule", "alternate"]
-    argv += ["--grouped-gather", "kernel,xla_apart", "--grouped-int4-decode", "triton", "--router-topk", "rank"]
+    argv += ["--grouped-gather", "kernel,xla_apart", "--grouped-int4-decode", "triton"]
+    argv += ["--router-topk", "rank,auto"]
     monkeypatch.setattr(sys, "argv", argv)
     settings = (("MLA_SCHEDULE", "default"), ("GROUPED_GATHER", "auto"), ("GROUPED_INT4_DECODE", "auto"))
     for name, value in settings + (("ROUTER_TOPK", "auto"),):
@@ -48,17 +49,17 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
     # the model apart from the file's name (k26_prediction combines tagged files of one model by these fields)
     assert (record["model_size"], record["tiny"], record["tag"], record["drafter_layers"]) == (2, True, None, 1)
     rows = record["rows"]
-    # one row per (method, grouped gather form), each recording its form
-    assert [(r["method"], r["budget"], r["grouped_gather"]) for r in rows] == [
-        ("ar", None, "kernel"),
-        ("ar", None, "xla_apart"),
-        ("ddtree", 4, "kernel"),
-        ("ddtree", 4, "xla_apart"),
+    # one row per (method, grouped gather form, router top-k), each recording its settings
+    assert [(r["method"], r["budget"], r["grouped_gather"], r["router_topk"]) for r in rows] == [
+        (method, budget, gather, topk)
+        for method, budget in (("ar", None), ("ddtree", 4))
+        for gather in ("kernel", "xla_apart")
+        for topk in ("rank", "auto")
     ]
     for r in rows:
         assert r["step_ms"] > 0 and r["collectives_ms"] > 0 and r["mla_schedule"] == "alternate"
         assert r["router_bias"] == "zero" and r["drafts"] == "spread" and r["temperature"] == 0.0 and r["repeats"] == 1
-        assert r["grouped_int4_decode"] == "triton" and r["router_topk"] == "rank"
+        assert r["grouped_int4_decode"] == "triton"
         # a difference of two timings (17 steps less 1): on a loaded 2-core CPU the tiny shard's 16 steps can sit
         # within the noise (-0.004 ms a step once in CI), so only its presence and finiteness are checked here
         assert r["loop_steps"] == 16 and np.isfinite(r["loop_step_ms"])
@@ -71,7 +72,8 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         assert stages["tree_forward"]["us"] > 0
         assert sum(s["us"] for s in stages.values()) == pytest.approx(r["device_us"])
         assert 0 < r["device_non_forward_share"] < 1 and r["device_non_forward_us"] > 0
-    assert {"draft", "tree", "walk", "commit"} <= set(rows[2]["stages"])  # the tree step's stages all ran
+    tree_row = next(r for r in rows if r["method"] == "ddtree")
+    assert {"draft", "tree", "walk", "commit"} <= set(tree_row["stages"])  # the tree step's stages all ran
 
 
 @pytest.mark.parametrize(
@@ -90,7 +92,8 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         (["--grouped-gather", "xla,xla"], "['xla'] more than once"),
         (["--grouped-gather", "auto,xla"], "['xla'] more than once (auto is xla)"),
         (["--drafts", "oracle"], "--drafts"),
-        (["--router-topk", "heap"], "--router-topk"),
+        (["--router-topk", "lax,heap"], "--router-topk 'lax,heap': ['heap'] not of"),
+        (["--router-topk", "auto,lax"], "['lax'] more than once (auto is lax)"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_shard_is_built(argv, message, monkeypatch, capsys):
