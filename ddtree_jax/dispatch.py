@@ -871,6 +871,7 @@ def decode_plan(
                 if assignments <= moe_decode_kernels.MAX_ASSIGNMENTS
                 else f"; gathered (above the moe_decode kernels' {moe_decode_kernels.MAX_ASSIGNMENTS} assignments)"
             )
+        detail += f"; the router's top-k by {router_topk(rows)}"
         plan.append(StageChoice("tree-forward MoE", choice, detail))
     verifier = options.verifier
     plan.append(
