@@ -337,10 +337,10 @@ def test_decode_plan_answers_what_runs_where():
             DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="gpu"
         )
     }["tree-forward MoE"]
-    # inside the grouped path: what runs the INT4 experts, their sort, where the gate / up rows come from
+    # inside the grouped path: what runs the INT4 experts, their sort, where the gate / up rows come from; the router
     assert moe_detail == (
         "264 assignments over 384 experts; INT4 experts on the triton grouped kernel, sorted by rank, "
-        "gate / up rows gathered by xla"
+        "gate / up rows gathered by xla; the router's top-k by lax"
     )
     ar = {
         row.stage: row.choice
