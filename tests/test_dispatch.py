@@ -354,7 +354,10 @@ def test_decode_plan_answers_what_runs_where():
             DecodeOptions(moe_impl="decode"), k26, method="ddtree", budget=32, block_size=16, backend_name="gpu"
         )
     }["tree-forward MoE"]
-    assert explicit == "264 assignments over 384 experts; gathered (above the moe_decode kernels' 32 assignments)"
+    assert explicit == (
+        "264 assignments over 384 experts; gathered (above the moe_decode kernels' 32 assignments); "
+        "the router's top-k by lax"
+    )
     cpu = dispatch.decode_plan(DecodeOptions(), k26, method="ddtree", budget=32, block_size=16, backend_name="cpu")
     assert {row.choice for row in cpu if row.stage in ("tree-forward attention", "rejection walk")} == {"xla"}
     cpu_plan = {row.stage: row.choice for row in cpu}
