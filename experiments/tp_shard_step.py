@@ -374,7 +374,8 @@ def main(argv=None) -> None:
                     print(format_stages(row["stages"]), flush=True)
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s} "
-                    f"gather {row['grouped_gather']} top-k {row['router_topk']} drafts {row['drafts']}: shard step {row['loop_step_ms']:8.2f} ms "
+                    f"gather {row['grouped_gather']} top-k {row['router_topk']} drafts {row['drafts']}: "
+                    f"shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
                     f"collectives {row['collectives_ms']:.2f} ms = {row['predicted_tp_step_ms']:.2f} ms "
