@@ -141,6 +141,22 @@ def _check_args(parser, args) -> tuple[list[str], list[int], list[int], list[int
     return methods, budgets, contexts, batches, attn_impls
 
 
+def _row_choices(parser, flag: str, value: str | None, allowed: tuple[str, ...], auto_is: str) -> list:
+    """A comma-separated list of one dispatch setting's values, one row each ([None]: the setting as it is): each
+    must be of `allowed`, none twice once "auto" reads as `auto_is` (what the dispatch resolves it to)."""
+    if value is None:
+        return [None]
+    choices = value.split(",")
+    bad = [c for c in choices if c not in allowed]
+    if bad:
+        parser.error(f"{flag} {value!r}: {bad} not of {list(allowed)}")
+    resolved = [auto_is if c == "auto" else c for c in choices]
+    repeated = sorted({c for c in resolved if resolved.count(c) > 1})
+    if repeated:
+        parser.error(f"{flag} {value!r}: {repeated} more than once (auto is {auto_is})")
+    return choices
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="unknown")
@@ -237,28 +253,11 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     methods, budgets, contexts, batches, attn_impls = _check_args(parser, args)
-    grouped_gathers = [None]  # None: dispatch.GROUPED_GATHER as it is
-    if args.grouped_gather is not None:  # read by the models at trace time (`moe.routed_pallas`): set per row below
-        grouped_gathers = args.grouped_gather.split(",")
-        bad = [g for g in grouped_gathers if g not in dispatch.GROUPED_GATHERS]
-        if bad:
-            parser.error(f"--grouped-gather {args.grouped_gather!r}: {bad} not of {list(dispatch.GROUPED_GATHERS)}")
-        resolved = ["xla" if g == "auto" else g for g in grouped_gathers]  # as dispatch.grouped_gather resolves it
-        repeated = sorted({g for g in resolved if resolved.count(g) > 1})
-        if repeated:
-            parser.error(f"--grouped-gather {args.grouped_gather!r}: {repeated} more than once (auto is xla)")
+    # read by the models at trace time (`moe.routed_pallas`, `moe.route`): set per row below; None: as it is
+    grouped_gathers = _row_choices(parser, "--grouped-gather", args.grouped_gather, dispatch.GROUPED_GATHERS, "xla")
     if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
         dispatch.MOE_SORT = args.moe_sort
-    router_topks = [None]  # None: dispatch.ROUTER_TOPK as it is
-    if args.router_topk is not None:  # read by the models at trace time (`moe.route`): set per row below
-        router_topks = args.router_topk.split(",")
-        bad = [t for t in router_topks if t not in dispatch.ROUTER_TOPKS]
-        if bad:
-            parser.error(f"--router-topk {args.router_topk!r}: {bad} not of {list(dispatch.ROUTER_TOPKS)}")
-        resolved = ["lax" if t == "auto" else t for t in router_topks]  # as dispatch.router_topk resolves it
-        repeated = sorted({t for t in resolved if resolved.count(t) > 1})
-        if repeated:
-            parser.error(f"--router-topk {args.router_topk!r}: {repeated} more than once (auto is lax)")
+    router_topks = _row_choices(parser, "--router-topk", args.router_topk, dispatch.ROUTER_TOPKS, "lax")
     if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
         dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)

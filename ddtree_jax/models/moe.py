@@ -121,6 +121,16 @@ def route(config: DeepSeekV3Config, router: jax.Array, bias: jax.Array, x: jax.A
     return experts.astype(jnp.int32), weights * c.routed_scaling_factor
 
 
+def stable_rank(keys: jax.Array, descending: bool = False) -> jax.Array:
+    """keys [..., N] -> int32 [..., N]: each entry's position in the stable sort of its row (ascending, or
+    descending), counted by comparisons: the entries before it in that order, or equal to it at a lower index
+    ([..., N, N] comparisons, one reduction; no sort kernel)."""
+    index = jnp.arange(keys.shape[-1], dtype=jnp.int32)
+    other, this = keys[..., None, :], keys[..., :, None]  # [..., i, j]: entry j against entry i
+    first = other > this if descending else other < this
+    return (first | ((other == this) & (index[None, :] < index[:, None]))).sum(axis=-1, dtype=jnp.int32)
+
+
 def top_k_by_rank(values: jax.Array, k: int, carried: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(values, k)`'s indices, and `carried` at them, by counting: values, carried float [..., E] ->
     (indices int32 [..., k], carried [..., k]). Expert i's rank is the number of experts with a larger value, or an
@@ -135,9 +145,7 @@ def top_k_by_rank(values: jax.Array, k: int, carried: jax.Array) -> tuple[jax.Ar
         raise ValueError(f"k must be 1 .. {num} (the last axis), got {k}")
     index = jnp.arange(num, dtype=jnp.int32)
     values = jnp.where(jnp.isnan(values), jnp.inf, values)  # else a NaN ranks 0 beside the maximum: ids out of range
-    other, this = values[..., None, :], values[..., :, None]  # [..., i, j]: expert j against expert i
-    ahead = (other > this) | ((other == this) & (index[None, :] < index[:, None]))
-    rank = ahead.sum(axis=-1, dtype=jnp.int32)  # [..., E]
+    rank = stable_rank(values, descending=True)  # [..., E]
     picked = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [..., k, E]: one expert a slot
     indices = jnp.where(picked, index, 0).sum(axis=-1, dtype=jnp.int32)
     chosen = jnp.where(picked, carried[..., None, :], jnp.zeros((), carried.dtype)).sum(axis=-1)
@@ -255,10 +263,7 @@ def sort_by_expert(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
     count = flat.shape[0]
     index = jnp.arange(count, dtype=jnp.int32)
     if dispatch.moe_sort(count) == "rank":
-        before = (flat[None, :] < flat[:, None]) | (
-            (flat[None, :] == flat[:, None]) & (index[None, :] < index[:, None])
-        )
-        position = before.sum(axis=1, dtype=jnp.int32)
+        position = stable_rank(flat)
         order = jnp.zeros((count,), jnp.int32).at[position].set(index, unique_indices=True)
     else:
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
