@@ -8,6 +8,7 @@ of the repository has no git), so BENCHMARKS.md rows can be traced to code.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -211,6 +212,18 @@ def int_list_argument(parser, name: str, text: str) -> list[int]:
     if any(v < 1 for v in values) or len(set(values)) != len(values):
         parser.error(f"--{name} {text!r}: expected distinct integers >= 1")
     return values
+
+
+def temperature_argument(text: str) -> float:
+    """An argparse type: a sampling temperature, finite and >= 0 (0: greedy), so a bad one fails at parse time,
+    not after a model is built."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a temperature must be finite and >= 0, got {text!r}")
+    return value
 
 
 def random_tree_mask(rng, batch: int, steps: int, context: int):

@@ -17,6 +17,7 @@ from ddtree_jax.presets import preset
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight
 
 EXPERTS = ("expert_gate", "expert_up", "expert_down")
+TINY_SIZES = " (--tiny works with --model-size 2 or 4)"  # the tiny K2's 128 expert columns: INT4 groups split <= 4 ways
 
 
 def k26_config(layers: int, tiny: bool = False) -> DeepSeekV3Config:
@@ -28,6 +29,19 @@ def k26_config(layers: int, tiny: bool = False) -> DeepSeekV3Config:
         )
     taps = tuple(sorted({min(layers - 1, t) for t in (1, layers // 2, layers - 1)}))
     return dataclasses.replace(preset("kimi-k2.6"), num_layers=layers, tapped_layers=taps)
+
+
+def int4_split_problem(config: DeepSeekV3Config) -> str | None:
+    """Why a (shard) config's routed experts cannot hold INT4 codes (an input dimension that is not a whole number
+    of INT4 groups, e.g. the tiny K2 split 8 ways), or None: checked from the shapes, before any weight is built."""
+    shapes = deepseek_v3.param_shapes(config).get("moe_layers", {})
+    for name in EXPERTS:
+        if name in shapes and shapes[name][0][-1] % INT4_GROUP:
+            return (
+                f"the shard's {name} input dimension {shapes[name][0][-1]} is not a whole number of INT4 groups "
+                f"of {INT4_GROUP}"
+            )
+    return None
 
 
 ROUTER_BIASES = ("zero", "random")

@@ -36,9 +36,10 @@ DEFAULT_PAIR_DIR = os.path.join(REPO, "checkpoints", "embedded")
 PAIR_ENV = "DDTREE_PAIR_DIR"
 
 
-def pair_root(default: str | None = None) -> str:
-    """The pair's directory: $DDTREE_PAIR_DIR, else `default`, else checkpoints/embedded."""
-    return os.environ.get(PAIR_ENV) or default or DEFAULT_PAIR_DIR
+def pair_root(explicit: str | None = None) -> str:
+    """The pair's directory: `explicit` (a caller's --pair) if given, else $DDTREE_PAIR_DIR, else
+    checkpoints/embedded."""
+    return explicit or os.environ.get(PAIR_ENV) or DEFAULT_PAIR_DIR
 
 
 def find_manifest(pair_dir: str, manifest_path: str | None = None) -> dict:

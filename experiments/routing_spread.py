@@ -7,7 +7,8 @@ TP shard (`analysis.tp_shard.tp_shard_config`, default TP8) of a few K2.6 layers
 per MoE layer, the distinct experts of its last `--rows` rows (`k26_model.routing_spread`), beside the count that
 uniform draws of the same assignments would give (expected value). Runs on CPU (~1 min a bias at 4 layers).
 
-Usage: python -m experiments.routing_spread [--layers 4] [--rows 17] [--tokens 48] [--model-size 8] [--tiny]
+Usage: python -m experiments.routing_spread [--layers 4] [--rows 17] [--tokens 48] [--model-size 8]
+       [--tiny --model-size 2|4] (the tiny K2's experts split at most 4 ways)
 JSON: $OUT/routing_spread.json (else experiments/results/).
 """
 
@@ -20,7 +21,14 @@ import os
 import jax
 import jax.numpy as jnp
 
-from benchmarks.k26_model import ROUTER_BIASES, k26_config, random_int4_target, routing_spread
+from benchmarks.k26_model import (
+    ROUTER_BIASES,
+    TINY_SIZES,
+    int4_split_problem,
+    k26_config,
+    random_int4_target,
+    routing_spread,
+)
 from ddtree_jax.analysis.tp_shard import tp_shard_config
 
 
@@ -38,7 +46,20 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny K2 (a CPU check of the script)")
     parser.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
     args = parser.parse_args(argv)
-    config = tp_shard_config(k26_config(args.layers, args.tiny), args.model_size)
+    for name in ("layers", "tokens", "model_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if not 1 <= args.rows <= args.tokens:
+        parser.error(f"--rows {args.rows}: must be in 1 .. --tokens ({args.tokens}), the step's rows at its end")
+    if args.layers < 2:
+        parser.error(f"--layers {args.layers}: the first layer is dense; at least 2 give a MoE layer")
+    try:
+        config = tp_shard_config(k26_config(args.layers, args.tiny), args.model_size)
+    except ValueError as e:
+        parser.error(f"--model-size {args.model_size}: {e}" + (TINY_SIZES if args.tiny else ""))
+    problem = int4_split_problem(config)
+    if problem:
+        parser.error(f"--model-size {args.model_size}: {problem}" + (TINY_SIZES if args.tiny else ""))
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     rows = []
     for bias in ROUTER_BIASES:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_engine import bench_case
-from benchmarks.common import device_description, int_list_argument, write_result
+from benchmarks.common import device_description, int_list_argument, temperature_argument, write_result
 from benchmarks.k26_model import DRAFTS, DRAFTS_HELP, drafter_class, k26_config, random_int4_target
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig
 from ddtree_jax.engine.run import Pair
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter-layers", type=int, default=1)
     parser.add_argument("--budgets", default="8,16,32,64")
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=temperature_argument, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--attn-impl", default="xla", choices=["xla", "pallas"])
     parser.add_argument(

@@ -38,13 +38,14 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_engine import bench_case
-from benchmarks.common import device_description, int_list_argument, markdown_table, write_result
+from benchmarks.common import device_description, int_list_argument, markdown_table, temperature_argument, write_result
 from benchmarks.k26_model import (
     DRAFTS,
     DRAFTS_HELP,
-    EXPERTS,
     ROUTER_BIASES,
+    TINY_SIZES,
     drafter_class,
+    int4_split_problem,
     k26_config,
     random_int4_target,
 )
@@ -55,7 +56,6 @@ from ddtree_jax.analysis.tp_shard import tp_shard_config
 from ddtree_jax.engine.run import Pair
 from ddtree_jax.models import deepseek_v3, dflash
 from ddtree_jax.options import METHODS, DecodeOptions
-from ddtree_kernels.quant import INT4_GROUP
 from experiments.sharded_run import drafter_config
 
 
@@ -109,6 +109,8 @@ def _check_args(parser, args) -> tuple[list[str], list[int], list[int], list[int
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     if args.profile_top < 0:
         parser.error(f"--profile-top {args.profile_top}: must be >= 0")
+    if args.mla_reduce_rows is not None and args.mla_reduce_rows < 0:
+        parser.error(f"--mla-reduce-rows {args.mla_reduce_rows}: must be >= 0")
     attn_impls = args.attn_impls.split(",")
     if len(set(attn_impls)) != len(attn_impls):
         parser.error(f"--attn-impls {args.attn_impls!r}: each implementation may appear only once")
@@ -127,17 +129,10 @@ def _check_args(parser, args) -> tuple[list[str], list[int], list[int], list[int
             drafter_config(full, args.drafter_layers, args.tiny), args.model_size, target_hidden=full.hidden_size
         )
     except ValueError as e:
-        parser.error(
-            f"--model-size {args.model_size}: {e}" + (" (--tiny works with --model-size 2 or 4)" if args.tiny else "")
-        )
-    shapes = deepseek_v3.param_shapes(target).get("moe_layers", {})
-    for name in EXPERTS:
-        if name in shapes and shapes[name][0][-1] % INT4_GROUP:
-            parser.error(
-                f"--model-size {args.model_size}: the shard's {name} input dimension {shapes[name][0][-1]} is not a "
-                f"whole number of INT4 groups of {INT4_GROUP}"
-                + (" (--tiny works with --model-size 2 or 4)" if args.tiny else "")
-            )
+        parser.error(f"--model-size {args.model_size}: {e}" + (TINY_SIZES if args.tiny else ""))
+    problem = int4_split_problem(target)
+    if problem:
+        parser.error(f"--model-size {args.model_size}: {problem}" + (TINY_SIZES if args.tiny else ""))
     return methods, budgets, contexts, batches, attn_impls
 
 
@@ -176,7 +171,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", default="8,16,32,64")
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=temperature_argument, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--profile-top", type=int, default=0, help="also profile each step: its N largest ops (device us, launches)"

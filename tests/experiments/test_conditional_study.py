@@ -235,3 +235,12 @@ def test_parsed_lists_reach_the_study(tmp_path, monkeypatch):
     assert cs.main(argv + ["--auto-budgets", "16,32,64,128", "--repeats", "2", "--out", str(tmp_path / "x.json")]) == 2
     assert seen["budgets"] == (16, 32, 64, 128) and seen["auto_budgets"] == (16, 32, 64, 128)
     assert seen["temperatures"] == (0.0,) and seen["timing"] and not seen["tau"]
+
+
+def test_above_everywhere_is_undecided_without_measured_ratios():
+    # a --no-tau run has no tau ratio: the target is not measured, not met
+    assert cs.targets([], [])["conditional_above_marginal_everywhere"] is None
+    assert cs.above_everywhere([]) is None
+    assert cs.above_everywhere([1.2, None]) is None
+    assert cs.above_everywhere([1.2, None, 0.9]) is False
+    assert cs.above_everywhere([1.2, 1.01]) is True

@@ -65,3 +65,10 @@ def test_cli_writes_the_prompts(tiny_pair_dir, tmp_path, capsys):
     prompts = json.loads(out.read_text())
     assert len(prompts) == 2 and all(len(p["ids"]) == 12 for p in prompts)
     assert prompts[0]["path"] in capsys.readouterr().out
+
+
+def test_an_explicit_pair_wins_over_the_environment(tiny_pair_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_PAIR_DIR", str(tmp_path / "no_pair_here"))
+    out = tmp_path / "prompts.json"
+    assert main(["--pair", tiny_pair_dir, "--n", "1", "--length", "8", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == 1

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
+from experiments import routing_spread
 from experiments.routing_spread import main, uniform_distinct
+from tests.experiments.refusal import assert_refused, refuse_to_run
 
 
 def test_uniform_expectation():
@@ -28,3 +30,18 @@ def test_the_script_on_the_tiny_shard(tmp_path):
     ]
     for r in data["results"]:
         assert 1 <= r["distinct_experts"] <= r["assignments"] and r["assignments"] % 5 == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rows", "0"], "--rows 0"),
+        (["--rows", "100", "--tokens", "48"], "--rows 100"),  # was: the whole sequence, recorded as rows 100
+        (["--tokens", "0"], "--tokens 0"),
+        (["--layers", "1"], "--layers 1"),
+        (["--model-size", "8"], "--model-size 2 or 4"),  # the tiny K2's experts: half an INT4 group each 8 ways
+    ],
+)
+def test_bad_arguments_are_refused_before_any_model_is_built(argv, message, monkeypatch, capsys):
+    refuse_to_run(monkeypatch, routing_spread, "random_int4_target")
+    assert_refused(main, ["--tiny", *argv], message, capsys)

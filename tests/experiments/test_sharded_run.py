@@ -33,6 +33,7 @@ def no_model(monkeypatch):
         # raised from inside sharded_pair's jit)
         (["--model", "3", "--layouts", "ep"], "does not divide over mesh axis 'model' of size 3 (layout 'ep')"),
         (["--model", "6", "--layouts", "ep"], "does not divide over mesh axis 'model' of size 6 (layout 'ep')"),
+        (["--temperature", "inf"], "finite and >= 0"),
     ],
 )
 def test_bad_arguments_are_refused_up_front(argv, message, no_model, capsys):

@@ -94,6 +94,9 @@ def test_the_shard_steps_and_its_rows_add_up(tmp_path, monkeypatch):
         (["--drafts", "oracle"], "--drafts"),
         (["--router-topk", "lax,heap"], "--router-topk 'lax,heap': ['heap'] not of"),
         (["--router-topk", "auto,lax"], "['lax'] more than once (auto is lax)"),
+        (["--temperature", "nan"], "finite and >= 0"),
+        (["--temperature", "-1"], "finite and >= 0"),
+        (["--mla-reduce-rows", "-1"], "--mla-reduce-rows -1"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_shard_is_built(argv, message, monkeypatch, capsys):
