@@ -48,6 +48,9 @@ def _per_tree_us(fn, stacked, runs: int) -> dict:
     return {k: (v / 8 if k.endswith("_us") else v) for k, v in summary.items()}
 
 
+IMPLS = ("pallas", "prefilter", "xla")  # the variants `--impls` names (`_builder_args`)
+
+
 def _builder_args(impl: str) -> dict:
     """build_tree_unchecked's (topk_impl, impl) for a variant name: "pallas" = the kernels, else the XLA
     builder with that top-K."""
@@ -69,28 +72,45 @@ def _check_against_reference(logits, budget, impl, rows=2):
     ]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--quick", action="store_true", help="small shapes, few reps (CPU smoke run)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 50; --quick: 3)")
     parser.add_argument("--cases", help="comma-separated BxBUDGET list, e.g. 1x64,32x64 (default: the full set)")
-    parser.add_argument("--impls", default="pallas,prefilter,xla", help="variants to time (module docstring)")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="variants to time (module docstring)")
     parser.add_argument(
         "--select-warps", default=None, help="also time the selection kernel alone at these warps, e.g. 1,2,4"
     )
     parser.add_argument("--vocab", type=int, default=None, help="V (default 151936; 8192 = the embedded pair)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the prefilter chunk sweep")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     depth, vocab = (15, args.vocab or 151936) if not args.quick else (4, args.vocab or 4096)
     cases = [(1, 64), (1, 256), (32, 64), (1, 16), (1, 1024)] if not args.quick else [(1, 16), (2, 32)]
     reps = args.reps if args.reps is not None else (3 if args.quick else 50)
     if reps < 1:
         parser.error(f"--reps must be >= 1, got {reps}")
+    # every list parsed here, before anything is compiled (a bad entry used to fail after the timings)
     if args.cases:
-        cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
+        try:
+            cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
+        except ValueError:
+            parser.error(f"--cases {args.cases!r}: expected BxBUDGET entries, e.g. 1x64,32x64")
+        if any(len(case) != 2 or min(case) < 1 for case in cases):
+            parser.error(f"--cases {args.cases!r}: expected BxBUDGET entries of integers >= 1, e.g. 1x64,32x64")
     impls = args.impls.split(",")
+    bad = [impl for impl in impls if impl not in IMPLS]
+    if bad or len(set(impls)) != len(impls):
+        parser.error(f"--impls {args.impls!r}: expected distinct entries of {', '.join(IMPLS)}")
+    select_warps = []
+    if args.select_warps:
+        try:
+            select_warps = [int(w) for w in args.select_warps.split(",")]
+        except ValueError:
+            parser.error(f"--select-warps {args.select_warps!r}: expected comma-separated integers, e.g. 1,2,4")
+        if any(w < 1 for w in select_warps):
+            parser.error(f"--select-warps {args.select_warps!r}: warps must be >= 1")
     print(f"device: {device_description()}; L = {depth}, V = {vocab}, bf16 logits", flush=True)
     rows, records = [], []
     for batch, budget in cases:
@@ -156,11 +176,9 @@ def main() -> None:
         )
         print(f"  done B={batch} budget={budget}", flush=True)
     sweep = []
-    if args.select_warps:
+    if select_warps:
         for rec in records:
-            rec["select_warps_us"] = _select_warps_sweep(
-                rec["batch"], rec["budget"], depth, vocab, [int(w) for w in args.select_warps.split(",")], reps
-            )
+            rec["select_warps_us"] = _select_warps_sweep(rec["batch"], rec["budget"], depth, vocab, select_warps, reps)
     if not args.no_sweep:
         sweep = _chunk_sweep(depth, vocab, reps)
     header = [

@@ -43,6 +43,7 @@ import argparse
 import collections
 import datetime
 import functools
+import math
 import os
 import sys
 import time
@@ -628,8 +629,8 @@ def main(argv=None) -> int:
         temperatures = tuple(float(t) for t in args.temperatures.split(","))
     except ValueError:
         parser.error(f"--temperatures {args.temperatures!r}: expected comma-separated numbers, e.g. 0.5,1")
-    if any(t < 0 for t in temperatures) or len(set(temperatures)) != len(temperatures):
-        parser.error(f"--temperatures {args.temperatures!r}: expected distinct temperatures >= 0")
+    if any(not math.isfinite(t) or t < 0 for t in temperatures) or len(set(temperatures)) != len(temperatures):
+        parser.error(f"--temperatures {args.temperatures!r}: expected distinct finite temperatures >= 0")
     for name in (
         "budget",
         "prompts",
@@ -643,6 +644,15 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    settings = {
+        **(SMALL if args.small else FULL),
+        **{k: v for k, v in vars(args).items() if k in FULL and v is not None},
+    }
+    if settings["law_tokens"] > settings["tau_max_new"]:
+        parser.error(
+            f"--law-tokens {settings['law_tokens']}: at most --tau-max-new ({settings['tau_max_new']}), the "
+            "generations' length"
+        )
     thresholds = {"exact": (1.0, 1.0)}
     if args.lossy != "none":
         parts = args.lossy.split(",")
@@ -653,8 +663,8 @@ def main(argv=None) -> int:
                 f"--lossy {args.lossy!r}: expected 'THRESHOLD_ACC,THRESHOLD_SINGLE' (two numbers, e.g. 0.5,0.3) "
                 "or 'none'"
             )
-        if not (0.0 <= acc <= 1.0 and 0.0 <= single <= 1.0):
-            parser.error(f"--lossy {args.lossy!r}: both thresholds must be in [0, 1]")
+        if not (0.0 < acc <= 1.0 and 0.0 < single <= 1.0):
+            parser.error(f"--lossy {args.lossy!r}: both thresholds must be in (0, 1]")
         thresholds["lossy"] = (acc, single)
     problem = output_problem(args.out)
     if problem:

@@ -117,7 +117,12 @@ def test_the_controls_reject(ablation):
         (["--lossy", "a,b"], "THRESHOLD_ACC,THRESHOLD_SINGLE"),
         (["--temperatures", "1,1"], "distinct"),
         (["--temperatures", "hot"], "--temperatures"),
-        (["--lossy", "0.5,1.5"], "both thresholds must be in [0, 1]"),
+        (["--lossy", "0.5,1.5"], "both thresholds must be in (0, 1]"),
+        (["--lossy", "0,0.3"], "both thresholds must be in (0, 1]"),  # was refused only after the exact runs
+        (["--temperatures", "1,inf"], "finite"),
+        (["--temperatures", "nan"], "finite"),
+        (["--law-tokens", "3", "--tau-max-new", "2"], "--law-tokens 3: at most --tau-max-new (2)"),
+        (["--law-tokens", "25"], "--law-tokens 25: at most --tau-max-new (24)"),  # SMALL's 24 new tokens
         (["--out", "."], "is a directory"),
     ],
 )
