@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_description, markdown_table, time_calls, write_result
+from benchmarks.common import device_description, markdown_table, out_dir_problem, time_calls, write_result
 from ddtree_jax.dispatch import ATTENTION_IMPLS
 from ddtree_jax.engine.generate import generate
 from ddtree_jax.engine.run import (
@@ -51,7 +51,7 @@ from ddtree_jax.engine.run import (
     request_args,
     resolve_block_size,
 )
-from ddtree_jax.options import DecodeOptions
+from ddtree_jax.options import MAX_BUDGET, DecodeOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR_DIR = os.path.join(ROOT, "checkpoints", "embedded")
@@ -215,17 +215,23 @@ def main(argv=None) -> int:
         args.max_new = 64 if args.quick else 256
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
-    budgets = [int(b) for b in (args.budgets or ("16,64" if args.quick else "16,32,64,128,256")).split(",")]
+    try:
+        budgets = [int(b) for b in (args.budgets or ("16,64" if args.quick else "16,32,64,128,256")).split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --budgets {args.budgets!r}: expected comma-separated integers") from None
     methods = tuple(args.methods.split(","))
     names = args.settings.split(",")
     bad = [n for n in names if n not in SETTINGS]
     bad_methods = [m for m in methods if m not in ("ar", "chain", "ddtree")]
-    if bad or bad_methods or any(b < 1 for b in budgets) or args.max_new < 2 or args.repeats < 1:
+    if bad or bad_methods or any(not 1 <= b <= MAX_BUDGET for b in budgets) or args.max_new < 2 or args.repeats < 1:
         raise SystemExit(
-            f"error: --settings from {sorted(SETTINGS)}, --methods from ar,chain,ddtree, budgets >= 1, "
+            f"error: --settings from {sorted(SETTINGS)}, --methods from ar,chain,ddtree, budgets in 1 .. {MAX_BUDGET}, "
             f"--max-new >= 2, --repeats >= 1 (got {args.settings}, {args.methods}, {budgets}, {args.max_new}, "
             f"{args.repeats})"
         )
+    problem = out_dir_problem(args.out)
+    if problem:
+        raise SystemExit(f"error: --out {problem}")
     prompt_ids = load_prompt_ids(args.prompts)
     if args.quick:
         prompt_ids = prompt_ids[:4]

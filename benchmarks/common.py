@@ -320,8 +320,29 @@ def copy_bandwidth(reps: int = 20) -> float:
     return 2 * x.size * x.dtype.itemsize * reps / median_seconds(copies, x)
 
 
+def result_dir(out_dir: str | None = None) -> str:
+    """Where `write_result` writes: out_dir, else $OUT, else benchmarks/results."""
+    return out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+
+
+def out_dir_problem(out_dir: str | None = None) -> str | None:
+    """Why `write_result` could not write into `result_dir(out_dir)` (a file there, or an ancestor that is a file
+    or not writable), else None: a driver checks it before its runs, so a bad --out fails at once, not after them."""
+    path = result_dir(out_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path!r} is a file, not a directory"
+    parent = path
+    while not os.path.exists(parent):  # the nearest existing ancestor: write_result makes the rest
+        parent = os.path.dirname(parent) or "."
+    if not os.path.isdir(parent):
+        return f"{path!r}: {parent!r} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path!r}: {parent!r} is not writable"
+    return None
+
+
 def write_result(name: str, payload: dict, commit: str, out_dir: str | None = None) -> str:
-    out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out_dir = result_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     record = {
         "benchmark": name,

@@ -230,7 +230,7 @@ def main(argv=None) -> None:
             )
             print(format_op_table(res["ops"], top=args.top))
             results.append({"method": method, "budget": budget or None, **res, "ops": res["ops"][:40]})
-    if args.out:
+    if args.out or os.environ.get("OUT"):  # --out, else $OUT (as every benchmark); neither: the table only
         path = write_result(
             f"step_{'loop' if args.loop else 'ops'}_T{args.temperature:g}_{args.commit}",
             {"settings": {**vars(args), "weights_dtype": jnp.dtype(pair_dtype(pair)).name}, "results": results},

@@ -181,6 +181,20 @@ def shard_settings(path: str, data: dict) -> dict:
     return settings
 
 
+def read_json(path: str, flag: str, fields: tuple[str, ...]) -> dict:
+    """The JSON object at `path`, with `fields` at its top level; else ValueError naming `flag` and the file (a
+    missing or unreadable file, not JSON, or another benchmark's file, e.g. a shard JSON given as --e2e)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {path!r}: {e}") from None
+    missing = [field for field in fields if not isinstance(data, dict) or field not in data]
+    if missing:
+        raise ValueError(f"{flag} {path!r}: no {', '.join(missing)} field: not the JSON {flag} takes")
+    return data
+
+
 def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
     """(rows, sources) of tp_shard_step JSONs measured on the same model: ValueError naming both files and the
     field where two differ (the fastest row per configuration would otherwise mix models, e.g. AR from a 4-layer
@@ -188,8 +202,7 @@ def load_shards(paths: list[str]) -> tuple[list[dict], list[dict]]:
     check_distinct(paths, "--shard")
     rows, sources, first, recorded = [], [], None, {}
     for path in paths:
-        with open(path) as f:
-            data = json.load(f)
+        data = read_json(path, "--shard", ("rows",))
         model = shard_model(path, data)
         if first is None:
             first = (path, model)
@@ -346,11 +359,8 @@ def main(argv=None) -> int:
         shard_rows, sources = load_shards(args.shard.split(","))
     except ValueError as e:
         parser.error(str(e))
-    e2es = []
-    for path in e2e_paths:
-        with open(path) as f:
-            e2es.append((path, json.load(f)))
     try:
+        e2es = [(path, read_json(path, "--e2e", ("settings", "results"))) for path in e2e_paths]
         by_temperature = merged_ratios(e2es)
     except ValueError as e:
         parser.error(str(e))

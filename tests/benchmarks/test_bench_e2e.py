@@ -70,3 +70,23 @@ def test_quick_fills_only_the_options_not_given(tmp_path, monkeypatch):
         with pytest.raises(Stop):
             bench_e2e.main([*argv, "--settings", "T0", "--out", str(tmp_path)])
     assert seen == [(4, [16, 64], 64, 1), (4, [4], 8, 2)]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budgets", "16,2000"], "budgets in 1 .. 1024"),  # was refused after AR had compiled
+        (["--budgets", "16,x"], "--budgets '16,x'"),
+        (["--out", "A_FILE"], "is a file, not a directory"),  # was a FileExistsError after the first setting
+    ],
+)
+def test_bad_arguments_are_refused_before_the_pair_loads(argv, message, tmp_path, monkeypatch):
+    def loaded(*args, **kwargs):
+        pytest.fail("the pair was loaded: an argument error must stop the benchmark before it")
+
+    monkeypatch.setattr(bench_e2e, "load_pair", loaded)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    argv = [str(a_file) if a == "A_FILE" else a for a in argv]
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(".", r"\.")):
+        bench_e2e.main(["--quick", *argv])

@@ -268,3 +268,23 @@ def test_e2e_files_of_different_runs_do_not_combine(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["--shard", shard, "--e2e", e2e, "--out", str(tmp_path / "out")])
         assert message in capsys.readouterr().err
+
+
+def test_missing_or_foreign_files_are_named_in_one_error_line(tmp_path, capsys):
+    """A missing file, a file that is not JSON, or a shard JSON given as --e2e: one argparse error naming the flag
+    and the file (were a FileNotFoundError / JSONDecodeError / KeyError traceback)."""
+    shard, e2e = _shard_file(tmp_path, "a.json", 61), _e2e_file(tmp_path)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    missing = str(tmp_path / "missing.json")
+    for argv, message in (
+        (["--shard", missing, "--e2e", e2e], f"--shard {missing!r}"),
+        (["--shard", shard, "--e2e", missing], f"--e2e {missing!r}"),
+        (["--shard", shard, "--e2e", str(garbage)], f"--e2e {str(garbage)!r}"),
+        (["--shard", shard, "--e2e", shard], "no settings, results field"),
+        (["--shard", e2e, "--e2e", e2e], "no rows field"),
+    ):
+        with pytest.raises(SystemExit) as raised:
+            main([*argv, "--out", str(tmp_path / "out")])
+        assert raised.value.code == 2
+        assert message in capsys.readouterr().err
