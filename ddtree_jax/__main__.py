@@ -34,8 +34,15 @@ def _tree_command(args: argparse.Namespace) -> int:
     from ddtree_jax.tree.synthetic import synthetic_draft_logits
 
     check_seed(args.seed)  # generate's check: an integer in [0, 2^32)
+    if args.max_print is not None and args.max_print < 0:
+        raise UsageError(f"--max-print must be >= 0, got {args.max_print}")
     if args.logits:
         logits = np.load(args.logits)
+        if isinstance(logits, np.lib.npyio.NpzFile):  # an .npz archive: its one array, else ambiguous
+            names = list(logits.files)
+            if len(names) != 1:
+                raise UsageError(f"{args.logits} holds {len(names)} arrays {names}: give a .npy or a one-array .npz")
+            logits = logits[names[0]]
         if logits.ndim not in (2, 3):
             raise UsageError(f"{args.logits} holds an array of shape {logits.shape}: need [L, V] or [B, L, V]")
         if not np.issubdtype(logits.dtype, np.floating):
@@ -153,6 +160,21 @@ def _check_run_args(args: argparse.Namespace) -> None:
     _check_sampling(args)
     check_seed(args.seed)
     check_repeats(args.repeats)
+    # the request values that need no pair (the drafter's block-size limit is checked once it loads): a bad one
+    # used to surface only after both checkpoints had loaded
+    from ddtree_jax.options import MAX_BUDGET, DecodeOptions
+
+    methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
+    budgets = _parse_budgets(args.budget) if isinstance(args.budget, str) else [args.budget]
+    if any(m in ("ddtree", "all") for m in methods):
+        for budget in budgets:
+            if not 1 <= budget <= MAX_BUDGET:
+                raise ValueError(f"--budget must be in [1, {MAX_BUDGET}], got {budget}")
+    if args.max_new < 1:
+        raise ValueError(f"--max-new must be >= 1, got {args.max_new}")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+    DecodeOptions(prefill_chunk=args.prefill_chunk)  # validates it (a ValueError naming the value)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -312,11 +334,19 @@ def _generate_command(args: argparse.Namespace) -> int:
             f"tau = {report['tau']:.2f} tokens/step, {report['tokens_per_s']:.1f} tokens/s "
             f"(compile {report['compile_s']:.1f} s, run {report['run_s'] * 1e3:.0f} ms)"
         )
-        print(decode(report["tokens"][0]), flush=True)
+        if report["invalid_rows"]:  # INVALID_TOKEN is no token id: say why there is no text (docs/sampling.md)
+            print(
+                "(the run marked this row invalid, e.g. non-finite logits from the weights: no text; check the "
+                "checkpoint without --no-check-finite)",
+                flush=True,
+            )
+        else:
+            print(decode(report["tokens"][0]), flush=True)
     if "ar" in reports and len(reports) > 1:
         for method, report in reports.items():
-            if method != "ar":
-                print(f"speedup over AR ({method}): {reports['ar']['run_s'] / report['run_s']:.2f}x on this machine")
+            if method != "ar":  # tokens/s, as `bench`: with stop tokens or sampling the methods emit different counts
+                speedup = report["tokens_per_s"] / reports["ar"]["tokens_per_s"]
+                print(f"speedup over AR ({method}): {speedup:.2f}x on this machine")
     if args.profile:
         from ddtree_jax.engine.profile import format_stage_table
 
@@ -337,7 +367,7 @@ def _bench_prompts(args: argparse.Namespace, pair) -> list[list[int]]:
         if not os.path.isfile(args.prompt_file):
             raise ValueError(f"--prompt-file {args.prompt_file!r} does not exist")
         with open(args.prompt_file, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f if line.strip()]
+            lines = [line.rstrip("\r\n") for line in f if line.strip()]  # a CRLF file's \r is not prompt text
         if not lines:
             raise ValueError(f"--prompt-file {args.prompt_file!r} has no prompts (one per line)")
         texts += lines
@@ -657,7 +687,7 @@ def _dispatch_command(args: argparse.Namespace) -> int:
     from ddtree_jax import dispatch
     from ddtree_jax.checkpoint.hf_config import parse_config, read_config
     from ddtree_jax.config import DFlashConfig
-    from ddtree_jax.options import DecodeOptions
+    from ddtree_jax.options import MAX_BUDGET, DecodeOptions
 
     options = DecodeOptions(
         attn_impl=args.attn_impl,
@@ -667,9 +697,10 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         layer_loop=args.layer_loop,
         topk_impl=args.topk_impl,
     )
-    if args.budget < 1 or args.block_size < 2 or args.batch < 1:
+    if not 1 <= args.budget <= MAX_BUDGET or args.block_size < 2 or args.batch < 1:
         raise ValueError(
-            f"--budget >= 1, --block-size >= 2 and --batch >= 1, got {args.budget}, {args.block_size}, {args.batch}"
+            f"--budget in [1, {MAX_BUDGET}], --block-size >= 2 and --batch >= 1, got {args.budget}, {args.block_size}, "
+            f"{args.batch}"
         )
     if args.context is not None and args.context < 0:
         raise ValueError(f"--context must be >= 0 (tokens committed before the step), got {args.context}")

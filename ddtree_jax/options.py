@@ -30,19 +30,22 @@ def check_options(
 ) -> None:
     """The prompt-independent checks of a generation (`engine.run.check_request`, `engine.generate`): the method
     (and its drafter, for DDTree / chain), budget in [1, MAX_BUDGET] (DDTree), block size an int in [2, the
-    drafter's max_block_size] (DDTree / chain), max_new_tokens >= 1. ValueError naming the bad value."""
+    drafter's max_block_size] (every method: AR's KV cache is sized by it too; >= 2 without a drafter),
+    max_new_tokens >= 1. ValueError naming the bad value."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method != "ar":
-        if drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        largest = drafter.max_block_size
-        if block_size is not None and (
+    if method != "ar" and drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter")
+    if block_size is not None:  # AR too: its KV cache is sized by the block size
+        largest = drafter.max_block_size if drafter is not None else None
+        if (
             isinstance(block_size, bool)
             or not isinstance(block_size, (int, np.integer))
-            or not 2 <= block_size <= largest
+            or block_size < 2
+            or (largest is not None and block_size > largest)
         ):
-            raise ValueError(f"block_size must be in [2, {largest}] (the drafter's block_size), got {block_size}")
+            where = "an int >= 2" if largest is None else f"in [2, {largest}] (the drafter's block_size)"
+            raise ValueError(f"block_size must be {where}, got {block_size}")
     if method == "ddtree" and not (isinstance(budget, (int, np.integer)) and 1 <= budget <= MAX_BUDGET):
         raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {budget}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:

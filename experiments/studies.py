@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.engine.generate import generate_recorded
+from ddtree_jax.engine.progress import LineProgress, progress_bar  # noqa: F401  (re-exported to the studies)
 from ddtree_jax.engine.run import Pair, check_request, load_pair, request_args, resolve_block_size
 from ddtree_jax.engine.step import StepTrace
 from ddtree_jax.options import ORDER_POLICIES, DecodeOptions
@@ -418,38 +417,3 @@ def setup(
         min_continuation=max_new if min_continuation is None else min_continuation,
     )
     return pair, prompts, pair_summary(target_dir, drafter_dir, pair)
-
-
-class LineProgress:
-    """`progress_bar` off a terminal (a log file, a GPU job's captured output): one timestamped line on stderr per
-    finished run, naming it, with the count done and a time left at the mean pace so far."""
-
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.done, self.current = total, desc, 0, ""
-        self.began = time.perf_counter()
-
-    def set_description(self, text: str) -> None:
-        self.current = text
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        elapsed = time.perf_counter() - self.began
-        left = elapsed / self.done * (self.total - self.done)
-        print(
-            f"[{elapsed:8.1f} s] {self.desc}: {self.current} done ({self.done}/{self.total}; ~{left:.0f} s left)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(total: int, desc: str, enabled: bool = True):
-    """Progress of a long study on stderr: a tqdm bar on a terminal, `LineProgress` lines elsewhere (so a run whose
-    output goes to a file still shows where it is); nothing when not `enabled`."""
-    from tqdm import tqdm
-
-    if enabled and not sys.stderr.isatty():
-        return LineProgress(total, desc)
-    return tqdm(total=total, desc=desc, unit="run", disable=not enabled, leave=False)

@@ -78,6 +78,27 @@ def test_generate_random_tiny_methods_agree_greedily(capsys):
     assert "speedup over AR (ddtree)" in out and "compile" in out
 
 
+def test_generate_reports_an_invalid_row_and_runs_every_method(monkeypatch, capsys):
+    """Non-finite weights (loaded with --no-check-finite) make every row invalid (INVALID_TOKEN): generate says so
+    and runs the other methods; it used to end at AR with "token id -1 is not in the tokenizer"."""
+    import dataclasses
+
+    from ddtree_jax.engine import run as run_module
+
+    tiny = run_module.random_tiny_pair
+
+    def nan_pair(seed=0):
+        pair = tiny(seed)
+        params = dict(pair.target_params, final_norm=pair.target_params["final_norm"].at[0].set(float("nan")))
+        return dataclasses.replace(pair, target_params=params)
+
+    monkeypatch.setattr(run_module, "random_tiny_pair", nan_pair)
+    argv = ["generate", "--random-tiny", "--method", "all", "--max-new", "6", "--budget", "4", "--repeats", "1"]
+    assert main([*argv, "--compilation-cache", ""]) == 0
+    out = capsys.readouterr().out
+    assert out.count("the run marked this row invalid") == 3 and "[ddtree budget 4]" in out
+
+
 # ------------------------------------------------------------------------------------------------ bench
 # The same static shapes as the generate test above (batch 1, prompt width 4, max-new 6, budget 4), so in one
 # pytest process the AR / chain / DDTree-4 programs compile once for all of these tests.
@@ -592,3 +613,58 @@ def test_export_commit_writes_a_runnable_copy_of_a_commit(tmp_path):
     assert again.returncode == 2 and "exists" in again.stderr
     bad = subprocess.run(["bash", script, "no-such-commit", str(tmp_path / "x")], capture_output=True, text=True)
     assert bad.returncode == 2 and "no-such-commit is not a commit" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--budget", "0"], "--budget must be in [1, 1024], got 0"),
+        (["bench", "--budget", "16,5000"], "--budget must be in [1, 1024], got 5000"),
+        (["generate", "--max-new", "0"], "--max-new must be >= 1, got 0"),
+        (["bench", "--block-size", "1"], "--block-size must be >= 2, got 1"),
+        (["generate", "--prefill-chunk", "-1"], "prefill_chunk"),
+    ],
+)
+def test_request_values_are_checked_before_any_checkpoint_loads(argv, message, monkeypatch, capsys):
+    # a bad value used to surface only after both checkpoints had loaded (minutes for K2.6)
+    def load(args):
+        pytest.fail("the pair was loaded: a bad request value must stop the command before it")
+
+    monkeypatch.setattr(cli, "_load", load)
+    assert message in _error_before_output([*argv, "--compilation-cache", ""], capsys)
+
+
+def test_ar_checks_its_block_size_too(capsys):
+    # AR's KV cache is sized by the block size: 10**6 used to size a million-row cache
+    assert "block_size must be in [2, 8]" in _error(
+        ["generate", "--random-tiny", "--method", "ar", "--block-size", "1000000", "--compilation-cache", ""], capsys
+    )
+
+
+def test_tree_reads_a_one_array_npz_and_refuses_others(tmp_path, capsys):
+    logits = np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32)
+    np.savez(tmp_path / "one.npz", logits=logits)
+    np.savez(tmp_path / "two.npz", a=logits, b=logits)
+    assert main(["tree", "--logits", str(tmp_path / "one.npz"), "--budget", "4"]) == 0
+    assert "budget 4, depth limit L = 3, vocab V = 50" in capsys.readouterr().out
+    assert "holds 2 arrays ['a', 'b']" in _error(["tree", "--logits", str(tmp_path / "two.npz")], capsys)
+    assert "--max-print must be >= 0, got -1" in _error(["tree", "--max-print", "-1"], capsys)
+
+
+def test_dispatch_refuses_a_budget_past_the_largest(capsys):
+    assert "--budget in [1, 1024]" in _error(["dispatch", "--budget", "5000"], capsys)
+
+
+def test_a_crlf_prompt_file_gives_the_same_prompts(tmp_path, monkeypatch):
+    seen = []
+    (tmp_path / "unix.txt").write_text("def f(\nclass A:\n")
+    (tmp_path / "dos.txt").write_bytes(b"def f(\r\nclass A:\r\n")
+    for name in ("unix.txt", "dos.txt"):
+        args = cli.build_parser().parse_args(["bench", "--prompt-file", str(tmp_path / name)])
+
+        class FakePair:
+            tokenizer = object()
+
+        monkeypatch.setattr(cli, "_encode", lambda pair, texts, chat, target: seen.append(texts) or [[1]] * len(texts))
+        cli._bench_prompts(args, FakePair())
+    assert seen[0] == seen[1] == ["def f(", "class A:"]

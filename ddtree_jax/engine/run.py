@@ -22,10 +22,11 @@ from ddtree_jax.checkpoint.hf_weights import load_weights
 from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 from ddtree_jax.engine.drafters import DFlashDrafter
 from ddtree_jax.engine.generate import generate
+from ddtree_jax.engine.progress import progress_bar
 from ddtree_jax.models import dflash, qwen3, target_module
 from ddtree_jax.options import METHODS, DecodeOptions, check_options
 from ddtree_jax.presets import preset_pair
-from ddtree_jax.sampling import SamplingParams, row_keys
+from ddtree_jax.sampling import INVALID_TOKEN, SamplingParams, row_keys
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ddtree_jax", "xla")
 
@@ -336,7 +337,7 @@ def check_fits(compiled, *, prompt_tokens: int, batch: int, static: dict, free_b
     if need > free_bytes:
         raise ValueError(
             f"the generation ({batch} row(s) x {prompt_tokens} prompt tokens + max_new_tokens "
-            f"{static['max_new_tokens']}, {static['method']}) needs {need / 1e9:.2f} GB of device memory beyond "
+            f"{static['max_new_tokens']}, {_column_name(static['method'], static.get('budget') if static['method'] == 'ddtree' else None)}) needs {need / 1e9:.2f} GB of device memory beyond "
             f"the weights, and {free_bytes / 1e9:.2f} GB is free: use a shorter prompt, fewer new tokens or "
             "rows, or a smaller --prefill-chunk"
         )
@@ -369,7 +370,8 @@ def run(
     repeats: int = 1,
     options: DecodeOptions = DecodeOptions(),
 ) -> dict:
-    """Compiles once, then generates `repeats` times; returns tokens, tau and timings (seconds).
+    """Compiles once, then generates `repeats` times; returns tokens, tau, timings (seconds) and invalid_rows (the
+    rows whose tokens hold INVALID_TOKEN: the run marked them invalid, e.g. for non-finite logits).
     Checks the request first (`check_request`, `check_repeats`); options: how the step runs (`DecodeOptions`)."""
     check_repeats(repeats)
     block, args = checked_request_args(
@@ -394,17 +396,24 @@ def run(
     result, run_s = _timed(compiled, args, repeats)
     tokens = np.asarray(result.tokens)
     n = np.asarray(result.num_generated)
+    rows = [tokens[b, : n[b]].tolist() for b in range(batch)]
     return {
         "method": method,
         "budget": budget if method == "ddtree" else None,
         "block_size": block,
-        "tokens": [tokens[b, : n[b]].tolist() for b in range(batch)],
+        "tokens": rows,
+        # rows the run marked invalid (their tokens INVALID_TOKEN: e.g. non-finite logits), not text to decode
+        "invalid_rows": [b for b, row in enumerate(rows) if INVALID_TOKEN in row],
         "tau": float(np.asarray(result.tau).mean()),
         "steps": int(np.asarray(result.steps).max()),
         "compile_s": compile_s,
         "run_s": run_s,
         "tokens_per_s": float(n.sum() / run_s),
     }
+
+
+def _column_name(method: str, budget: int | None) -> str:
+    return method + ("" if budget is None else f" {budget}")
 
 
 def bench_columns(budgets, methods=METHODS) -> list[tuple[str, int | None]]:
@@ -447,11 +456,6 @@ def benchmark(
             pair, prompt_ids, method=method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens
         )
     width = max(len(p) for p in prompt_ids)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(columns) * len(prompt_ids), desc="bench", unit="run", leave=False, disable=None)
     common = dict(
         temperature=temperature,
         top_k=top_k,
@@ -462,7 +466,10 @@ def benchmark(
         max_new_tokens=max_new_tokens,
         width=width,
     )
-    rows = []
+    # every column compiled (and checked to fit the device's free memory, `check_fits`) before any is timed: a
+    # column that does not fit fails at once, not after the others' timings
+    bar = progress_bar(len(columns) * (len(prompt_ids) + 1), "bench", progress)
+    compiled_columns = []
     try:
         for method, budget in columns:
             block = resolve_block_size(pair, method, block_size)
@@ -474,15 +481,28 @@ def benchmark(
                 max_new_tokens=max_new_tokens,
                 options=options,
             )
-            if bar is not None:
-                bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: compile")
-            compiled, compile_s = _compile(request_args(pair, prompt_ids[:1], request_ids=[0], **common), static)
+            bar.set_description(f"{_column_name(method, budget)}: compile")
+            compiled_columns.append(
+                (
+                    method,
+                    budget,
+                    block,
+                    *_compile(request_args(pair, prompt_ids[:1], request_ids=[0], **common), static),
+                )
+            )
+            bar.update(1)
+    except BaseException:
+        bar.close()
+        raise
+    rows = []
+    try:
+        for method, budget, block, compiled, compile_s in compiled_columns:
             per_prompt = []
             for i, prompt in enumerate(prompt_ids):
-                if bar is not None:
-                    bar.set_description(f"{method}{'' if budget is None else f' {budget}'}: prompt {i}")
+                bar.set_description(f"{_column_name(method, budget)}: prompt {i}")
                 result, run_s = _timed(compiled, request_args(pair, [prompt], request_ids=[i], **common), repeats)
                 n = int(np.asarray(result.num_generated)[0])
+                tokens = np.asarray(result.tokens)[0, :n].tolist()
                 per_prompt.append(
                     {
                         "prompt": i,
@@ -492,11 +512,11 @@ def benchmark(
                         "tokens_per_s": n / run_s,
                         "tau": float(np.asarray(result.tau)[0]),
                         "steps": int(np.asarray(result.steps)[0]),
-                        "tokens": np.asarray(result.tokens)[0, :n].tolist(),
+                        "tokens": tokens,
+                        "invalid": INVALID_TOKEN in tokens,  # the run marked the row invalid (e.g. non-finite logits)
                     }
                 )
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             run_s = sum(p["run_s"] for p in per_prompt)
             num_tokens = sum(p["num_tokens"] for p in per_prompt)
             rows.append(
@@ -514,8 +534,7 @@ def benchmark(
                 }
             )
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     ar = next((r for r in rows if r["method"] == "ar"), None)
     for row in rows:
         if ar is not None:

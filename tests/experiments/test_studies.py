@@ -146,21 +146,3 @@ def test_study_generate_checks_its_arguments(pair):
         study_generate(pair, [[1, 2, 3]], max_new_tokens=4, temperature=1.0, row_max_new=5)
     with pytest.raises(ValueError, match="budget"):
         study_generate(pair, [[1, 2, 3]], max_new_tokens=4, temperature=1.0, budget=0)
-
-
-def test_progress_off_a_terminal_is_one_line_per_finished_run(monkeypatch, capsys):
-    # a study's output captured to a file (a GPU job) used to show nothing until the end: tqdm is off there
-    from experiments import studies
-
-    monkeypatch.setattr(studies.sys.stderr, "isatty", lambda: False, raising=False)
-    bar = studies.progress_bar(2, "budget sweep")
-    assert isinstance(bar, studies.LineProgress)
-    bar.set_description("ddtree 8 T=0")
-    bar.update(1)
-    bar.set_description("ddtree 16 T=0")
-    bar.update(1)
-    bar.close()
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2
-    assert "budget sweep: ddtree 8 T=0 done (1/2;" in lines[0] and "(2/2; ~0 s left)" in lines[1]
-    assert not isinstance(studies.progress_bar(2, "quiet", enabled=False), studies.LineProgress)
