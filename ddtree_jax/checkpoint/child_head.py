@@ -16,6 +16,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ddtree_jax.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from ddtree_jax.checkpoint.hf_config import read_config
+from ddtree_jax.checkpoint.hf_weights import check_finite_array, read_safetensors_header
 from ddtree_jax.config import ChildHeadConfig
 from ddtree_jax.models import child_head
 
@@ -44,9 +46,10 @@ def save_child_head(directory: str, config: ChildHeadConfig, params: dict, dtype
         )
 
 
-def load_child_head(directory: str, dtype=jnp.float32) -> tuple[ChildHeadConfig, dict]:
+def load_child_head(directory: str, dtype=jnp.float32, *, check_finite: bool = False) -> tuple[ChildHeadConfig, dict]:
     """(config, params in `dtype`) of a head written by `save_child_head`; CheckpointError naming the file and
-    the key or tensor that is wrong."""
+    the key or tensor that is wrong (a config that is not a JSON object, a damaged safetensors file, a missing or
+    mis-shaped tensor; with check_finite, a tensor holding NaN / inf, as `load_weights`)."""
     config_path = os.path.join(directory, "config.json")
     weights_path = os.path.join(directory, "model.safetensors")
     for path in (config_path, weights_path):
@@ -54,15 +57,15 @@ def load_child_head(directory: str, dtype=jnp.float32) -> tuple[ChildHeadConfig,
             raise CheckpointNotFoundError(
                 f"{path} does not exist (a child head directory holds config.json and model.safetensors)"
             )
-    with open(config_path) as f:
-        raw = json.load(f)
+    raw = read_config(config_path)  # CheckpointError naming the file unless a JSON object
+    read_safetensors_header(weights_path)  # ... and for a truncated file or a damaged header
     if raw.get("architectures") != [ARCHITECTURE]:
         raise CheckpointError(
             f"{config_path}: architectures must be [{ARCHITECTURE!r}], got {raw.get('architectures')!r}"
         )
     try:
         config = ChildHeadConfig(hidden_size=raw["hidden_size"], inner_size=raw["inner_size"])
-    except (KeyError, ValueError) as err:
+    except (KeyError, ValueError, TypeError) as err:
         raise CheckpointError(f"{config_path}: {err}") from err
     shapes = {name: shape for name, (shape, _) in child_head.param_shapes(config).items()}
     params = {}
@@ -76,5 +79,7 @@ def load_child_head(directory: str, dtype=jnp.float32) -> tuple[ChildHeadConfig,
                 raise CheckpointError(
                     f"{weights_path}: tensor {key!r} has shape {value.shape}, the config says {shape}"
                 )
+            if check_finite:
+                check_finite_array(value, key, weights_path)
             params[name] = jnp.asarray(value.astype(np.float32), dtype)
     return config, params

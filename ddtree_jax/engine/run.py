@@ -177,7 +177,8 @@ def load_pair(
     """Target + DFlash drafter from HF directories; the target's tapped layers come from the drafter. The
     tokenizer is the target directory's (tokenizer.json or tiktoken.model; None without either).
     Both configs are read and checked against each other (`check_configs`) before any weight loads.
-    check_finite: `load_weights`' check that every floating-point tensor of both checkpoints is finite
+    check_finite: `load_weights`' check that every floating-point tensor of both checkpoints (and of the child
+    head) is finite
     (CheckpointError naming the tensor and file otherwise; the CLI turns it on). dtype "auto": the target
     checkpoint's stored dtype, for both (`load_dtype`). child_head_dir: a path-conditioned child head
     (`checkpoint.child_head`, the `child_head` training stage) attached to the drafter: DDTree steps then build
@@ -207,7 +208,7 @@ def load_pair(
             drafter_config, drafter_params, target.embedding(target_params), target.head(target_config, target_params)
         )
         if child_head_dir:
-            head_config, head_params = load_child_head(child_head_dir, dtype)
+            head_config, head_params = load_child_head(child_head_dir, dtype, check_finite=check_finite)
             drafter = drafter.with_head(head_config, head_params)
     elif child_head_dir:
         raise ValueError("a child head needs a drafter (drafter_dir)")

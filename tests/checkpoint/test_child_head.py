@@ -49,3 +49,27 @@ def test_errors_name_the_file_and_the_value(tmp_path):
         load_child_head(str(tmp_path))
     with pytest.raises(ValueError, match="dtype must be float32 or bfloat16"):
         save_child_head(str(tmp_path), config, child_head.init_params(config, jax.random.key(0)), dtype=np.float16)
+
+
+def test_damaged_files_and_non_finite_tensors_are_named(tmp_path):
+    """A config that is not a JSON object, a truncated safetensors file, a NaN tensor (with check_finite, as the CLI
+    loads): CheckpointErrors naming the file (were an AttributeError / SafetensorError traceback, and a NaN head
+    that silently made DDTree an AR loop)."""
+    config = ChildHeadConfig(hidden_size=16, inner_size=8)
+    params = child_head.init_params(config, jax.random.key(0))
+    save_child_head(str(tmp_path), config, params)
+    config_path, weights_path = (os.path.join(tmp_path, name) for name in ("config.json", "model.safetensors"))
+    raw = open(config_path).read()
+    for text, message in (("[]", "holds a JSON list, not an object"), ("{bad", "is not valid JSON")):
+        open(config_path, "w").write(text)
+        with pytest.raises(CheckpointError, match=f"{config_path} {message}"):
+            load_child_head(str(tmp_path))
+    open(config_path, "w").write(raw)
+    whole = open(weights_path, "rb").read()
+    open(weights_path, "wb").write(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError, match=weights_path):
+        load_child_head(str(tmp_path))
+    save_child_head(str(tmp_path), config, {**params, "out_proj": params["out_proj"].at[1, 2].set(jnp.nan)})
+    load_child_head(str(tmp_path))  # unchecked by default, as load_weights
+    with pytest.raises(CheckpointError, match=r"tensor 'out_proj.weight' in .* holds 1 non-finite value"):
+        load_child_head(str(tmp_path), check_finite=True)
