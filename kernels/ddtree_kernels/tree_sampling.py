@@ -724,12 +724,17 @@ def _walk_kernel(
 
     # the walk: every iteration tests one node (a while loop: it stops when the walk ends, typically after
     # a few nodes; each iteration is a chain of dependent scalar loads, ~0.3 us on an H200)
+    slots = cand_ref.shape[0]
+
     def more(state):
-        cur, done = state[0], state[4]
-        return ~done & (cur >= 0)
+        cur, done, iteration = state[0], state[4], state[7]
+        # a well-formed tree ends the walk within its N - 1 non-root nodes; the bound ends a malformed one's (a
+        # sibling cycle, under jit where its lists cannot be checked: it would spin forever) and keeps the
+        # rejected-token list within its N entries
+        return ~done & (cur >= 0) & (iteration < slots)
 
     def body(state):
-        cur, row, prob_acc, n_acc, done, last_rejected, n_excl = state
+        cur, row, prob_acc, n_acc, done, last_rejected, n_excl, iteration = state
         active = ~done & (cur >= 0)
         node = jnp.maximum(cur, 0)
         tok = cand_ref[node]
@@ -753,7 +758,7 @@ def _walk_kernel(
         row = jnp.where(take, node, row)
         done = done | (~done & (cur < 0)) | (take & (n_acc == steps - 1))
         cur = jnp.where(take, first_ref[node], jnp.where(reject, sib_ref[node], cur))
-        return cur, row, prob_acc, n_acc, done, last_rejected, n_excl
+        return cur, row, prob_acc, n_acc, done, last_rejected, n_excl, iteration + 1
 
     init = (
         first_ref[0],
@@ -763,9 +768,10 @@ def _walk_kernel(
         jnp.bool_(steps == 1),
         jnp.int32(-1),
         jnp.int32(0),
+        jnp.int32(0),
     )
     # each iteration takes (moves to a child) or rejects (moves to a sibling), so the loop ends within N steps
-    _, row, _, n_acc, _, last_rejected, n_excl = lax.while_loop(more, body, init)
+    _, row, _, n_acc, _, last_rejected, n_excl, _ = lax.while_loop(more, body, init)
     walk_ref[0] = n_acc
     walk_ref[1] = row
     walk_ref[2] = jnp.where(n_acc == steps - 1, 0, n_excl)  # a bonus sample excludes nothing

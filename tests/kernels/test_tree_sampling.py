@@ -19,7 +19,13 @@ from ddtree_jax.sampling.probs import INVALID_TOKEN
 from ddtree_jax.tree import build_tree, verification_order
 from ddtree_jax.verify import VerifyResult, verify_greedy, verify_sampling, verify_step
 from ddtree_kernels import tree_sampling
-from ddtree_kernels.tree_sampling import logit_key, params_rows, row_stats, row_stats_reference
+from ddtree_kernels.tree_sampling import (
+    logit_key,
+    params_rows,
+    row_stats,
+    row_stats_reference,
+    tree_sampling_from_probs_reference,
+)
 from tests.kernels.margins import row_margin
 from tests.verify.test_verify_sampling import (
     EX_CAND,
@@ -432,3 +438,19 @@ def test_output_law_through_the_fused_kernel():
     probs = transition_probs(test_law.TRANSITION, SamplingParams.create(1, **test_law.SETTINGS[setting]))
     assert test_law._law_pvalue(emitted, probs) > ALPHA
     assert accepted.mean() > 0.3
+
+
+def test_a_sibling_cycle_ends_the_walk_as_the_reference():
+    """A malformed tree under jit (its lists cannot be checked there): slot 1's next sibling is 2 and 2's is 1, and
+    the target gives both tokens probability 0, so every test rejects. The kernel's while loop spun forever (a
+    hung GPU); it is bounded now and emits what the reference emits."""
+    candidates = jnp.array([[0, 1, 2]], jnp.int32)
+    next_token = jnp.array([[1, -1, -1]], jnp.int32)
+    next_sibling = jnp.array([[-1, 2, 1]], jnp.int32)
+    probs = jnp.broadcast_to(jnp.array([1.0, 0.0, 0.0, 0.0]), (1, 3, 4))
+    coins, final_coin = jnp.full((1, 3), 0.5), jnp.array([0.5])
+    args = (candidates, next_token, next_sibling, probs, coins, final_coin)
+    want = tree_sampling_from_probs_reference(*args, max_accept=2)
+    got = tree_sampling.tree_sampling_from_probs(*args, max_accept=2, interpret=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
