@@ -101,6 +101,8 @@ class SamplingParams:
             ("top_p", p, ~np.isfinite(p) | (p <= 0) | (p > 1), "must be in (0, 1] (1 = off)"),
             ("min_p", m, ~np.isfinite(m) | (m < 0) | (m >= 1), "must be in [0, 1) (0 = off)"),
         ]
+        if not np.issubdtype(k.dtype, np.integer):  # a float top_k would fail as a gather index, not name itself
+            raise ValueError(f"top_k must hold integers, got dtype {k.dtype}")
         shapes = {a.shape for a in (t, k, p, m)}
         if len(shapes) != 1 or len(shapes.pop()) != 1:
             raise ValueError(f"all sampling params must have one shape [B], got {[a.shape for a in (t, k, p, m)]}")

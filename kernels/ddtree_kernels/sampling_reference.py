@@ -74,6 +74,10 @@ def processed_probs_reference(
     (`valid_params`) are all zeros."""
     x = logits.astype(jnp.float32)
     ndim, vocab = x.ndim, x.shape[-1]
+    # the settings at the precision of the arithmetic below (as the fused kernels' `as_rows`): a float64
+    # temperature of 1e-50 is > 0 but divides as float32 zero, which made the row all NaN, then all zeros
+    temperature, top_p, min_p = (jnp.asarray(v, jnp.float32) for v in (temperature, top_p, min_p))
+    top_k = jnp.asarray(top_k).astype(jnp.int32)
     params_ok = _per_row(valid_params(temperature, top_k, top_p, min_p), ndim - 1)
     temperature = _per_row(temperature, ndim)
     top_k = _per_row(top_k, ndim)

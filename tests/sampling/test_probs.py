@@ -105,3 +105,24 @@ def test_under_jit_and_vocab_sizes_not_powers_of_two():
         probs = jax.jit(processed_probs)(logits, params)
         np.testing.assert_allclose(np.asarray(probs.sum(-1)), 1.0, rtol=1e-5)
         assert int((probs[0] > 0).sum()) == 50
+
+
+def test_a_float64_temperature_below_float32s_range_is_greedy():
+    """np.float64 settings (SamplingParams takes numpy arrays): 1e-50 > 0 passed the greedy test in float64 but
+    divided as float32 0, so the row became all zeros and a verifier emitted the last token id. Computed at float32
+    it is greedy, as in the fused kernels."""
+    logits = jnp.array([[3.0, 1.0, 0.5, -2.0], [0.0, 1.0, 2.0, 3.0]])
+    params = SamplingParams(
+        temperature=np.array([1e-50, 1.0]),
+        top_k=np.array([0, 0]),
+        top_p=np.array([1.0, 1.0]),
+        min_p=np.array([0.0, 0.0]),
+    )
+    probs = np.asarray(processed_probs(logits, params))
+    np.testing.assert_array_equal(probs[0], [1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(probs[1], np.asarray(jax.nn.softmax(logits[1])), rtol=1e-6)
+
+
+def test_a_float_top_k_is_named():
+    with pytest.raises(ValueError, match="top_k must hold integers, got dtype float64"):
+        SamplingParams(temperature=np.array([1.0]), top_k=np.array([2.5]), top_p=np.array([1.0]), min_p=np.array([0.0]))
