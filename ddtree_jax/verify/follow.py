@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ddtree_jax.verify.result import VerifyResult
+from ddtree_jax.sampling.probs import valid_rows
+from ddtree_jax.verify.result import VerifyResult, invalid_rows_masked
 from ddtree_jax.verify.sampling import check_tree_lists
 from ddtree_kernels.sampling_reference import emitted_tokens, inverse_cdf
 
@@ -68,16 +69,39 @@ def verify_greedy(
 ) -> VerifyResult:
     """Greedy (T = 0) verification: follow the child whose token is the argmax of the row (ties to the
     lowest id), emit the argmax at the first row without such a child. Equals `verify_sampling` on
-    one-hot targets. target_logits: [B, N, V] (any float dtype)."""
+    one-hot targets. target_logits: [B, N, V] (any float dtype).
+
+    Invalid logits (NaN, +inf, all -inf: `valid_rows`) at a slot the walk reads (the root or an accepted node)
+    make the row invalid, as in `verify_step`: num_accepted 0, tokens INVALID_TOKEN (argmax would take a NaN
+    for the largest value and give a plausible token). Eagerly, with `check`, such a slot raises ValueError;
+    so does a target_logits shape other than [B, N, V]."""
     _check_common(candidates, next_token, next_sibling, max_accept, check)
-    chosen = jnp.argmax(jnp.asarray(target_logits), axis=-1).astype(jnp.int32)
-    return _follow(
+    target_logits = jnp.asarray(target_logits)
+    if target_logits.ndim != 3 or target_logits.shape[:2] != jnp.shape(candidates):
+        raise ValueError(
+            f"target_logits must be [B, N, V] with [B, N] = {tuple(jnp.shape(candidates))}, got "
+            f"{tuple(target_logits.shape)}"
+        )
+    chosen = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    result = _follow(
         jnp.asarray(candidates, jnp.int32),
         jnp.asarray(next_token, jnp.int32),
         jnp.asarray(next_sibling, jnp.int32),
         chosen,
         max_accept=int(max_accept),
     )
+    read_ok = _read_slots_valid(result.accept_index, valid_rows(target_logits))
+    if check and not isinstance(read_ok, jax.core.Tracer) and not bool(np.asarray(read_ok).all()):
+        row = int(np.argmin(np.asarray(read_ok)))
+        raise ValueError(f"target_logits row {row}: a slot the walk reads holds NaN or +inf, or is entirely -inf")
+    return invalid_rows_masked(result, read_ok)
+
+
+def _read_slots_valid(accept_index: jax.Array, slot_valid: jax.Array) -> jax.Array:
+    """bool [B]: every slot the walk read (accept_index's entries >= 0: the root and the accepted nodes, whose
+    rows chose the next token) is valid in slot_valid bool [B, N]."""
+    read = jnp.take_along_axis(slot_valid, jnp.maximum(accept_index, 0), axis=1)
+    return (read | (accept_index < 0)).all(axis=1)
 
 
 def verify_sample_then_walk(
@@ -85,9 +109,17 @@ def verify_sample_then_walk(
 ) -> VerifyResult:
     """The DDTree paper's verifier: sample every slot's row independently (coin i at slot i, the
     inverse-CDF rule), then follow the samples down the tree. Exact; same output law as
-    `verify_sampling`, different coin-to-token map. target_probs [B, N, V], coins [B, N]."""
+    `verify_sampling`, different coin-to-token map. target_probs [B, N, V], coins [B, N] (ValueError
+    otherwise). The probabilities are taken as given (`processed_probs`' rows): `verify_step` is what marks rows
+    of invalid logits or settings invalid."""
     _check_common(candidates, next_token, next_sibling, max_accept, check)
     probs = jnp.asarray(target_probs, jnp.float32)
+    shape = tuple(jnp.shape(candidates))
+    if probs.ndim != 3 or probs.shape[:2] != shape or tuple(jnp.shape(coins)) != shape:
+        raise ValueError(
+            f"target_probs must be [B, N, V] and coins [B, N] with [B, N] = {shape}, got {tuple(probs.shape)} and "
+            f"{tuple(jnp.shape(coins))}"
+        )
     chosen, has_mass = inverse_cdf(probs, jnp.asarray(coins, jnp.float32))
     chosen = jnp.where(has_mass, chosen, probs.shape[-1] - 1)
     return _follow(

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+
+from ddtree_jax.sampling.probs import INVALID_TOKEN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,17 @@ class VerifyResult:
     @property
     def num_emitted(self) -> jax.Array:
         return self.num_accepted + 1
+
+
+def invalid_rows_masked(result: VerifyResult, row_ok: jax.Array) -> VerifyResult:
+    """`result` with the rows not `row_ok` (bool [B]) as invalid rows: num_accepted 0, accept_index [0, -1, ...],
+    tokens INVALID_TOKEN; the other rows as they are."""
+    steps = result.accept_index.shape[1]
+    return VerifyResult(
+        accept_index=jnp.where(row_ok[:, None], result.accept_index, jnp.where(jnp.arange(steps) == 0, 0, -1)),
+        num_accepted=jnp.where(row_ok, result.num_accepted, 0),
+        tokens=jnp.where(row_ok[:, None], result.tokens, INVALID_TOKEN),
+    )
 
 
 jax.tree_util.register_dataclass(VerifyResult, data_fields=["accept_index", "num_accepted", "tokens"], meta_fields=[])

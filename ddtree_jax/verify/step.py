@@ -12,13 +12,13 @@ from ddtree_jax import dispatch
 from ddtree_jax.options import VERIFIERS
 from ddtree_jax.sampling.coins import draw_coins
 from ddtree_jax.sampling.params import SamplingParams
-from ddtree_jax.sampling.probs import INVALID_TOKEN, processed_probs, valid_rows
+from ddtree_jax.sampling.probs import processed_probs, valid_rows
 from ddtree_jax.sharding.regions import rows, shard_call
 from ddtree_jax.tree.draft_tree import DraftTree
 from ddtree_jax.tree.structure import verification_order
 from ddtree_jax.verify.follow import verify_sample_then_walk
-from ddtree_jax.verify.result import VerifyResult
-from ddtree_jax.verify.sampling import verify_sampling
+from ddtree_jax.verify.result import VerifyResult, invalid_rows_masked
+from ddtree_jax.verify.sampling import check_tree_lists, verify_sampling
 from ddtree_kernels.tree_sampling import tree_sampling_from_logits
 
 
@@ -59,7 +59,7 @@ def verify_step(
 
     Raises:
       ValueError: on shape mismatches, target_logits not float32/bfloat16/float16, or (eagerly) a real
-        draft slot's token outside [0, V).
+        draft slot's token outside [0, V) or two siblings with the same token (`check_tree_lists`).
     """
     if verifier not in VERIFIERS:
         raise ValueError(f"verifier must be one of {VERIFIERS}, got {verifier!r}")
@@ -86,6 +86,8 @@ def verify_step(
         raise ValueError(f"impl='pallas' implements verifier='sampling' only, got verifier={verifier!r}")
     split = jax.vmap(lambda k: jax.random.split(k, 3))(keys)  # [B, 3]
     next_token, next_sibling = verification_order(tree, order, split[:, 0])
+    # eagerly (skipped when traced): duplicate sibling tokens would have a token's target mass tested twice
+    check_tree_lists(tree.tokens, next_token, next_sibling)
     coins = draw_coins(split[:, 1], (slots,))
     if impl == "pallas":
         # per shard on a mesh: rows over "data"; vocab-split logits are gathered over "model" on the way in
@@ -95,6 +97,8 @@ def verify_step(
             threshold_single=threshold_single,
             threshold_acc=threshold_acc,
         )
+        if target_logits.dtype == jnp.float16:  # the kernel reads float32 or bfloat16 rows; float16 widens exactly
+            target_logits = target_logits.astype(jnp.float32)
         args = (
             tree.tokens,
             next_token,
@@ -163,10 +167,4 @@ def check_tree_tokens(tree: DraftTree, vocab: int) -> None:
 def mask_invalid_rows(result: VerifyResult, slot_valid: jax.Array, tree: DraftTree) -> VerifyResult:
     """Rows with invalid logits at a real slot (slot_valid bool [B, N] False where `tree.is_real`):
     num_accepted 0, accept_index [0, -1, ...], tokens INVALID_TOKEN; other rows of `result` as they are."""
-    row_ok = (slot_valid | ~tree.is_real).all(axis=1)
-    steps = tree.max_depth + 1
-    return VerifyResult(
-        accept_index=jnp.where(row_ok[:, None], result.accept_index, jnp.where(jnp.arange(steps) == 0, 0, -1)),
-        num_accepted=jnp.where(row_ok, result.num_accepted, 0),
-        tokens=jnp.where(row_ok[:, None], result.tokens, INVALID_TOKEN),
-    )
+    return invalid_rows_masked(result, (slot_valid | ~tree.is_real).all(axis=1))

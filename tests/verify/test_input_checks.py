@@ -70,6 +70,47 @@ def test_float16_and_bfloat16_target_logits_are_accepted():
     tree, logits, params, keys = _case()
     for dtype in (jnp.float16, jnp.bfloat16):
         verify_step(tree, logits.astype(dtype), params, keys)
+    # the fused kernel reads float32 / bfloat16: float16 is widened for it (it raised on "pallas", so on GPU's "auto")
+    want = verify_step(tree, logits.astype(jnp.float16), params, keys, impl="xla")
+    got = verify_step(tree, logits.astype(jnp.float16), params, keys, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_duplicate_sibling_tokens_raise_eagerly():
+    """Two siblings with one token: its target mass would be tested twice (the first token's law was 1.0 where the
+    target gives 0.7); eagerly a ValueError, as verify_sampling's own check."""
+    tree, logits, params, keys = _case(batch=1)
+    children = np.flatnonzero(np.asarray(tree.parents[0]) == 0)
+    assert len(children) >= 2
+    bad = _with_token(tree, 0, int(children[1]), int(tree.tokens[0, children[0]]))
+    with pytest.raises(ValueError, match="are siblings .* with the same token"):
+        verify_step(bad, logits, params, keys)
+
+
+def test_verify_greedy_marks_rows_of_invalid_logits_at_read_slots():
+    """argmax takes NaN for the largest value: a NaN at the root's row gave a plausible token. Now the row is
+    invalid under jit and a ValueError eagerly; a NaN at a slot the walk never reads changes nothing."""
+    from ddtree_jax.tree import verification_order
+    from ddtree_jax.verify import verify_greedy
+
+    tree, logits, params, keys = _case()
+    next_token, next_sibling = verification_order(tree, "draft", keys)
+    lists = (tree.tokens, next_token, next_sibling)
+    greedy = jax.jit(lambda logits: verify_greedy(*lists, logits, max_accept=tree.max_depth, check=False))
+    clean = greedy(logits)
+    bad = greedy(logits.at[1, 0, 3].set(jnp.nan))
+    assert np.asarray(bad.tokens)[1].tolist() == [INVALID_TOKEN] * (tree.max_depth + 1)
+    assert int(bad.num_accepted[1]) == 0
+    for row in (0, 2):
+        np.testing.assert_array_equal(np.asarray(bad.tokens)[row], np.asarray(clean.tokens)[row])
+    with pytest.raises(ValueError, match="target_logits row 1: a slot the walk reads holds NaN"):
+        verify_greedy(*lists, logits.at[1, 0, 3].set(jnp.nan), max_accept=tree.max_depth)
+    read = set(np.asarray(clean.accept_index)[0].tolist()) - {-1}
+    unread = next(i for i in range(tree.num_slots) if i not in read)
+    same = verify_greedy(*lists, logits.at[0, unread, 0].set(jnp.nan), max_accept=tree.max_depth)
+    np.testing.assert_array_equal(np.asarray(same.tokens), np.asarray(clean.tokens))
+    with pytest.raises(ValueError, match=r"target_logits must be \[B, N, V\]"):
+        verify_greedy(*lists, logits[:, 1:], max_accept=tree.max_depth)
 
 
 BAD_SETTINGS = [
