@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ddtree_kernels.mosaic_common import layer_index
 from ddtree_kernels.quant import FP8_BLOCK, INT4_GROUP, Fp8BlockWeight, Int4Weight, dense
 from ddtree_kernels.tiling import TARGET_PROGRAMS, default_interpret, dot_precision, fits, pipelined_bytes
 
@@ -395,7 +396,9 @@ def _grouped_kernel(
     # o_ref: f32 [S, A_pad, N_pad] partial sums per K split, written at the tile's (sorted) rows
     row_ref, x_ref, *weight_refs, o_ref = refs if gathered else (None, *refs)
     n_tile, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    expert, first, count, layer = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile], tile_ref[3, tile]
+    expert, first, count = tile_ref[0, tile], tile_ref[1, tile], tile_ref[2, tile]
+    # the layer as `a[layer]` reads it (negative from the end), clamped: a traced one cannot be checked
+    layer = layer_index(tile_ref[3, tile], weight_refs[0].shape[0])
     rows = n_tile * block_n + jnp.arange(block_n)
     row_ok = (rows < n)[:, None]
     words, groups = block_k // 8, block_k // INT4_GROUP
@@ -692,11 +695,19 @@ def _grouped_operands(x, weight, group_sizes, layer, row_index=None):
         raise ValueError(
             f"with layer= grouped_matmul takes every layer's expert weights [L, E, N, K], got shape {shape}"
         )
+    shape_l = shape[0] if len(shape) == 4 else 1
     shape = shape[-3:]
     if x.ndim != 2 or x.shape[1] != shape[2]:
         raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
     if group_sizes.shape != (shape[0],):
         raise ValueError(f"group_sizes must have one entry per expert ({shape[0]},), got {group_sizes.shape}")
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    if not isinstance(group_sizes, jax.core.Tracer):  # concrete: the groups must tile the A rows exactly
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any() or int(sizes.sum()) != rows:
+            raise ValueError(f"group_sizes must be >= 0 and sum to the {rows} rows, got {sizes.tolist()}")
+    if layer is not None and not isinstance(layer, jax.core.Tracer) and not -shape_l <= int(layer) < shape_l:
+        raise ValueError(f"layer must lie in [-{shape_l}, {shape_l}) (the stacked layers), got {int(layer)}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     return weight, layer

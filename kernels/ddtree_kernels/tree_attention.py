@@ -102,7 +102,7 @@ def _attention_kernel(
     v_ref = None if values_from_keys else refs[2 * num_parts]
     acc_ref, m_ref, l_ref = refs[2 * num_parts + (0 if values_from_keys else 1) :]
     b, row_block, split = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kv_len = len_ref[b]
+    kv_len = jnp.clip(len_ref[b], 0, k_refs[0].shape[0])  # a length past S reads no key past the cache
     s_start = split * split_size
     s_stop = jnp.minimum(s_start + split_size, kv_len)
     num_blocks = jnp.maximum(pl.cdiv(s_stop - s_start, block_s), 0)
@@ -257,7 +257,7 @@ def tree_attention(
       v: [B, S, Hkv, Dv] values, or None: the values are key part 0 (absorbed MLA: the latent), read
         once per key block for both products.
       mask: bool [B, T, S].
-      scale: softmax scale (default 1 / sqrt(sum of D_p)); kv_lengths: int32 [B], keys >= it are
+      scale: softmax scale (default 1 / sqrt(sum of D_p)); kv_lengths: int32 [B] (clipped to [0, S]), keys >= it are
         neither read nor seen (default `visible_lengths(mask)`).
       config: the launch's tiling (default `default_block_config`, sized to the shared memory).
     Returns:
@@ -292,7 +292,13 @@ def tree_attention(
     elif not isinstance(config, BlockConfig) or config.block_s & (config.block_s - 1) or config.block_s < 16:
         raise ValueError(f"config must be a BlockConfig with block_s a power of two >= 16, got {config!r}")
     scale = sum(key_dims) ** -0.5 if scale is None else float(scale)
-    kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
+    if kv_lengths is None:
+        kv_lengths = visible_lengths(mask)
+    elif jnp.shape(kv_lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(kv_lengths), jnp.integer):
+        raise ValueError(
+            f"kv_lengths must be integers [B] = ({batch},), got shape {jnp.shape(kv_lengths)} of "
+            f"{jnp.result_type(kv_lengths)}"
+        )
     return _tree_attention(
         q_parts,
         k_parts,

@@ -251,6 +251,12 @@ def test_grouped_reads_one_layer_of_stacked_weights_in_place(kind):
         grouped_matmul(x, per_layer[0], sizes, layer=0)
     with pytest.raises(ValueError, match="pass layer="):
         grouped_matmul(x, stacked, sizes)
+    # a concrete layer out of range is named; a traced one reads as `a[layer]` (negative from the end), clamped:
+    # it read past the stack (non-finite out) before
+    with pytest.raises(ValueError, match=r"layer must lie in \[-3, 3\) \(the stacked layers\), got 5"):
+        grouped_matmul(x, stacked, sizes, layer=5)
+    np.testing.assert_array_equal(np.asarray(run(x, stacked, jnp.int32(-1))), np.asarray(run(x, stacked, jnp.int32(2))))
+    np.testing.assert_array_equal(np.asarray(run(x, stacked, jnp.int32(7))), np.asarray(run(x, stacked, jnp.int32(2))))
 
 
 def _tokens_and_row_index(rng, tokens: int, top_k: int, experts: int):
@@ -363,6 +369,10 @@ def test_row_tiles_on_random_group_sizes_match_numpy():
 
 def test_grouped_bad_inputs_are_named():
     w = jnp.zeros((4, 8, 64), jnp.float32)
+    # concrete group sizes must tile the rows (a short sum left rows NaN, a negative size shifted the groups)
+    for sizes in ([1, 1, 0, 0], [4, -1, 0, 0], [3, 1, 0, 0]):
+        with pytest.raises(ValueError, match=r"group_sizes must be >= 0 and sum to the 3 rows"):
+            grouped_matmul(jnp.zeros((3, 64)), w, jnp.asarray(sizes, jnp.int32))
     with pytest.raises(ValueError, match="one entry per expert"):
         grouped_matmul(jnp.zeros((3, 64)), w, jnp.asarray([3, 0], jnp.int32))
     with pytest.raises(ValueError, match="stacked expert weights"):

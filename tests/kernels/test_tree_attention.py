@@ -74,6 +74,20 @@ def test_rows_that_see_nothing_are_zero_and_kv_lengths_bound_the_keys():
     np.testing.assert_allclose(got, np.asarray(tree_attention_reference(q, k, v, jnp.asarray(clipped))), atol=2e-5)
 
 
+def test_kv_lengths_past_the_cache_or_negative_are_clipped_and_bad_shapes_named():
+    """A length past S read keys past the cache (NaN out) where the reference attends the mask; a negative one
+    sees no key. Clipped to [0, S] in the kernel, as the Mosaic kernels do; a wrong shape or dtype is named."""
+    q, k, v, mask = _inputs(6, **CASES["gqa"], dtype=jnp.float32)
+    capacity = mask.shape[-1]
+    got = np.asarray(tree_attention(q, k, v, mask, kv_lengths=jnp.array([capacity + 40, capacity, 10**6], jnp.int32)))
+    np.testing.assert_allclose(got, np.asarray(tree_attention_reference(q, k, v, mask)), atol=2e-5)
+    none = np.asarray(tree_attention(q, k, v, mask, kv_lengths=jnp.array([-5, 0, -1], jnp.int32)))
+    assert (none == 0).all()
+    for bad in (jnp.array([10, 10, 10, 10], jnp.int32), jnp.int32(10), jnp.array([1.0, 2.0, 3.0])):
+        with pytest.raises(ValueError, match="kv_lengths must be integers"):
+            tree_attention(q, k, v, mask, kv_lengths=bad)
+
+
 @pytest.mark.parametrize("config", [BlockConfig(16, 4, 1), BlockConfig(32, 8, 2), None])
 def test_mla_values_from_the_latent_key_part(config):
     """v=None (absorbed MLA: the latent block serves scores and values) equals passing the latent as v,
