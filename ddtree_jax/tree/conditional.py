@@ -42,7 +42,13 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax import dispatch
-from ddtree_jax.tree.build import check_budget, kernel_top_k_logits, kernel_top_k_logits_fits
+from ddtree_jax.tree.build import (
+    _check_finite,
+    _check_root_tokens,
+    check_budget,
+    kernel_top_k_logits,
+    kernel_top_k_logits_fits,
+)
 from ddtree_jax.tree.draft_tree import PAD_DEPTH, PAD_PARENT, PAD_RANK, PAD_TOKEN, DraftTree
 from ddtree_jax.tree.reference import log_softmax_f32, top_k_ranked
 from ddtree_kernels import tree_build
@@ -339,6 +345,9 @@ def build_conditional_tree(
     root_tokens = jnp.zeros((batch,), jnp.int32) if root_tokens is None else jnp.asarray(root_tokens, jnp.int32)
     if root_tokens.shape != (batch,):
         raise ValueError(f"root_tokens must have shape [B] = ({batch},), got {tuple(root_tokens.shape)}")
+    # eagerly, as `build_tree` (skipped when traced: there such a row gets a root-only tree)
+    _check_finite(first_logits[:, None, :])
+    _check_root_tokens(root_tokens, first_logits.shape[1])
     return _build_conditional(
         first_logits,
         inputs,

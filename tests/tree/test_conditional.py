@@ -181,6 +181,9 @@ def test_invalid_rows_are_root_only_under_jit_and_minus_inf_is_valid(impl):
         (dict(first_logits=np.zeros((2, 3, 4), np.float32)), r"first_logits must have shape \[B, V\]"),
         (dict(first_logits=np.zeros((2, 4), np.int32)), "first_logits must be a float array"),
         (dict(root_tokens=np.zeros(3, np.int32)), r"root_tokens must have shape \[B\] = \(2,\)"),
+        # eagerly as build_tree (were accepted: a NaN row became root-only with no error)
+        (dict(first_logits=np.array([[0.0, np.nan, 0.0, 0.0], [0.0] * 4], np.float32)), "contain NaN/\\+inf"),
+        (dict(root_tokens=np.array([1, -5], np.int32)), r"root_tokens\[1\] = -5 is outside the vocabulary"),
     ],
 )
 def test_the_jit_builder_refuses_bad_arguments(change, message):
