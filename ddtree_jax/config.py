@@ -166,12 +166,24 @@ class DeepSeekV3Config:
             raise ValueError(
                 f"first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, num_layers = {self.num_layers}]"
             )
+        if self.n_group < 1:
+            raise ValueError(f"n_group must be >= 1, got {self.n_group}")
         if self.n_routed_experts % self.n_group:
             raise ValueError(
                 f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})"
             )
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group = {self.n_group}]")
+        if self.n_routed_experts:  # routing picks the top-k among the experts of the kept groups
+            reachable = self.topk_group * (self.n_routed_experts // self.n_group)
+            if not 1 <= self.num_experts_per_tok <= reachable:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, topk_group x experts a group "
+                    f"= {reachable}]"
+                )
+        bad = [l for l in self.tapped_layers if not 0 <= l < self.num_layers]
+        if bad:
+            raise ValueError(f"tapped_layers {bad} are outside [0, num_layers = {self.num_layers})")
         if self.rope_type not in ("default", "yarn"):
             raise ValueError(f"rope_type {self.rope_type!r} is not supported (default, yarn)")
 

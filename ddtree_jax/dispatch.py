@@ -772,6 +772,9 @@ def decode_plan(
     CACHE_ROW_MULTIPLE blocks): one StageChoice per decision, after the "auto" rules above. The engine allocates
     the cache for the whole request (prompt + max_new_tokens + slots), so a run's attention kernel follows that
     capacity: pass it as `keys` (less the slots) to see what a given request runs."""
+    options.check_step(method, budget=budget, block_size=block_size)  # the method, the budget, the block size
+    if batch < 1 or (keys is not None and keys < 0):
+        raise ValueError(f"batch must be >= 1 and keys >= 0 (or None), got batch {batch}, keys {keys}")
     backend_name = backend_name or backend()
     slots = 1 if method == "ar" else (budget + 1 if method == "ddtree" else block_size)
     rows = batch * slots
@@ -850,7 +853,9 @@ def decode_plan(
         choice = (
             options.moe_impl
             if options.moe_impl != "auto"
-            else moe_impl(assignments, target_config.n_routed_experts, backend_name)
+            else moe_impl(
+                assignments, target_config.n_routed_experts, backend_name, int4=target_config.expert_format == "int4"
+            )
         )
         detail = f"{assignments} assignments over {target_config.n_routed_experts} experts"
         if choice == "pallas":  # inside the grouped path: the INT4 kernel, the sort, where gate / up rows come from

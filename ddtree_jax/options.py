@@ -37,19 +37,27 @@ def check_options(
     if method != "ar" and drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
     if block_size is not None:  # AR too: its KV cache is sized by the block size
-        largest = drafter.max_block_size if drafter is not None else None
-        if (
-            isinstance(block_size, bool)
-            or not isinstance(block_size, (int, np.integer))
-            or block_size < 2
-            or (largest is not None and block_size > largest)
-        ):
-            where = "an int >= 2" if largest is None else f"in [2, {largest}] (the drafter's block_size)"
-            raise ValueError(f"block_size must be {where}, got {block_size}")
-    if method == "ddtree" and not (isinstance(budget, (int, np.integer)) and 1 <= budget <= MAX_BUDGET):
-        raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {budget}")
+        _check_block_size(block_size, drafter.max_block_size if drafter is not None else None)
+    if method == "ddtree":
+        _check_budget(budget)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def _check_block_size(block_size, largest: int | None) -> None:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, (int, np.integer))
+        or block_size < 2
+        or (largest is not None and block_size > largest)
+    ):
+        where = "an int >= 2" if largest is None else f"in [2, {largest}] (the drafter's block_size)"
+        raise ValueError(f"block_size must be {where}, got {block_size}")
+
+
+def _check_budget(budget) -> None:
+    if isinstance(budget, bool) or not (isinstance(budget, (int, np.integer)) and 1 <= budget <= MAX_BUDGET):
+        raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {budget}")
 
 
 def check_budgets(budgets) -> tuple[int, ...]:
@@ -180,6 +188,14 @@ class DecodeOptions:
 
     def replace(self, **changes) -> DecodeOptions:
         return dataclasses.replace(self, **changes)
+
+    def check_step(self, method: str, *, budget: int, block_size: int) -> None:
+        """`check_options` for a step of `method` without a drafter at hand (`dispatch.decode_plan`, which cannot
+        import this module): the method, a budget in [1, MAX_BUDGET] (DDTree), a block size >= 2."""
+        check_method(method)
+        if method == "ddtree":
+            _check_budget(budget)
+        _check_block_size(block_size, None)
 
     def target_impls(self, target_config) -> dict:
         """The implementation keywords of the target's prefill / tree forward: attention and matmul for every

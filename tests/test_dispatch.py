@@ -1,5 +1,7 @@
 """ddtree_jax.dispatch (every "auto" rule in one table) and DecodeOptions (the engine's one options object)."""
 
+import dataclasses
+import functools
 import re
 
 import jax
@@ -366,6 +368,32 @@ def test_decode_plan_answers_what_runs_where():
     with pytest.raises(ValueError, match="tree impl must be one of"):
         dispatch.tree_impl("triton")
     assert set(METHODS) == {"ddtree", "chain", "ar"}
+
+
+def test_decode_plan_checks_its_request_and_the_expert_format():
+    """The plan named a chain for method "bogus" and "-4 queries per row" for budget -5; and it said "decode" for
+    dense experts, which the MoE layer runs on "gather" (the decode kernels take INT4 experts only)."""
+    k26 = parse_config(_json("configs/kimi_k2_6.json"))
+    plan = functools.partial(dispatch.decode_plan, DecodeOptions(), k26, backend_name="gpu")
+    for kwargs, message in (
+        (dict(method="bogus", budget=8, block_size=8), "method must be one of"),
+        (dict(method="ddtree", budget=-5, block_size=8), r"budget must be in \[1, 1024\], got -5"),
+        (dict(method="ddtree", budget=2000, block_size=8), r"budget must be in \[1, 1024\], got 2000"),
+        (dict(method="chain", budget=1, block_size=0), "block_size must be an int >= 2, got 0"),
+        (dict(method="ar", budget=1, block_size=8, batch=0), "batch must be >= 1"),
+        (dict(method="ar", budget=1, block_size=8, keys=-100), "keys -100"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            plan(**kwargs)
+    dense = dataclasses.replace(k26, expert_format="dense")
+    ar = {row.stage: row.choice for row in plan(method="ar", budget=1, block_size=16)}
+    ar_dense = {
+        row.stage: row.choice
+        for row in dispatch.decode_plan(
+            DecodeOptions(), dense, method="ar", budget=1, block_size=16, backend_name="gpu"
+        )
+    }
+    assert ar["tree-forward MoE"] == "decode" and ar_dense["tree-forward MoE"] == "gather"
 
 
 def test_decode_plan_follows_the_weights_dtype():

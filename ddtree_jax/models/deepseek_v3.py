@@ -563,7 +563,7 @@ def tree_forward(
     matmul_impl: str = "xla",
     layer_loop: str = "scan",
 ):
-    """The tree-verify pass, as `qwen3.verify`: slot i at position lengths + depth, latent row lengths + i."""
+    """The tree-verify pass, as `qwen3.tree_forward`: slot i at position lengths + depth, latent row lengths + i."""
     _check_matmul_impl(matmul_impl)
     slots = tokens.shape[1]
     check_room(cache, slots)
