@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
@@ -52,6 +53,48 @@ def check_room(cache: KVCache, steps: int) -> None:
     need = int(jnp.max(cache.lengths)) + steps
     if need > cache.capacity:
         raise ValueError(f"KV cache too small: a row needs {need} rows, capacity is {cache.capacity}")
+
+
+def _concrete(*arrays) -> bool:
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays if a is not None)
+
+
+def check_pass(
+    cache: KVCache,
+    steps: int,
+    *,
+    num_new=None,
+    token_ids=None,
+    vocab: int | None = None,
+    head_rows=None,
+    tree_mask=None,
+) -> None:
+    """Eager checks of a model pass over `steps` new rows a batch row (prefill, append_context, tree_forward),
+    each skipped where its inputs are traced (under jit the engine has checked the request): the room
+    (`check_room`), lengths >= 0, num_new in [0, steps] (rows past it would count as committed), token ids in
+    [0, vocab) (an embedding lookup clamps, giving another token's row), head_rows in [0, steps), a tree mask of
+    shape [B, steps, steps]. ValueError naming the value."""
+    check_room(cache, steps)
+    batch = cache.lengths.shape[0]
+    if _concrete(cache.lengths) and (np.asarray(cache.lengths) < 0).any():
+        raise ValueError(f"cache lengths must be >= 0, got {np.asarray(cache.lengths).tolist()}")
+    for name, value, low, high in (("num_new", num_new, 0, steps), ("head_rows", head_rows, 0, steps - 1)):
+        if value is None:
+            continue
+        if jnp.shape(value) != (batch,):
+            raise ValueError(f"{name} must have shape [B] = ({batch},), got {jnp.shape(value)}")
+        if _concrete(value) and ((np.asarray(value) < low) | (np.asarray(value) > high)).any():
+            raise ValueError(f"{name} must lie in [{low}, {high}], got {np.asarray(value).tolist()}")
+    if token_ids is not None and vocab is not None and _concrete(token_ids):
+        ids = np.asarray(token_ids)
+        bad = (ids < 0) | (ids >= vocab)
+        if bad.any():
+            row, col = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"token id {int(ids[row, col])} at [{row}, {col}] is outside the vocabulary [0, {vocab})")
+    if tree_mask is not None and tuple(jnp.shape(tree_mask)) != (batch, steps, steps):
+        raise ValueError(
+            f"tree_mask must be [B, N, N] = ({batch}, {steps}, {steps}), got {tuple(jnp.shape(tree_mask))}"
+        )
 
 
 def append_positions_and_mask(cache: KVCache, steps: int) -> tuple[jax.Array, jax.Array]:
@@ -104,6 +147,32 @@ def write_layer_rows(stack: jax.Array, layer, new: jax.Array, start: jax.Array) 
     return stack.at[layer, batch_index, rows].set(new.astype(stack.dtype), mode="drop")
 
 
+def _check_commit(cache: KVCache, accept_index, num_accepted) -> None:
+    """`commit`'s eager checks (numpy; skipped when any input is traced)."""
+    if any(isinstance(a, jax.core.Tracer) for a in (cache.lengths, accept_index, num_accepted)):
+        return
+    index, accepted, lengths = (np.asarray(a) for a in (accept_index, num_accepted, cache.lengths))
+    steps = index.shape[1]
+    for row in range(index.shape[0]):
+        n = int(accepted[row])
+        if not -1 <= n < steps:
+            raise ValueError(
+                f"num_accepted[{row}] = {n} is outside [-1, {steps}) (-1: commit nothing; accept_index has {steps} "
+                "columns)"
+            )
+        kept = index[row, : n + 1]
+        if n >= 0 and (kept[0] != 0 or (kept < 0).any() or (np.diff(kept) <= 0).any()):
+            raise ValueError(
+                f"accept_index[{row}, :{n + 1}] = {kept.tolist()}: the accepted slots must start at the root (0) and "
+                "increase"
+            )
+        if int(lengths[row]) + n + 1 > cache.capacity:
+            raise ValueError(
+                f"row {row}: length {int(lengths[row])} + {n + 1} committed rows passes the cache's capacity "
+                f"{cache.capacity}"
+            )
+
+
 def commit(cache: KVCache, accept_index: jax.Array, num_accepted: jax.Array) -> KVCache:
     """Moves the accepted tree slots down and advances the lengths.
 
@@ -112,8 +181,12 @@ def commit(cache: KVCache, accept_index: jax.Array, num_accepted: jax.Array) -> 
     lengths .. lengths + n, in place; rows past that are left as scratch. Returns the cache with
     lengths += num_accepted + 1 (the root / bonus token and the accepted draft tokens).
 
-    accept_index: int32 [B, S] (-1 past the end, never gathered); num_accepted: int32 [B].
+    accept_index: int32 [B, S] (-1 past the end, never gathered); num_accepted: int32 [B] (-1: the row commits
+    nothing, its length unchanged: a finished row of the engine's step).
+    Eagerly (skipped under jit) a ValueError names a row whose num_accepted is outside [-1, S), whose accepted
+    slots are not increasing indices >= 0 (root 0 first), or whose new length would pass the cache's capacity.
     """
+    _check_commit(cache, accept_index, num_accepted)
     batch, steps = accept_index.shape
     keep = jnp.arange(steps)[None, :] <= num_accepted[:, None]  # [B, S]
     rows = jnp.arange(batch)[:, None]  # [B, 1]

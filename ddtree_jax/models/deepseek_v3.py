@@ -30,7 +30,7 @@ from ddtree_jax.models.attention import (
 from ddtree_jax.models.cache import (
     KVCache,
     append_positions_and_mask,
-    check_room,
+    check_pass,
     tree_cache_mask,
     write_layer_rows,
     write_rows,
@@ -530,7 +530,7 @@ def prefill(
     layer_loop: "scan" (default; 61 layers compile like 2) or "unrolled" (see `_run`)."""
     _check_matmul_impl(matmul_impl)
     steps = input_ids.shape[1]
-    check_room(cache, steps)
+    check_pass(cache, steps, num_new=num_new, token_ids=input_ids, vocab=config.vocab_size, head_rows=head_rows)
     start = cache.lengths
     positions, mask = append_positions_and_mask(cache, steps)
     logits, features, cache = _run(
@@ -566,7 +566,7 @@ def tree_forward(
     """The tree-verify pass, as `qwen3.tree_forward`: slot i at position lengths + depth, latent row lengths + i."""
     _check_matmul_impl(matmul_impl)
     slots = tokens.shape[1]
-    check_room(cache, slots)
+    check_pass(cache, slots, token_ids=tokens, vocab=config.vocab_size, tree_mask=tree_mask)
     start = cache.lengths
     mask = tree_cache_mask(cache, tree_mask)
     return _run(config, params, tokens, start[:, None] + depths, mask, cache, start, moe_impl, attn_impl, layer_loop)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models.attention import attention
-from ddtree_jax.models.cache import KVCache, check_room, write_layer_rows
+from ddtree_jax.models.cache import KVCache, check_pass, write_layer_rows
 from ddtree_jax.models.layers import (
     apply_rope,
     axes_of,
@@ -87,7 +87,7 @@ def append_context(
     """Appends committed tokens' context K/V: features [B, T, F*D] (row b's first num_new[b] real),
     at positions lengths .. lengths + T - 1. Returns the cache with lengths += num_new."""
     steps = features.shape[1]
-    check_room(cache, steps)
+    check_pass(cache, steps, num_new=num_new)
     positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     ctx = fuse_features(config, params, features)
     k_all, v_all = cache.k, cache.v

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.attention import attention
-from ddtree_jax.models.cache import KVCache, append_positions_and_mask, check_room, tree_cache_mask, write_layer_rows
+from ddtree_jax.models.cache import KVCache, append_positions_and_mask, check_pass, tree_cache_mask, write_layer_rows
 from ddtree_jax.models.layers import (
     apply_rope,
     axes_of,
@@ -220,7 +220,7 @@ def prefill(
       lengths += num_new).
     """
     batch, steps = input_ids.shape
-    check_room(cache, steps)
+    check_pass(cache, steps, num_new=num_new, token_ids=input_ids, vocab=config.vocab_size, head_rows=head_rows)
     start = cache.lengths
     positions, mask = append_positions_and_mask(cache, steps)  # causal over the committed prefix + new tokens
     logits, features, cache = _run(
@@ -266,7 +266,7 @@ def tree_forward(
       (logits float32 [B, N, V], tapped hidden [B, N, F*D], cache with the tree K/V written).
     """
     batch, slots = tokens.shape
-    check_room(cache, slots)
+    check_pass(cache, slots, token_ids=tokens, vocab=config.vocab_size, tree_mask=tree_mask)
     start = cache.lengths
     positions = start[:, None] + depths
     mask = tree_cache_mask(cache, tree_mask)

@@ -95,3 +95,64 @@ def test_commit_moves_the_accepted_slots_down_in_every_layer():
     np.testing.assert_array_equal(np.asarray(got.k), _commit_reference(k, lengths, accept_index, num_accepted))
     np.testing.assert_array_equal(np.asarray(got.v), _commit_reference(v, lengths, accept_index, num_accepted))
     np.testing.assert_array_equal(np.asarray(got.lengths), lengths + num_accepted + 1)
+
+
+def test_commit_names_bad_paths_and_lengths_past_the_capacity_eagerly():
+    """commit checked nothing: lengths could pass the capacity (the error came from a later prefill) and a -1 slot
+    was committed as a row (start - 1 copied)."""
+    import pytest
+
+    from ddtree_jax.models.cache import KVCache, commit
+
+    k = jnp.zeros((1, 1, 8, 1, 2))
+    cache = KVCache(k, k, jnp.array([6], jnp.int32))
+    for accept, n, message in (
+        ([[0, 1, -1, -1]], [9], r"num_accepted\[0\] = 9 is outside \[-1, 4\)"),
+        ([[0, 1, 2, -1]], [2], "passes the cache's capacity 8"),
+        ([[0, -1, -1, -1]], [1], r"accept_index\[0, :2\] = \[0, -1\]"),
+        ([[1, 2, -1, -1]], [1], "must start at the root"),
+        ([[0, 3, 2, -1]], [2], "increase"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            commit(cache, jnp.asarray(accept, jnp.int32), jnp.asarray(n, jnp.int32))
+    # -1 commits nothing (the engine's finished rows); under jit nothing is checked
+    assert int(commit(cache, jnp.array([[0, -1, -1, -1]], jnp.int32), jnp.array([-1], jnp.int32)).lengths[0]) == 6
+    assert (
+        int(jax.jit(commit)(cache, jnp.array([[0, 1, -1, -1]], jnp.int32), jnp.array([1], jnp.int32)).lengths[0]) == 8
+    )
+
+
+def test_a_model_pass_names_bad_inputs_eagerly():
+    """prefill / append_context / tree_forward took num_new past T (unwritten rows counted as committed), negative
+    lengths, token ids past the vocabulary (the embedding lookup clamps), head_rows past T (NaN logits) and a tree
+    mask of the wrong shape (an obscure broadcasting error)."""
+    import pytest
+
+    from ddtree_jax.models import dflash, qwen3
+    from ddtree_jax.models.cache import KVCache
+    from ddtree_jax.presets import preset_pair
+
+    config, drafter_config = preset_pair("qwen3-tiny")
+    params = qwen3.init_params(config, jax.random.key(0))
+    cache = qwen3.create_cache(config, 2, 16)
+    ids = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    for kwargs, message in (
+        (dict(num_new=jnp.array([10, 3])), r"num_new must lie in \[0, 3\], got \[10, 3\]"),
+        (dict(num_new=jnp.array([-2, 3])), r"num_new must lie in \[0, 3\]"),
+        (dict(input_ids=ids.at[0, 2].set(config.vocab_size + 1000)), r"token id .* at \[0, 2\] is outside"),
+        (dict(input_ids=ids.at[1, 0].set(-1)), r"token id -1 at \[1, 0\] is outside"),
+        (dict(head_rows=jnp.array([3, 0])), r"head_rows must lie in \[0, 2\]"),
+        (dict(cache=KVCache(cache.k, cache.v, jnp.array([-5, 0], jnp.int32))), "cache lengths must be >= 0"),
+    ):
+        args = dict(cache=cache, input_ids=ids, num_new=jnp.array([3, 3]), head_rows=None) | kwargs
+        with pytest.raises(ValueError, match=message):
+            qwen3.prefill(
+                config, params, args["cache"], args["input_ids"], args["num_new"], head_rows=args["head_rows"]
+            )
+    with pytest.raises(ValueError, match=r"tree_mask must be \[B, N, N\] = \(2, 3, 3\)"):
+        qwen3.tree_forward(config, params, cache, ids, jnp.zeros_like(ids), jnp.ones((2, 4, 4), bool))
+    drafter_params = dflash.init_params(drafter_config, config.hidden_size, jax.random.key(1))
+    context = dflash.create_context_cache(drafter_config, 1, 16)
+    features = jnp.zeros((1, 3, len(drafter_config.target_layers) * config.hidden_size))
+    with pytest.raises(ValueError, match=r"num_new must lie in \[0, 3\], got \[9\]"):
+        dflash.append_context(drafter_config, drafter_params, context, features, jnp.array([9]))
