@@ -334,7 +334,7 @@ def _generate_command(args: argparse.Namespace) -> int:
             f"tau = {report['tau']:.2f} tokens/step, {report['tokens_per_s']:.1f} tokens/s "
             f"(compile {report['compile_s']:.1f} s, run {report['run_s'] * 1e3:.0f} ms)"
         )
-        if report["invalid_rows"]:  # INVALID_TOKEN is no token id: say why there is no text (docs/sampling.md)
+        if report.get("invalid_rows"):  # INVALID_TOKEN is no token id: say why there is no text (docs/sampling.md)
             print(
                 "(the run marked this row invalid, e.g. non-finite logits from the weights: no text; check the "
                 "checkpoint without --no-check-finite)",
@@ -713,8 +713,12 @@ def _dispatch_command(args: argparse.Namespace) -> int:
         )
     backend = args.backend or dispatch.backend()
     weights = dispatch.weights_dtype(args.dtype, backend)
-    stored = raw.get("torch_dtype") or raw.get("dtype") or "float32"  # HF's names for the stored dtype
-    dtype = stored if weights == "checkpoint" else weights
+    # HF's names for the stored dtype, at the top level or in a wrapper's text_config (Kimi K2.x)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    stored = raw.get("torch_dtype") or raw.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    if weights == "checkpoint" and stored is None:
+        print(f"note: {args.config} states no torch_dtype: planned for float32 weights (--dtype bfloat16 otherwise)")
+    dtype = (stored or "float32") if weights == "checkpoint" else weights
     rows = dispatch.decode_plan(
         options,
         config,

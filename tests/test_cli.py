@@ -334,6 +334,17 @@ def test_generate_chat_stops_at_eos_and_end_of_turn(tmp_path, monkeypatch, capsy
     directory = _chatml_dir(tmp_path)
     tok = load_tokenizer(str(directory))
     assert chat_stop_tokens(tok) == [3, 2]  # eos, then <|im_end|>
+    # generation_config.json's eos ids stop too (as HF generate), a list kept whole (was cut to its first id)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 3]}))
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    with_generation_config = load_tokenizer(str(directory))
+    assert with_generation_config.eos_token_ids == (3, 7, 6)
+    assert chat_stop_tokens(with_generation_config) == [3, 7, 6, 2]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, "x"]}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id holds"):
+        load_tokenizer(str(directory))
+    for name in ("generation_config.json", "config.json"):
+        (directory / name).unlink()
     seen = {}
 
     def fake_run(pair, prompts, **kwargs):
@@ -360,6 +371,24 @@ def test_dispatch_prints_every_choice(capsys):
     assert any(line.strip().startswith("rejection walk") and "pallas" in line for line in out.splitlines())
     assert main(["dispatch", "--attn-impl", "flash"]) == 2
     assert "DecodeOptions.attn_impl must be one of" in capsys.readouterr().err
+
+
+def test_dispatch_reads_the_stored_dtype_of_a_wrapped_config(tmp_path, capsys):
+    """K2.6's dtype sits in its kimi_k25 wrapper's text_config (real configs: there and at the top level): the plan
+    was for float32 weights, so XLA attention, where a bf16 checkpoint runs the Mosaic kernel."""
+    raw = json.loads(open("configs/kimi_k2_6.json").read())
+    assert raw["torch_dtype"] == raw["text_config"]["torch_dtype"] == "bfloat16"
+    del raw["torch_dtype"]
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps(raw))
+    assert main(["dispatch", "--backend", "gpu", "--budget", "32", "--config", str(wrapped)]) == 0
+    out = capsys.readouterr().out
+    assert "weights bfloat16" in out
+    assert any(line.strip().startswith("tree-forward attention") and "pallas" in line for line in out.splitlines())
+    del raw["text_config"]["torch_dtype"]
+    wrapped.write_text(json.dumps(raw))
+    assert main(["dispatch", "--backend", "gpu", "--budget", "32", "--config", str(wrapped)]) == 0
+    assert "states no torch_dtype: planned for float32 weights" in capsys.readouterr().out
 
 
 def test_dispatch_refuses_a_drafter_config_a_negative_context_and_names_a_bad_file(tmp_path, capsys):

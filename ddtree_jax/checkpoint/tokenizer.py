@@ -66,7 +66,9 @@ class Tokenizer:
     """A checkpoint's tokenizer (either format) and its chat template; build it with `load_tokenizer`.
 
     `kind` is "tokenizers" (tokenizer.json) or "tiktoken" (tiktoken.model); `source` the vocabulary
-    file. `bos_token_id` / `eos_token_id` may be None. `chat_template` is one template, a
+    file. `bos_token_id` / `eos_token_id` may be None. `eos_token_ids`: every id that ends a generation, as
+    HF `generate` stops: the eos id, then each id of config.json's and generation_config.json's
+    `eos_token_id` (an int or a list; Qwen3-Instruct lists <|im_end|> and <|endoftext|>). `chat_template` is one template, a
     {name: template} dict (tokenizer_config.json's list form), or None; `template_source` names the
     file it came from. `special_tokens` maps the special tokens' text to their ids.
     """
@@ -80,6 +82,7 @@ class Tokenizer:
     eos_token: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     chat_template: str | Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
     template_source: str | None = None
     template_tokens: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
@@ -231,6 +234,7 @@ def load_tokenizer(directory: str) -> Tokenizer | None:
         eos_token=names.get("eos_token"),
         bos_token_id=ids["bos_token"],
         eos_token_id=ids["eos_token"],
+        eos_token_ids=_eos_token_ids(directory, ids["eos_token"]),
         chat_template=template,
         template_source=template_source,
         template_tokens=names,
@@ -364,6 +368,25 @@ def _special_token_names(
         else:
             ids[key] = _config_token_id(model_config, f"{key}_id", os.path.join(directory, "config.json"))
     return names, ids
+
+
+def _eos_token_ids(directory: str, eos_token_id: int | None) -> tuple[int, ...]:
+    """The eos id, then every id of config.json's (top level or text_config) and generation_config.json's
+    `eos_token_id` (an int or a list of ints), deduplicated in that order; ValueError naming the file for a value
+    that is not a token id."""
+    found = [] if eos_token_id is None else [eos_token_id]
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(directory, name)
+        config = _read_json(path)
+        value = config.get("eos_token_id")
+        if value is None and isinstance(config.get("text_config"), dict):
+            value = config["text_config"].get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{path}: eos_token_id holds {_show(v)}, not a token id (an integer >= 0)")
+        found += values
+    return tuple(dict.fromkeys(found))
 
 
 def _config_token_id(config: dict, key: str, path: str) -> int | None:

@@ -234,11 +234,13 @@ def random_tiny_pair(seed: int = 0, vocab: int = 512) -> Pair:
 
 
 def chat_stop_tokens(tokenizer: Tokenizer | None) -> list[int]:
-    """Where a chat answer ends: the tokenizer's eos id and the end-of-turn special tokens it has
-    (`<|im_end|>` and kin, END_OF_TURN_TOKENS), deduplicated, in that order."""
+    """Where a chat answer ends: the tokenizer's eos ids (`Tokenizer.eos_token_ids`: its eos token and every
+    `eos_token_id` of config.json / generation_config.json, as HF `generate` stops) and the end-of-turn special
+    tokens it has (`<|im_end|>` and kin, END_OF_TURN_TOKENS), deduplicated, in that order."""
     if tokenizer is None:
         return []
-    found = [tokenizer.eos_token_id] + [tokenizer.special_tokens.get(name) for name in END_OF_TURN_TOKENS]
+    eos = list(tokenizer.eos_token_ids) or [tokenizer.eos_token_id]
+    found = eos + [tokenizer.special_tokens.get(name) for name in END_OF_TURN_TOKENS]
     return list(dict.fromkeys(t for t in found if t is not None))
 
 
