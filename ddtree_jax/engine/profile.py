@@ -35,6 +35,7 @@ from ddtree_jax.engine.run import Pair, checked_request_args, pair_dtype
 from ddtree_jax.engine.step import (
     append_stage,
     commit_stage,
+    conditional_tree_stage,
     decode_step,
     draft_stage,
     emit_stage,
@@ -135,21 +136,38 @@ def stage_times(
     # the stages, in decode_step's order, each fed the previous stage's real output
     draft_state = append_stage(drafter, state.draft_state, state.ctx_features, state.ctx_count, method=method)
     times = {}
+    # a child head (`drafter.conditional`): the draft pass also gives what the head conditions on, and the tree is
+    # the path-conditioned one, as `decode_step` runs them
+    conditional = method == "ddtree" and getattr(drafter, "conditional", False)
     if method == "ar":
         draft_logits, times["draft"] = None, 0.0
+    elif conditional:
+        child_fn = drafter.draft_children(draft_state, state.bonus, block)[1]  # a static function
+        (draft_logits, child_inputs), times["draft"] = _measure(
+            lambda d, s, b: (lambda out: (out[0], out[2]))(d.draft_children(s, b, block)),
+            (drafter, draft_state, state.bonus),
+            repeats,
+        )
     else:
         draft_logits, times["draft"] = _measure(
             lambda d, s, b: draft_stage(d, s, b, method=method, block_size=block),
             (drafter, draft_state, state.bonus),
             repeats,
         )
-    tree, times["tree"] = _measure(
-        lambda l, b: tree_stage(
-            l, b, method=method, budget=budget, topk_impl=options.topk_impl, tree_impl=options.tree_impl
-        ),
-        (draft_logits, state.bonus),
-        repeats,
-    )
+    if conditional:
+        tree, times["tree"] = _measure(
+            lambda l, i, b: conditional_tree_stage(l, child_fn, i, b, budget=budget, tree_impl=options.tree_impl),
+            (draft_logits, child_inputs, state.bonus),
+            repeats,
+        )
+    else:
+        tree, times["tree"] = _measure(
+            lambda l, b: tree_stage(
+                l, b, method=method, budget=budget, topk_impl=options.topk_impl, tree_impl=options.tree_impl
+            ),
+            (draft_logits, state.bonus),
+            repeats,
+        )
     (logits, tapped, cache), times["tree_forward"] = _measure(
         lambda p, c, t: tree_forward_stage(config, p, c, t, options), (params, state.target_cache, tree), repeats
     )

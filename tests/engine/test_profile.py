@@ -64,3 +64,34 @@ def test_ar_has_no_draft_stage_and_requests_are_checked(pair):
         stage_times(pair, [1, 2], method="ddtree", budget=0)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         stage_times(pair, [[]], method="chain")
+
+
+def test_a_child_head_pair_profiles_the_path_conditioned_tree(pair, monkeypatch):
+    """With a child head the step drafts through `draft_children` and builds the path-conditioned tree; the profile
+    timed the marginal draft and tree instead (another tree than the step verifies)."""
+    import dataclasses
+
+    import jax
+
+    from ddtree_jax.config import ChildHeadConfig
+    from ddtree_jax.engine import profile
+    from ddtree_jax.models import child_head
+
+    config = ChildHeadConfig(hidden_size=pair.target_config.hidden_size, inner_size=16)
+    params = child_head.init_params(config, jax.random.key(4))
+    params = {**params, "out_proj": jax.random.normal(jax.random.key(5), params["out_proj"].shape) * 3.0}
+    headed = dataclasses.replace(pair, drafter=pair.drafter.with_head(config, params))
+    built = []
+    conditional_tree_stage = profile.conditional_tree_stage
+
+    def recording(*args, **kwargs):
+        built.append("conditional")
+        return conditional_tree_stage(*args, **kwargs)
+
+    def marginal(*args, **kwargs):
+        pytest.fail("the marginal tree was profiled for a child-head pair")
+
+    monkeypatch.setattr(profile, "conditional_tree_stage", recording)
+    monkeypatch.setattr(profile, "tree_stage", marginal)
+    times = stage_times(headed, [3, 1, 4, 1, 5], method="ddtree", budget=6, block_size=4, max_new_tokens=8, repeats=1)
+    assert built and times["tree"] > 0 and times["draft"] > 0
