@@ -146,13 +146,15 @@ def run_sweep(
     batch_size: int | None = None,
     keep_steps: bool = True,
     progress: bool = True,
+    on_row=None,
 ) -> dict:
     """The sweep's rows (module docstring) and its `targets` check.
 
     samples: generations per prompt at T > 0 (request ids 0 .. P * samples - 1, prompt i at rows i, i + P, ...);
     T = 0 is deterministic, so one per prompt. stop_tokens: default the tokenizer's eos. batch_size: rows per
     compiled call (default P * samples, for every temperature, so each column compiles once)
-    Every column sees the same prompts and request keys (seed)."""
+    Every column sees the same prompts and request keys (seed). on_row: called with the rows so far after each
+    (`sweep` writes them to its output, so a run cut short keeps what it measured)."""
     stop = eos_stop_tokens(pair) if stop_tokens is None else list(stop_tokens)
     cols = columns(budgets, include_chain)
     if batch_size is None:  # one shape for every temperature: one compilation
@@ -182,6 +184,8 @@ def run_sweep(
                 rows.append(
                     summarise(res, method=method, budget=budget, temperature=temperature, keep_steps=keep_steps)
                 )
+                if on_row is not None:
+                    on_row(rows)
                 bar.update(1)
     finally:
         bar.close()
@@ -386,9 +390,12 @@ def sweep(
     keep_steps: bool = True,
     progress: bool = True,
     commit: str | None = None,
+    partial_out: str | None = None,
 ) -> dict:
     """The whole study from checkpoint directories: prompts, `run_sweep`, and what a result file records.
-    Unset settings come from FULL (or SMALL with small=True)."""
+    Unset settings come from FULL (or SMALL with small=True). partial_out: a JSON path rewritten after every row
+    with the rows so far ("complete": false), so a run cut short keeps them; the caller writes the whole result
+    there at the end."""
     base = SMALL if small else FULL
     budgets = tuple(base["budgets"] if budgets is None else budgets)
     temperatures = tuple(base["temperatures"] if temperatures is None else temperatures)
@@ -422,8 +429,14 @@ def sweep(
         batch_size=batch_size,
         keep_steps=keep_steps,
         progress=progress,
+        on_row=None
+        if partial_out is None
+        else lambda rows: write_json(
+            {"study": "budget_sweep", "complete": False, "commit": commit, "pair": summary, "rows": rows}, partial_out
+        ),
     )
     result.update(
+        complete=True,
         study="budget_sweep",
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=device_label(),
@@ -563,6 +576,7 @@ def main(argv=None) -> int:
             keep_steps=not args.no_steps,
             progress=not args.no_progress,
             commit=args.commit,
+            partial_out=args.out,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

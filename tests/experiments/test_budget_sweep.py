@@ -93,9 +93,17 @@ def test_targets_logic():
     assert p["ddtree_above_chain"]["T=0"] == {"per_budget": {8: True, 64: True}, "all": True}
 
 
-def test_cli_writes_json_and_plot(tiny_pair_dir, tmp_path, capsys):
+def test_cli_writes_json_and_plot(tiny_pair_dir, tmp_path, capsys, monkeypatch):
     target, drafter = pair_dirs(tiny_pair_dir)
     out = tmp_path / "sweep.json"
+    # after every row the output holds the rows so far (a run cut short keeps them), marked incomplete
+    partial = []
+    write_json = budget_sweep.write_json
+    monkeypatch.setattr(
+        budget_sweep,
+        "write_json",
+        lambda payload, path: partial.append({**payload, "rows": list(payload["rows"])}) or write_json(payload, path),
+    )
     assert (
         budget_sweep.main(
             [
@@ -117,7 +125,11 @@ def test_cli_writes_json_and_plot(tiny_pair_dir, tmp_path, capsys):
         == 0
     )
     result = json.loads(out.read_text())
-    assert {(r["method"], r["budget"]) for r in result["rows"]} == {("chain", None), ("ddtree", 4)}
+    assert [len(p["rows"]) for p in partial] == [1, 2, 2] and [p["complete"] for p in partial] == [False, False, True]
+    assert result["complete"] and {(r["method"], r["budget"]) for r in result["rows"]} == {
+        ("chain", None),
+        ("ddtree", 4),
+    }
     assert "steps" not in result["rows"][0] and os.path.exists(tmp_path / "sweep.png")
     assert "| 0 | ddtree | 4 |" in capsys.readouterr().out
     assert budget_sweep.main(["--target", str(tmp_path / "missing"), "--drafter", drafter, "--out", str(out)]) == 2
