@@ -36,17 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    run = Run(
-        cfg,
-        args.out,
-        args.work,
-        commit=args.commit,
-        resume=args.resume,
-        show_progress=not args.no_progress,
-        config_path=args.config,
-    )
-    prov = run.run(args.stage)
+    try:  # a bad recipe, override or path: one error line (exit 2), as the ddtree-jax CLI
+        cfg = load_config(args.config, args.overrides)
+        run = Run(
+            cfg,
+            args.out,
+            args.work,
+            commit=args.commit,
+            resume=args.resume,
+            show_progress=not args.no_progress,
+            config_path=args.config,
+        )
+        prov = run.run(args.stage)
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     brief = {k: prov.get(k) for k in ("commit", "python_version", "total_size_mb", "wall_s")}
     for part in ("target", "drafter", "child_head"):
         if part in prov:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -36,13 +37,42 @@ TRAIN_DEFAULTS = {
 }
 
 
+# the integer settings and their least values (log_every 0 would divide by zero; the others 0: off)
+_INT_MINIMUMS = {
+    "steps": 1,
+    "batch_size": 1,
+    "eval_batches": 1,
+    "log_every": 1,
+    "eval_every": 0,
+    "checkpoint_every": 0,
+    "keep_checkpoints": 0,
+    "num_anchors": 1,
+}
+
+
 def train_settings(cfg: dict) -> dict:
+    """A stage's training settings over TRAIN_DEFAULTS, checked: known names, integers where counted (steps,
+    batch_size, ...: `_INT_MINIMUMS`), lr / clip / gamma > 0, fractions and betas in [0, 1], dtype of DTYPES.
+    ValueError naming the setting (a bad one used to fail at the first step, or train nothing and export)."""
     unknown = set(cfg) - set(TRAIN_DEFAULTS) - {"num_anchors", "gamma"}
     if unknown:
         raise ValueError(f"unknown training settings {sorted(unknown)}")
     out = {**TRAIN_DEFAULTS, **cfg}
     if out["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {out['dtype']!r}")
+    for name, least in _INT_MINIMUMS.items():
+        if name in out and (isinstance(out[name], bool) or not isinstance(out[name], int) or out[name] < least):
+            raise ValueError(f"{name} must be an integer >= {least}, got {out[name]!r}")
+    for name in ("lr", "clip", "gamma", "warmup_frac", "end_lr_frac", "weight_decay", "b1", "b2"):
+        if name not in out:
+            continue
+        value = out[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if name in ("lr", "clip", "gamma") and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+        if name not in ("lr", "clip", "gamma") and not 0 <= value <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return out
 
 
@@ -134,13 +164,19 @@ class Checkpoints:
 class Log:
     """Appends JSON lines (one per logged step / evaluation) to a file."""
 
-    def __init__(self, path: str, fresh: bool = True):
-        """fresh: start a new file (a run from step 0); else append (a resumed run)."""
+    def __init__(self, path: str, fresh: bool = True, resumed_at: int | None = None):
+        """fresh: start a new file (a run from step 0); else append (a resumed run), after dropping the records
+        past `resumed_at` (the checkpoint's step: an interrupted run logged steps past it, which the resumed run
+        logs again)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.start = time.perf_counter()
         if fresh and os.path.exists(path):
             os.remove(path)
+        elif resumed_at is not None and os.path.exists(path):
+            kept = self.records(resumed_at)
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def write(self, **record) -> None:
         record = {"time_s": round(time.perf_counter() - self.start, 3), **record}
@@ -266,7 +302,7 @@ def run_training(
     resumed_entry(record) -> history entry or None rebuilds the earlier history from the log's records
     (None: the history starts empty)."""
     checkpoints, start, state = open_checkpoints(checkpoint_dir, settings, state, resume)
-    log = Log(log_path, fresh=start == 0) if log_path else None
+    log = Log(log_path, fresh=start == 0, resumed_at=start) if log_path else None
     records = log.records(start) if (log and start and resumed_entry) else []
     history = [entry for entry in map(resumed_entry, records) if entry is not None]
     state, wall = training_loop(

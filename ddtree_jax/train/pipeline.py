@@ -46,7 +46,25 @@ from ddtree_jax.train import tokenizer as tok_mod
 from ddtree_jax.train.common import train_settings
 
 STAGES = ("tokenizer", "target", "drafter", "all", "child_head")
+RECIPE_KEYS = (
+    "name",
+    "description",
+    "seed",
+    "corpus",
+    "tokenizer",
+    "data",
+    "target",
+    "drafter",
+    "child_head",
+    "export_dtype",
+)
+CORPUS_KEYS = ("root", "include", "exclude", "held_out_fraction", "max_files", "source")  # corpus.manifest_from_config
+TOKENIZER_KEYS = ("vocab_size", "min_frequency", "special_tokens")
+DATA_KEYS = ("seq_len",)
+# what a stage's outputs feed: a retrained target makes the drafter and the child head trained on the old one stale
+DOWNSTREAM = {"target": ("drafter", "child_head"), "drafter": ("child_head",)}
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+RECIPE_FILE = "recipe.json"  # in WORK/tokenizer: the corpus and tokenizer sections that built WORK
 
 
 def load_config(path: str, overrides: list[str] = ()) -> dict:
@@ -69,6 +87,18 @@ def load_config(path: str, overrides: list[str] = ()) -> dict:
     for section in ("corpus", "tokenizer", "data", "target", "drafter"):
         if section not in cfg:
             raise ValueError(f"{path}: missing section {section!r}")
+    # a misspelt key would silently train the default (the model and train sections are checked by their stages)
+    for where, node, known in (
+        ("the recipe", cfg, RECIPE_KEYS),
+        ("corpus", cfg["corpus"], CORPUS_KEYS),
+        ("tokenizer", cfg["tokenizer"], TOKENIZER_KEYS),
+        ("data", cfg["data"], DATA_KEYS),
+    ):
+        if not isinstance(node, dict):
+            raise ValueError(f"{path}: {where} must be a JSON object, got {node!r}")
+        unknown = sorted(set(node) - set(known))
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown} in {where}; known: {sorted(known)}")
     return cfg
 
 
@@ -124,6 +154,8 @@ class Run:
             specials,
         )
         tok_mod.save(tok, self.path("tokenizer"), specials)
+        with open(self.path("tokenizer", RECIPE_FILE), "w") as f:  # what built WORK's corpus and tokenizer
+            json.dump(self._inputs_recipe(), f, indent=1, sort_keys=True)
         info = {
             "vocab_size": tok.get_vocab_size(),
             "requested_vocab_size": int(tcfg.get("vocab_size", 8192)),
@@ -148,6 +180,15 @@ class Run:
             and os.path.exists(self.path("tokenizer", "tokenizer.json"))
         ):
             self.tokenizer()
+        recorded = self.path("tokenizer", RECIPE_FILE)
+        if os.path.exists(recorded):
+            with open(recorded) as f:
+                built_from = json.load(f)
+            if built_from != json.loads(json.dumps(self._inputs_recipe())):
+                raise ValueError(
+                    f"{self.work} was built from another corpus / tokenizer recipe ({recorded}: {built_from}); this "
+                    "recipe's would be ignored: give a fresh --work, or run the `tokenizer` stage to rebuild it"
+                )
         manifest = corpus_mod.read_manifest(self.path("corpus", "manifest.json"))
         specials = {**tok_mod.DEFAULT_SPECIALS, **self.cfg["tokenizer"].get("special_tokens", {})}
         tok = tok_mod.load(self.path("tokenizer"))
@@ -167,6 +208,10 @@ class Run:
             }
         )
         return manifest, tok, ids, train, held
+
+    def _inputs_recipe(self) -> dict:
+        """The recipe sections WORK's corpus and tokenizer are built from."""
+        return {"corpus": self.cfg["corpus"], "tokenizer": self.cfg["tokenizer"]}
 
     def vocab_size(self, tok) -> int:
         size = int(self.cfg["target"]["model"].get("vocab_size", 0)) or int(
@@ -209,6 +254,7 @@ class Run:
         )
         results.update(config=to_hf_dict(config), size_mb=_dir_mb(self.target_dir))
         self.update_provenance(target=results, wall_s={"target": results["wall_s"]})
+        self._drop_downstream("target")
         return results
 
     def drafter(self) -> dict:
@@ -234,6 +280,7 @@ class Run:
             frozen_from_target=frozen,
         )
         self.update_provenance(drafter=results, wall_s={"drafter": results["wall_s"]})
+        self._drop_downstream("drafter")
         return results
 
     @property
@@ -303,9 +350,45 @@ class Run:
             manifest = corpus_mod.manifest_from_config(self.cfg["corpus"])
             corpus_mod.write_manifest(manifest, self.path("corpus", "manifest.json"))
 
-    def run(self, stage: str) -> dict:
+    def check(self, stage: str) -> None:
+        """Every setting the stages of `stage` will read, checked before any runs (a bad drafter setting of an
+        `all` run used to fail after the tokenizer and the target had trained): the training settings, the model
+        settings (the drafter's against the recipe's target), the anchors against the sequence length."""
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        seq_len = self.cfg["data"].get("seq_len")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+            raise ValueError(f"data.seq_len must be an integer >= 2, got {seq_len!r}")
+        model_cfg = {k: v for k, v in self.cfg["target"]["model"].items() if k != "vocab_size"}
+        vocab = int(self.cfg["target"]["model"].get("vocab_size", 0)) or int(
+            self.cfg["tokenizer"].get("vocab_size", 8192)
+        )
+        target = target_mod.model_config(model_cfg, vocab)
+        sections = {"target": ("target",), "drafter": ("drafter",), "all": ("target", "drafter")}
+        sections["child_head"] = ("child_head",)
+        for name in sections.get(stage, ()):
+            if name not in self.cfg:
+                raise ValueError(f"the recipe has no {name!r} section")
+            try:
+                settings = train_settings(self.cfg[name]["train"])
+            except ValueError as e:
+                raise ValueError(f"{name}.train: {e}") from None
+            if name == "drafter":
+                config = drafter_mod.model_config(dict(self.cfg["drafter"]["model"]), target, mask_token_id=0)
+                block = config.block_size
+            elif name == "child_head":
+                block = int(self.cfg["drafter"]["model"].get("block_size", 16))
+            else:
+                continue
+            anchors = drafter_mod.anchor_settings(settings, block)[1]
+            if not 1 <= anchors <= seq_len - block:
+                raise ValueError(
+                    f"{name}.train.num_anchors must be in [1, data.seq_len - block_size = {seq_len - block}], "
+                    f"got {anchors}"
+                )
+
+    def run(self, stage: str) -> dict:
+        self.check(stage)
         began = time.perf_counter()
         if stage in ("tokenizer", "all"):
             self.tokenizer()
@@ -322,6 +405,29 @@ class Run:
         return self.update_provenance(
             wall_s={f"{stage}_total": round(time.perf_counter() - began, 2)}, header=stage != "child_head"
         )
+
+    def _drop_downstream(self, stage: str) -> None:
+        """After `stage` exported: the exports, Orbax checkpoints and provenance sections of what was trained on its
+        previous output (`DOWNSTREAM`) are removed, so neither a stale pair nor a resume from a stale checkpoint
+        (trained against the old model) survives."""
+        path = os.path.join(self.out, "provenance.json")
+        prov = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                prov = json.load(f)
+        for part in DOWNSTREAM.get(stage, ()):
+            stale = [p for p in (os.path.join(self.out, part), self.path("orbax", part)) if os.path.exists(p)]
+            for directory in stale:
+                shutil.rmtree(directory)
+            if stale or part in prov:
+                print(f"{stage} retrained: removed the stale {part} ({', '.join(stale) or 'provenance'})")
+            prov.pop(part, None)
+            prov.get("wall_s", {}).pop(part, None)
+        if prov and DOWNSTREAM.get(stage):
+            if "drafter" not in prov:  # the pair's size counts a drafter
+                prov.pop("total_size_mb", None)
+            with open(path, "w") as f:
+                json.dump(_ordered(prov), f, indent=1)
 
     # -- provenance ------------------------------------------------------------------------------
     def update_provenance(self, header: bool | None = None, **sections) -> dict:

@@ -3,6 +3,7 @@ the `child_head` stage on that pair."""
 
 import json
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -108,6 +109,20 @@ def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path,
     assert os.path.exists(os.path.join(work, "corpus", "manifest.json"))
     assert os.listdir(os.path.join(work, "orbax", "target")) and os.listdir(os.path.join(work, "orbax", "drafter"))
 
+    # WORK's corpus / tokenizer were built from this recipe's sections: another recipe's are refused, not ignored
+    changed = ["--set", "tokenizer.vocab_size=1024"]
+    assert main(["target", "--config", config, "--out", out, "--no-progress", *changed]) == 2
+    assert "was built from another corpus / tokenizer recipe" in capsys.readouterr().err
+    # a retrained target makes the drafter and child head trained on the old one stale: both are removed (exports,
+    # Orbax checkpoints a --resume would restore, provenance sections)
+    assert main(["target", "--config", config, "--out", out, "--no-progress", "--set", "target.train.steps=3"]) == 0
+    assert "removed the stale drafter" in capsys.readouterr().out
+    for part in ("drafter", "child_head"):
+        assert not os.path.exists(os.path.join(out, part)) and not os.path.exists(os.path.join(work, "orbax", part))
+    with open(os.path.join(out, "provenance.json")) as f:
+        prov = json.load(f)
+    assert prov["target"]["steps"] == 3 and not {"drafter", "child_head", "total_size_mb"} & set(prov)
+
 
 def _leaves(tree):
     import jax
@@ -115,9 +130,34 @@ def _leaves(tree):
     return jax.tree.leaves(tree)
 
 
-def test_bad_export_dtype_is_named(tmp_path):
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("export_dtype=float16", "export_dtype .* 'float16'"),
+        # were a ZeroDivisionError at the first step, a TypeError, and an untrained export recorded as -5 steps
+        ("target.train.log_every=0", "target.train: log_every must be an integer >= 1, got 0"),
+        ("target.train.steps=3e1", "target.train: steps must be an integer >= 1, got 30.0"),
+        ("target.train.steps=-5", "target.train: steps must be an integer >= 1, got -5"),
+        ("target.train.lr=0", "target.train: lr must be > 0"),
+        # a misspelt key silently trained the default
+        ("tokenizer.vocab=1024", r"unknown keys \['vocab'\] in tokenizer"),
+        ("corpus.held_out_frac=0.5", r"unknown keys \['held_out_frac'\] in corpus"),
+        ("sed=3", r"unknown keys \['sed'\] in the recipe"),
+        # an `all` run's drafter settings, found only after the target had trained
+        (
+            "drafter.train.num_anchors=100",
+            r"drafter.train.num_anchors must be in \[1, data.seq_len - block_size = 48\]",
+        ),
+        ("drafter.train.dtype=float16", "drafter.train: dtype must be one of"),
+        ("drafter.model.target_layers=[5]", r"drafter target_layers \[5\] are outside"),
+    ],
+)
+def test_bad_recipe_values_are_one_error_line_before_anything_runs(override, message, tmp_path, capsys):
     config = os.path.join(REPO, "configs", "train_tiny.json")
-    with pytest.raises(ValueError, match="export_dtype .* 'float16'"):
-        main(
-            ["tokenizer", "--config", config, "--out", str(tmp_path), "--no-progress", "--set", "export_dtype=float16"]
-        )
+    out = tmp_path / "run"
+    assert main(["all", "--config", config, "--out", str(out), "--no-progress", "--set", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not out.exists()  # nothing ran: no tokenizer, no corpus
+    assert main(["all", "--config", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
+    assert "missing.json" in capsys.readouterr().err
