@@ -260,6 +260,8 @@ def _verify_phase(
         local = local_shape(t, layout)
         nbytes = format_bytes(local, t.fmt, t.path)
         if t.component == "routed_experts":
+            if not t.layers:  # a DeepSeek-V3 config of dense layers only: no experts to read
+                continue
             per_expert = nbytes / (t.layers * local[1])
             expert_bytes += touched * per_expert * t.layers
         elif t.path == "embed" and _head(c) != "embed":
@@ -507,9 +509,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     pair_name, default_layout, default_budgets = MODELS[args.model]
     try:
-        if args.tp:
+        if args.tp is not None:  # 0 is a bad size (MeshLayout says so), not "not given"
             layout = MeshLayout("tp", args.tp, args.data)
-        elif args.ep:
+        elif args.ep is not None:
             layout = MeshLayout("ep", args.ep, args.data)
         else:
             layout = parse_layout(default_layout)

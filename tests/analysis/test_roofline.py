@@ -129,3 +129,19 @@ def test_table_cli_and_plot(capsys, tmp_path):
     path = tmp_path / "roofline.png"
     roofline.plot_tokens_per_second(costs, str(path))
     assert path.stat().st_size > 1000
+
+
+def test_a_mesh_of_size_zero_is_refused_and_a_model_without_moe_layers_is_costed(capsys):
+    """--tp 0 / --ep 0 printed the default TP8 table (0 read as "not given"); a DeepSeek-V3 config of dense layers
+    only divided by its zero MoE layers."""
+    import dataclasses
+
+    from ddtree_jax.analysis.roofline import main, step_cost
+    from ddtree_jax.presets import preset
+
+    for flag in ("--tp", "--ep"):
+        assert main(["--model", "k2.6", flag, "0"]) == 2
+        assert "mesh sizes must be >= 1, got model=0" in capsys.readouterr().err
+    dense_only = dataclasses.replace(preset("kimi-k2-mesh-tiny"), first_k_dense_replace=2)
+    cost = step_cost(dense_only, method="ar", layout="single")
+    assert cost.verify.bytes["routed_experts"] == 0 and cost.verify.bytes["weights"] > 0
