@@ -501,6 +501,16 @@ def _tile_counts(group_sizes: jax.Array, block_m: int, align: int):
     return starts, base, tiles
 
 
+def check_group_sizes(group_sizes, rows: int) -> None:
+    """Concrete group sizes (skipped when traced) must be >= 0 and sum to the `rows` the grouped kernels tile: a
+    short sum leaves rows no tile writes (garbage or NaN out), a negative size shifts every later group."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any() or int(sizes.sum()) != rows:
+        raise ValueError(f"group_sizes must be >= 0 and sum to the {rows} rows, got {sizes.tolist()}")
+
+
 def max_row_tiles(rows: int, experts: int, block_m: int) -> int:
     """The row tiles (`row_tiles`, align <= 8 <= block_m) `rows` rows over `experts` groups can need, at most:
     rows // block_m full tiles plus one partial tile a non-empty group, and one spare (a bound the tests
@@ -701,11 +711,7 @@ def _grouped_operands(x, weight, group_sizes, layer, row_index=None):
         raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
     if group_sizes.shape != (shape[0],):
         raise ValueError(f"group_sizes must have one entry per expert ({shape[0]},), got {group_sizes.shape}")
-    rows = x.shape[0] if row_index is None else row_index.shape[0]
-    if not isinstance(group_sizes, jax.core.Tracer):  # concrete: the groups must tile the A rows exactly
-        sizes = np.asarray(group_sizes)
-        if (sizes < 0).any() or int(sizes.sum()) != rows:
-            raise ValueError(f"group_sizes must be >= 0 and sum to the {rows} rows, got {sizes.tolist()}")
+    check_group_sizes(group_sizes, x.shape[0] if row_index is None else row_index.shape[0])
     if layer is not None and not isinstance(layer, jax.core.Tracer) and not -shape_l <= int(layer) < shape_l:
         raise ValueError(f"layer must lie in [-{shape_l}, {shape_l}) (the stacked layers), got {int(layer)}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):

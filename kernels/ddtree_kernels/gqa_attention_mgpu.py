@@ -274,8 +274,10 @@ def _kernel(
 def _split_range(length, split, *, splits: int, block_kv: int, key_blocks: int):
     """(first key block, block count) of `split` for a row of `length` keys (int32, traced; in the kernel
     scalars): the row's ceil(length / block_kv) blocks (clipped to [0, key_blocks]) in runs of
-    ceil(blocks / splits); trailing splits may be empty. Every operand is >= 0, so lax.div is the floor."""
-    blocks = jnp.minimum(lax.div(jnp.maximum(length, 0) + (block_kv - 1), block_kv), key_blocks)
+    ceil(blocks / splits); trailing splits may be empty. Every operand is >= 0, so lax.div is the floor. The length
+    is clipped before the rounding add (a traced length near 2^31 overflowed it: no block read, zeros out)."""
+    length = jnp.clip(length, 0, key_blocks * block_kv)
+    blocks = lax.div(length + (block_kv - 1), block_kv)
     per = lax.div(blocks + (splits - 1), splits)
     first = split * per
     return first, jnp.minimum(jnp.maximum(blocks - first, 0), per)
@@ -369,6 +371,8 @@ def _check(q, k, v, mask, kv_lengths, block_kv, num_splits) -> None:
     if v.shape != k.shape:
         raise ValueError(f"v must be [B, S, Hkv, D] = {k.shape} (as k), got {v.shape}")
     capacity, kv_heads = k.shape[1], k.shape[2]
+    if min(batch, steps, capacity) < 1:  # an empty batch, tree or cache failed deep in the plan (a division by 0)
+        raise ValueError(f"B, T and S must be >= 1, got B = {batch}, T = {steps}, S = {capacity}")
     if kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"Hq = {q_heads} must be a multiple of Hkv = {kv_heads}")
     if mask.shape != (batch, steps, capacity):

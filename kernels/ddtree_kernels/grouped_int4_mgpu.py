@@ -68,7 +68,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_kernels.decode_matmul import grouped_matmul_reference, max_row_tiles, row_tile_index, row_tiles
+from ddtree_kernels.decode_matmul import (
+    check_group_sizes,
+    grouped_matmul_reference,
+    max_row_tiles,
+    row_tile_index,
+    row_tiles,
+)
 from ddtree_kernels.mosaic_common import INTERPRET_PARAMS, feed_ring, layer_index
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
@@ -311,6 +317,7 @@ def _check_weight(weight: Int4Weight, layer):
     """-> (the weights as every layer's [L, E, N, K], layer): one layer's [E, N, K] gets L = 1."""
     if not isinstance(weight, Int4Weight):
         raise ValueError(f"the Mosaic grouped INT4 kernels take an Int4Weight, got {type(weight).__name__}")
+    weight.check_layout("the expert weights")
     if layer is None:
         if weight.packed.ndim != 3:
             raise ValueError(
@@ -388,6 +395,7 @@ def grouped_int4_matmul(
     num_layers, experts, _, _ = weight.shape
     if group_sizes.shape != (experts,):
         raise ValueError(f"group_sizes must have one entry per expert ({experts},), got {group_sizes.shape}")
+    check_group_sizes(group_sizes, x.shape[0])
     block_k, stages, interpret = _plan(x, weight, block_m, block_k, stages, k_splits, interpret)
     if deferred_release and (stages < 2 or x.shape[1] // block_k // k_splits < 2):
         deferred_release = False  # one slot, or one K step: nothing to overlap

@@ -53,7 +53,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_kernels.decode_matmul import grouped_matmul_reference, max_row_tiles, row_tile_index, row_tiles
+from ddtree_kernels.decode_matmul import (
+    check_group_sizes,
+    grouped_matmul_reference,
+    max_row_tiles,
+    row_tile_index,
+    row_tiles,
+)
 from ddtree_kernels.grouped_int4_mgpu import (
     _W_TRANSFORMS,
     _X_TRANSFORMS,
@@ -296,6 +302,7 @@ def streamed_int4_matmul(
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
     if group_sizes.shape != (experts,):
         raise ValueError(f"group_sizes must have one entry per expert ({experts},), got {group_sizes.shape}")
+    check_group_sizes(group_sizes, x.shape[0])
     if n % BLOCK_N or k % BLOCK_K:
         raise ValueError(f"N = {n} must be a multiple of {BLOCK_N} and K = {k} of {BLOCK_K}")
     rows = x.shape[0]

@@ -727,6 +727,8 @@ def mla_tree_attention(
     if latent.ndim != 4 or latent.shape[0] != batch or latent.shape[2:] != (1, LATENT_DIM):
         raise ValueError(f"latent must be [B, S, 1, {LATENT_DIM}] with B = {batch}, got {latent.shape}")
     capacity = latent.shape[1]
+    if min(batch, steps, heads, capacity) < 1:  # were an obscure zero-size reduction error
+        raise ValueError(f"B, T, H and S must be >= 1, got B = {batch}, T = {steps}, H = {heads}, S = {capacity}")
     if rope_key.shape != (batch, capacity, 1, ROPE_DIM):
         raise ValueError(
             f"rope_key must be [B, S, 1, {ROPE_DIM}] = {(batch, capacity, 1, ROPE_DIM)}, got {rope_key.shape}"

@@ -52,9 +52,10 @@ others 49-52), within 9% of the best at one.
 
 Constraints: INT4 `quant.Int4Weight` experts (group 32), H and I multiples of 32; x bf16 or float32
 (float32 is computed in float32 throughout; bf16 loads are widened to float32, no bf16 rounding of the
-dequantised weights); 1 <= A <= MAX_ASSIGNMENTS = 32; experts / tokens / layer are clamped into range
-inside the kernels (a traced id cannot be checked; an out-of-range one reads a wrong expert, never out
-of bounds). Interpret mode off GPU (`tiling.default_interpret`).
+dequantised weights); 1 <= A <= MAX_ASSIGNMENTS = 32; experts / tokens are clamped into range inside the
+kernels, and the layer is read as `lax.dynamic_index_in_dim` reads it (negative from the end, then clamped), the
+twins alike (a traced id cannot be checked; an out-of-range one reads a wrong expert, never out of bounds).
+Interpret mode off GPU (`tiling.default_interpret`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ddtree_kernels.decode_matmul import _split_k
+from ddtree_kernels.mosaic_common import layer_index
 from ddtree_kernels.quant import INT4_GROUP, Int4Weight, dense
 from ddtree_kernels.tiling import TARGET_PROGRAMS, default_interpret, dot_precision, fits, pipelined_bytes
 
@@ -190,10 +192,11 @@ def _tile_matvec(packed_ref, scale_ref, layer, expert, n0, w0, xs, *, n: int, k:
 
 
 def _ids(experts_ref, tokens_ref, layer_ref, a, *, num_experts: int, num_tokens: int, num_layers: int):
+    # ids clamped into range (the twins clamp alike: `_clamped`); the layer read as lax.dynamic_index_in_dim
+    # reads it (negative from the end, then clamped), as every stacked-layer kernel here
     expert = jnp.clip(experts_ref[a], 0, num_experts - 1)
     token = jnp.clip(tokens_ref[a], 0, num_tokens - 1)
-    layer = jnp.clip(layer_ref[0], 0, num_layers - 1)
-    return expert, token, layer
+    return expert, token, layer_index(layer_ref[0], num_layers)
 
 
 def _gate_up_kernel(
@@ -320,13 +323,7 @@ def _stacked(weight, layer, name: str):
         if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
             raise ValueError(f"layer must be an integer scalar, got shape {layer.shape} dtype {layer.dtype}")
         layer = layer.astype(jnp.int32).reshape(1)
-    want_scale = weight.packed.shape[:-1] + (weight.packed.shape[-1] * 8 // INT4_GROUP,)
-    if weight.scale.shape != want_scale:
-        raise ValueError(
-            f"{name}: scale shape {weight.scale.shape} does not match the packed words (want {want_scale})"
-        )
-    if weight.packed.dtype != jnp.int32:
-        raise ValueError(f"{name}: packed words must be int32, got {weight.packed.dtype}")
+    weight.check_layout(name)
     return weight, layer, weight.packed.shape[0]
 
 
@@ -524,16 +521,22 @@ def flat_assignments(experts: jax.Array, weights: jax.Array) -> tuple[jax.Array,
 # --- the twins ----------------------------------------------------------------------------------------------
 
 
+def _clamped(ids, size: int) -> jax.Array:
+    """ids clamped into [0, size) as the kernels clamp them (`_ids`): an out-of-range id reads the nearest end."""
+    return jnp.clip(jnp.asarray(ids), 0, size - 1)
+
+
 def _chosen(weight: Int4Weight, experts, layer):
     """The chosen experts' weights dequantised to float32, [A, N, K] (only those gathered, in stored form)."""
     if layer is not None:
-        return dense(jax.tree.map(lambda a: a[layer, experts], weight), jnp.float32)
-    return dense(jax.tree.map(lambda a: a[experts], weight), jnp.float32)
+        layer = layer_index(layer, weight.packed.shape[0])
+        return dense(jax.tree.map(lambda a: a[layer, _clamped(experts, a.shape[1])], weight), jnp.float32)
+    return dense(jax.tree.map(lambda a: a[_clamped(experts, a.shape[0])], weight), jnp.float32)
 
 
 def moe_decode_gate_up_reference(x, gate, up, experts, tokens, layer=None) -> jax.Array:
     """The twin of `moe_decode_gate_up`: float32 dequantised experts (`quant.dense`), float32 jnp."""
-    rows = x[tokens].astype(jnp.float32)  # [A, H]
+    rows = x[_clamped(tokens, x.shape[0])].astype(jnp.float32)  # [A, H]
     hi = dot_precision(jnp.float32)
     g = jnp.einsum("ah,aih->ai", rows, _chosen(gate, experts, layer), precision=hi)
     u = jnp.einsum("ah,aih->ai", rows, _chosen(up, experts, layer), precision=hi)
@@ -546,7 +549,7 @@ def moe_decode_down_reference(act, down, experts, tokens, weights, num_tokens: i
         "ai,ahi->ah", act.astype(jnp.float32), _chosen(down, experts, layer), precision=dot_precision(jnp.float32)
     )
     y = y * weights.astype(jnp.float32)[:, None]
-    return jnp.zeros((num_tokens, y.shape[1]), jnp.float32).at[tokens].add(y).astype(act.dtype)
+    return jnp.zeros((num_tokens, y.shape[1]), jnp.float32).at[_clamped(tokens, num_tokens)].add(y).astype(act.dtype)
 
 
 def moe_decode_reference(x, gate, up, down, experts, tokens, weights, layer=None) -> jax.Array:

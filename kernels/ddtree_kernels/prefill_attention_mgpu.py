@@ -117,7 +117,9 @@ def _kernel(
     tile = num_tiles - 1 - lax.axis_index("tiles")  # last tile first
     wg = lax.axis_index("wg")
     kv_head = lax.div(head, group)
-    start = jnp.maximum(start_ref[b], 0)
+    # clipped to [0, S]: past S every key is visible anyway, and a traced start near 2^31 overflowed start +
+    # last_query (no key block to wait for: the compute warpgroups hung on the first one)
+    start = jnp.clip(start_ref[b], 0, k_ref.shape[1])
     num_key_blocks = k_ref.shape[1] // block_kv
 
     def key_steps(q_base):
@@ -302,6 +304,8 @@ def _check(q, k, v, start, scale, block_q: int, block_kv: int) -> None:
     capacity, kv_heads = k.shape[1], k.shape[2]
     if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v must be [B, S, Hkv, Dv] with [B, S, Hkv] = {k.shape[:3]}, got {v.shape}")
+    if min(batch, q.shape[1], capacity, kv_heads) < 1:  # Hkv = 0 was a division by zero here
+        raise ValueError(f"B, T, S and Hkv must be >= 1, got {batch}, {q.shape[1]}, {capacity}, {kv_heads}")
     if q_heads % kv_heads:
         raise ValueError(f"Hq = {q_heads} must be a multiple of Hkv = {kv_heads}")
     for name, x in (("q", q), ("k", k), ("v", v)):

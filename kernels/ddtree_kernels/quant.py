@@ -31,6 +31,17 @@ class Int4Weight:
     def shape(self) -> tuple[int, ...]:
         return self.packed.shape[:-1] + (self.packed.shape[-1] * 8,)
 
+    def check_layout(self, name: str = "the weight") -> None:
+        """ValueError naming `name` unless the words are int32 and the scales [..., out, in / 32] match them (a
+        kernel reads both in place: a wrong scale layout would read finite garbage)."""
+        want_scale = self.packed.shape[:-1] + (self.packed.shape[-1] * 8 // INT4_GROUP,)
+        if self.scale.shape != want_scale:
+            raise ValueError(
+                f"{name}: scale shape {self.scale.shape} does not match the packed words (want {want_scale})"
+            )
+        if self.packed.dtype != jnp.int32:
+            raise ValueError(f"{name}: packed words must be int32, got {self.packed.dtype}")
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         shifts = jnp.arange(8, dtype=jnp.int32) * 4
         codes = (self.packed[..., None] >> shifts) & 0xF  # [..., out, in / 8, 8]

@@ -340,7 +340,7 @@ def skinny_matmul(
     block_k: int | None = None,
     stages: int | None = None,
     splits: int | None = None,
-    interpret: bool | None = False,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """y = x @ w.T on the Mosaic GPU backend (Hopper), streaming w through TMA.
 

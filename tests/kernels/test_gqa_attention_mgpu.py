@@ -146,6 +146,9 @@ def test_split_ranges_deal_every_block_once():
         (dict(block_kv=32), "block_kv must be one of .* got 32"),
         (dict(num_splits=0), "num_splits must be >= 1, got 0"),
         (dict(kv_lengths=(2,)), "kv_lengths must be"),
+        # empty trees or caches were a division by zero or a zero-size reduction deep in the plan
+        (dict(q=(1, 0, 4, 64), mask=(1, 0, 40)), "B, T and S must be >= 1, got B = 1, T = 0, S = 40"),
+        (dict(k=(1, 0, 2, 64), v=(1, 0, 2, 64), mask=(1, 3, 0)), "B, T and S must be >= 1, got B = 1, T = 3, S = 0"),
     ],
 )
 def test_rejects_bad_arguments(change, message):
@@ -189,3 +192,15 @@ def test_lowers_for_gpu(batch, steps, q_heads, kv_heads, head_dim, capacity, kwa
     )
     attend = jax.jit(lambda *a: gqa_tree_attention(*a, interpret=False, **kwargs))
     assert "mosaic_gpu" in attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_split_range_of_a_length_near_the_int32_limit_is_the_whole_cache():
+    """A traced kv_length near 2^31 overflowed the rounding add: a negative block count, no key read, zeros out."""
+    from ddtree_kernels.gqa_attention_mgpu import _split_range
+
+    for length in (2**31 - 1, 2**31 - 64, 10**9, 256):
+        first, count = _split_range(jnp.int32(length), jnp.int32(0), splits=1, block_kv=64, key_blocks=4)
+        assert (int(first), int(count)) == (0, 4), length
+    assert [int(c) for c in _split_range(jnp.int32(-3), jnp.int32(0), splits=1, block_kv=64, key_blocks=4)] == [0, 0]
+    halves = [_split_range(jnp.int32(2**31 - 1), jnp.int32(s), splits=2, block_kv=64, key_blocks=4) for s in (0, 1)]
+    assert [(int(f), int(c)) for f, c in halves] == [(0, 2), (2, 2)]

@@ -198,6 +198,14 @@ def test_bad_shapes():
         grouped_int4_matmul(x.astype(jnp.float32), weight, sizes)
     with pytest.raises(ValueError, match="one entry per expert"):
         grouped_int4_matmul(x, weight, sizes[:1])
+    # group sizes that do not tile the rows (NaN or shifted rows out) and a scale layout that does not match the
+    # words (finite garbage out): named, as decode_matmul.grouped_matmul names them
+    rows = x.shape[0]
+    for bad in ([rows - 1, 0], [rows + 2, -2]):
+        with pytest.raises(ValueError, match=f"group_sizes must be >= 0 and sum to the {rows} rows"):
+            grouped_int4_matmul(x, weight, jnp.asarray(bad, jnp.int32))
+    with pytest.raises(ValueError, match="scale shape .* does not match the packed words"):
+        grouped_int4_matmul(x, type(weight)(weight.packed, weight.scale[..., ::2]), sizes)
     with pytest.raises(ValueError, match="take an Int4Weight"):
         grouped_int4_matmul(x, weight.dequantize(jnp.bfloat16), sizes)
     with pytest.raises(ValueError, match="pass layer="):

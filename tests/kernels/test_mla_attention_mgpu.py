@@ -175,6 +175,12 @@ def test_out_of_range_lengths_see_their_clamped_keys(results):
         (dict(layer=1, latent=(2, 1, 64, 1, 512), rope_key=(3, 1, 64, 1, 64)), "must stack the same layers"),
         (dict(packed_mask=((1, 1, 39), (1,))), "packed_mask must be pack_tree_mask of a"),
         (dict(packed_mask=((1, 1, 40), (1,)), kv_lengths=(1,)), "pass kv_lengths through pack_tree_mask"),
+        # an empty cache or tree was a zero-size reduction error
+        (
+            dict(latent=(1, 0, 1, 512), rope_key=(1, 0, 1, 64)),
+            "B, T, H and S must be >= 1, got B = 1, T = 3, H = 2, S = 0",
+        ),
+        (dict(q_latent=(1, 0, 2, 512), q_rope=(1, 0, 2, 64), mask=(1, 0, 40)), "T = 0"),
     ],
 )
 def test_rejects_bad_shapes(change, message):

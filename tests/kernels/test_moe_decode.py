@@ -154,6 +154,17 @@ def test_the_layer_stacked_form_reads_the_traced_layer():
     flat = moe_decode(x, *one, experts, toks, weights, gate_up_tiles=SPLIT)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(flat, np.float32))
     assert rel_err(run(jnp.int32(2)), ref) > 0.1  # another layer is another result
+    # out of range, kernel and twin agree: the layer read as lax.dynamic_index_in_dim reads it (-1: the last;
+    # past the end: the last), expert and token ids clamped (the kernel read layer 0 for -1, the twin wrapped ids)
+    last = moe_decode_reference(x, gate, up, down, experts, toks, weights, layer=2)
+    for layer in (-1, 7):
+        assert rel_err(run(jnp.int32(layer)), last) < TOL[jnp.bfloat16]
+        assert rel_err(moe_decode_reference(x, gate, up, down, experts, toks, weights, layer=layer), last) == 0
+    wild_experts = experts.at[0].set(-1).at[1].set(E + 5)
+    wild_tokens = toks.at[2].set(tokens + 3)
+    got = moe_decode(x, gate, up, down, wild_experts, wild_tokens, weights, jnp.int32(1), gate_up_tiles=SPLIT)
+    want = moe_decode_reference(x, gate, up, down, wild_experts, wild_tokens, weights, layer=1)
+    assert rel_err(got, want) < TOL[jnp.bfloat16]
 
 
 def test_a_wrong_expert_is_caught():

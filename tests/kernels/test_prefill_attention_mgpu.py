@@ -163,6 +163,7 @@ def test_reference_is_causal_with_offset():
         (dict(block_kv=32), r"block_kv must be one of \(64, 128\), got 32"),
         (dict(k=(1, 192, 1, 128), v=(1, 192, 1, 128)), "S = 192 must be a multiple of block_kv = 128"),
         (dict(q=(1, 3, 2, 256), k=(1, 128, 1, 256)), "Dk = 256, Dv = 128 leave 1 K/V stage"),
+        (dict(k=(1, 128, 0, 128), v=(1, 128, 0, 128)), "B, T, S and Hkv must be >= 1, got 1, 3, 128, 0"),
     ],
 )
 def test_rejects_bad_input(change, message):
