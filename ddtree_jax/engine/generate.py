@@ -150,7 +150,7 @@ def _chunked_prefill(target_config, target_params, drafter, cache, draft_state, 
         return (cache, draft_state, last), None
 
     features = jax.eval_shape(
-        lambda c, ids: target.prefill(target_config, target_params, c, ids, lengths, **impls)[1],
+        lambda c, ids: target.prefill(target_config, target_params, c, ids, jnp.clip(lengths, 0, chunk), **impls)[1],
         cache,
         padded[:, :chunk],
     )
