@@ -658,7 +658,8 @@ def grouped_matmul(
     (`GroupedTiles`; default `default_grouped_tiles` for the weight's format and, INT4, the call's size).
 
     layer: with weights of every layer stacked, [L, E, N, K], the layer to use (int32 scalar, may be
-    traced: a scan's counter). The kernel reads that layer in place: slicing it out first would copy
+    traced: a scan's counter), read as `lax.dynamic_index_in_dim` reads it (negative from the end, then clamped
+    into the stack), as the other stacked-layer kernels. The kernel reads that layer in place: slicing it out first would copy
     the layer's experts (8.4 GB for a K2.6 INT4 layer) on every call, since a Pallas call takes each
     operand as one buffer.
 
@@ -705,15 +706,12 @@ def _grouped_operands(x, weight, group_sizes, layer, row_index=None):
         raise ValueError(
             f"with layer= grouped_matmul takes every layer's expert weights [L, E, N, K], got shape {shape}"
         )
-    shape_l = shape[0] if len(shape) == 4 else 1
     shape = shape[-3:]
     if x.ndim != 2 or x.shape[1] != shape[2]:
         raise ValueError(f"x must be [A, K] with K = {shape[2]}, got {x.shape}")
     if group_sizes.shape != (shape[0],):
         raise ValueError(f"group_sizes must have one entry per expert ({shape[0]},), got {group_sizes.shape}")
     check_group_sizes(group_sizes, x.shape[0] if row_index is None else row_index.shape[0])
-    if layer is not None and not isinstance(layer, jax.core.Tracer) and not -shape_l <= int(layer) < shape_l:
-        raise ValueError(f"layer must lie in [-{shape_l}, {shape_l}) (the stacked layers), got {int(layer)}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     return weight, layer
