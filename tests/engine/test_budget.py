@@ -20,15 +20,20 @@ def test_a_policy_forced_to_one_budget_generates_what_that_budget_generates(temp
     budgets, forced = (2, 4, 8), 1
     step_ms = tuple(0.01 if k == forced else 100.0 for k in range(len(budgets)))  # budget 4: far cheapest
     policy = BudgetPolicy(budgets, step_ms, (1.0,) * len(budgets))
-    got = _run(
+    got, records = _run(
         DFLASH,
         PROMPTS,
         LENGTHS,
         method="ddtree",
         temperature=temperature,
         budget=8,
+        recorder=_budget_record,
         options=DecodeOptions(budget_policy=policy),
     )
+    # the choice itself, every active step: the outputs alone cannot show it at T = 0 with this drafter (greedy
+    # text is the same at every budget, and it accepts too little for the steps to differ between 4 and 8)
+    chosen = np.asarray(records["budget"])[np.asarray(records["active"])]
+    assert chosen.size and set(chosen.tolist()) == {budgets[forced]}, chosen
     want = _run(DFLASH, PROMPTS, LENGTHS, method="ddtree", temperature=temperature, budget=budgets[forced])
     for name in ("tokens", "num_generated", "steps", "accepted"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)

@@ -35,6 +35,9 @@ CASES = {
     "t9_g4_d128_default_lengths": (2, 9, 8, 2, 128, 128, None, dict()),
 }
 TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities (measured ~3e-3)
+# the same over the worst row that sees a key (as the MLA kernel's test): a bug in a few rows (one query row's mask
+# bits, one mask word) moves the global error only ~1.5-2x its bound
+ROW_TOLERANCE = 3e-2
 
 
 def run_case(name: str) -> dict:
@@ -85,7 +88,7 @@ def test_matches_reference(results, name):
     assert result["shape"] == [batch, steps, q_heads, head_dim]
     assert result["finite"]
     assert result["empty_rows_zero"], result
-    assert result["rel_err"] < TOLERANCE, result
+    assert result["rel_err"] < TOLERANCE and result["max_row_err"] < ROW_TOLERANCE, result
 
 
 def test_cases_cover_the_brief():
