@@ -40,13 +40,18 @@ class Qwen3Config:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        bad = [l for l in self.tapped_layers if not 0 <= l < self.num_layers]
-        if bad:
-            raise ValueError(f"tapped_layers {bad} are outside [0, num_layers = {self.num_layers})")
+        check_tapped_layers(self.tapped_layers, self.num_layers)
 
     @property
     def num_tapped(self) -> int:
         return len(self.tapped_layers)
+
+
+def check_tapped_layers(tapped_layers, num_layers: int) -> None:
+    """ValueError naming the tapped layers outside [0, num_layers) (every target config's check)."""
+    bad = [layer for layer in tapped_layers if not 0 <= layer < num_layers]
+    if bad:
+        raise ValueError(f"tapped_layers {bad} are outside [0, num_layers = {num_layers})")
 
 
 def default_tapped_layers(num_target_layers: int, num_features: int) -> tuple[int, ...]:
@@ -181,9 +186,7 @@ class DeepSeekV3Config:
                     f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, topk_group x experts a group "
                     f"= {reachable}]"
                 )
-        bad = [l for l in self.tapped_layers if not 0 <= l < self.num_layers]
-        if bad:
-            raise ValueError(f"tapped_layers {bad} are outside [0, num_layers = {self.num_layers})")
+        check_tapped_layers(self.tapped_layers, self.num_layers)
         if self.rope_type not in ("default", "yarn"):
             raise ValueError(f"rope_type {self.rope_type!r} is not supported (default, yarn)")
 

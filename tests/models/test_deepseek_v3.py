@@ -262,3 +262,22 @@ def test_absorbed_products_as_reductions_equal_the_dots(tiny_params, monkeypatch
     np.testing.assert_allclose(
         np.asarray(deepseek_v3._absorb_query(q_nope, w_uk)), np.einsum("bthn,hnr->bthr", q_nope, w_uk), rtol=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(n_group=0), "n_group must be >= 1, got 0"),  # was a ZeroDivisionError
+        # past the kept groups' experts routing picked masked experts (or lax.top_k failed late)
+        (dict(num_experts_per_tok=100), r"num_experts_per_tok \(100\) must be in \[1, topk_group x experts a group"),
+        (dict(num_experts_per_tok=0), r"num_experts_per_tok \(0\) must be in \[1, "),
+        (dict(tapped_layers=(7, -1)), r"tapped_layers \[7, -1\] are outside \[0, num_layers"),  # were clamped / wrapped
+    ],
+)
+def test_the_config_names_routing_and_tap_settings_it_cannot_run(change, message):
+    import dataclasses
+
+    from ddtree_jax.presets import preset
+
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(preset("kimi-k2-mesh-tiny"), **change)
