@@ -55,9 +55,11 @@ def check_tapped_layers(tapped_layers, num_layers: int) -> None:
 
 
 def default_tapped_layers(num_target_layers: int, num_features: int) -> tuple[int, ...]:
-    """DFlash's default target layers: round(1 + i * (N - 4) / (F - 1)), i = 0..F-1 (models.md)."""
+    """DFlash's default target layers: round(1 + i * (N - 4) / (F - 1)), i = 0..F-1; one feature: the middle
+    layer N // 2 (DFlash's `build_target_layer_ids`; a one-layer drafter's checkpoint without target_layer_ids
+    was fed layer 1's features)."""
     if num_features == 1:
-        return (1,)
+        return (num_target_layers // 2,)
     return tuple(int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features))
 
 

@@ -26,16 +26,31 @@ def check_method(method: str) -> str:
 
 
 def check_options(
-    method: str, *, budget: int | None = None, block_size: int | None = None, max_new_tokens: int = 1, drafter=None
+    method: str,
+    *,
+    budget: int | None = None,
+    block_size: int | None = None,
+    max_new_tokens: int = 1,
+    drafter=None,
+    target_config=None,
 ) -> None:
     """The prompt-independent checks of a generation (`engine.run.check_request`, `engine.generate`): the method
     (and its drafter, for DDTree / chain), budget in [1, MAX_BUDGET] (DDTree), block size an int in [2, the
     drafter's max_block_size] (every method: AR's KV cache is sized by it too; >= 2 without a drafter),
-    max_new_tokens >= 1. ValueError naming the bad value."""
+    max_new_tokens >= 1; with both a drafter and target_config, the target taps the layers the drafter reads
+    (another count failed deep in the drafter's projection, another set ran with wrong features). ValueError naming
+    the bad value."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method != "ar" and drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
+    if method != "ar" and target_config is not None:
+        taps, reads = tuple(target_config.tapped_layers), tuple(drafter.config.target_layers)
+        if taps != reads:
+            raise ValueError(
+                f"the target taps layers {taps} but the drafter reads target layers {reads}: set the target config's "
+                "tapped_layers to the drafter's target_layers (`engine.run.load_pair` does)"
+            )
     if block_size is not None:  # AR too: its KV cache is sized by the block size
         _check_block_size(block_size, drafter.max_block_size if drafter is not None else None)
     if method == "ddtree":

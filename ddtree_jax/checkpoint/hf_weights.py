@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -334,9 +335,12 @@ def resolve_dtype(dtype, source: TensorSource, names) -> object:
         stored = source.stored_dtype(names)
         return _FLOAT_DTYPES[stored] if stored else jnp.float32
     try:
-        return jnp.dtype(dtype)
+        resolved = jnp.dtype(dtype)
     except TypeError:
         raise ValueError(f"dtype must be 'auto' or a floating dtype, got {dtype!r}") from None
+    if not jnp.issubdtype(resolved, jnp.floating):  # "int32" / "bool" loaded every weight cast to zeros and ones
+        raise ValueError(f"dtype must be 'auto' or a floating dtype, got {dtype!r}")
+    return resolved
 
 
 def load_weights(path: str, config, dtype="auto", *, check_finite: bool = False, mtp_layers: int | None = None) -> dict:
@@ -475,6 +479,13 @@ def save_weights(path: str, config, params: dict, dtype=np.float32, max_shard_by
         for layer in range(config.num_layers):
             tensors[f"{prefix}.{layer}.{suffix}"] = np.asarray(params["layers"][ours][layer]).astype(dtype)
     os.makedirs(path, exist_ok=True)
+    # an earlier save's files that this one does not rewrite would be read instead (the loader takes the index
+    # when there is one): a single file replaces a sharded save, a sharded save a single file or other shards
+    stale = ["model.safetensors", "model.safetensors.index.json"]
+    stale += [f for f in os.listdir(path) if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
+    for name in stale:
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         return

@@ -10,7 +10,7 @@ import numpy as np
 
 from ddtree_jax.checkpoint.hf_config import parse_config, read_config, to_hf_dict
 from ddtree_jax.checkpoint.hf_weights import load_weights, save_weights
-from ddtree_jax.config import DFlashConfig, Qwen3Config
+from ddtree_jax.config import DeepSeekV3Config, DFlashConfig, Qwen3Config
 
 
 def load_hf(path: str, dtype="auto", *, check_finite: bool = False) -> tuple[Qwen3Config | DFlashConfig, dict]:
@@ -34,10 +34,14 @@ def save_hf(
     dtype=np.float32,
     max_shard_bytes: int | None = None,
 ) -> None:
-    """Writes config.json and safetensors that `load_hf` (and HF-style loaders) read back."""
+    """Writes config.json and safetensors that `load_hf` (and HF-style loaders) read back (Qwen3 and DFlash; a
+    DeepSeek-V3 / K2 config raises NotImplementedError before anything is written)."""
+    if isinstance(config, DeepSeekV3Config):  # to_hf_dict would fail after config.json was opened (emptied)
+        raise NotImplementedError("save_hf for DeepSeek-V3 / Kimi K2 checkpoints is not implemented (load_hf is)")
+    hf_config = to_hf_dict(config, vocab_size)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(to_hf_dict(config, vocab_size), f, indent=2)
+        json.dump(hf_config, f, indent=2)
     save_weights(path, config, params, dtype, max_shard_bytes)
 
 

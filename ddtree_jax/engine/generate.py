@@ -339,6 +339,7 @@ class _CheckedJit:
             block_size=a["block_size"],
             max_new_tokens=a["max_new_tokens"],
             drafter=a["drafter"],
+            target_config=a["target_config"],
         )
         check_generate_inputs(
             a["target_config"], a["prompts"], a["prompt_lengths"], a["max_new"], max_new_tokens=a["max_new_tokens"]

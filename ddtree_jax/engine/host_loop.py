@@ -63,7 +63,14 @@ def generate_host_loop(
     between reads of the rows' done flags (>= 1). Each read is one host sync."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-    check_options(method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens, drafter=drafter)
+    check_options(
+        method,
+        budget=budget,
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        drafter=drafter,
+        target_config=target_config,
+    )
     check_generate_inputs(target_config, prompts, prompt_lengths, max_new, max_new_tokens=max_new_tokens)
     target_params, drafter = layers_sliced_once(target_config, target_params, drafter, options)  # once, eagerly
     state = _start(

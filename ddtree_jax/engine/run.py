@@ -147,7 +147,14 @@ def check_request(
     `check_options`, non-empty prompts of ids inside the target vocabulary, prompt + max_new_tokens
     within the target's max_position_embeddings (when its config has one), and `check_pair`.
     ValueError naming the bad value."""
-    check_options(method, budget=budget, block_size=block_size, max_new_tokens=max_new_tokens, drafter=pair.drafter)
+    check_options(
+        method,
+        budget=budget,
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        drafter=pair.drafter,
+        target_config=pair.target_config,
+    )
     if not prompt_ids:
         raise ValueError("no prompts given")
     config = pair.target_config

@@ -202,3 +202,30 @@ def test_kimi_style_yarn_drafter_loads_and_runs_on_the_deepseek_target(tmp_path)
     ar = run(pair, prompts, method="ar", budget=8, **common)["tokens"]
     assert run(pair, prompts, method="ddtree", budget=8, **common)["tokens"] == ar
     assert run(pair, prompts, method="chain", budget=8, **common)["tokens"] == ar
+
+
+def test_a_second_save_into_the_directory_is_what_loads(tmp_path):
+    """A sharded save then a single-file save (and the reverse): the first's index or file was left behind and the
+    loader, which takes the index when there is one, read the old weights."""
+    old = qwen3.init_params(TARGET, jax.random.key(0))
+    new = qwen3.init_params(TARGET, jax.random.key(1))
+    for first, second in ((2000, None), (None, 2000), (2000, 3000)):
+        directory = str(tmp_path / f"{first}_{second}")
+        save_hf(directory, TARGET, old, max_shard_bytes=first)
+        save_hf(directory, TARGET, new, max_shard_bytes=second)
+        _assert_same(new, load_hf(directory, dtype=jnp.float32)[1])
+
+
+def test_a_load_dtype_must_be_floating_and_deepseek_saves_refuse_before_writing(tmp_path):
+    save_hf(str(tmp_path / "q"), TARGET, qwen3.init_params(TARGET, jax.random.key(0)))
+    for dtype in ("int32", "bool", jnp.int8):  # were cast: every weight zeros and ones
+        with pytest.raises(ValueError, match="dtype must be 'auto' or a floating dtype"):
+            load_hf(str(tmp_path / "q"), dtype=dtype)
+    fixture = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny"
+    config, params = load_hf(str(fixture), dtype=jnp.float32)
+    target = tmp_path / "dsv3"
+    target.mkdir()
+    (target / "config.json").write_text('{"keep": true}')
+    with pytest.raises(NotImplementedError, match="save_hf for DeepSeek-V3"):  # was an AttributeError ...
+        save_hf(str(target), config, params)
+    assert json.loads((target / "config.json").read_text()) == {"keep": True}  # ... after emptying config.json

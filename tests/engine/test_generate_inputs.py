@@ -154,3 +154,22 @@ def test_a_generation_that_cannot_fit_the_device_is_refused_before_it_runs():
     check_fits(compiled, prompt_tokens=width, batch=batch, static=static, free_bytes=10**12)
     with pytest.raises(ValueError, match=r"2 row\(s\) x 6 prompt tokens \+ max_new_tokens 4, ar\) needs .* GB .* free"):
         check_fits(compiled, prompt_tokens=width, batch=batch, static=static, free_bytes=1000)
+
+
+def test_a_target_that_taps_other_layers_than_the_drafter_reads_is_named():
+    """`load_hf` gives a target config without taps; only `load_pair` set them to the drafter's. Another count
+    failed deep in the drafter's projection (an einsum label error), another set of the same count ran on the wrong
+    features. Both generate and the host loop name the two tuples now."""
+    import dataclasses
+
+    from ddtree_jax.engine.host_loop import generate_host_loop
+
+    assert TARGET.tapped_layers == DFLASH.config.target_layers
+    for taps in ((), tuple(reversed(TARGET.tapped_layers)) if len(TARGET.tapped_layers) > 1 else (9,)):
+        if taps and max(taps) >= TARGET.num_layers:
+            continue
+        other = dataclasses.replace(TARGET, tapped_layers=taps)
+        args = (other,) + _args(GOOD, [3, 4], [6, 6])[1:]
+        for run in (generate, generate_host_loop):
+            with pytest.raises(ValueError, match=r"the target taps layers .* but the drafter reads target layers"):
+                run(*args, **STATIC)

@@ -160,6 +160,7 @@ def test_param_axes_cover_every_parameter_and_config_validation(params):
         Qwen3Config(**{**CONFIG.__dict__, "tapped_layers": (0, 5)})
     assert default_tapped_layers(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B-DFlash (models.md)
     assert default_tapped_layers(61, 6) == (1, 12, 24, 35, 47, 58)  # Kimi drafters (models.md)
+    assert default_tapped_layers(36, 1) == (18,)  # one drafter layer: the middle layer, as DFlash's own rule
 
 
 def test_a_write_past_the_cache_end_is_an_error(params):
