@@ -241,6 +241,10 @@ def read_safetensors_header(file: str) -> dict:
     return header
 
 
+WRAPPED_PREFIX = "language_model."  # the text model inside a multimodal wrapper (Kimi K2.5 / K2.6)
+MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")  # the wrapper's other parts
+
+
 class TensorSource:
     """Reads tensors from a single model.safetensors or a sharded set with model.safetensors.index.json."""
 
@@ -273,6 +277,16 @@ class TensorSource:
         for file in sorted(set(self.files.values())):
             if not os.path.isfile(file):
                 raise CheckpointNotFoundError(f"shard {file} named in the index {index} does not exist")
+        # a multimodal wrapper (Kimi K2.5 / K2.6: KimiK25ForConditionalGeneration) stores the text model under
+        # "language_model." beside its vision tower and projector: the text model's tensors are read by their
+        # bare names, the vision parts left out (the text model never uses them)
+        self.stored = {name: name for name in self.files}
+        if any(name.startswith(WRAPPED_PREFIX) for name in self.files):
+            self.stored = {
+                name.removeprefix(WRAPPED_PREFIX): name
+                for name in self.files
+                if name.startswith(WRAPPED_PREFIX) or not name.startswith(MULTIMODAL_PREFIXES)
+            }
 
     def header(self, file: str) -> dict:
         if file not in self._headers:
@@ -280,14 +294,15 @@ class TensorSource:
         return self._headers[file]
 
     def names(self) -> set[str]:
-        return set(self.files)
+        return set(self.stored)
 
     def info(self, name: str) -> tuple[str, dict]:
         """(file, header entry) of a tensor; CheckpointError when its shard does not hold it."""
-        file = self.files[name]
-        info = self.header(file).get(name)
+        stored = self.stored[name]
+        file = self.files[stored]
+        info = self.header(file).get(stored)
         if info is None:
-            raise CheckpointError(f"the index {self.index} maps tensor {name!r} to {file}, which does not hold it")
+            raise CheckpointError(f"the index {self.index} maps tensor {stored!r} to {file}, which does not hold it")
         return file, info
 
     def get(self, name: str) -> np.ndarray:
@@ -300,7 +315,7 @@ class TensorSource:
                 return np.frombuffer(f.read(end - begin), dtype=_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
         try:
             with safe_open(file, framework="numpy") as f:
-                return f.get_tensor(name)
+                return f.get_tensor(self.stored[name])
         except Exception as e:  # safetensors' own errors name no file
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
 

@@ -229,3 +229,28 @@ def test_a_load_dtype_must_be_floating_and_deepseek_saves_refuse_before_writing(
     with pytest.raises(NotImplementedError, match="save_hf for DeepSeek-V3"):  # was an AttributeError ...
         save_hf(str(target), config, params)
     assert json.loads((target / "config.json").read_text()) == {"keep": True}  # ... after emptying config.json
+
+
+def test_the_kimi_k25_wrapper_layout_loads_its_text_model(tmp_path):
+    """Kimi K2.5 / K2.6 checkpoints (KimiK25ForConditionalGeneration) store the text model under "language_model."
+    beside a vision tower and a projector: the text model loads by its bare names, as from a plain DeepSeek-V3
+    checkpoint (it failed: "lacks 187 tensor(s), first: 'lm_head.weight'"); the vision parts are left out."""
+    fixture = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v3_tiny_int4"
+    tensors = load_file(str(fixture / "model.safetensors"))
+    wrapped = {f"language_model.{name}": value for name, value in tensors.items()}
+    wrapped["vision_tower.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    wrapped["mm_projector.proj.0.weight"] = np.zeros((4, 4), np.float32)
+    target = tmp_path / "k25"
+    target.mkdir()
+    save_file(wrapped, str(target / "model.safetensors"))
+    text_config = json.loads((fixture / "config.json").read_text())
+    wrapper = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text_config,
+    }
+    (target / "config.json").write_text(json.dumps(wrapper))
+    want_config, want = load_hf(str(fixture), dtype=jnp.float32)
+    got_config, got = load_hf(str(target), dtype=jnp.float32)
+    assert got_config == want_config
+    _assert_same(want, got)
