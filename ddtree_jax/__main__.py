@@ -162,18 +162,17 @@ def _check_run_args(args: argparse.Namespace) -> None:
     check_repeats(args.repeats)
     # the request values that need no pair (the drafter's block-size limit is checked once it loads): a bad one
     # used to surface only after both checkpoints had loaded
-    from ddtree_jax.options import MAX_BUDGET, DecodeOptions
+    from ddtree_jax.options import DecodeOptions, check_block_size, check_ddtree_budget
 
     methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
     budgets = _parse_budgets(args.budget) if isinstance(args.budget, str) else [args.budget]
     if any(m in ("ddtree", "all") for m in methods):
         for budget in budgets:
-            if not 1 <= budget <= MAX_BUDGET:
-                raise ValueError(f"--budget must be in [1, {MAX_BUDGET}], got {budget}")
+            check_ddtree_budget(budget)
     if args.max_new < 1:
         raise ValueError(f"--max-new must be >= 1, got {args.max_new}")
-    if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+    if args.block_size is not None:  # AR's only sizes its cache (>= 1); a drafter's upper bound once it loads
+        check_block_size(args.block_size, least=1 if set(methods) == {"ar"} else 2)
     DecodeOptions(prefill_chunk=args.prefill_chunk)  # validates it (a ValueError naming the value)
 
 

@@ -36,7 +36,8 @@ def check_options(
 ) -> None:
     """The prompt-independent checks of a generation (`engine.run.check_request`, `engine.generate`): the method
     (and its drafter, for DDTree / chain), budget in [1, MAX_BUDGET] (DDTree), block size an int in [2, the
-    drafter's max_block_size] (every method: AR's KV cache is sized by it too; >= 2 without a drafter),
+    drafter's max_block_size] (every method, AR's >= 1: it sizes AR's KV cache too; no upper bound without a
+    drafter),
     max_new_tokens >= 1; with both a drafter and target_config, the target taps the layers the drafter reads
     (another count failed deep in the drafter's projection, another set ran with wrong features). ValueError naming
     the bad value."""
@@ -44,33 +45,38 @@ def check_options(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method != "ar" and drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
-    if method != "ar" and target_config is not None:
-        taps, reads = tuple(target_config.tapped_layers), tuple(drafter.config.target_layers)
+    reads = getattr(getattr(drafter, "config", None), "target_layers", None)  # a DFlash drafter's (duck-typed)
+    if method != "ar" and target_config is not None and reads is not None:
+        taps, reads = tuple(target_config.tapped_layers), tuple(reads)
         if taps != reads:
             raise ValueError(
                 f"the target taps layers {taps} but the drafter reads target layers {reads}: set the target config's "
                 "tapped_layers to the drafter's target_layers (`engine.run.load_pair` does)"
             )
-    if block_size is not None:  # AR too: its KV cache is sized by the block size
-        _check_block_size(block_size, drafter.max_block_size if drafter is not None else None)
+    if block_size is not None:  # AR too (>= 1: it only sizes AR's KV cache), within the drafter's
+        check_block_size(
+            block_size, drafter.max_block_size if drafter is not None else None, least=1 if method == "ar" else 2
+        )
     if method == "ddtree":
-        _check_budget(budget)
+        check_ddtree_budget(budget)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def _check_block_size(block_size, largest: int | None) -> None:
+def check_block_size(block_size, largest: int | None = None, least: int = 2) -> None:
+    """A block size: an int in [least, largest] (largest: the drafter's; None: no upper bound). ValueError."""
     if (
         isinstance(block_size, bool)
         or not isinstance(block_size, (int, np.integer))
-        or block_size < 2
+        or block_size < least
         or (largest is not None and block_size > largest)
     ):
-        where = "an int >= 2" if largest is None else f"in [2, {largest}] (the drafter's block_size)"
+        where = f"an int >= {least}" if largest is None else f"in [{least}, {largest}] (the drafter's block_size)"
         raise ValueError(f"block_size must be {where}, got {block_size}")
 
 
-def _check_budget(budget) -> None:
+def check_ddtree_budget(budget) -> None:
+    """A DDTree budget: an int in [1, MAX_BUDGET]. ValueError naming it."""
     if isinstance(budget, bool) or not (isinstance(budget, (int, np.integer)) and 1 <= budget <= MAX_BUDGET):
         raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {budget}")
 
@@ -206,11 +212,11 @@ class DecodeOptions:
 
     def check_step(self, method: str, *, budget: int, block_size: int) -> None:
         """`check_options` for a step of `method` without a drafter at hand (`dispatch.decode_plan`, which cannot
-        import this module): the method, a budget in [1, MAX_BUDGET] (DDTree), a block size >= 2."""
+        import this module): the method, a budget in [1, MAX_BUDGET] (DDTree), a block size >= 2 (AR: >= 1)."""
         check_method(method)
         if method == "ddtree":
-            _check_budget(budget)
-        _check_block_size(block_size, None)
+            check_ddtree_budget(budget)
+        check_block_size(block_size, None, least=1 if method == "ar" else 2)
 
     def target_impls(self, target_config) -> dict:
         """The implementation keywords of the target's prefill / tree forward: attention and matmul for every

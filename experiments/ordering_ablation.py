@@ -529,6 +529,17 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def study_settings(small: bool, overrides: dict) -> dict:
+    """FULL (or SMALL) updated by the `overrides` that are set, checked: the law's first tokens lie within the
+    generations (law_tokens <= tau_max_new; else a ValueError before any model runs)."""
+    s = {**(SMALL if small else FULL), **{k: v for k, v in overrides.items() if v is not None}}
+    if s["law_tokens"] > s["tau_max_new"]:
+        raise ValueError(
+            f"--law-tokens {s['law_tokens']}: at most --tau-max-new ({s['tau_max_new']}), the generations' length"
+        )
+    return s
+
+
 def ablation(
     target_dir: str | None = None,
     drafter_dir: str | None = None,
@@ -546,7 +557,7 @@ def ablation(
 ) -> dict:
     """The whole study from checkpoint directories; settings from FULL (or SMALL) updated by `overrides`
     (budget, num_prompts, prompt_len, tau_max_new, tau_samples, law_samples, law_tokens, batch_size)."""
-    s = {**(SMALL if small else FULL), **{k: v for k, v in overrides.items() if v is not None}}
+    s = study_settings(small, overrides)
     pair, prompts, summary = setup(
         target_dir,
         drafter_dir,
@@ -644,15 +655,10 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
-    settings = {
-        **(SMALL if args.small else FULL),
-        **{k: v for k, v in vars(args).items() if k in FULL and v is not None},
-    }
-    if settings["law_tokens"] > settings["tau_max_new"]:
-        parser.error(
-            f"--law-tokens {settings['law_tokens']}: at most --tau-max-new ({settings['tau_max_new']}), the "
-            "generations' length"
-        )
+    try:
+        study_settings(args.small, {k: v for k, v in vars(args).items() if k in FULL})
+    except ValueError as e:
+        parser.error(str(e))
     thresholds = {"exact": (1.0, 1.0)}
     if args.lossy != "none":
         parts = args.lossy.split(",")

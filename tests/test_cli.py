@@ -647,10 +647,11 @@ def test_export_commit_writes_a_runnable_copy_of_a_commit(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "--budget", "0"], "--budget must be in [1, 1024], got 0"),
-        (["bench", "--budget", "16,5000"], "--budget must be in [1, 1024], got 5000"),
+        (["generate", "--budget", "0"], "budget must be in [1, 1024], got 0"),
+        (["bench", "--budget", "16,5000"], "budget must be in [1, 1024], got 5000"),
         (["generate", "--max-new", "0"], "--max-new must be >= 1, got 0"),
-        (["bench", "--block-size", "1"], "--block-size must be >= 2, got 1"),
+        (["bench", "--block-size", "1"], "block_size must be an int >= 2, got 1"),
+        (["generate", "--method", "ar", "--block-size", "0"], "block_size must be an int >= 1, got 0"),
         (["generate", "--prefill-chunk", "-1"], "prefill_chunk"),
     ],
 )
@@ -665,7 +666,7 @@ def test_request_values_are_checked_before_any_checkpoint_loads(argv, message, m
 
 def test_ar_checks_its_block_size_too(capsys):
     # AR's KV cache is sized by the block size: 10**6 used to size a million-row cache
-    assert "block_size must be in [2, 8]" in _error(
+    assert "block_size must be in [1, 8]" in _error(
         ["generate", "--random-tiny", "--method", "ar", "--block-size", "1000000", "--compilation-cache", ""], capsys
     )
 

@@ -69,8 +69,8 @@ def check_pass(
     head_rows=None,
     tree_mask=None,
 ) -> None:
-    """Eager checks of a model pass over `steps` new rows a batch row (prefill, append_context, tree_forward),
-    each skipped where its inputs are traced (under jit the engine has checked the request): the room
+    """Checks of a model pass over `steps` new rows a batch row (prefill, append_context, tree_forward): the shapes
+    always, the values eagerly only (skipped where traced: under jit the engine has checked the request): the room
     (`check_room`), lengths >= 0, num_new in [0, steps] (rows past it would count as committed), token ids in
     [0, vocab) (an embedding lookup clamps, giving another token's row), head_rows in [0, steps), a tree mask of
     shape [B, steps, steps]. ValueError naming the value."""

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    try:  # a bad recipe, override or path: one error line (exit 2), as the ddtree-jax CLI
+    try:  # a bad recipe, override or path: one error line (exit 2), as the ddtree-jax CLI; errors once a stage
+        # runs keep their traceback
         cfg = load_config(args.config, args.overrides)
         run = Run(
             cfg,
@@ -47,10 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=not args.no_progress,
             config_path=args.config,
         )
-        prov = run.run(args.stage)
+        run.check(args.stage)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    prov = run.run(args.stage)
     brief = {k: prov.get(k) for k in ("commit", "python_version", "total_size_mb", "wall_s")}
     for part in ("target", "drafter", "child_head"):
         if part in prov:

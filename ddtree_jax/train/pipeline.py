@@ -180,15 +180,7 @@ class Run:
             and os.path.exists(self.path("tokenizer", "tokenizer.json"))
         ):
             self.tokenizer()
-        recorded = self.path("tokenizer", RECIPE_FILE)
-        if os.path.exists(recorded):
-            with open(recorded) as f:
-                built_from = json.load(f)
-            if built_from != json.loads(json.dumps(self._inputs_recipe())):
-                raise ValueError(
-                    f"{self.work} was built from another corpus / tokenizer recipe ({recorded}: {built_from}); this "
-                    "recipe's would be ignored: give a fresh --work, or run the `tokenizer` stage to rebuild it"
-                )
+        self._check_work_recipe()
         manifest = corpus_mod.read_manifest(self.path("corpus", "manifest.json"))
         specials = {**tok_mod.DEFAULT_SPECIALS, **self.cfg["tokenizer"].get("special_tokens", {})}
         tok = tok_mod.load(self.path("tokenizer"))
@@ -208,6 +200,20 @@ class Run:
             }
         )
         return manifest, tok, ids, train, held
+
+    def _check_work_recipe(self) -> None:
+        """ValueError when WORK's corpus and tokenizer were built from other recipe sections than this run's (which
+        would be silently ignored); nothing when WORK records none (not built yet, or by an earlier version)."""
+        recorded = self.path("tokenizer", RECIPE_FILE)
+        if not os.path.exists(recorded):
+            return
+        with open(recorded) as f:
+            built_from = json.load(f)
+        if built_from != json.loads(json.dumps(self._inputs_recipe())):
+            raise ValueError(
+                f"{self.work} was built from another corpus / tokenizer recipe ({recorded}: {built_from}); this "
+                "recipe's would be ignored: give a fresh --work, or run the `tokenizer` stage to rebuild it"
+            )
 
     def _inputs_recipe(self) -> dict:
         """The recipe sections WORK's corpus and tokenizer are built from."""
@@ -254,12 +260,10 @@ class Run:
         )
         results.update(config=to_hf_dict(config), size_mb=_dir_mb(self.target_dir))
         self.update_provenance(target=results, wall_s={"target": results["wall_s"]})
-        self._drop_downstream("target")
+        self._drop_downstream("target", results)
         return results
 
     def drafter(self) -> dict:
-        if not os.path.exists(os.path.join(self.target_dir, "config.json")):
-            raise FileNotFoundError(f"no trained target in {self.target_dir}: run the `target` stage first")
         manifest, tok, ids, train, held = self._inputs()
         target_config, target_params = load_hf(self.target_dir, jnp.float32)
         config = drafter_mod.model_config(dict(self.cfg["drafter"]["model"]), target_config, ids["mask"])
@@ -280,7 +284,7 @@ class Run:
             frozen_from_target=frozen,
         )
         self.update_provenance(drafter=results, wall_s={"drafter": results["wall_s"]})
-        self._drop_downstream("drafter")
+        self._drop_downstream("drafter", results)
         return results
 
     @property
@@ -290,9 +294,6 @@ class Run:
     def child_head(self) -> dict:
         if "child_head" not in self.cfg:
             raise ValueError("the recipe has no 'child_head' section (model.inner_size and train settings)")
-        for part in (self.target_dir, self.drafter_dir):
-            if not os.path.exists(os.path.join(part, "config.json")):
-                raise FileNotFoundError(f"no trained model in {part}: run the `all` stage first")
         self._pair_tokenizer()
         _, _, _, train, held = self._inputs()
         target_config, target_params = load_hf(self.target_dir, jnp.float32)
@@ -356,6 +357,12 @@ class Run:
         settings (the drafter's against the recipe's target), the anchors against the sequence length."""
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        needs = {"drafter": (self.target_dir,), "child_head": (self.target_dir, self.drafter_dir)}.get(stage, ())
+        for part in needs:  # a stage run alone trains on what an earlier run exported
+            if not os.path.exists(os.path.join(part, "config.json")):
+                raise FileNotFoundError(f"no trained model in {part}: run the earlier stages first (`all`)")
+        if stage in ("target", "drafter"):  # they reuse WORK's corpus and tokenizer (`all` rebuilds them first)
+            self._check_work_recipe()
         seq_len = self.cfg["data"].get("seq_len")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"data.seq_len must be an integer >= 2, got {seq_len!r}")
@@ -406,10 +413,13 @@ class Run:
             wall_s={f"{stage}_total": round(time.perf_counter() - began, 2)}, header=stage != "child_head"
         )
 
-    def _drop_downstream(self, stage: str) -> None:
-        """After `stage` exported: the exports, Orbax checkpoints and provenance sections of what was trained on its
-        previous output (`DOWNSTREAM`) are removed, so neither a stale pair nor a resume from a stale checkpoint
-        (trained against the old model) survives."""
+    def _drop_downstream(self, stage: str, results: dict) -> None:
+        """After `stage` trained and exported: the exports, Orbax checkpoints and provenance sections of what was
+        trained on its previous output (`DOWNSTREAM`) are removed, so neither a stale pair nor a resume from a stale
+        checkpoint (trained against the old model) survives. A stage resumed at its last step trained nothing (its
+        export is the same model, e.g. `all --resume` passing a finished target): then nothing is removed."""
+        if results.get("resumed_from") == results.get("steps"):
+            return
         path = os.path.join(self.out, "provenance.json")
         prov = {}
         if os.path.exists(path):

@@ -10,8 +10,9 @@ from ddtree_jax.tree.draft_tree import DraftTree
 
 
 def _row(tree: DraftTree, b: int) -> dict:
-    if not 0 <= b < tree.tokens.shape[0]:  # indexing would clamp: the last row's tree under another row's name
-        raise ValueError(f"row {b} is out of range for a tree of {tree.tokens.shape[0]} rows")
+    rows = tree.tokens.shape[0]
+    if not -rows <= b < rows:  # past the end, indexing would clamp: the last row's tree under another row's name
+        raise ValueError(f"row {b} is out of range for a tree of {rows} rows")
     n = int(tree.num_nodes[b])
     return {name: np.asarray(getattr(tree, name)[b])[:n] for name in ("tokens", "parents", "depths", "ranks", "logw")}
 

@@ -72,8 +72,8 @@ def verify_greedy(
     one-hot targets. target_logits: [B, N, V] (any float dtype).
 
     Invalid logits (NaN, +inf, all -inf: `valid_rows`) at a slot the walk reads (the root or an accepted node)
-    make the row invalid, as in `verify_step`: num_accepted 0, tokens INVALID_TOKEN (argmax would take a NaN
-    for the largest value and give a plausible token). Eagerly, with `check`, such a slot raises ValueError;
+    make the row invalid (num_accepted 0, tokens INVALID_TOKEN: argmax would take a NaN for the largest value and
+    give a plausible token); `verify_step` judges every real slot instead, this walk only the slots it reads. Eagerly, with `check`, such a slot raises ValueError;
     so does a target_logits shape other than [B, N, V]."""
     _check_common(candidates, next_token, next_sibling, max_accept, check)
     target_logits = jnp.asarray(target_logits)

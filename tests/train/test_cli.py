@@ -109,6 +109,13 @@ def test_all_on_the_tiny_recipe_writes_loadable_hf_dirs_and_provenance(tmp_path,
     assert os.path.exists(os.path.join(work, "corpus", "manifest.json"))
     assert os.listdir(os.path.join(work, "orbax", "target")) and os.listdir(os.path.join(work, "orbax", "drafter"))
 
+    # `all --resume` on a finished run trains nothing: the target is the same model, so the drafter, its
+    # checkpoints and the child head stay (only a target that trained steps makes them stale)
+    capsys.readouterr()
+    same = ["--set", "drafter.train.steps=12", "--set", "export_dtype=bfloat16", "--resume"]
+    assert main(["all", "--config", config, "--out", out, "--no-progress", *same]) == 0
+    assert "removed the stale" not in capsys.readouterr().out
+    assert os.listdir(os.path.join(work, "orbax", "drafter")) and os.path.exists(os.path.join(out, "child_head"))
     # WORK's corpus / tokenizer were built from this recipe's sections: another recipe's are refused, not ignored
     changed = ["--set", "tokenizer.vocab_size=1024"]
     assert main(["target", "--config", config, "--out", out, "--no-progress", *changed]) == 2

@@ -11,6 +11,7 @@ from ddtree_jax.tree.render import format_tree
 def test_a_row_out_of_range_is_named():
     tree = build_tree(jax.random.normal(jax.random.key(0), (2, 3, 20)), 6)
     assert format_tree(tree, 1) != format_tree(tree, 0)  # two rows, two trees
-    for row in (2, -1):
+    assert format_tree(tree, -1) == format_tree(tree, 1)  # from the end, as Python indexes
+    for row in (2, 9, -3):
         with pytest.raises(ValueError, match=f"row {row} is out of range for a tree of 2 rows"):
             format_tree(tree, row)
