@@ -76,7 +76,8 @@ def _linear_in_place(x: jax.Array, weight: LayerOf) -> jax.Array:
 
     def per_shard(x, stack, layer):
         flat = x.reshape(-1, x.shape[-1])
-        out = skinny_matmul(flat, stack, layer=layer).reshape(*x.shape[:-1], stack.shape[-2])
+        # compiled (the dispatch sent it here for a GPU; a CPU host lowering for one must not interpret it)
+        out = skinny_matmul(flat, stack, layer=layer, interpret=False).reshape(*x.shape[:-1], stack.shape[-2])
         return jax.lax.psum(out, in_axis) if summed else out
 
     return shard_call(per_shard, args, specs, out_spec, reduce_axes=(in_axis,) if summed else ())
@@ -115,7 +116,9 @@ def linear(x: jax.Array, weight, impl: str = "xla") -> jax.Array:
     if choice == "pallas":
         return matmul(x, weight)
     if choice == "mosaic":
-        return skinny_matmul(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+        return skinny_matmul(x.reshape(rows, x.shape[-1]), weight, interpret=False).reshape(
+            *x.shape[:-1], weight.shape[0]
+        )
     return matmul_reference(x, weight)
 
 
