@@ -140,7 +140,8 @@ def test_projections_read_in_place_per_shard_equal_unsharded(params, mesh, unsha
 
     shapes = []
 
-    def twin(x, stack, *, layer):
+    def twin(x, stack, *, layer, interpret):
+        assert interpret is False  # the layers call the compiled kernel (the dispatch sent them to a GPU)
         shapes.append(tuple(stack.shape))
         return skinny_matmul_reference(x, stack, layer=layer)
 
