@@ -331,9 +331,16 @@ def out_dir_problem(out_dir: str | None = None) -> str | None:
     path = result_dir(out_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         return f"{path!r} is a file, not a directory"
-    parent = path
-    while not os.path.exists(parent):  # the nearest existing ancestor: write_result makes the rest
-        parent = os.path.dirname(parent) or "."
+    return ancestor_problem(path)
+
+
+def ancestor_problem(path: str, folder: str | None = None) -> str | None:
+    """Why `folder` (default `path`) cannot be made and written into (its nearest existing ancestor is a file or
+    not writable), naming `path`, else None: what an output checked before a long run needs (`out_dir_problem`,
+    the studies' `output_problem`)."""
+    parent = os.path.abspath(path if folder is None else folder)
+    while not os.path.exists(parent):  # the nearest existing ancestor: the writer makes the rest
+        parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"{path!r}: {parent!r} is a file, not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import ancestor_problem
 from ddtree_jax.engine.generate import generate_recorded
 from ddtree_jax.engine.progress import LineProgress, progress_bar  # noqa: F401  (re-exported to the studies)
 from ddtree_jax.engine.run import Pair, check_request, load_pair, request_args, resolve_block_size
@@ -349,14 +350,7 @@ def output_problem(path: str) -> str | None:
     checked before a long run, so a bad --out fails at once instead of after the sweep."""
     if os.path.isdir(path):
         return f"{path!r} is a directory; give a file path"
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # the nearest existing ancestor: write_json creates the rest
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{path!r}: {parent!r} is a file, not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{path!r}: {parent!r} is not writable"
-    return None
+    return ancestor_problem(path, os.path.dirname(os.path.abspath(path)))  # write_json makes the folders
 
 
 def save_figure(fig, path: str | None):
