@@ -427,6 +427,23 @@ def mla_attention_kernel(
 MLA_REDUCE_MAX_ROWS = 0
 MLA_SCHEDULES = ("default", "split_scores", "overlap", "alternate")
 MLA_SCHEDULE = "default"
+# Absorbed MLA on the Mosaic kernel: each head's W_UV applied in the merge of the kernel's key splits, one Triton
+# launch (`split_merge.merge_up`, reading kv_b_proj's rows in place: the layer scan passes it stacked), instead of
+# the merge's three XLA reductions and W_UV's transpose and product (4.5 + 5.7 us a MoE layer in the 4-layer shard's
+# AR profile on an H100, `25f5f18`). Off until measured in the step (`tp_shard_step --mla-merge-up on,off`).
+MLA_MERGE_UP = False
+
+
+def mla_merge_up(*, mosaic: bool, weight_bfloat16: bool, width: int) -> bool:
+    """Whether absorbed MLA applies W_UV in the splits' merge (MLA_MERGE_UP): on the Mosaic kernel (`mosaic`:
+    `mla_attention_kernel` chose it), with a bf16 kv_b_proj and v_head_dim (`width`) a multiple of 32."""
+    return MLA_MERGE_UP and mosaic and weight_bfloat16 and width % 32 == 0
+
+
+def merge_up_in_place(name: str, backend_name: str | None = None) -> bool:
+    """Whether a layer scan passes `name` stacked (a `LayerOf`) for `mla_merge_up`'s kernel to read in place:
+    kv_b_proj, while MLA_MERGE_UP, on a Hopper GPU (the other paths slice the layer out, as before)."""
+    return MLA_MERGE_UP and name == "kv_b_proj" and mosaic_gpu(backend_name)
 
 
 def mla_schedule_options(schedule: str | None = None) -> dict[str, bool]:

@@ -244,6 +244,12 @@ def main(argv=None) -> None:
         help=DRAFTS_HELP,
     )
     parser.add_argument(
+        "--mla-merge-up",
+        default=None,
+        help="whether absorbed MLA applies W_UV in the Mosaic kernel's split merge, comma-separated, one row each "
+        "(on, off; e.g. on,off: both on the same weights in one run; default: dispatch.MLA_MERGE_UP)",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args(argv)
@@ -253,6 +259,7 @@ def main(argv=None) -> None:
     if args.moe_sort is not None:  # read by the models at trace time (`moe.sort_by_expert`)
         dispatch.MOE_SORT = args.moe_sort
     router_topks = _row_choices(parser, "--router-topk", args.router_topk, dispatch.ROUTER_TOPKS, "lax")
+    merge_ups = _row_choices(parser, "--mla-merge-up", args.mla_merge_up, ("on", "off"), "off")
     if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
         dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
@@ -301,12 +308,14 @@ def main(argv=None) -> None:
     layout = f"tp{args.model_size}"
     for batch in batches:
         for context in contexts:
-            settings = itertools.product(columns, attn_impls, grouped_gathers, router_topks)
-            for (method, budget), attn_impl, grouped_gather, router_topk in settings:
+            settings = itertools.product(columns, attn_impls, grouped_gathers, router_topks, merge_ups)
+            for (method, budget), attn_impl, grouped_gather, router_topk, merge_up in settings:
                 if grouped_gather is not None:
                     dispatch.GROUPED_GATHER = grouped_gather
                 if router_topk is not None:
                     dispatch.ROUTER_TOPK = router_topk
+                if merge_up is not None:  # read by the models at trace time (`deepseek_v3._merge_up`)
+                    dispatch.MLA_MERGE_UP = merge_up == "on"
                 row = bench_case(
                     pair,
                     batch,
@@ -327,6 +336,7 @@ def main(argv=None) -> None:
                             f"step_B{batch}_ctx{context}_{method}{budget or ''}_{attn_impl}"
                             + (f"_{grouped_gather}" if grouped_gather else "")
                             + (f"_topk_{router_topk}" if router_topk else "")
+                            + (f"_merge_up_{merge_up}" if merge_up else "")
                             + ".hlo.txt",
                         )
                         if args.hlo_dir
@@ -347,6 +357,7 @@ def main(argv=None) -> None:
                     mla_schedule=dispatch.MLA_SCHEDULE,
                     moe_sort=dispatch.MOE_SORT,
                     router_topk=dispatch.ROUTER_TOPK,
+                    mla_merge_up=dispatch.MLA_MERGE_UP,
                     grouped_gather=dispatch.grouped_gather(),
                     grouped_int4_decode=dispatch.GROUPED_INT4_DECODE,
                     in_place=dispatch.AUTO_IN_PLACE,
@@ -368,7 +379,8 @@ def main(argv=None) -> None:
                     print(format_stages(row["stages"]), flush=True)
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s} "
-                    f"gather {row['grouped_gather']} top-k {row['router_topk']} drafts {row['drafts']}: "
+                    f"gather {row['grouped_gather']} top-k {row['router_topk']} merge-up {row['mla_merge_up']} "
+                    f"drafts {row['drafts']}: "
                     f"shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "
                     f"({row['x_shard_roofline']:.2f}x its roofline {row['shard_roofline_ms']:.2f} ms); + modelled "
@@ -397,6 +409,7 @@ def main(argv=None) -> None:
         "attention",
         "grouped gather",
         "router top-k",
+        "W_UV in merge",
         "drafts",
         "shard step ms (loop)",
         "called from host ms",
@@ -413,6 +426,7 @@ def main(argv=None) -> None:
             r["attn_impl"],
             r["grouped_gather"],
             r["router_topk"],
+            "on" if r.get("mla_merge_up") else "off",
             r["drafts"],
             f"{r['loop_step_ms']:.3f}",
             f"{r['step_ms']:.3f}",

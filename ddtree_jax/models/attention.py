@@ -6,6 +6,7 @@ can see; interpret mode off GPU) or "auto" (`dispatch.attention_impl`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -14,7 +15,9 @@ from jax.sharding import PartitionSpec
 
 from ddtree_jax import dispatch
 from ddtree_jax.dispatch import ATTENTION_IMPLS, BLOCKWISE_KEYS
+from ddtree_jax.models.layers import LayerOf
 from ddtree_jax.sharding.regions import heads, rows, shard_call
+from ddtree_jax.sharding.rules import MODEL, partition_spec
 from ddtree_kernels.gqa_attention_mgpu import gqa_tree_attention
 from ddtree_kernels.mla_attention_mgpu import BLOCK_KV as MLA_BLOCK_KV
 from ddtree_kernels.mla_attention_mgpu import PackedTreeMask, mla_tree_attention, pack_tree_mask
@@ -195,6 +198,18 @@ def sharded_gqa_attention(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class UpProjection:
+    """Each head's up-projection applied in the Mosaic MLA kernel's split merge (`sharded_mla_attention(up=)`):
+    weight [H x stride, R] in HF's [out, in] layout, head h's rows h x stride + offset .. + width (absorbed MLA's
+    W_UV in DeepSeek-V3's kv_b_proj: offset nope, width v), or a `LayerOf` of every layer's stack (read in place;
+    its axes, kv_b_proj's logical axes, give its spec under a mesh)."""
+
+    weight: jax.Array | LayerOf
+    offset: int
+    width: int
+
+
 def sharded_mla_attention(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -205,6 +220,7 @@ def sharded_mla_attention(
     scale: float,
     layer: jax.Array | int | None = None,
     packed_mask: PackedTreeMask | None = None,
+    up: UpProjection | None = None,
 ) -> jax.Array:
     """Absorbed-MLA attention on a kernel (attn_impl "pallas"), per shard when a mesh is set: queries
     q_latent [B, T, H, R], q_rope [B, T, H, P] against the shared latent cache [B, S, 1, R] and rope keys
@@ -214,10 +230,13 @@ def sharded_mla_attention(
     first. packed_mask: `pack_tree_mask(mask)`, packed once by a caller that attends under one mask in every
     layer (the Mosaic kernel reads it instead of packing mask again). The kernel is
     `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
-    P = 64 (its schedule: `dispatch.MLA_SCHEDULE`), the Triton kernel otherwise."""
+    P = 64 (its schedule: `dispatch.MLA_SCHEDULE`), the Triton kernel otherwise. up (Mosaic kernel only): each
+    head's up-projection applied in the kernel's split merge -> [B, T, H, up.width] (`UpProjection`)."""
     dtype = q_latent.dtype
     bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
     mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rope.shape[-1])) == "mosaic"
+    if up is not None and not mosaic:
+        raise ValueError("up= (W_UV in the split merge) needs the Mosaic MLA kernel (`dispatch.mla_attention_kernel`)")
     if layer is not None and not (mosaic and latent.shape[2] % MLA_BLOCK_KV == 0):
         latent, rope_key = (jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in (latent, rope_key))
         layer = None
@@ -228,9 +247,27 @@ def sharded_mla_attention(
     cache_spec = rows(4) if layer is None else PartitionSpec(None, *rows(4))  # stacks [L, B, S, 1, ...]
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
     words, kv_lengths = pack_tree_mask(mask) if packed_mask is None else packed_mask
+    args = (q_latent, q_rope, latent, rope_key, mask, words, kv_lengths, layer)
+    specs = (heads(4), heads(4), cache_spec, cache_spec, rows(3), rows(3), rows(1), PartitionSpec())
+    if up is not None:  # the weight's rows split over "model" with their heads (the rule table's "out" axis)
+        weight, up_layer = (up.weight.stack, up.weight.layer) if isinstance(up.weight, LayerOf) else (up.weight, None)
+        axes = up.weight.axes if isinstance(up.weight, LayerOf) else None
+        out_axis = partition_spec(axes, "tp")[0] if axes is not None else MODEL
+        weight_spec = PartitionSpec(out_axis, None) if up_layer is None else PartitionSpec(None, out_axis, None)
+        args += (weight, jnp.asarray(0 if up_layer is None else up_layer, jnp.int32))
+        specs += (weight_spec, PartitionSpec())
 
-    def per_shard(ql, qr, lat, rk, m, w, n, i):
+    def per_shard(ql, qr, lat, rk, m, w, n, i, *up_args):
         packed = PackedTreeMask(w, n)
+        extra = {}
+        if up_args:
+            weight, up_layer = up_args
+            extra = dict(
+                up_weight=weight,
+                up_layer=up_layer if weight.ndim == 3 else None,
+                up_offset=up.offset,
+                up_width=up.width,
+            )
         return mla_tree_attention(
             ql,
             qr,
@@ -241,14 +278,10 @@ def sharded_mla_attention(
             layer=i if lat.ndim == 5 else None,
             packed_mask=packed,
             **dispatch.mla_schedule_options(),
+            **extra,
         )
 
-    return shard_call(
-        per_shard,
-        (q_latent, q_rope, latent, rope_key, mask, words, kv_lengths, layer),
-        (heads(4), heads(4), cache_spec, cache_spec, rows(3), rows(3), rows(1), PartitionSpec()),
-        heads(4),
-    )
+    return shard_call(per_shard, args, specs, heads(4))
 
 
 def sharded_causal_attention(

@@ -21,6 +21,7 @@ from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
 from ddtree_jax.models.attention import (
+    UpProjection,
     attention,
     blockwise_attention,
     pack_tree_mask,
@@ -297,7 +298,9 @@ def _mla_attend(
     def one_layer(cache):
         return cache if layer is None else jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
 
-    w_kv = dense(p["kv_b_proj"], x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    kv_b = p["kv_b_proj"]  # a LayerOf where the scan passes it stacked (`dispatch.merge_up_in_place`)
+    kv_b_layer = kv_b.get() if isinstance(kv_b, LayerOf) else kv_b
+    w_kv = dense(kv_b_layer, x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
     shape = dict(
         kv_lora_rank=c.kv_lora_rank,
@@ -320,6 +323,20 @@ def _mla_attend(
         float32=float32,
         mla_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
     )
+    if impl == "pallas" and _merge_up(kv_b_layer, q_latent, latent_cache, q_rot, c):
+        # W_UV applied in the merge of the kernel's splits (one launch), kv_b_proj's rows read in place
+        out = sharded_mla_attention(
+            q_latent,
+            q_rot.astype(q_latent.dtype),
+            latent_cache,
+            rope_cache,
+            mask,
+            scale=softmax_scale(c),
+            layer=layer,
+            packed_mask=packed_mask,
+            up=UpProjection(kv_b, offset=c.qk_nope_head_dim, width=c.v_head_dim),
+        )
+        return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
     if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
         out_latent = sharded_mla_attention(
             q_latent,
@@ -346,6 +363,14 @@ def _mla_attend(
         )
     out = _expand_values(out_latent, w_uv) if reduce else contract("bthr,hvr->bthv", out_latent, w_uv)
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
+
+
+def _merge_up(kv_b, q_latent, latent_cache, q_rot, c) -> bool:
+    """Whether this absorbed-MLA call applies W_UV in the Mosaic kernel's split merge (`dispatch.mla_merge_up`)."""
+    bfloat16 = all(a.dtype == jnp.bfloat16 for a in (q_latent, latent_cache, q_rot))
+    mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rot.shape[-1])) == "mosaic"
+    weight_bfloat16 = isinstance(kv_b, jax.Array) and kv_b.dtype == jnp.bfloat16
+    return dispatch.mla_merge_up(mosaic=mosaic, weight_bfloat16=weight_bfloat16, width=c.v_head_dim)
 
 
 def _absorb_query(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
@@ -476,7 +501,11 @@ def _run(
         # the routed experts stay stacked (loop invariants) and reach the layer as LayerOf(stack, layer): the
         # grouped kernel reads its layer in place instead of a per-layer slice copy (models/moe.py); so do the
         # dense projections `dispatch.stacked_in_place` names (read in place by `linear`)
-        in_place = [name for name in params[kind] if dispatch.stacked_in_place(name, tokens.size)]
+        in_place = [
+            name
+            for name in params[kind]
+            if dispatch.stacked_in_place(name, tokens.size) or dispatch.merge_up_in_place(name)
+        ]
         stacks = {name: params[kind][name] for name in (*EXPERT_AXES, *in_place) if name in params[kind]}
         rest = {name: value for name, value in params[kind].items() if name not in stacks}
         xs = (rest, jnp.arange(count, dtype=jnp.int32))

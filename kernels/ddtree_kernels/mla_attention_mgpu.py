@@ -84,6 +84,7 @@ from ddtree_kernels.mosaic_common import (
     pack_mask,
     row_bits,
 )
+from ddtree_kernels.split_merge import merge_up
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 from ddtree_kernels.tree_attention import tree_attention_reference, visible_lengths
 
@@ -519,7 +520,17 @@ def split_plan(batch: int, rows: int, capacity: int, block_kv: int, num_splits: 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "block_kv", "num_splits", "split_scores", "overlap", "alternate", "interpret"),
+    static_argnames=(
+        "scale",
+        "block_kv",
+        "num_splits",
+        "split_scores",
+        "overlap",
+        "alternate",
+        "up_offset",
+        "up_width",
+        "interpret",
+    ),
 )
 def _mla_tree_attention(
     q_latent,
@@ -530,8 +541,12 @@ def _mla_tree_attention(
     kv_lengths,
     layer,
     words,
+    up_weight,
+    up_layer,
     *,
     scale,
+    up_offset,
+    up_width,
     block_kv,
     num_splits,
     split_scores,
@@ -624,6 +639,19 @@ def _mla_tree_attention(
         rope_key.reshape(num_layers, batch, capacity, ROPE_DIM),
         words,
     )
+    if up_weight is not None:  # the merge and each head's up-projection in one launch (`split_merge.merge_up`)
+        out = merge_up(
+            partial,
+            lse,
+            up_weight,
+            up_layer,
+            rows=rows,
+            heads=heads,
+            offset=up_offset,
+            width=up_width,
+            interpret=interpret,
+        )
+        return out.reshape(batch, steps, heads, up_width)
     out = merge_splits(partial[:, :, :rows], lse[:, :, :rows], axis=1)  # rows that saw no key: zero
     return out.reshape(batch, steps, heads, LATENT_DIM).astype(dtype)
 
@@ -664,6 +692,10 @@ def mla_tree_attention(
     alternate: bool = False,
     layer: jax.Array | int | None = None,
     packed_mask: PackedTreeMask | None = None,
+    up_weight: jax.Array | None = None,
+    up_layer: jax.Array | int | None = None,
+    up_offset: int = 0,
+    up_width: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Absorbed-MLA tree-verify attention on the Mosaic GPU backend (Hopper).
@@ -694,9 +726,16 @@ def mla_tree_attention(
       packed_mask: `pack_tree_mask(mask)` (with its kv_lengths), computed once by a caller that makes many
         calls under one mask: the kernel then reads its words, not mask's values (mask still gives the shapes);
         kv_lengths must then be None.
+      up_weight: each head's up-projection applied to its output in the splits' merge (absorbed MLA's W_UV:
+        one launch for both, `split_merge.merge_up`, instead of the merge's reductions and a product in XLA):
+        a bf16 [H x stride, 512] weight in HF's [out, in] layout, head h's rows h x stride + up_offset ..
+        + up_width (DeepSeek-V3's kv_b_proj: stride nope + v, up_offset nope, up_width v); with up_layer (an
+        int32 scalar, may be traced) every layer's [L, H x stride, 512], that layer read in place. The merged
+        output stays float32 into the product (no bf16 rounding between them).
       interpret: Mosaic GPU interpret mode (default: on the CPU backend).
     Returns:
-      bf16 [B, T, H, 512] (softmax and sums in float32); rows with no visible key are 0.
+      bf16 [B, T, H, 512] (softmax and sums in float32); rows with no visible key are 0. With up_weight:
+      bf16 [B, T, H, up_width], the product of that output with each head's up-projection rows.
     """
     stacked = layer is not None
     if stacked:
@@ -767,6 +806,10 @@ def mla_tree_attention(
                 f"packed_mask must be pack_tree_mask of a [B, T, S] = {(batch, steps, capacity)} mask: words "
                 f"{(batch, -(-steps // 32), capacity)}, kv_lengths ({batch},); got {words.shape}, {kv_lengths.shape}"
             )
+    if up_weight is not None:
+        _check_up(up_weight, up_layer, heads, up_offset, up_width)
+    elif up_layer is not None or up_width is not None:
+        raise ValueError("up_layer and up_width go with up_weight (the up-projection applied in the merge)")
     scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else float(scale)
     kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
     return _mla_tree_attention(
@@ -778,7 +821,11 @@ def mla_tree_attention(
         kv_lengths,
         jnp.asarray(layer if stacked else 0, jnp.int32),
         words,
+        up_weight,
+        None if up_layer is None else jnp.asarray(up_layer, jnp.int32),
         scale=scale,
+        up_offset=int(up_offset),
+        up_width=None if up_width is None else int(up_width),
         block_kv=block_kv,
         num_splits=num_splits,
         split_scores=bool(split_scores),
@@ -788,9 +835,36 @@ def mla_tree_attention(
     )
 
 
-def mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, *, scale=None, kv_lengths=None):
-    """The twin in plain XLA: `tree_attention_reference` over (latent, rope) parts, values the latent."""
+def _check_up(up_weight, up_layer, heads: int, up_offset: int, up_width: int | None) -> None:
+    if up_width is None:
+        raise ValueError("up_width (each head's output columns) must be given with up_weight")
+    if up_weight.dtype != jnp.bfloat16:
+        raise ValueError(f"up_weight must be bfloat16, got {up_weight.dtype}")
+    want = 2 if up_layer is None else 3
+    if up_weight.ndim != want or up_weight.shape[-1] != LATENT_DIM or up_weight.shape[-2] % heads:
+        form = "[H x stride, 512]" if up_layer is None else "every layer's [L, H x stride, 512] (with up_layer)"
+        raise ValueError(f"up_weight must be {form} with H = {heads}, got shape {up_weight.shape}")
+    stride = up_weight.shape[-2] // heads
+    if up_offset < 0 or up_width < 1 or up_offset + up_width > stride:
+        raise ValueError(f"up_offset {up_offset} + up_width {up_width} must lie in each head's {stride} rows")
+    if up_width % 32:
+        raise ValueError(f"up_width must be a multiple of 32 (the merge's column blocks), got {up_width}")
+
+
+def mla_tree_attention_reference(
+    q_latent, q_rope, latent, rope_key, mask, *, scale=None, kv_lengths=None, up_weight=None, up_offset=0, up_width=None
+):
+    """The twin in plain XLA: `tree_attention_reference` over (latent, rope) parts, values the latent; with
+    up_weight (one layer's [H x stride, 512]) each head's rows up_offset .. + up_width applied after
+    (float32), as `mla_tree_attention(up_weight=)`."""
     if kv_lengths is not None:
         mask = mask & (jnp.arange(mask.shape[-1])[None, None, :] < kv_lengths[:, None, None])
     scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else scale
-    return tree_attention_reference((q_latent, q_rope), (latent, rope_key), None, mask, scale=scale)
+    if up_weight is None:
+        return tree_attention_reference((q_latent, q_rope), (latent, rope_key), None, mask, scale=scale)
+    q = (q_latent.astype(jnp.float32), q_rope.astype(jnp.float32))
+    k = (latent.astype(jnp.float32), rope_key.astype(jnp.float32))
+    out = tree_attention_reference(q, k, None, mask, scale=scale)  # float32 [B, T, H, 512]
+    heads = q_latent.shape[2]
+    per_head = up_weight.reshape(heads, -1, q_latent.shape[-1])[:, up_offset : up_offset + up_width].astype(jnp.float32)
+    return jnp.einsum("bthr,hvr->bthv", out, per_head, precision="highest").astype(q_latent.dtype)

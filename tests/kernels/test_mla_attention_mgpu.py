@@ -59,6 +59,11 @@ CASES = {
     "lengths_out_of_range": (2, 9, 8, 192, (150, 40), dict(num_splits=2, kv_lengths=(262, -5))),
     # packed_mask: the mask packed once by the caller (pack_tree_mask), S = 300 padded to whole blocks
     "packed_t9_h16": (1, 9, 16, 300, (297,), dict(num_splits=2, packed=True)),
+    # up_weight: each head's W_UV rows (kv_b_proj's layout: stride nope + v = 256, offset nope = 128, width v = 128)
+    # applied in the splits' merge (`split_merge.merge_up`); unstacked with three splits, and every layer's
+    # weights [4, H x 256, 512] read at a traced layer -1 beside stacked caches, an empty row among them
+    "up_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, up=(256, 128, 128))),
+    "up_stacked_t9_h8_empty_row": (2, 9, 8, 192, (0, 150), dict(num_splits=2, stack=(3, 2), up=(256, 128, 128, 4, -1))),
 }
 TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, bf16 outputs and probabilities
 ROW_TOLERANCE = 3e-2  # the same over the worst row that sees a key (8 x bf16's relative spacing)
@@ -71,7 +76,15 @@ GPU_CASES = {
     "gpu_t9_h8_stacked_overlap": (2, 9, 8, 4096, (4000, 1), dict(stack=(4, 3), overlap=True)),
     "gpu_t17_h8_8k_alternate": (1, 17, 8, 8192, (8150,), dict(alternate=True)),
     "gpu_t65_h64_2k_alternate": (2, 65, 64, 2048, (2000, 3), dict(alternate=True)),
+    "gpu_up_t17_h8_8k_stacked": (1, 17, 8, 8192, (8150,), dict(stack=(2, 1), up=(256, 128, 128, 3, 2))),
+    "gpu_up_t1_h8_4k": (1, 1, 8, 4160, (4100,), dict(up=(256, 128, 128))),
 }
+
+
+def out_width(name: str) -> int:
+    """A case's output columns: 512, or the up-projection's width."""
+    up = {**CASES, **GPU_CASES}[name][-1].get("up")
+    return 512 if up is None else up[2]
 
 
 def run_case(name: str) -> dict:
@@ -83,8 +96,18 @@ def run_case(name: str) -> dict:
     striped = kwargs.pop("striped", False)
     num_layers, layer = kwargs.pop("stack", (None, None))
     stack = () if num_layers is None else (num_layers,)
+    up = kwargs.pop("up", None)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
+    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 5)
+    up_reference = {}
+    if up is not None:  # (stride, offset, width[, weight layers, traced layer]): W_UV rows of each head
+        stride, offset, width, *up_stack = up
+        weight = jax.random.normal(keys[4], tuple(up_stack[:1]) + (heads * stride, 512), jnp.bfloat16) * 0.05
+        kwargs.update(up_weight=weight, up_offset=offset, up_width=width)
+        if up_stack:
+            kwargs["up_layer"] = jnp.int32(up_stack[1])
+            weight = jax.lax.dynamic_index_in_dim(weight, up_stack[1], 0, keepdims=False)
+        up_reference = dict(up_weight=weight, up_offset=offset, up_width=width)
     q_latent = jax.random.normal(keys[0], (batch, steps, heads, 512), jnp.bfloat16)
     q_rope = jax.random.normal(keys[1], (batch, steps, heads, 64), jnp.bfloat16)
     latent = jax.random.normal(keys[2], stack + (batch, capacity, 1, 512), jnp.bfloat16)
@@ -108,7 +131,9 @@ def run_case(name: str) -> dict:
     else:
         out = run_jitted(mla_tree_attention, q_latent, q_rope, latent, rope_key, mask, kv_lengths=kv_lengths, **kwargs)
     scale = kwargs.get("scale")
-    ref = mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, mask, scale=scale, kv_lengths=kv_lengths)
+    ref = mla_tree_attention_reference(
+        q_latent, q_rope, latent, rope_key, mask, scale=scale, kv_lengths=kv_lengths, **up_reference
+    )
     visible = mask & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])  # what the rows may see
     return compare(out, ref, visible)
 
@@ -126,7 +151,7 @@ def results():
 def test_matches_reference(results, name):
     batch, steps, heads, *_ = CASES[name]
     result = results[name]
-    assert result["shape"] == [batch, steps, heads, 512]
+    assert result["shape"] == [batch, steps, heads, out_width(name)]
     assert result["finite"]
     assert result["empty_rows_zero"], result
     assert result["rel_err"] < TOLERANCE and result["max_row_err"] < ROW_TOLERANCE, result
@@ -139,7 +164,7 @@ def test_compiled_on_gpu(name):
     """Every interpret-mode case, and the shard's long-context shapes, compiled on the GPU against the twin."""
     batch, steps, heads, *_ = {**CASES, **GPU_CASES}[name]
     result = run_case(name)
-    assert result["shape"] == [batch, steps, heads, 512]
+    assert result["shape"] == [batch, steps, heads, out_width(name)]
     assert result["finite"] and result["empty_rows_zero"], result
     assert result["rel_err"] < TOLERANCE and result["max_row_err"] < ROW_TOLERANCE, result
 

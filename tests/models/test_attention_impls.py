@@ -401,3 +401,67 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
     )
     for g, w in zip(got[:2], want[:2]):
         assert relerr(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 1e-5
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_mla_merge_up_hands_the_kernel_kv_b_proj_in_place(monkeypatch, layer_loop):
+    """With W_UV applied in the Mosaic kernel's split merge (`dispatch.mla_merge_up`), the layer loop passes
+    kv_b_proj stacked (`dispatch.merge_up_in_place`) and the kernel (a spy here: the twin on the layer it is told
+    to read; the kernel itself: tests/kernels/test_mla_attention_mgpu.py) gets every layer's kv_b_proj, the
+    loop's layer, W_UV's offset (nope) and width (v), and returns [B, T, H, v]. The tree verify equals the XLA path."""
+    import dataclasses
+    import importlib
+
+    from ddtree_jax import dispatch
+    from ddtree_jax.tree import ancestor_mask, build_tree
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
+
+    attention_module = importlib.import_module("ddtree_jax.models.attention")
+    config = dataclasses.replace(DSV3_TWO_LAYER, num_layers=3)
+    params = deepseek_v3.init_params(config, jax.random.key(7))
+    rng = np.random.default_rng(8)
+    prefix = jnp.asarray(rng.integers(0, 50, (2, 40)), jnp.int32)
+    tree = build_tree((rng.standard_normal((2, 3, 50)) * 2).astype(np.float32), 6, jnp.asarray([4, 7], jnp.int32))
+    cache = deepseek_v3.create_cache(config, 2, 128, jnp.float32)
+    _, _, cache = deepseek_v3.prefill(config, params, cache, prefix, jnp.asarray([40, 9], jnp.int32), attn_impl="xla")
+    want = deepseek_v3.tree_forward(
+        config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="xla"
+    )
+    calls = []
+
+    def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None, **kwargs):
+        up = {name: kwargs.pop(name) for name in ("up_weight", "up_layer", "up_offset", "up_width")}
+        assert kwargs == dispatch.mla_schedule_options()
+        calls.append((up["up_weight"].shape, up["up_offset"], up["up_width"]))
+        latent, rope_key = latent[layer], rope_key[layer]
+        assert up["up_layer"] is not None and layer is not None
+        words, kv_lengths = packed_mask
+        t = jnp.arange(mask.shape[1])
+        bits = (words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1
+        seen = (bits == 1) & (jnp.arange(mask.shape[2])[None, None, :] < kv_lengths[:, None, None])
+        weight = up["up_weight"][up["up_layer"]]
+        return mla_tree_attention_reference(
+            q_latent,
+            q_rope,
+            latent,
+            rope_key,
+            seen,
+            scale=scale,
+            up_weight=weight,
+            up_offset=up["up_offset"],
+            up_width=up["up_width"],
+        )
+
+    monkeypatch.setattr(attention_module, "mla_tree_attention", spy)
+    monkeypatch.setattr(dispatch, "mla_attention_kernel", lambda **kw: "mosaic")
+    monkeypatch.setattr(dispatch, "mla_merge_up", lambda **kw: True)
+    monkeypatch.setattr(dispatch, "merge_up_in_place", lambda name, backend_name=None: name == "kv_b_proj")
+    got = deepseek_v3.tree_forward(
+        config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="pallas", layer_loop=layer_loop
+    )
+    kv_b = (config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)
+    per_kind = {(config.first_k_dense_replace,) + kv_b, (config.num_layers - config.first_k_dense_replace,) + kv_b}
+    assert calls and {call[0] for call in calls} <= per_kind, calls
+    assert all(call[1:] == (config.qk_nope_head_dim, config.v_head_dim) for call in calls), calls
+    for g, w in zip(got[:2], want[:2]):
+        assert relerr(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 1e-5

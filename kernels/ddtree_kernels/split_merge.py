@@ -1,0 +1,195 @@
+"""Merge flash-decoding splits and apply a per-head up-projection in one launch (absorbed MLA's W_UV).
+
+A split-KV attention kernel (`mla_attention_mgpu`) leaves each key split's normalised output and its base-2
+log-sum-exp; absorbed MLA then multiplies the merged latent output by each head's W_UV. In XLA that is three
+reductions for the merge and one or two fusions for the product, each a launch of 1-3 us at decode sizes
+(BENCHMARKS.md, the K2.6 TP8 shard's AR profile). Here one Triton program per (batch row, query row, block
+of output columns) merges its row's splits in float32 and multiplies by its block of the head's weight rows.
+
+  merge_up(partial [B, S, R', D], lse [B, S, R''], weight [L, H x stride, D] | [H x stride, D], layer,
+           rows=R, heads=H, offset, width) -> out [B, R, width]
+      merged[b, r]  = sum_s 2^(lse[b, s, r] - m) partial[b, s, r] / sum_s 2^(lse[b, s, r] - m),  m = max_s lse
+      out[b, r, v]  = sum_d merged[b, r, d] * weight[layer, h * stride + offset + v, d],  h = r mod H
+  (float32 throughout, out in partial's dtype; R' and R'' >= R: padding rows are never read; a row whose
+  splits saw no key, lse -inf in every split, merges to 0.)
+
+The weight is a projection in HF's [out, in] layout whose rows are head-major blocks of `stride` rows, as
+DeepSeek-V3's kv_b_proj [H x (nope + v), r]: W_UV of head h is rows h x stride + nope .. + v. With a stacked
+[L, ...] weight and `layer` (int32 scalar, may be traced: a layer scan's counter) the layer is read in place,
+as `lax.dynamic_index_in_dim` reads it (negative from the end, then clamped). No slice or transpose of the
+weight is made.
+
+Cost: each program reads S x D partials and block_v x D weights (L2-resident after the first column block);
+B x R x width / block_v programs. `merge_up_reference` is the twin (jnp, float32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ddtree_kernels.mosaic_common import layer_index
+from ddtree_kernels.tiling import default_interpret
+
+BLOCK_V = 32  # output columns a program
+BLOCK_S = 16  # splits a step of the merge loop
+
+
+def _kernel(
+    layer_ref,
+    lse_ref,
+    partial_ref,
+    weight_ref,
+    o_ref,
+    *,
+    splits: int,
+    heads: int,
+    stride: int,
+    offset: int,
+    num_layers: int,
+    block_s: int,
+    block_v: int,
+    dim: int,
+):
+    # layer_ref: i32 [1]; lse_ref: f32 [B, S, R'']; partial_ref: [B, S, R', D]; weight_ref: [L, H x stride, D]
+    # o_ref: [block_v] this program's output columns of row (b, r)
+    b, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    steps = pl.cdiv(splits, block_s)
+
+    def row_max(i, top):
+        s = i * block_s + jnp.arange(block_s)
+        part = plgpu.load(lse_ref.at[b, pl.ds(i * block_s, block_s), r], mask=s < splits, other=-jnp.inf)
+        return jnp.maximum(top, jnp.max(part))
+
+    top = lax.fori_loop(0, steps, row_max, jnp.float32(-jnp.inf))
+    top = jnp.where(top > -jnp.inf, top, 0.0)  # every split empty: weights 2^-inf = 0, merged 0
+
+    def merge(i, carry):
+        acc, total = carry
+        s = i * block_s + jnp.arange(block_s)
+        ok = s < splits
+        part_lse = plgpu.load(lse_ref.at[b, pl.ds(i * block_s, block_s), r], mask=ok, other=-jnp.inf)
+        wts = jnp.exp2(part_lse - top)  # [block_s]; 0 past the end and for empty splits
+        part = plgpu.load(partial_ref.at[b, pl.ds(i * block_s, block_s), r, :], mask=ok[:, None], other=0)
+        acc = acc + jnp.sum(wts[:, None] * part.astype(jnp.float32), axis=0)
+        return acc, total + jnp.sum(wts)
+
+    acc, total = lax.fori_loop(0, steps, merge, (jnp.zeros((dim,), jnp.float32), jnp.float32(0.0)))
+    merged = acc / jnp.maximum(total, 1e-30)
+    head = lax.rem(r, heads)
+    layer = layer_index(layer_ref[0], num_layers)
+    rows = pl.ds(head * stride + offset + j * block_v, block_v)
+    weight = plgpu.load(weight_ref.at[layer, rows, :]).astype(jnp.float32)  # [block_v, D]
+    o_ref[...] = jnp.sum(weight * merged[None, :], axis=1).astype(o_ref.dtype)
+
+
+def _check(partial, lse, weight, layer, rows, heads, offset, width, block_v):
+    if partial.ndim != 4:
+        raise ValueError(f"partial must be [B, splits, rows, D], got shape {partial.shape}")
+    batch, splits, partial_rows, dim = partial.shape
+    if lse.ndim != 3 or lse.shape[:2] != (batch, splits) or lse.dtype != jnp.float32:
+        raise ValueError(
+            f"lse must be float32 [B, splits, rows] = ({batch}, {splits}, >= rows), got {lse.shape} {lse.dtype}"
+        )
+    if not 1 <= rows <= min(partial_rows, lse.shape[2]):
+        raise ValueError(f"rows must be 1 .. {min(partial_rows, lse.shape[2])} (partial's and lse's rows), got {rows}")
+    if heads < 1 or rows % heads:
+        raise ValueError(f"heads must be >= 1 and divide rows = {rows} (row r is head r mod heads), got {heads}")
+    if weight.ndim != (2 if layer is None else 3):
+        want = "[H x stride, D]" if layer is None else "every layer's [L, H x stride, D] (with layer=)"
+        raise ValueError(f"weight must be {want}, got shape {weight.shape}")
+    if weight.shape[-1] != dim:
+        raise ValueError(f"weight's last axis must be partial's D = {dim}, got shape {weight.shape}")
+    if weight.shape[-2] % heads:
+        raise ValueError(f"weight's rows {weight.shape[-2]} must be heads x stride, heads = {heads}")
+    stride = weight.shape[-2] // heads
+    if offset < 0 or width < 1 or offset + width > stride:
+        raise ValueError(f"offset {offset} + width {width} must lie in each head's {stride} weight rows")
+    if block_v < 1 or block_v & (block_v - 1) or width % block_v:
+        raise ValueError(f"block_v must be a power of two dividing width = {width}, got {block_v}")
+    if dim & (dim - 1):
+        raise ValueError(f"D must be a power of two (one program's row of the merge), got {dim}")
+    if layer is not None:
+        layer = jnp.asarray(layer)
+        if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got shape {layer.shape} dtype {layer.dtype}")
+    return stride
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "heads", "offset", "width", "block_v", "block_s", "interpret"))
+def merge_up(
+    partial: jax.Array,
+    lse: jax.Array,
+    weight: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    rows: int,
+    heads: int,
+    offset: int,
+    width: int,
+    block_v: int = BLOCK_V,
+    block_s: int = BLOCK_S,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """out [B, rows, width] (partial's dtype): the splits of each row merged by their log-sum-exp and multiplied
+    by its head's weight rows (module docstring). partial [B, S, R', D] (D a power of two), lse float32 [B, S,
+    R''] (base 2), weight bf16 / f32 [H x stride, D] or, with layer (an int32 scalar, may be traced), every
+    layer's [L, H x stride, D]; row r is head r mod heads; head h's rows h x stride + offset .. + width."""
+    stride = _check(partial, lse, weight, layer, rows, heads, offset, width, block_v)
+    if layer is None:
+        weight, layer = weight[None], 0
+    batch, splits, _, dim = partial.shape
+    kernel = functools.partial(
+        _kernel,
+        splits=splits,
+        heads=heads,
+        stride=stride,
+        offset=offset,
+        num_layers=weight.shape[0],
+        block_s=min(block_s, 1 << max(0, (splits - 1).bit_length())),
+        block_v=block_v,
+        dim=dim,
+    )
+    inputs = (jnp.asarray(layer, jnp.int32).reshape(1), lse, partial, weight)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, rows, width // block_v),
+        in_specs=[pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in inputs],
+        out_specs=pl.BlockSpec((None, None, block_v), lambda b, r, j: (b, r, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, rows, width), partial.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=default_interpret(interpret),
+        name="merge_up",
+    )(*inputs)
+
+
+def merge_up_reference(
+    partial: jax.Array,
+    lse: jax.Array,
+    weight: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    rows: int,
+    heads: int,
+    offset: int,
+    width: int,
+) -> jax.Array:
+    """`merge_up`'s twin in jnp (float32 merge and product, out in partial's dtype)."""
+    stride = _check(partial, lse, weight, layer, rows, heads, offset, width, block_v=width & -width)
+    if layer is not None:
+        weight = lax.dynamic_index_in_dim(weight, layer_index(layer, weight.shape[0]), 0, keepdims=False)
+    lse = lse[:, :, :rows]
+    top = jnp.max(lse, axis=1, keepdims=True)
+    wts = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))
+    merged = jnp.einsum("bsr,bsrd->brd", wts, partial[:, :, :rows].astype(jnp.float32), precision="highest")
+    merged = merged / jnp.maximum(wts.sum(axis=1), 1e-30)[..., None]
+    per_head = weight.reshape(heads, stride, -1)[:, offset : offset + width].astype(jnp.float32)  # [H, width, D]
+    batch = partial.shape[0]
+    merged = merged.reshape(batch, rows // heads, heads, -1)
+    out = jnp.einsum("bthd,hvd->bthv", merged, per_head, precision="highest")
+    return out.reshape(batch, rows, width).astype(partial.dtype)
