@@ -25,15 +25,18 @@ def test_prefill_and_tree_verify_equal_the_xla_path(family):
     jax.default_backend() != "gpu",
     reason="the Mosaic GPU kernel compiles for Hopper only; its interpret-mode tests: tests/kernels/test_mla_attention_mgpu.py",
 )
-def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu():
+@pytest.mark.parametrize("merge_up", [False, True])
+def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu(monkeypatch, merge_up):
     """attn_impl="pallas" runs absorbed MLA on the Mosaic GPU kernel for bf16 on GPU (the kernel's head dims:
-    latent 512, rope 64): the tree verify's logits and features equal the XLA path's to bf16 rounding."""
+    latent 512, rope 64): the tree verify's logits and features equal the XLA path's to bf16 rounding, with
+    W_UV applied after the merge in XLA or in the merge's kernel (`dispatch.MLA_MERGE_UP`, kv_b_proj in place)."""
     import dataclasses
 
     from ddtree_jax import dispatch
     from ddtree_jax.tree import ancestor_mask, build_tree
 
     assert dispatch.mla_attention_kernel(bfloat16=True) == "mosaic"
+    monkeypatch.setattr(dispatch, "MLA_MERGE_UP", merge_up)
     config = dataclasses.replace(DSV3_TWO_LAYER, kv_lora_rank=512, qk_rope_head_dim=64)
     params = jax.tree.map(
         lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
