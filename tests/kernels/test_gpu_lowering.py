@@ -220,3 +220,29 @@ def test_tree_build_kernels_lower_for_triton(hopper, method):
         .as_text()
     )
     assert "tree_slots" in text
+
+
+@pytest.mark.parametrize("steps, heads, splits, stacked", [(1, 8, 66, True), (17, 8, 8, True), (65, 64, 2, False)])
+def test_merge_up_lowers_for_triton(hopper, steps, heads, splits, stacked):
+    """`split_merge.merge_up` at the K2.6 shapes it serves: the TP8 shard's 8 heads (AR, DDTree 16) reading the
+    stacked kv_b_proj in place, 64 heads (one GPU) unstacked; the MLA kernel's padded rows."""
+    from ddtree_kernels.split_merge import merge_up
+
+    rows = steps * heads
+    weight = spec(((61,) if stacked else ()) + (heads * 256, 512), jnp.bfloat16)
+    text = (
+        merge_up.trace(
+            spec((1, splits, -(-rows // 8) * 8, 512), jnp.bfloat16),
+            spec((1, splits, -(-rows // 64) * 64), jnp.float32),
+            weight,
+            spec((), jnp.int32) if stacked else None,
+            rows=rows,
+            heads=heads,
+            offset=128,
+            width=128,
+            interpret=False,
+        )
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "merge_up" in text
