@@ -427,23 +427,31 @@ def mla_attention_kernel(
 MLA_REDUCE_MAX_ROWS = 0
 MLA_SCHEDULES = ("default", "split_scores", "overlap", "alternate")
 MLA_SCHEDULE = "default"
-# Absorbed MLA on the Mosaic kernel: each head's W_UV applied in the merge of the kernel's key splits, one Triton
-# launch (`split_merge.merge_up`, reading kv_b_proj's rows in place: the layer scan passes it stacked), instead of
-# the merge's three XLA reductions and W_UV's transpose and product (4.5 + 5.7 us a MoE layer in the 4-layer shard's
-# AR profile on an H100, `25f5f18`). Off until measured in the step (`tp_shard_step --mla-merge-up on,off`).
+# Absorbed MLA's per-head products around the Mosaic kernel as Triton kernels reading kv_b_proj's rows in place (the
+# layer scan passes it stacked), `ddtree_kernels.head_projections`: MLA_ABSORB, q_latent = q_nope . W_UK in one launch
+# (`absorb`), in place of W_UK's per-layer transpose and the product (2.7 + 1.6 us a MoE layer in the 4-layer shard's
+# AR profile on an H100, `25f5f18`); MLA_MERGE_UP, each head's W_UV applied in the merge of the kernel's key splits
+# (`merge_up`), in place of the merge's three reductions and W_UV's transpose and product (4.5 + 5.7 us). Off until
+# measured in the step (`tp_shard_step --mla-absorb off,on --mla-merge-up off,on`).
+MLA_ABSORB = False
 MLA_MERGE_UP = False
 
 
-def mla_merge_up(*, mosaic: bool, weight_bfloat16: bool, width: int) -> bool:
-    """Whether absorbed MLA applies W_UV in the splits' merge (MLA_MERGE_UP): on the Mosaic kernel (`mosaic`:
-    `mla_attention_kernel` chose it), with a bf16 kv_b_proj and v_head_dim (`width`) a multiple of 32."""
-    return MLA_MERGE_UP and mosaic and weight_bfloat16 and width % 32 == 0
+def mla_head_kernels(*, mosaic: bool, weight_bfloat16: bool, nope: int, width: int) -> tuple[bool, bool]:
+    """(absorb, merge_up): whether absorbed MLA takes W_UK's product (MLA_ABSORB) and W_UV's with the split merge
+    (MLA_MERGE_UP) in `head_projections`' kernels: on the Mosaic kernel (`mosaic`: `mla_attention_kernel` chose it),
+    with a bf16 kv_b_proj, nope (W_UK's rows a head) a power of two and v_head_dim (`width`) a multiple of 32."""
+    kernels = mosaic and weight_bfloat16
+    return (
+        MLA_ABSORB and kernels and nope > 0 and nope & (nope - 1) == 0,
+        MLA_MERGE_UP and kernels and width % 32 == 0,
+    )
 
 
-def merge_up_in_place(name: str, backend_name: str | None = None) -> bool:
-    """Whether a layer scan passes `name` stacked (a `LayerOf`) for `mla_merge_up`'s kernel to read in place:
-    kv_b_proj, while MLA_MERGE_UP, on a Hopper GPU (the other paths slice the layer out, as before)."""
-    return MLA_MERGE_UP and name == "kv_b_proj" and mosaic_gpu(backend_name)
+def head_kernels_in_place(name: str, backend_name: str | None = None) -> bool:
+    """Whether a layer scan passes `name` stacked (a `LayerOf`) for `mla_head_kernels`' kernels to read in place:
+    kv_b_proj, while MLA_ABSORB or MLA_MERGE_UP, on a Hopper GPU (the other paths slice the layer out, as before)."""
+    return (MLA_ABSORB or MLA_MERGE_UP) and name == "kv_b_proj" and mosaic_gpu(backend_name)
 
 
 def mla_schedule_options(schedule: str | None = None) -> dict[str, bool]:

@@ -250,6 +250,12 @@ def main(argv=None) -> None:
         "(on, off; e.g. on,off: both on the same weights in one run; default: dispatch.MLA_MERGE_UP)",
     )
     parser.add_argument(
+        "--mla-absorb",
+        default=None,
+        help="whether absorbed MLA takes q_nope . W_UK in `head_projections.absorb`, comma-separated, one row each "
+        "(on, off; default: dispatch.MLA_ABSORB)",
+    )
+    parser.add_argument(
         "--attn-impls", default="auto", help="DecodeOptions.attn_impl values, one row each (e.g. auto,xla)"
     )
     args = parser.parse_args(argv)
@@ -260,6 +266,7 @@ def main(argv=None) -> None:
         dispatch.MOE_SORT = args.moe_sort
     router_topks = _row_choices(parser, "--router-topk", args.router_topk, dispatch.ROUTER_TOPKS, "lax")
     merge_ups = _row_choices(parser, "--mla-merge-up", args.mla_merge_up, ("on", "off"), "off")
+    absorbs = _row_choices(parser, "--mla-absorb", args.mla_absorb, ("on", "off"), "off")
     if args.grouped_int4_decode is not None:  # read by the models at trace time (`dispatch.grouped_int4_kernel`)
         dispatch.GROUPED_INT4_DECODE = args.grouped_int4_decode
     if args.mla_schedule is not None:  # read by the models at trace time (`attention.sharded_mla_attention`)
@@ -308,14 +315,16 @@ def main(argv=None) -> None:
     layout = f"tp{args.model_size}"
     for batch in batches:
         for context in contexts:
-            settings = itertools.product(columns, attn_impls, grouped_gathers, router_topks, merge_ups)
-            for (method, budget), attn_impl, grouped_gather, router_topk, merge_up in settings:
+            settings = itertools.product(columns, attn_impls, grouped_gathers, router_topks, merge_ups, absorbs)
+            for (method, budget), attn_impl, grouped_gather, router_topk, merge_up, absorb in settings:
                 if grouped_gather is not None:
                     dispatch.GROUPED_GATHER = grouped_gather
                 if router_topk is not None:
                     dispatch.ROUTER_TOPK = router_topk
-                if merge_up is not None:  # read by the models at trace time (`deepseek_v3._merge_up`)
+                if merge_up is not None:  # read by the models at trace time (`deepseek_v3._head_kernels`)
                     dispatch.MLA_MERGE_UP = merge_up == "on"
+                if absorb is not None:
+                    dispatch.MLA_ABSORB = absorb == "on"
                 row = bench_case(
                     pair,
                     batch,
@@ -337,6 +346,7 @@ def main(argv=None) -> None:
                             + (f"_{grouped_gather}" if grouped_gather else "")
                             + (f"_topk_{router_topk}" if router_topk else "")
                             + (f"_merge_up_{merge_up}" if merge_up else "")
+                            + (f"_absorb_{absorb}" if absorb else "")
                             + ".hlo.txt",
                         )
                         if args.hlo_dir
@@ -358,6 +368,7 @@ def main(argv=None) -> None:
                     moe_sort=dispatch.MOE_SORT,
                     router_topk=dispatch.ROUTER_TOPK,
                     mla_merge_up=dispatch.MLA_MERGE_UP,
+                    mla_absorb=dispatch.MLA_ABSORB,
                     grouped_gather=dispatch.grouped_gather(),
                     grouped_int4_decode=dispatch.GROUPED_INT4_DECODE,
                     in_place=dispatch.AUTO_IN_PLACE,
@@ -379,7 +390,7 @@ def main(argv=None) -> None:
                     print(format_stages(row["stages"]), flush=True)
                 print(
                     f"B={batch} ctx={context} {method:6s} {budget or '':>3} attn {attn_impl:4s} "
-                    f"gather {row['grouped_gather']} top-k {row['router_topk']} merge-up {row['mla_merge_up']} "
+                    f"gather {row['grouped_gather']} top-k {row['router_topk']} merge-up {row['mla_merge_up']} absorb {row['mla_absorb']} "
                     f"drafts {row['drafts']}: "
                     f"shard step {row['loop_step_ms']:8.2f} ms "
                     f"in the loop ({row['step_ms']:.2f} called from the host) "
@@ -410,6 +421,7 @@ def main(argv=None) -> None:
         "grouped gather",
         "router top-k",
         "W_UV in merge",
+        "W_UK kernel",
         "drafts",
         "shard step ms (loop)",
         "called from host ms",
@@ -427,6 +439,7 @@ def main(argv=None) -> None:
             r["grouped_gather"],
             r["router_topk"],
             "on" if r.get("mla_merge_up") else "off",
+            "on" if r.get("mla_absorb") else "off",
             r["drafts"],
             f"{r['loop_step_ms']:.3f}",
             f"{r['step_ms']:.3f}",

@@ -19,6 +19,7 @@ from ddtree_jax.models.layers import LayerOf
 from ddtree_jax.sharding.regions import heads, rows, shard_call
 from ddtree_jax.sharding.rules import MODEL, partition_spec
 from ddtree_kernels.gqa_attention_mgpu import gqa_tree_attention
+from ddtree_kernels.head_projections import absorb
 from ddtree_kernels.mla_attention_mgpu import BLOCK_KV as MLA_BLOCK_KV
 from ddtree_kernels.mla_attention_mgpu import PackedTreeMask, mla_tree_attention, pack_tree_mask
 from ddtree_kernels.prefill_attention_mgpu import causal_prefill_attention
@@ -199,15 +200,46 @@ def sharded_gqa_attention(
 
 
 @dataclasses.dataclass(frozen=True)
-class UpProjection:
-    """Each head's up-projection applied in the Mosaic MLA kernel's split merge (`sharded_mla_attention(up=)`):
-    weight [H x stride, R] in HF's [out, in] layout, head h's rows h x stride + offset .. + width (absorbed MLA's
-    W_UV in DeepSeek-V3's kv_b_proj: offset nope, width v), or a `LayerOf` of every layer's stack (read in place;
-    its axes, kv_b_proj's logical axes, give its spec under a mesh)."""
+class HeadRows:
+    """Each head's rows offset .. + width of a head-major weight [H x stride, R] in HF's [out, in] layout (head h's
+    rows h x stride + offset ..), as absorbed MLA's W_UK (offset 0, width nope) and W_UV (offset nope, width v) lie
+    in DeepSeek-V3's kv_b_proj; weight may be a `LayerOf` of every layer's stack (read in place by the kernels of
+    `ddtree_kernels.head_projections`; its axes, kv_b_proj's logical axes, give its spec under a mesh)."""
 
     weight: jax.Array | LayerOf
     offset: int
     width: int
+
+    def operands(self) -> tuple[tuple, tuple]:
+        """(weight, layer int32 []) and their specs under a mesh: the weight's rows split over "model" with their
+        heads (the rule table's "out" axis); an unstacked weight's layer is 0 (unused)."""
+        stacked = isinstance(self.weight, LayerOf)
+        weight, layer = (self.weight.stack, self.weight.layer) if stacked else (self.weight, 0)
+        out_axis = partition_spec(self.weight.axes, "tp")[0] if stacked and self.weight.axes is not None else MODEL
+        spec = PartitionSpec(None, out_axis, None) if stacked else PartitionSpec(out_axis, None)
+        return (weight, jnp.asarray(layer, jnp.int32)), (spec, PartitionSpec())
+
+
+def sharded_absorb(q: jax.Array, rows: HeadRows, *, q_width: int) -> jax.Array:
+    """`head_projections.absorb` per shard: q [B, T, H, Dq] (its first rows.width values a head: absorbed MLA's
+    q_nope, read from the whole query in place) times each head's weight rows -> [B, T, H, q_width] in q's dtype
+    (q_width: the weight's columns, kv_lora_rank). Batch over "data", heads over "model" with their weight rows."""
+    (weight, layer), weight_specs = rows.operands()
+
+    def per_shard(q, weight, layer):
+        batch, steps, heads, dim = q.shape
+        out = absorb(
+            q.reshape(batch, steps * heads, dim),
+            weight,
+            layer if weight.ndim == 3 else None,
+            heads=heads,
+            q_offset=0,
+            width=rows.width,
+            w_offset=rows.offset,
+        )
+        return out.reshape(batch, steps, heads, q_width)
+
+    return shard_call(per_shard, (q, weight, layer), (heads(4),) + weight_specs, heads(4))
 
 
 def sharded_mla_attention(
@@ -220,7 +252,7 @@ def sharded_mla_attention(
     scale: float,
     layer: jax.Array | int | None = None,
     packed_mask: PackedTreeMask | None = None,
-    up: UpProjection | None = None,
+    up: HeadRows | None = None,
 ) -> jax.Array:
     """Absorbed-MLA attention on a kernel (attn_impl "pallas"), per shard when a mesh is set: queries
     q_latent [B, T, H, R], q_rope [B, T, H, P] against the shared latent cache [B, S, 1, R] and rope keys
@@ -231,7 +263,7 @@ def sharded_mla_attention(
     layer (the Mosaic kernel reads it instead of packing mask again). The kernel is
     `dispatch.mla_attention_kernel`'s: the Mosaic GPU kernel on GPU for bf16 at R = 512,
     P = 64 (its schedule: `dispatch.MLA_SCHEDULE`), the Triton kernel otherwise. up (Mosaic kernel only): each
-    head's up-projection applied in the kernel's split merge -> [B, T, H, up.width] (`UpProjection`)."""
+    head's up-projection applied in the kernel's split merge -> [B, T, H, up.width] (`HeadRows`)."""
     dtype = q_latent.dtype
     bfloat16 = all(x.dtype == jnp.bfloat16 for x in (q_latent, q_rope, latent, rope_key))
     mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rope.shape[-1])) == "mosaic"
@@ -249,13 +281,9 @@ def sharded_mla_attention(
     words, kv_lengths = pack_tree_mask(mask) if packed_mask is None else packed_mask
     args = (q_latent, q_rope, latent, rope_key, mask, words, kv_lengths, layer)
     specs = (heads(4), heads(4), cache_spec, cache_spec, rows(3), rows(3), rows(1), PartitionSpec())
-    if up is not None:  # the weight's rows split over "model" with their heads (the rule table's "out" axis)
-        weight, up_layer = (up.weight.stack, up.weight.layer) if isinstance(up.weight, LayerOf) else (up.weight, None)
-        axes = up.weight.axes if isinstance(up.weight, LayerOf) else None
-        out_axis = partition_spec(axes, "tp")[0] if axes is not None else MODEL
-        weight_spec = PartitionSpec(out_axis, None) if up_layer is None else PartitionSpec(None, out_axis, None)
-        args += (weight, jnp.asarray(0 if up_layer is None else up_layer, jnp.int32))
-        specs += (weight_spec, PartitionSpec())
+    if up is not None:
+        up_args, up_specs = up.operands()
+        args, specs = args + up_args, specs + up_specs
 
     def per_shard(ql, qr, lat, rk, m, w, n, i, *up_args):
         packed = PackedTreeMask(w, n)

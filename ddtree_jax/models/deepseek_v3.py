@@ -21,10 +21,11 @@ from ddtree_jax import dispatch
 from ddtree_jax.config import DeepSeekV3Config
 from ddtree_jax.dispatch import MOE_IMPLS  # noqa: F401  (re-exported)
 from ddtree_jax.models.attention import (
-    UpProjection,
+    HeadRows,
     attention,
     blockwise_attention,
     pack_tree_mask,
+    sharded_absorb,
     sharded_causal_attention,
     sharded_mla_attention,
 )
@@ -137,7 +138,8 @@ def softmax_scale(config: DeepSeekV3Config) -> float:
 
 
 def _mla_inputs(config: DeepSeekV3Config, p: dict, x, cos, sin):
-    """The per-token MLA projections both forms share: q_nope [B, T, H, nope], roped q_rot [B, T, H, rope],
+    """The per-token MLA projections both forms share: the query q [B, T, H, nope + rope] before rope (its nope
+    part q[..., :nope] is used as it is; a kernel may read it from q in place), roped q_rot [B, T, H, rope],
     the normalised latent [B, T, kv_lora] and the roped shared key k_rot [B, T, 1, rope]."""
     c = config
     if not c.rope_interleave:
@@ -148,18 +150,19 @@ def _mla_inputs(config: DeepSeekV3Config, p: dict, x, cos, sin):
     else:
         q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], c.rms_norm_eps), p["q_b_proj"])
     q = q.reshape(batch, steps, c.num_heads, c.qk_head_dim)
-    q_nope, q_rot = q[..., : c.qk_nope_head_dim], apply_rope_interleaved(q[..., c.qk_nope_head_dim :], cos, sin)
+    q_rot = apply_rope_interleaved(q[..., c.qk_nope_head_dim :], cos, sin)
     compressed = linear(x, p["kv_a_proj"])
     latent = rms_norm(compressed[..., : c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)
     k_rot = apply_rope_interleaved(compressed[..., c.kv_lora_rank :][:, :, None, :], cos, sin)
-    return q_nope, q_rot, latent, k_rot
+    return q, q_rot, latent, k_rot
 
 
 def _mla_naive(config: DeepSeekV3Config, p: dict, x, cos, sin, mask):
     """Expanded-K/V multi-head latent attention over the sequence itself (the reference form)."""
     c = config
     batch, steps, _ = x.shape
-    q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
+    q, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
+    q_nope = q[..., : c.qk_nope_head_dim]
     kv = linear(latent, p["kv_b_proj"]).reshape(batch, steps, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
     k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:-1] + (c.qk_rope_head_dim,))], axis=-1)
@@ -258,19 +261,19 @@ def mla_absorbed(
     packed once for every layer by the caller (`_run`), for the Mosaic GPU kernel (unused by the other paths)."""
     c = config
     batch, steps, _ = x.shape
-    q_nope, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
+    q, q_rot, latent, k_rot = _mla_inputs(c, p, x, cos, sin)
     latent = latent[:, :, None, :]
     if layer is None:
         latent_cache = write_rows(latent_cache, latent, write_start)
         rope_cache = write_rows(rope_cache, k_rot, write_start)
         out = _mla_attend(
-            c, p, x, q_nope, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start, None, packed_mask
+            c, p, x, q, q_rot, latent_cache, rope_cache, mask, attn_impl, form, causal_start, None, packed_mask
         )
         return out, latent_cache, rope_cache
     latent_stack = write_layer_rows(latent_cache, layer, latent, write_start)
     rope_stack = write_layer_rows(rope_cache, layer, k_rot, write_start)
     out = _mla_attend(
-        c, p, x, q_nope, q_rot, latent_stack, rope_stack, mask, attn_impl, form, causal_start, layer, packed_mask
+        c, p, x, q, q_rot, latent_stack, rope_stack, mask, attn_impl, form, causal_start, layer, packed_mask
     )
     return out, latent_stack, rope_stack
 
@@ -279,7 +282,7 @@ def _mla_attend(
     c,
     p,
     x,
-    q_nope,
+    q,
     q_rot,
     latent_cache,
     rope_cache,
@@ -290,15 +293,17 @@ def _mla_attend(
     layer=None,
     packed_mask=None,
 ):
-    """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]. With `layer` the caches
-    are every layer's stacks [L, B, S, 1, ...]: the Mosaic kernel reads the layer in place, the other paths
-    slice it out (`sharded_mla_attention`)."""
+    """`mla_absorbed`'s attention over one layer's written caches -> out [B, T, hidden]. q [B, T, H, nope + rope]
+    the query before rope (`_mla_inputs`), q_rot its roped part. With `layer` the caches are every layer's stacks
+    [L, B, S, 1, ...]: the Mosaic kernel reads the layer in place, the other paths slice it out
+    (`sharded_mla_attention`)."""
     batch, steps, _ = x.shape
+    q_nope = q[..., : c.qk_nope_head_dim]
 
     def one_layer(cache):
         return cache if layer is None else jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
 
-    kv_b = p["kv_b_proj"]  # a LayerOf where the scan passes it stacked (`dispatch.merge_up_in_place`)
+    kv_b = p["kv_b_proj"]  # a LayerOf where the scan passes it stacked (`dispatch.head_kernels_in_place`)
     kv_b_layer = kv_b.get() if isinstance(kv_b, LayerOf) else kv_b
     w_kv = dense(kv_b_layer, x.dtype).reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
     w_uk, w_uv = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
@@ -312,9 +317,7 @@ def _mla_attend(
         latent_cache, rope_cache = one_layer(latent_cache), one_layer(rope_cache)
         out = _mla_expanded(c, q_nope, q_rot, latent_cache, rope_cache, w_uk, w_uv, mask, attn_impl, causal_start)
         return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
-    reduce = batch * steps <= dispatch.MLA_REDUCE_MAX_ROWS  # the products as reductions (dispatch's note)
-    q_latent = _absorb_query(q_nope, w_uk) if reduce else contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, r]
-    float32 = q_latent.dtype == jnp.float32 or latent_cache.dtype == jnp.float32
+    float32 = q.dtype == jnp.float32 or latent_cache.dtype == jnp.float32
     impl = dispatch.attention_impl(
         attn_impl,
         queries=steps,
@@ -323,8 +326,15 @@ def _mla_attend(
         float32=float32,
         mla_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
     )
-    if impl == "pallas" and _merge_up(kv_b_layer, q_latent, latent_cache, q_rot, c):
-        # W_UV applied in the merge of the kernel's splits (one launch), kv_b_proj's rows read in place
+    absorb, merge_up = _head_kernels(c, kv_b_layer, q, latent_cache, q_rot) if impl == "pallas" else (False, False)
+    reduce = batch * steps <= dispatch.MLA_REDUCE_MAX_ROWS  # the products as reductions (dispatch's note)
+    if absorb:  # q_nope . W_UK in one launch, read from q and kv_b_proj in place
+        q_latent = sharded_absorb(q, HeadRows(kv_b, offset=0, width=c.qk_nope_head_dim), q_width=c.kv_lora_rank)
+    elif reduce:
+        q_latent = _absorb_query(q_nope, w_uk)
+    else:
+        q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, r]
+    if merge_up:  # W_UV applied in the merge of the kernel's splits (one launch), kv_b_proj's rows read in place
         out = sharded_mla_attention(
             q_latent,
             q_rot.astype(q_latent.dtype),
@@ -334,7 +344,7 @@ def _mla_attend(
             scale=softmax_scale(c),
             layer=layer,
             packed_mask=packed_mask,
-            up=UpProjection(kv_b, offset=c.qk_nope_head_dim, width=c.v_head_dim),
+            up=HeadRows(kv_b, offset=c.qk_nope_head_dim, width=c.v_head_dim),
         )
         return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
     if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
@@ -365,12 +375,15 @@ def _mla_attend(
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
 
 
-def _merge_up(kv_b, q_latent, latent_cache, q_rot, c) -> bool:
-    """Whether this absorbed-MLA call applies W_UV in the Mosaic kernel's split merge (`dispatch.mla_merge_up`)."""
-    bfloat16 = all(a.dtype == jnp.bfloat16 for a in (q_latent, latent_cache, q_rot))
-    mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(q_latent.shape[-1], q_rot.shape[-1])) == "mosaic"
+def _head_kernels(c, kv_b, q, latent_cache, q_rot) -> tuple[bool, bool]:
+    """(absorb, merge_up): whether this absorbed-MLA call takes W_UK's / W_UV's products in `head_projections`'
+    kernels around the Mosaic kernel (`dispatch.mla_head_kernels`). kv_b: this layer's kv_b_proj (its dtype)."""
+    bfloat16 = all(a.dtype == jnp.bfloat16 for a in (q, latent_cache, q_rot))
+    mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(c.kv_lora_rank, q_rot.shape[-1])) == "mosaic"
     weight_bfloat16 = isinstance(kv_b, jax.Array) and kv_b.dtype == jnp.bfloat16
-    return dispatch.mla_merge_up(mosaic=mosaic, weight_bfloat16=weight_bfloat16, width=c.v_head_dim)
+    return dispatch.mla_head_kernels(
+        mosaic=mosaic, weight_bfloat16=weight_bfloat16, nope=c.qk_nope_head_dim, width=c.v_head_dim
+    )
 
 
 def _absorb_query(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
@@ -504,7 +517,7 @@ def _run(
         in_place = [
             name
             for name in params[kind]
-            if dispatch.stacked_in_place(name, tokens.size) or dispatch.merge_up_in_place(name)
+            if dispatch.stacked_in_place(name, tokens.size) or dispatch.head_kernels_in_place(name)
         ]
         stacks = {name: params[kind][name] for name in (*EXPERT_AXES, *in_place) if name in params[kind]}
         rest = {name: value for name, value in params[kind].items() if name not in stacks}

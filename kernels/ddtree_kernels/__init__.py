@@ -10,6 +10,7 @@ its own.
   grouped_int4_mgpu    grouped INT4 MoE matmul on Mosaic GPU (prefill chunks; a per-assignment decode form)
   grouped_int4_stream_mgpu  the same at tree sizes: persistent CTAs streaming many experts through one TMA ring
   mosaic_common        what the Mosaic GPU attention kernels share (P @ V accumulation, mask bits, split merge)
+  head_projections          the MLA kernel's split merge and each head's up-projection (W_UV) in one launch
   moe_decode           INT4 MoE decode: the chosen experts read in place (moe_impl "decode", "auto" at <= 16 on GPU)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits
@@ -24,6 +25,7 @@ path with float32 accumulation (`tiling`).
 from ddtree_kernels import (
     decode_matmul,
     gqa_attention_mgpu,
+    head_projections,
     mla_attention_mgpu,
     moe_decode,
     mosaic_common,
@@ -54,6 +56,7 @@ __all__ = [
     "mla_tree_attention_reference",
     "quant",
     "sampling_reference",
+    "head_projections",
     "tiling",
     "tree_attention",
     "tree_build",

@@ -75,6 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_kernels.head_projections import merge_up
 from ddtree_kernels.mosaic_common import (
     INTERPRET_PARAMS,
     accumulate,
@@ -84,7 +85,6 @@ from ddtree_kernels.mosaic_common import (
     pack_mask,
     row_bits,
 )
-from ddtree_kernels.split_merge import merge_up
 from ddtree_kernels.tiling import SMEM_LIMIT_BYTES, default_interpret
 from ddtree_kernels.tree_attention import tree_attention_reference, visible_lengths
 
@@ -639,7 +639,7 @@ def _mla_tree_attention(
         rope_key.reshape(num_layers, batch, capacity, ROPE_DIM),
         words,
     )
-    if up_weight is not None:  # the merge and each head's up-projection in one launch (`split_merge.merge_up`)
+    if up_weight is not None:  # the merge and each head's up-projection in one launch (`head_projections.merge_up`)
         out = merge_up(
             partial,
             lse,
@@ -727,7 +727,7 @@ def mla_tree_attention(
         calls under one mask: the kernel then reads its words, not mask's values (mask still gives the shapes);
         kv_lengths must then be None.
       up_weight: each head's up-projection applied to its output in the splits' merge (absorbed MLA's W_UV:
-        one launch for both, `split_merge.merge_up`, instead of the merge's reductions and a product in XLA):
+        one launch for both, `head_projections.merge_up`, instead of the merge's reductions and a product in XLA):
         a bf16 [H x stride, 512] weight in HF's [out, in] layout, head h's rows h x stride + up_offset ..
         + up_width (DeepSeek-V3's kv_b_proj: stride nope + v, up_offset nope, up_width v); with up_layer (an
         int32 scalar, may be traced) every layer's [L, H x stride, 512], that layer read in place. The merged

@@ -224,9 +224,9 @@ def test_tree_build_kernels_lower_for_triton(hopper, method):
 
 @pytest.mark.parametrize("steps, heads, splits, stacked", [(1, 8, 66, True), (17, 8, 8, True), (65, 64, 2, False)])
 def test_merge_up_lowers_for_triton(hopper, steps, heads, splits, stacked):
-    """`split_merge.merge_up` at the K2.6 shapes it serves: the TP8 shard's 8 heads (AR, DDTree 16) reading the
+    """`head_projections.merge_up` at the K2.6 shapes it serves: the TP8 shard's 8 heads (AR, DDTree 16) reading the
     stacked kv_b_proj in place, 64 heads (one GPU) unstacked; the MLA kernel's padded rows."""
-    from ddtree_kernels.split_merge import merge_up
+    from ddtree_kernels.head_projections import merge_up
 
     rows = steps * heads
     weight = spec(((61,) if stacked else ()) + (heads * 256, 512), jnp.bfloat16)
@@ -246,3 +246,26 @@ def test_merge_up_lowers_for_triton(hopper, steps, heads, splits, stacked):
         .as_text()
     )
     assert "merge_up" in text
+
+
+@pytest.mark.parametrize("steps, heads, stacked", [(1, 8, True), (65, 64, False)])
+def test_absorb_lowers_for_triton(hopper, steps, heads, stacked):
+    """`head_projections.absorb` at K2.6's W_UK: q [B, T x H, 192] read at offset 0, width 128."""
+    from ddtree_kernels.head_projections import absorb
+
+    weight = spec(((61,) if stacked else ()) + (heads * 256, 512), jnp.bfloat16)
+    text = (
+        absorb.trace(
+            spec((1, steps * heads, 192), jnp.bfloat16),
+            weight,
+            spec((), jnp.int32) if stacked else None,
+            heads=heads,
+            q_offset=0,
+            width=128,
+            w_offset=0,
+            interpret=False,
+        )
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "absorb" in text

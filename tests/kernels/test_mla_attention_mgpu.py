@@ -60,7 +60,7 @@ CASES = {
     # packed_mask: the mask packed once by the caller (pack_tree_mask), S = 300 padded to whole blocks
     "packed_t9_h16": (1, 9, 16, 300, (297,), dict(num_splits=2, packed=True)),
     # up_weight: each head's W_UV rows (kv_b_proj's layout: stride nope + v = 256, offset nope = 128, width v = 128)
-    # applied in the splits' merge (`split_merge.merge_up`); unstacked with three splits, and every layer's
+    # applied in the splits' merge (`head_projections.merge_up`); unstacked with three splits, and every layer's
     # weights [4, H x 256, 512] read at a traced layer -1 beside stacked caches, an empty row among them
     "up_t17_h8_splits": (2, 17, 8, 320, (300, 1), dict(num_splits=3, up=(256, 128, 128))),
     "up_stacked_t9_h8_empty_row": (2, 9, 8, 192, (0, 150), dict(num_splits=2, stack=(3, 2), up=(256, 128, 128, 4, -1))),

@@ -29,7 +29,8 @@ def test_prefill_and_tree_verify_equal_the_xla_path(family):
 def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu(monkeypatch, merge_up):
     """attn_impl="pallas" runs absorbed MLA on the Mosaic GPU kernel for bf16 on GPU (the kernel's head dims:
     latent 512, rope 64): the tree verify's logits and features equal the XLA path's to bf16 rounding, with
-    W_UV applied after the merge in XLA or in the merge's kernel (`dispatch.MLA_MERGE_UP`, kv_b_proj in place)."""
+    W_UK / W_UV's products in XLA or in `head_projections`' kernels (`dispatch.MLA_ABSORB`, `MLA_MERGE_UP`; kv_b_proj
+    read in place)."""
     import dataclasses
 
     from ddtree_jax import dispatch
@@ -37,6 +38,7 @@ def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu(monkeypatch, merge_
 
     assert dispatch.mla_attention_kernel(bfloat16=True) == "mosaic"
     monkeypatch.setattr(dispatch, "MLA_MERGE_UP", merge_up)
+    monkeypatch.setattr(dispatch, "MLA_ABSORB", merge_up)
     config = dataclasses.replace(DSV3_TWO_LAYER, kv_lora_rank=512, qk_rope_head_dim=64)
     params = jax.tree.map(
         lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
@@ -406,12 +408,16 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
         assert relerr(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 1e-5
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
-def test_mla_merge_up_hands_the_kernel_kv_b_proj_in_place(monkeypatch, layer_loop):
-    """With W_UV applied in the Mosaic kernel's split merge (`dispatch.mla_merge_up`), the layer loop passes
-    kv_b_proj stacked (`dispatch.merge_up_in_place`) and the kernel (a spy here: the twin on the layer it is told
-    to read; the kernel itself: tests/kernels/test_mla_attention_mgpu.py) gets every layer's kv_b_proj, the
-    loop's layer, W_UV's offset (nope) and width (v), and returns [B, T, H, v]. The tree verify equals the XLA path."""
+@pytest.mark.parametrize(
+    "layer_loop, absorb, merge_up",
+    [("scan", True, True), ("unrolled", True, True), ("scan", True, False), ("scan", False, True)],
+)
+def test_mla_head_kernels_read_kv_b_proj_in_place(monkeypatch, layer_loop, absorb, merge_up):
+    """With absorbed MLA's per-head products in `head_projections`' kernels (`dispatch.mla_head_kernels`), the layer
+    loop passes kv_b_proj stacked (`dispatch.head_kernels_in_place`): W_UK's product runs in `absorb` (interpret
+    mode here) reading q and the stack in place, and the Mosaic kernel (a spy here: the twin on the layer it is told
+    to read; the kernel itself: tests/kernels/test_mla_attention_mgpu.py) gets every layer's kv_b_proj, the loop's
+    layer, W_UV's offset (nope) and width (v), and returns [B, T, H, v]. The tree verify equals the XLA path."""
     import dataclasses
     import importlib
 
@@ -433,15 +439,18 @@ def test_mla_merge_up_hands_the_kernel_kv_b_proj_in_place(monkeypatch, layer_loo
     calls = []
 
     def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None, **kwargs):
-        up = {name: kwargs.pop(name) for name in ("up_weight", "up_layer", "up_offset", "up_width")}
+        up = {name: kwargs.pop(name, None) for name in ("up_weight", "up_layer", "up_offset", "up_width")}
         assert kwargs == dispatch.mla_schedule_options()
-        calls.append((up["up_weight"].shape, up["up_offset"], up["up_width"]))
         latent, rope_key = latent[layer], rope_key[layer]
-        assert up["up_layer"] is not None and layer is not None
         words, kv_lengths = packed_mask
         t = jnp.arange(mask.shape[1])
         bits = (words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1
         seen = (bits == 1) & (jnp.arange(mask.shape[2])[None, None, :] < kv_lengths[:, None, None])
+        if up["up_weight"] is None:
+            assert not merge_up
+            return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, seen, scale=scale)
+        calls.append((up["up_weight"].shape, up["up_offset"], up["up_width"]))
+        assert up["up_layer"] is not None and layer is not None
         weight = up["up_weight"][up["up_layer"]]
         return mla_tree_attention_reference(
             q_latent,
@@ -457,14 +466,24 @@ def test_mla_merge_up_hands_the_kernel_kv_b_proj_in_place(monkeypatch, layer_loo
 
     monkeypatch.setattr(attention_module, "mla_tree_attention", spy)
     monkeypatch.setattr(dispatch, "mla_attention_kernel", lambda **kw: "mosaic")
-    monkeypatch.setattr(dispatch, "mla_merge_up", lambda **kw: True)
-    monkeypatch.setattr(dispatch, "merge_up_in_place", lambda name, backend_name=None: name == "kv_b_proj")
+    monkeypatch.setattr(dispatch, "mla_head_kernels", lambda **kw: (absorb, merge_up))
+    monkeypatch.setattr(dispatch, "head_kernels_in_place", lambda name, backend_name=None: name == "kv_b_proj")
+    absorbed = []
+    real_absorb = attention_module.absorb
+
+    def absorb_spy(q, weight, layer, **kwargs):
+        absorbed.append((weight.shape, kwargs["q_offset"], kwargs["width"], kwargs["w_offset"]))
+        return real_absorb(q, weight, layer, **kwargs)
+
+    monkeypatch.setattr(attention_module, "absorb", absorb_spy)
     got = deepseek_v3.tree_forward(
         config, params, cache, tree.tokens, tree.depths, ancestor_mask(tree), attn_impl="pallas", layer_loop=layer_loop
     )
+    assert bool(absorbed) == absorb and bool(calls) == merge_up, (absorbed, calls)
+    assert all(call[1:] == (0, config.qk_nope_head_dim, 0) for call in absorbed), absorbed
     kv_b = (config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)
     per_kind = {(config.first_k_dense_replace,) + kv_b, (config.num_layers - config.first_k_dense_replace,) + kv_b}
-    assert calls and {call[0] for call in calls} <= per_kind, calls
+    assert {call[0] for call in calls} | {call[0] for call in absorbed} <= per_kind, (calls, absorbed)
     assert all(call[1:] == (config.qk_nope_head_dim, config.v_head_dim) for call in calls), calls
     for g, w in zip(got[:2], want[:2]):
         assert relerr(np.asarray(g, np.float32), np.asarray(w, np.float32)) < 1e-5

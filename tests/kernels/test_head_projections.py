@@ -1,4 +1,4 @@
-"""`ddtree_kernels.split_merge.merge_up` (the splits' merge and each head's up-projection in one launch) against
+"""`ddtree_kernels.head_projections.merge_up` (the splits' merge and each head's up-projection in one launch) against
 its twin and against the two steps it replaces (`mosaic_common.merge_splits`, then the per-head product), on
 fresh random inputs: ragged split counts, padded rows, rows whose splits saw no key, stacked weights read at
 traced layers (negative and past the end, as `lax.dynamic_index_in_dim` reads them). Interpret mode on the CPU,
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_kernels.head_projections import absorb, absorb_reference, merge_up, merge_up_reference
 from ddtree_kernels.mosaic_common import merge_splits
-from ddtree_kernels.split_merge import merge_up, merge_up_reference
 
 # name: (B, splits, rows, padded rows, D, heads, stride, offset, width, weight layers or None, layer, block_v)
 CASES = {
@@ -91,3 +91,63 @@ def test_rejects_bad_arguments(change, message):
         lse = lse.astype(change.pop("lse_dtype"))
     with pytest.raises(ValueError, match=message):
         merge_up(partial, lse, weight, layer, **{**kwargs, **change})
+
+
+# name: (B, rows, Dq, heads, stride, q_offset, width, w_offset, D, weight layers or None, layer)
+ABSORB_CASES = {
+    "mla_shard_ar": (1, 8, 192, 8, 256, 0, 128, 0, 512, 3, 2),  # K2.6 TP8's W_UK at one token, q read in place
+    "tree_rows": (2, 17 * 4, 48, 4, 40, 0, 32, 0, 64, None, None),
+    "offsets_negative_layer": (1, 6, 40, 3, 24, 8, 16, 4, 32, 4, -2),
+    "layer_past_the_end": (1, 4, 16, 2, 16, 0, 16, 0, 256, 2, 7),
+}
+
+
+def _absorb_inputs(name):
+    batch, rows, dq, heads, stride, q_offset, width, w_offset, dim, layers, layer = ABSORB_CASES[name]
+    keys = jax.random.split(jax.random.key(zlib.crc32(name.encode())), 2)
+    q = jax.random.normal(keys[0], (batch, rows, dq)).astype(jnp.bfloat16)
+    shape = (heads * stride, dim) if layers is None else (layers, heads * stride, dim)
+    weight = (jax.random.normal(keys[1], shape) * 0.1).astype(jnp.bfloat16)
+    kwargs = dict(heads=heads, q_offset=q_offset, width=width, w_offset=w_offset)
+    return q, weight, (None if layer is None else jnp.int32(layer)), kwargs
+
+
+@pytest.mark.parametrize("name", list(ABSORB_CASES))
+def test_absorb_matches_the_reference_and_the_per_head_product(name):
+    """`absorb` against its twin, and the twin against the per-head product written independently in numpy
+    (float64, the clamped layer, each row's head r mod H)."""
+    q, weight, layer, kwargs = _absorb_inputs(name)
+    got = jax.jit(lambda *a: absorb(*a, **kwargs, block_d=16))(q, weight, layer)
+    want = absorb_reference(q, weight, layer, **kwargs)
+    assert got.shape == q.shape[:2] + weight.shape[-1:] and got.dtype == q.dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all() and np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    w = np.asarray(weight, np.float64)
+    if layer is not None:
+        index = int(layer) + w.shape[0] if int(layer) < 0 else int(layer)
+        w = w[min(max(index, 0), w.shape[0] - 1)]
+    heads, q_offset, width, w_offset = (kwargs[k] for k in ("heads", "q_offset", "width", "w_offset"))
+    per_head = w.reshape(heads, -1, w.shape[-1])[:, w_offset : w_offset + width]  # [H, width, D]
+    rows = q.shape[1]
+    query = np.asarray(q, np.float64)[..., q_offset : q_offset + width]
+    numpy = np.einsum("brn,rnd->brd", query, per_head[np.arange(rows) % heads])
+    assert np.abs(want - numpy).max() <= 1e-2 * np.abs(numpy).max()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(heads=3), "heads must be >= 1 and divide q's rows"),
+        (dict(q_offset=100), "must lie in q's last axis"),
+        (dict(width=96), "width must be a power of two"),
+        (dict(w_offset=200), "must lie in each head's"),
+        (dict(layer=None), "weight must be \\[H x stride, D\\]"),
+    ],
+)
+def test_absorb_rejects_bad_arguments(change, message):
+    q, weight, layer, kwargs = _absorb_inputs("mla_shard_ar")
+    change = dict(change)
+    if "layer" in change:
+        layer = change.pop("layer")
+    with pytest.raises(ValueError, match=message):
+        absorb(q, weight, layer, **{**kwargs, **change})

@@ -1,26 +1,32 @@
-"""Merge flash-decoding splits and apply a per-head up-projection in one launch (absorbed MLA's W_UV).
+"""Absorbed MLA's per-head products around the attention kernel, one Triton launch each, the weight read in place.
 
-A split-KV attention kernel (`mla_attention_mgpu`) leaves each key split's normalised output and its base-2
-log-sum-exp; absorbed MLA then multiplies the merged latent output by each head's W_UV. In XLA that is three
-reductions for the merge and one or two fusions for the product, each a launch of 1-3 us at decode sizes
-(BENCHMARKS.md, the K2.6 TP8 shard's AR profile). Here one Triton program per (batch row, query row, block
-of output columns) merges its row's splits in float32 and multiplies by its block of the head's weight rows.
+Absorbed MLA multiplies each head's query by its W_UK before attention (q_latent = q_nope . W_UK) and each head's
+merged output by its W_UV after (out = o_latent . W_UV^T); between, a split-KV kernel (`mla_attention_mgpu`) leaves
+each key split's normalised output and base-2 log-sum-exp to merge. In XLA these are, at decode sizes, a transpose
+of each weight every layer (the reductions want [H, r, n]), the products, and three reductions for the merge:
+each a launch of 1-3 us (BENCHMARKS.md, the K2.6 TP8 shard's AR profile). Here:
 
-  merge_up(partial [B, S, R', D], lse [B, S, R''], weight [L, H x stride, D] | [H x stride, D], layer,
-           rows=R, heads=H, offset, width) -> out [B, R, width]
+  absorb(q [B, R, Dq], weight [L, H x stride, D] | [H x stride, D], layer, heads=H, q_offset, width, w_offset)
+      -> out [B, R, D]:  out[b, r, d] = sum_n q[b, r, q_offset + n] * weight[layer, h * stride + w_offset + n, d]
+      for n < width, h = r mod H (W_UK: q_offset 0 of q's nope + rope, w_offset 0, width nope)
+  merge_up(partial [B, S, R', D], lse [B, S, R''], weight, layer, rows=R, heads=H, offset, width)
+      -> out [B, R, width]:
       merged[b, r]  = sum_s 2^(lse[b, s, r] - m) partial[b, s, r] / sum_s 2^(lse[b, s, r] - m),  m = max_s lse
       out[b, r, v]  = sum_d merged[b, r, d] * weight[layer, h * stride + offset + v, d],  h = r mod H
-  (float32 throughout, out in partial's dtype; R' and R'' >= R: padding rows are never read; a row whose
-  splits saw no key, lse -inf in every split, merges to 0.)
+      (W_UV: offset nope, width v; R' and R'' >= R: padding rows are never read; a row whose splits saw no key,
+      lse -inf in every split, merges to 0)
+  float32 throughout, out in the input's dtype.
 
 The weight is a projection in HF's [out, in] layout whose rows are head-major blocks of `stride` rows, as
-DeepSeek-V3's kv_b_proj [H x (nope + v), r]: W_UV of head h is rows h x stride + nope .. + v. With a stacked
-[L, ...] weight and `layer` (int32 scalar, may be traced: a layer scan's counter) the layer is read in place,
-as `lax.dynamic_index_in_dim` reads it (negative from the end, then clamped). No slice or transpose of the
-weight is made.
+DeepSeek-V3's kv_b_proj [H x (nope + v), r]: W_UK of head h is rows h x stride .. + nope, W_UV rows h x stride +
+nope .. + v. With a stacked [L, ...] weight and `layer` (int32 scalar, may be traced: a layer scan's counter) the
+layer is read in place, as `lax.dynamic_index_in_dim` reads it (negative from the end, then clamped). No slice or
+transpose of the weight is made. Row r of q / the output is head r mod H (rows t-major, t x H + h, as the MLA
+kernel flattens them).
 
-Cost: each program reads S x D partials and block_v x D weights (L2-resident after the first column block);
-B x R x width / block_v programs. `merge_up_reference` is the twin (jnp, float32).
+Cost: merge_up's program (batch row, row, block of width) reads S x D partials and block_v x D weights; absorb's
+(batch row, row, block of D) reads `width` query values and width x block_d weights; the weights are L2-resident
+after a head's first program. `absorb_reference` / `merge_up_reference` are the twins (jnp, float32).
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from jax.experimental.pallas import triton as plgpu
 from ddtree_kernels.mosaic_common import layer_index
 from ddtree_kernels.tiling import default_interpret
 
-BLOCK_V = 32  # output columns a program
-BLOCK_S = 16  # splits a step of the merge loop
+BLOCK_V = 32  # merge_up: output columns a program
+BLOCK_S = 16  # merge_up: splits a step of the merge loop
+BLOCK_D = 128  # absorb: output columns a program
 
 
 def _kernel(
@@ -193,3 +200,123 @@ def merge_up_reference(
     merged = merged.reshape(batch, rows // heads, heads, -1)
     out = jnp.einsum("bthd,hvd->bthv", merged, per_head, precision="highest")
     return out.reshape(batch, rows, width).astype(partial.dtype)
+
+
+def _absorb_kernel(
+    layer_ref,
+    q_ref,
+    weight_ref,
+    o_ref,
+    *,
+    heads: int,
+    stride: int,
+    q_offset: int,
+    w_offset: int,
+    width: int,
+    num_layers: int,
+    block_d: int,
+):
+    # layer_ref: i32 [1]; q_ref: [B, R, Dq]; weight_ref: [L, H x stride, D]; o_ref: [block_d] this program's
+    # output columns of row (b, r)
+    b, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head = lax.rem(r, heads)
+    layer = layer_index(layer_ref[0], num_layers)
+    q = q_ref[b, r, pl.ds(q_offset, width)].astype(jnp.float32)  # [width]
+    weight = weight_ref[layer, pl.ds(head * stride + w_offset, width), pl.ds(j * block_d, block_d)]
+    o_ref[...] = jnp.sum(weight.astype(jnp.float32) * q[:, None], axis=0).astype(o_ref.dtype)
+
+
+def _check_absorb(q, weight, layer, heads, q_offset, width, w_offset, block_d):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, rows, Dq] (row r is head r mod heads), got shape {q.shape}")
+    if heads < 1 or q.shape[1] % heads:
+        raise ValueError(f"heads must be >= 1 and divide q's rows {q.shape[1]}, got {heads}")
+    if q_offset < 0 or width < 1 or q_offset + width > q.shape[2]:
+        raise ValueError(f"q_offset {q_offset} + width {width} must lie in q's last axis {q.shape[2]}")
+    if width & (width - 1):
+        raise ValueError(f"width must be a power of two (one program's reduction), got {width}")
+    if weight.ndim != (2 if layer is None else 3):
+        want = "[H x stride, D]" if layer is None else "every layer's [L, H x stride, D] (with layer=)"
+        raise ValueError(f"weight must be {want}, got shape {weight.shape}")
+    if weight.shape[-2] % heads:
+        raise ValueError(f"weight's rows {weight.shape[-2]} must be heads x stride, heads = {heads}")
+    stride = weight.shape[-2] // heads
+    if w_offset < 0 or w_offset + width > stride:
+        raise ValueError(f"w_offset {w_offset} + width {width} must lie in each head's {stride} weight rows")
+    dim = weight.shape[-1]
+    if block_d < 1 or block_d & (block_d - 1) or dim % block_d:
+        raise ValueError(f"block_d must be a power of two dividing the weight's D = {dim}, got {block_d}")
+    if layer is not None:
+        layer = jnp.asarray(layer)
+        if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got shape {layer.shape} dtype {layer.dtype}")
+    return stride
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "q_offset", "width", "w_offset", "block_d", "interpret"))
+def absorb(
+    q: jax.Array,
+    weight: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    heads: int,
+    q_offset: int,
+    width: int,
+    w_offset: int,
+    block_d: int = BLOCK_D,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """out [B, R, D] (q's dtype): each row's q[q_offset : q_offset + width] times its head's weight rows
+    w_offset .. + width (module docstring). q [B, R, Dq] (row r is head r mod heads), weight bf16 / f32
+    [H x stride, D] or, with layer (an int32 scalar, may be traced), every layer's [L, H x stride, D]; block_d:
+    output columns a program (cut to D)."""
+    block_d = min(block_d, weight.shape[-1])
+    stride = _check_absorb(q, weight, layer, heads, q_offset, width, w_offset, block_d)
+    if layer is None:
+        weight, layer = weight[None], 0
+    batch, rows, _ = q.shape
+    dim = weight.shape[-1]
+    kernel = functools.partial(
+        _absorb_kernel,
+        heads=heads,
+        stride=stride,
+        q_offset=q_offset,
+        w_offset=w_offset,
+        width=width,
+        num_layers=weight.shape[0],
+        block_d=block_d,
+    )
+    inputs = (jnp.asarray(layer, jnp.int32).reshape(1), q, weight)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, rows, dim // block_d),
+        in_specs=[pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in inputs],
+        out_specs=pl.BlockSpec((None, None, block_d), lambda b, r, j: (b, r, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, rows, dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=default_interpret(interpret),
+        name="absorb",
+    )(*inputs)
+
+
+def absorb_reference(
+    q: jax.Array,
+    weight: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    heads: int,
+    q_offset: int,
+    width: int,
+    w_offset: int,
+) -> jax.Array:
+    """`absorb`'s twin in jnp (float32 product, out in q's dtype)."""
+    stride = _check_absorb(
+        q, weight, layer, heads, q_offset, width, w_offset, block_d=weight.shape[-1] & -weight.shape[-1]
+    )
+    if layer is not None:
+        weight = lax.dynamic_index_in_dim(weight, layer_index(layer, weight.shape[0]), 0, keepdims=False)
+    batch, rows, _ = q.shape
+    per_head = weight.reshape(heads, stride, -1)[:, w_offset : w_offset + width].astype(jnp.float32)  # [H, n, D]
+    query = q[..., q_offset : q_offset + width].astype(jnp.float32).reshape(batch, rows // heads, heads, width)
+    out = jnp.einsum("bthn,hnd->bthd", query, per_head, precision="highest")
+    return out.reshape(batch, rows, -1).astype(q.dtype)
