@@ -156,3 +156,51 @@ def test_projections_read_in_place_per_shard_equal_unsharded(params, mesh, unsha
     heads_v = CONFIG.num_heads * CONFIG.v_head_dim
     assert (moe_layers, CONFIG.hidden_size, heads_v // 4) in shapes  # o_proj: its input split 4 ways, summed
     assert (moe_layers, CONFIG.q_lora_rank, CONFIG.hidden_size) in shapes  # q_a_proj: replicated, whole
+
+
+def test_mla_head_kernels_per_shard_equal_unsharded(params, mesh, unsharded, monkeypatch):
+    """Absorbed MLA's per-head products in `head_projections`' kernels (`dispatch.mla_head_kernels`) under the TP
+    mesh: the layer scan hands kv_b_proj over stacked, each shard reads its heads' rows of it in place (split over
+    "model" by the rule table) for W_UK (`absorb`, interpret mode) and W_UV (in the Mosaic kernel's merge: its twin
+    here, with the same arguments); equal to the unsharded model."""
+    import importlib
+
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
+
+    attention_module = importlib.import_module("ddtree_jax.models.attention")
+    shapes = []
+
+    def twin(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None, **kwargs):
+        weight, up_layer = kwargs.pop("up_weight"), kwargs.pop("up_layer")
+        offset, width = kwargs.pop("up_offset"), kwargs.pop("up_width")
+        shapes.append((q_latent.shape[2], weight.shape))
+        if layer is not None:
+            latent, rope_key = latent[layer], rope_key[layer]
+        words, kv_lengths = packed_mask
+        t = jnp.arange(mask.shape[1])
+        seen = ((words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1) == 1
+        seen = seen & (jnp.arange(mask.shape[2])[None, None, :] < kv_lengths[:, None, None])
+        return mla_tree_attention_reference(
+            q_latent,
+            q_rope,
+            latent,
+            rope_key,
+            seen,
+            scale=scale,
+            up_weight=weight[up_layer],
+            up_offset=offset,
+            up_width=width,
+        )
+
+    monkeypatch.setattr(attention_module, "mla_tree_attention", twin)
+    monkeypatch.setattr(dispatch, "mla_attention_kernel", lambda **kw: "mosaic")
+    monkeypatch.setattr(dispatch, "mla_head_kernels", lambda **kw: (True, True))
+    monkeypatch.setattr(dispatch, "head_kernels_in_place", lambda name, backend_name=None: name == "kv_b_proj")
+    sharded = shard_params(params, deepseek_v3.param_axes(CONFIG), mesh, "tp")
+    got = prefill_verify(sharded, mesh, in_mesh_context=True, attn_impl="pallas", moe_impl="pallas")
+    _close(got, unsharded)
+    model = mesh.shape[MODEL]
+    stride = CONFIG.qk_nope_head_dim + CONFIG.v_head_dim
+    # per shard: its H / model heads, and their rows of every layer's kv_b_proj
+    assert shapes and all(heads == CONFIG.num_heads // model for heads, _ in shapes), shapes
+    assert all(shape[1:] == (CONFIG.num_heads // model * stride, CONFIG.kv_lora_rank) for _, shape in shapes), shapes
