@@ -43,7 +43,7 @@ from ddtree_kernels.mosaic_common import layer_index
 from ddtree_kernels.tiling import default_interpret
 
 BLOCK_V = 32  # merge_up: output columns a program
-BLOCK_S = 16  # merge_up: splits a step of the merge loop
+BLOCK_S = 16  # merge_up: splits a step of the merge loop (Triton pipelines its loads 3 steps deep)
 BLOCK_D = 128  # absorb: output columns a program
 
 
@@ -169,7 +169,7 @@ def merge_up(
         in_specs=[pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in inputs],
         out_specs=pl.BlockSpec((None, None, block_v), lambda b, r, j: (b, r, j)),
         out_shape=jax.ShapeDtypeStruct((batch, rows, width), partial.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=default_interpret(interpret),
         name="merge_up",
     )(*inputs)
