@@ -326,7 +326,9 @@ def _mla_attend(
         float32=float32,
         mla_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
     )
-    absorb, merge_up = _head_kernels(c, kv_b_layer, q, latent_cache, q_rot) if impl == "pallas" else (False, False)
+    absorb, merge_up = (
+        _head_kernels(c, kv_b_layer, q, latent_cache, rope_cache, q_rot) if impl == "pallas" else (False, False)
+    )
     reduce = batch * steps <= dispatch.MLA_REDUCE_MAX_ROWS  # the products as reductions (dispatch's note)
     if absorb:  # q_nope . W_UK in one launch, read from q and kv_b_proj in place
         q_latent = sharded_absorb(q, HeadRows(kv_b, offset=0, width=c.qk_nope_head_dim), q_width=c.kv_lora_rank)
@@ -375,10 +377,11 @@ def _mla_attend(
     return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
 
 
-def _head_kernels(c, kv_b, q, latent_cache, q_rot) -> tuple[bool, bool]:
+def _head_kernels(c, kv_b, q, latent_cache, rope_cache, q_rot) -> tuple[bool, bool]:
     """(absorb, merge_up): whether this absorbed-MLA call takes W_UK's / W_UV's products in `head_projections`'
-    kernels around the Mosaic kernel (`dispatch.mla_head_kernels`). kv_b: this layer's kv_b_proj (its dtype)."""
-    bfloat16 = all(a.dtype == jnp.bfloat16 for a in (q, latent_cache, q_rot))
+    kernels around the Mosaic kernel (`dispatch.mla_head_kernels`; the Mosaic check on every operand's dtype, as
+    `sharded_mla_attention` makes it). kv_b: this layer's kv_b_proj (its dtype)."""
+    bfloat16 = all(a.dtype == jnp.bfloat16 for a in (q, latent_cache, rope_cache, q_rot))
     mosaic = dispatch.mla_attention_kernel(bfloat16=bfloat16, dims=(c.kv_lora_rank, q_rot.shape[-1])) == "mosaic"
     weight_bfloat16 = isinstance(kv_b, jax.Array) and kv_b.dtype == jnp.bfloat16
     return dispatch.mla_head_kernels(

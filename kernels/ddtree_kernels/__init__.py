@@ -9,8 +9,8 @@ its own.
   prefill_attention_mgpu  causal prefill-chunk attention on Mosaic GPU (FlashAttention-3 style, per-row offset)
   grouped_int4_mgpu    grouped INT4 MoE matmul on Mosaic GPU (prefill chunks; a per-assignment decode form)
   grouped_int4_stream_mgpu  the same at tree sizes: persistent CTAs streaming many experts through one TMA ring
+  head_projections     absorbed MLA's per-head products around the attention kernel: W_UK (absorb), split merge + W_UV
   mosaic_common        what the Mosaic GPU attention kernels share (P @ V accumulation, mask bits, split merge)
-  head_projections          the MLA kernel's split merge and each head's up-projection (W_UV) in one launch
   moe_decode           INT4 MoE decode: the chosen experts read in place (moe_impl "decode", "auto" at <= 16 on GPU)
   tree_build           DDTree construction: per-depth top-K and the best-first selection (with the tree's layout)
   tree_sampling        target-only tree rejection sampling, fused from the logits

@@ -95,7 +95,7 @@ def _kernel(
     o_ref[...] = jnp.sum(weight * merged[None, :], axis=1).astype(o_ref.dtype)
 
 
-def _check(partial, lse, weight, layer, rows, heads, offset, width, block_v):
+def _check(partial, lse, weight, layer, rows, heads, offset, width, block_v, block_s=BLOCK_S):
     if partial.ndim != 4:
         raise ValueError(f"partial must be [B, splits, rows, D], got shape {partial.shape}")
     batch, splits, partial_rows, dim = partial.shape
@@ -119,6 +119,8 @@ def _check(partial, lse, weight, layer, rows, heads, offset, width, block_v):
         raise ValueError(f"offset {offset} + width {width} must lie in each head's {stride} weight rows")
     if block_v < 1 or block_v & (block_v - 1) or width % block_v:
         raise ValueError(f"block_v must be a power of two dividing width = {width}, got {block_v}")
+    if block_s < 1 or block_s & (block_s - 1):
+        raise ValueError(f"block_s must be a power of two >= 1 (splits a step of the merge), got {block_s}")
     if dim & (dim - 1):
         raise ValueError(f"D must be a power of two (one program's row of the merge), got {dim}")
     if layer is not None:
@@ -147,7 +149,7 @@ def merge_up(
     by its head's weight rows (module docstring). partial [B, S, R', D] (D a power of two), lse float32 [B, S,
     R''] (base 2), weight bf16 / f32 [H x stride, D] or, with layer (an int32 scalar, may be traced), every
     layer's [L, H x stride, D]; row r is head r mod heads; head h's rows h x stride + offset .. + width."""
-    stride = _check(partial, lse, weight, layer, rows, heads, offset, width, block_v)
+    stride = _check(partial, lse, weight, layer, rows, heads, offset, width, block_v, block_s)
     if layer is None:
         weight, layer = weight[None], 0
     batch, splits, _, dim = partial.shape
@@ -244,6 +246,8 @@ def _check_absorb(q, weight, layer, heads, q_offset, width, w_offset, block_d):
     if w_offset < 0 or w_offset + width > stride:
         raise ValueError(f"w_offset {w_offset} + width {width} must lie in each head's {stride} weight rows")
     dim = weight.shape[-1]
+    if dim & (dim - 1):
+        raise ValueError(f"the weight's D must be a power of two (a program's output columns), got {dim}")
     if block_d < 1 or block_d & (block_d - 1) or dim % block_d:
         raise ValueError(f"block_d must be a power of two dividing the weight's D = {dim}, got {block_d}")
     if layer is not None:

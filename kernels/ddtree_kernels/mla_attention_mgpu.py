@@ -808,8 +808,8 @@ def mla_tree_attention(
             )
     if up_weight is not None:
         _check_up(up_weight, up_layer, heads, up_offset, up_width)
-    elif up_layer is not None or up_width is not None:
-        raise ValueError("up_layer and up_width go with up_weight (the up-projection applied in the merge)")
+    elif up_layer is not None or up_width is not None or up_offset:
+        raise ValueError("up_layer, up_offset and up_width go with up_weight (the up-projection applied in the merge)")
     scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else float(scale)
     kv_lengths = visible_lengths(mask) if kv_lengths is None else kv_lengths
     return _mla_tree_attention(
@@ -844,6 +844,8 @@ def _check_up(up_weight, up_layer, heads: int, up_offset: int, up_width: int | N
     if up_weight.ndim != want or up_weight.shape[-1] != LATENT_DIM or up_weight.shape[-2] % heads:
         form = "[H x stride, 512]" if up_layer is None else "every layer's [L, H x stride, 512] (with up_layer)"
         raise ValueError(f"up_weight must be {form} with H = {heads}, got shape {up_weight.shape}")
+    if up_layer is not None and (jnp.ndim(up_layer) != 0 or not jnp.issubdtype(jnp.result_type(up_layer), jnp.integer)):
+        raise ValueError(f"up_layer must be an integer scalar, got {up_layer!r}")
     stride = up_weight.shape[-2] // heads
     if up_offset < 0 or up_width < 1 or up_offset + up_width > stride:
         raise ValueError(f"up_offset {up_offset} + up_width {up_width} must lie in each head's {stride} rows")
@@ -862,6 +864,11 @@ def mla_tree_attention_reference(
     scale = (LATENT_DIM + ROPE_DIM) ** -0.5 if scale is None else scale
     if up_weight is None:
         return tree_attention_reference((q_latent, q_rope), (latent, rope_key), None, mask, scale=scale)
+    if up_weight.ndim != 2 or up_width is None or up_weight.shape[0] % q_latent.shape[2]:
+        raise ValueError(
+            f"up_weight must be one layer's [H x stride, D] with H = {q_latent.shape[2]} and up_width given, got shape "
+            f"{up_weight.shape} and up_width {up_width}"
+        )
     q = (q_latent.astype(jnp.float32), q_rope.astype(jnp.float32))
     k = (latent.astype(jnp.float32), rope_key.astype(jnp.float32))
     out = tree_attention_reference(q, k, None, mask, scale=scale)  # float32 [B, T, H, 512]

@@ -1,8 +1,9 @@
-"""`ddtree_kernels.head_projections.merge_up` (the splits' merge and each head's up-projection in one launch) against
-its twin and against the two steps it replaces (`mosaic_common.merge_splits`, then the per-head product), on
-fresh random inputs: ragged split counts, padded rows, rows whose splits saw no key, stacked weights read at
-traced layers (negative and past the end, as `lax.dynamic_index_in_dim` reads them). Interpret mode on the CPU,
-compiled on a GPU."""
+"""`ddtree_kernels.head_projections` against its twins, on fresh random inputs, interpret mode on the CPU and compiled
+on a GPU. `merge_up` (the splits' merge and each head's up-projection in one launch): against its twin and against
+the two steps it replaces (`mosaic_common.merge_splits`, then the per-head product); ragged split counts, padded rows,
+rows whose splits saw no key, stacked weights read at traced layers (negative and past the end, as
+`lax.dynamic_index_in_dim` reads them). `absorb` (each head's q slice times its weight rows): against its twin and a
+numpy product, offsets into q and into each head's rows, traced layers."""
 
 import zlib
 
@@ -78,6 +79,8 @@ def test_reference_equals_the_merge_then_the_product(name):
         (dict(weight_shape=(3, 8 * 256, 256)), "weight's last axis must be partial's D"),
         (dict(layer=None), "weight must be \\[H x stride, D\\]"),
         (dict(lse_dtype=jnp.bfloat16), "lse must be float32"),
+        (dict(block_s=12), "block_s must be a power of two"),
+        (dict(block_s=0), "block_s must be a power of two"),
     ],
 )
 def test_rejects_bad_arguments(change, message):
@@ -142,11 +145,14 @@ def test_absorb_matches_the_reference_and_the_per_head_product(name):
         (dict(width=96), "width must be a power of two"),
         (dict(w_offset=200), "must lie in each head's"),
         (dict(layer=None), "weight must be \\[H x stride, D\\]"),
+        (dict(weight_dim=96), "D must be a power of two"),
     ],
 )
 def test_absorb_rejects_bad_arguments(change, message):
     q, weight, layer, kwargs = _absorb_inputs("mla_shard_ar")
     change = dict(change)
+    if "weight_dim" in change:
+        weight = jnp.zeros(weight.shape[:-1] + (change.pop("weight_dim"),), jnp.bfloat16)
     if "layer" in change:
         layer = change.pop("layer")
     with pytest.raises(ValueError, match=message):

@@ -206,6 +206,13 @@ def test_out_of_range_lengths_see_their_clamped_keys(results):
             "B, T, H and S must be >= 1, got B = 1, T = 3, H = 2, S = 0",
         ),
         (dict(q_latent=(1, 0, 2, 512), q_rope=(1, 0, 2, 64), mask=(1, 0, 40)), "T = 0"),
+        # the up-projection in the merge (up_weight=): its arguments named
+        (dict(up_offset=128, up_width=128), "go with up_weight"),
+        (dict(up_weight=(2 * 256, 512), up_offset=128), "up_width .* must be given"),
+        (dict(up_weight=(2 * 256, 512), up_offset=200, up_width=128), "must lie in each head's 256 rows"),
+        (dict(up_weight=(2 * 256, 512), up_offset=128, up_width=48), "multiple of 32"),
+        (dict(up_weight=(3, 2 * 256, 512), up_offset=128, up_width=128), "up_weight must be \\[H x stride, 512\\]"),
+        (dict(up_weight=(3, 2 * 256, 512), up_layer=1.7, up_offset=128, up_width=128), "up_layer must be an integer"),
     ],
 )
 def test_rejects_bad_shapes(change, message):
@@ -216,7 +223,10 @@ def test_rejects_bad_shapes(change, message):
     shapes.update({k: v for k, v in change.items() if k in shapes})
     arrays = {k: jnp.zeros(v, jnp.bfloat16 if k.startswith("q") else dtype) for k, v in shapes.items()}
     mask = jnp.ones(change.get("mask", (1, 3, arrays["latent"].shape[-3])), bool)
-    kwargs = {k: change[k] for k in ("block_kv", "num_splits", "layer", "alternate", "split_scores") if k in change}
+    names = ("block_kv", "num_splits", "layer", "alternate", "split_scores", "up_layer", "up_offset", "up_width")
+    kwargs = {k: change[k] for k in names if k in change}
+    if "up_weight" in change:
+        kwargs["up_weight"] = jnp.zeros(change["up_weight"], jnp.bfloat16)
     if "packed_mask" in change:
         words, lengths = change["packed_mask"]
         kwargs["packed_mask"] = (jnp.zeros(words, jnp.int32), jnp.zeros(lengths, jnp.int32))

@@ -32,6 +32,7 @@ def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu(monkeypatch, merge_
     W_UK / W_UV's products in XLA or in `head_projections`' kernels (`dispatch.MLA_ABSORB`, `MLA_MERGE_UP`; kv_b_proj
     read in place)."""
     import dataclasses
+    import importlib
 
     from ddtree_jax import dispatch
     from ddtree_jax.tree import ancestor_mask, build_tree
@@ -39,7 +40,18 @@ def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu(monkeypatch, merge_
     assert dispatch.mla_attention_kernel(bfloat16=True) == "mosaic"
     monkeypatch.setattr(dispatch, "MLA_MERGE_UP", merge_up)
     monkeypatch.setattr(dispatch, "MLA_ABSORB", merge_up)
-    config = dataclasses.replace(DSV3_TWO_LAYER, kv_lora_rank=512, qk_rope_head_dim=64)
+    ran = []  # the head kernels traced (spies around the real kernels)
+    for module_name, name in (
+        ("ddtree_jax.models.attention", "absorb"),
+        ("ddtree_kernels.mla_attention_mgpu", "merge_up"),
+    ):
+        module = importlib.import_module(module_name)
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **k: ran.append(name) or kernel(*a, **k))
+    # nope and v 32: the widths the head kernels take (`dispatch.mla_head_kernels`: v a multiple of 32)
+    config = dataclasses.replace(
+        DSV3_TWO_LAYER, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32
+    )
     params = jax.tree.map(
         lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
         deepseek_v3.init_params(config, jax.random.key(3)),
@@ -56,6 +68,7 @@ def test_mla_on_the_mosaic_kernel_equals_the_xla_path_on_gpu(monkeypatch, merge_
         )[:2]
         for impl in ("xla", "pallas")
     }
+    assert set(ran) == ({"absorb", "merge_up"} if merge_up else set()), ran
     for got, want in zip(outs["pallas"], outs["xla"]):
         assert np.all(np.isfinite(np.asarray(got, np.float32)))
         assert relerr(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 3e-2
