@@ -336,7 +336,7 @@ def _mla_attend(
         q_latent = _absorb_query(q_nope, w_uk)
     else:
         q_latent = contract("bthn,hnr->bthr", q_nope, w_uk)  # [B, T, H, r]
-    if merge_up:  # W_UV applied in the merge of the kernel's splits (one launch), kv_b_proj's rows read in place
+    if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
         out = sharded_mla_attention(
             q_latent,
             q_rot.astype(q_latent.dtype),
@@ -346,20 +346,12 @@ def _mla_attend(
             scale=softmax_scale(c),
             layer=layer,
             packed_mask=packed_mask,
-            up=HeadRows(kv_b, offset=c.qk_nope_head_dim, width=c.v_head_dim),
+            # merge_up: W_UV applied in the merge of the kernel's splits (one launch), kv_b_proj's rows in place
+            up=HeadRows(kv_b, offset=c.qk_nope_head_dim, width=c.v_head_dim) if merge_up else None,
         )
-        return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
-    if impl == "pallas":  # the two key parts as they are: no [latent ; rope] copy; values the latent part
-        out_latent = sharded_mla_attention(
-            q_latent,
-            q_rot.astype(q_latent.dtype),
-            latent_cache,
-            rope_cache,
-            mask,
-            scale=softmax_scale(c),
-            layer=layer,
-            packed_mask=packed_mask,
-        )
+        if merge_up:  # out [B, T, H, v]
+            return linear(out.reshape(batch, steps, c.num_heads * c.v_head_dim), p["o_proj"])
+        out_latent = out
     else:
         latent_cache, rope_cache = one_layer(latent_cache), one_layer(rope_cache)
         query = jnp.concatenate([q_latent, q_rot.astype(q_latent.dtype)], axis=-1)

@@ -107,27 +107,52 @@ def _check(partial, lse, weight, layer, rows, heads, offset, width, block_v, blo
         raise ValueError(f"rows must be 1 .. {min(partial_rows, lse.shape[2])} (partial's and lse's rows), got {rows}")
     if heads < 1 or rows % heads:
         raise ValueError(f"heads must be >= 1 and divide rows = {rows} (row r is head r mod heads), got {heads}")
-    if weight.ndim != (2 if layer is None else 3):
-        want = "[H x stride, D]" if layer is None else "every layer's [L, H x stride, D] (with layer=)"
-        raise ValueError(f"weight must be {want}, got shape {weight.shape}")
     if weight.shape[-1] != dim:
         raise ValueError(f"weight's last axis must be partial's D = {dim}, got shape {weight.shape}")
-    if weight.shape[-2] % heads:
-        raise ValueError(f"weight's rows {weight.shape[-2]} must be heads x stride, heads = {heads}")
-    stride = weight.shape[-2] // heads
-    if offset < 0 or width < 1 or offset + width > stride:
-        raise ValueError(f"offset {offset} + width {width} must lie in each head's {stride} weight rows")
+    stride = _check_weight_rows(weight, layer, heads, offset, width, "offset")
     if block_v < 1 or block_v & (block_v - 1) or width % block_v:
         raise ValueError(f"block_v must be a power of two dividing width = {width}, got {block_v}")
     if block_s < 1 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two >= 1 (splits a step of the merge), got {block_s}")
     if dim & (dim - 1):
         raise ValueError(f"D must be a power of two (one program's row of the merge), got {dim}")
+    return stride
+
+
+def _check_weight_rows(weight, layer, heads: int, offset: int, width: int, offset_name: str) -> int:
+    """The head-major weight's form ([H x stride, D], or [L, ...] with an integer scalar layer) and each head's rows
+    offset .. + width inside its stride -> stride."""
+    if weight.ndim != (2 if layer is None else 3):
+        want = "[H x stride, D]" if layer is None else "every layer's [L, H x stride, D] (with layer=)"
+        raise ValueError(f"weight must be {want}, got shape {weight.shape}")
+    if weight.shape[-2] % heads:
+        raise ValueError(f"weight's rows {weight.shape[-2]} must be heads x stride, heads = {heads}")
+    stride = weight.shape[-2] // heads
+    if offset < 0 or width < 1 or offset + width > stride:
+        raise ValueError(f"{offset_name} {offset} + width {width} must lie in each head's {stride} weight rows")
     if layer is not None:
         layer = jnp.asarray(layer)
         if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
             raise ValueError(f"layer must be an integer scalar, got shape {layer.shape} dtype {layer.dtype}")
     return stride
+
+
+def _call(kernel, layer, arrays, weight, *, grid, block: int, out_shape, num_stages: int, name: str, interpret):
+    """pallas_call of `kernel` on (layer i32 [1], *arrays, weight [L, ...]) as whole blocks (the kernel indexes
+    them), one [block] output block a program at (b, r, j); an unstacked weight as one layer, read at layer 0."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    inputs = (jnp.asarray(layer, jnp.int32).reshape(1), *arrays, weight)
+    return pl.pallas_call(
+        functools.partial(kernel, num_layers=weight.shape[0]),
+        grid=grid,
+        in_specs=[pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in inputs],
+        out_specs=pl.BlockSpec((None, None, block), lambda b, r, j: (b, r, j)),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages),
+        interpret=default_interpret(interpret),
+        name=name,
+    )(*inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "heads", "offset", "width", "block_v", "block_s", "interpret"))
@@ -150,8 +175,6 @@ def merge_up(
     R''] (base 2), weight bf16 / f32 [H x stride, D] or, with layer (an int32 scalar, may be traced), every
     layer's [L, H x stride, D]; row r is head r mod heads; head h's rows h x stride + offset .. + width."""
     stride = _check(partial, lse, weight, layer, rows, heads, offset, width, block_v, block_s)
-    if layer is None:
-        weight, layer = weight[None], 0
     batch, splits, _, dim = partial.shape
     kernel = functools.partial(
         _kernel,
@@ -159,22 +182,22 @@ def merge_up(
         heads=heads,
         stride=stride,
         offset=offset,
-        num_layers=weight.shape[0],
         block_s=min(block_s, 1 << max(0, (splits - 1).bit_length())),
         block_v=block_v,
         dim=dim,
     )
-    inputs = (jnp.asarray(layer, jnp.int32).reshape(1), lse, partial, weight)
-    return pl.pallas_call(
+    return _call(
         kernel,
+        layer,
+        (lse, partial),
+        weight,
         grid=(batch, rows, width // block_v),
-        in_specs=[pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in inputs],
-        out_specs=pl.BlockSpec((None, None, block_v), lambda b, r, j: (b, r, j)),
+        block=block_v,
         out_shape=jax.ShapeDtypeStruct((batch, rows, width), partial.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
-        interpret=default_interpret(interpret),
+        num_stages=3,
         name="merge_up",
-    )(*inputs)
+        interpret=interpret,
+    )
 
 
 def merge_up_reference(
@@ -237,23 +260,12 @@ def _check_absorb(q, weight, layer, heads, q_offset, width, w_offset, block_d):
         raise ValueError(f"q_offset {q_offset} + width {width} must lie in q's last axis {q.shape[2]}")
     if width & (width - 1):
         raise ValueError(f"width must be a power of two (one program's reduction), got {width}")
-    if weight.ndim != (2 if layer is None else 3):
-        want = "[H x stride, D]" if layer is None else "every layer's [L, H x stride, D] (with layer=)"
-        raise ValueError(f"weight must be {want}, got shape {weight.shape}")
-    if weight.shape[-2] % heads:
-        raise ValueError(f"weight's rows {weight.shape[-2]} must be heads x stride, heads = {heads}")
-    stride = weight.shape[-2] // heads
-    if w_offset < 0 or w_offset + width > stride:
-        raise ValueError(f"w_offset {w_offset} + width {width} must lie in each head's {stride} weight rows")
+    stride = _check_weight_rows(weight, layer, heads, w_offset, width, "w_offset")
     dim = weight.shape[-1]
     if dim & (dim - 1):
         raise ValueError(f"the weight's D must be a power of two (a program's output columns), got {dim}")
     if block_d < 1 or block_d & (block_d - 1) or dim % block_d:
         raise ValueError(f"block_d must be a power of two dividing the weight's D = {dim}, got {block_d}")
-    if layer is not None:
-        layer = jnp.asarray(layer)
-        if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
-            raise ValueError(f"layer must be an integer scalar, got shape {layer.shape} dtype {layer.dtype}")
     return stride
 
 
@@ -276,31 +288,23 @@ def absorb(
     output columns a program (cut to D)."""
     block_d = min(block_d, weight.shape[-1])
     stride = _check_absorb(q, weight, layer, heads, q_offset, width, w_offset, block_d)
-    if layer is None:
-        weight, layer = weight[None], 0
     batch, rows, _ = q.shape
     dim = weight.shape[-1]
     kernel = functools.partial(
-        _absorb_kernel,
-        heads=heads,
-        stride=stride,
-        q_offset=q_offset,
-        w_offset=w_offset,
-        width=width,
-        num_layers=weight.shape[0],
-        block_d=block_d,
+        _absorb_kernel, heads=heads, stride=stride, q_offset=q_offset, w_offset=w_offset, width=width, block_d=block_d
     )
-    inputs = (jnp.asarray(layer, jnp.int32).reshape(1), q, weight)
-    return pl.pallas_call(
+    return _call(
         kernel,
+        layer,
+        (q,),
+        weight,
         grid=(batch, rows, dim // block_d),
-        in_specs=[pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in inputs],
-        out_specs=pl.BlockSpec((None, None, block_d), lambda b, r, j: (b, r, j)),
+        block=block_d,
         out_shape=jax.ShapeDtypeStruct((batch, rows, dim), q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=default_interpret(interpret),
+        num_stages=1,
         name="absorb",
-    )(*inputs)
+        interpret=interpret,
+    )
 
 
 def absorb_reference(

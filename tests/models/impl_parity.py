@@ -8,6 +8,15 @@ import numpy as np
 from ddtree_jax.tree import ancestor_mask, build_tree
 
 
+def unpack_tree_mask(packed_mask, steps: int, capacity: int):
+    """A `pack_tree_mask` result (words int32 [B, ceil(T / 32), S], kv_lengths [B]) back to bool [B, T, S], for the
+    spies that stand in for the Mosaic MLA kernel (it reads the packing, not the mask's values)."""
+    words, kv_lengths = packed_mask
+    t = jnp.arange(steps)
+    bits = (words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1
+    return (bits == 1) & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])
+
+
 def relerr(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
 

@@ -8,7 +8,7 @@ import pytest
 
 from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.attention import attention
-from tests.models.impl_parity import forward_by_impl, relerr
+from tests.models.impl_parity import forward_by_impl, relerr, unpack_tree_mask
 from tests.tiny_models import DSV3_TWO_LAYER, QWEN3_TINY
 
 
@@ -393,10 +393,7 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
             latent, rope_key = latent[layer], rope_key[layer]
         # attend under the packed mask handed in (packed once a step, outside the layer scan), unpacked: the
         # kernel reads it, not mask's values, so a wrong packing would show in the outputs below
-        words, kv_lengths = packed_mask
-        t = jnp.arange(mask.shape[1])
-        bits = (words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1
-        unpacked = (bits == 1) & (jnp.arange(mask.shape[2])[None, None, :] < kv_lengths[:, None, None])
+        unpacked = unpack_tree_mask(packed_mask, mask.shape[1], mask.shape[2])
         return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, unpacked, scale=scale)
 
     monkeypatch.setattr(attention_module, "mla_tree_attention", spy)
@@ -455,10 +452,7 @@ def test_mla_head_kernels_read_kv_b_proj_in_place(monkeypatch, layer_loop, absor
         up = {name: kwargs.pop(name, None) for name in ("up_weight", "up_layer", "up_offset", "up_width")}
         assert kwargs == dispatch.mla_schedule_options()
         latent, rope_key = latent[layer], rope_key[layer]
-        words, kv_lengths = packed_mask
-        t = jnp.arange(mask.shape[1])
-        bits = (words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1
-        seen = (bits == 1) & (jnp.arange(mask.shape[2])[None, None, :] < kv_lengths[:, None, None])
+        seen = unpack_tree_mask(packed_mask, mask.shape[1], mask.shape[2])
         if up["up_weight"] is None:
             assert not merge_up
             return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, seen, scale=scale)

@@ -20,6 +20,7 @@ from ddtree_jax.sharding.regions import context_mesh, fit_specs, shard_call
 from ddtree_jax.sharding.rules import MODEL, shard_params
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_step
+from tests.models.impl_parity import unpack_tree_mask
 from tests.sharding.tiny_k2 import CONFIG, prefill_verify
 
 
@@ -176,10 +177,7 @@ def test_mla_head_kernels_per_shard_equal_unsharded(params, mesh, unsharded, mon
         shapes.append((q_latent.shape[2], weight.shape))
         if layer is not None:
             latent, rope_key = latent[layer], rope_key[layer]
-        words, kv_lengths = packed_mask
-        t = jnp.arange(mask.shape[1])
-        seen = ((words[:, t // 32, :] >> (t % 32)[None, :, None]) & 1) == 1
-        seen = seen & (jnp.arange(mask.shape[2])[None, None, :] < kv_lengths[:, None, None])
+        seen = unpack_tree_mask(packed_mask, mask.shape[1], mask.shape[2])
         return mla_tree_attention_reference(
             q_latent,
             q_rope,
