@@ -17,6 +17,36 @@ def unpack_tree_mask(packed_mask, steps: int, capacity: int):
     return (bits == 1) & (jnp.arange(capacity)[None, None, :] < kv_lengths[:, None, None])
 
 
+def mla_kernel_twin(
+    q_latent,
+    q_rope,
+    latent,
+    rope_key,
+    mask,
+    *,
+    scale,
+    layer=None,
+    packed_mask=None,
+    up_weight=None,
+    up_layer=None,
+    up_offset=0,
+    up_width=None,
+):
+    """What the Mosaic MLA kernel (`mla_tree_attention`) computes, for spies standing in for it off GPU: the layer
+    `layer` of stacked caches, the packed mask handed in unpacked (the kernel reads the packing, not mask's values,
+    so a wrong packing shows in the outputs), and with up_weight the layer `up_layer` of stacked weights applied as
+    the merge's up-projection."""
+    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
+
+    if layer is not None:
+        latent, rope_key = latent[layer], rope_key[layer]
+    seen = unpack_tree_mask(packed_mask, mask.shape[1], mask.shape[2])
+    if up_weight is not None and up_layer is not None:
+        up_weight = up_weight[up_layer]
+    up = {} if up_weight is None else dict(up_weight=up_weight, up_offset=up_offset, up_width=up_width)
+    return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, seen, scale=scale, **up)
+
+
 def relerr(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
 

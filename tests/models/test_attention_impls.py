@@ -8,7 +8,7 @@ import pytest
 
 from ddtree_jax.models import deepseek_v3, qwen3
 from ddtree_jax.models.attention import attention
-from tests.models.impl_parity import forward_by_impl, relerr, unpack_tree_mask
+from tests.models.impl_parity import forward_by_impl, mla_kernel_twin, relerr
 from tests.tiny_models import DSV3_TWO_LAYER, QWEN3_TINY
 
 
@@ -371,7 +371,6 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
 
     from ddtree_jax import dispatch
     from ddtree_jax.tree import ancestor_mask, build_tree
-    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
 
     attention_module = importlib.import_module("ddtree_jax.models.attention")
     config = dataclasses.replace(DSV3_TWO_LAYER, num_layers=3)
@@ -389,12 +388,10 @@ def test_mla_layer_scan_hands_the_mosaic_kernel_every_layers_cache(monkeypatch, 
     def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None, **schedule):
         assert schedule == dispatch.mla_schedule_options()  # the kernel's schedule flags, from the dispatch knob
         calls.append((latent.shape, layer is not None))
-        if layer is not None:
-            latent, rope_key = latent[layer], rope_key[layer]
-        # attend under the packed mask handed in (packed once a step, outside the layer scan), unpacked: the
-        # kernel reads it, not mask's values, so a wrong packing would show in the outputs below
-        unpacked = unpack_tree_mask(packed_mask, mask.shape[1], mask.shape[2])
-        return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, unpacked, scale=scale)
+        # attends under the packed mask handed in (packed once a step, outside the layer scan)
+        return mla_kernel_twin(
+            q_latent, q_rope, latent, rope_key, mask, scale=scale, layer=layer, packed_mask=packed_mask
+        )
 
     monkeypatch.setattr(attention_module, "mla_tree_attention", spy)
     monkeypatch.setattr(dispatch, "mla_attention_kernel", lambda **kw: "mosaic")
@@ -433,7 +430,6 @@ def test_mla_head_kernels_read_kv_b_proj_in_place(monkeypatch, layer_loop, absor
 
     from ddtree_jax import dispatch
     from ddtree_jax.tree import ancestor_mask, build_tree
-    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
 
     attention_module = importlib.import_module("ddtree_jax.models.attention")
     config = dataclasses.replace(DSV3_TWO_LAYER, num_layers=3)
@@ -449,26 +445,16 @@ def test_mla_head_kernels_read_kv_b_proj_in_place(monkeypatch, layer_loop, absor
     calls = []
 
     def spy(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None, **kwargs):
-        up = {name: kwargs.pop(name, None) for name in ("up_weight", "up_layer", "up_offset", "up_width")}
+        up = {name: kwargs.pop(name) for name in ("up_weight", "up_layer", "up_offset", "up_width") if name in kwargs}
         assert kwargs == dispatch.mla_schedule_options()
-        latent, rope_key = latent[layer], rope_key[layer]
-        seen = unpack_tree_mask(packed_mask, mask.shape[1], mask.shape[2])
-        if up["up_weight"] is None:
+        assert layer is not None
+        if up.get("up_weight") is None:
             assert not merge_up
-            return mla_tree_attention_reference(q_latent, q_rope, latent, rope_key, seen, scale=scale)
-        calls.append((up["up_weight"].shape, up["up_offset"], up["up_width"]))
-        assert up["up_layer"] is not None and layer is not None
-        weight = up["up_weight"][up["up_layer"]]
-        return mla_tree_attention_reference(
-            q_latent,
-            q_rope,
-            latent,
-            rope_key,
-            seen,
-            scale=scale,
-            up_weight=weight,
-            up_offset=up["up_offset"],
-            up_width=up["up_width"],
+        else:
+            calls.append((up["up_weight"].shape, up["up_offset"], up["up_width"]))
+            assert up["up_layer"] is not None
+        return mla_kernel_twin(
+            q_latent, q_rope, latent, rope_key, mask, scale=scale, layer=layer, packed_mask=packed_mask, **up
         )
 
     monkeypatch.setattr(attention_module, "mla_tree_attention", spy)

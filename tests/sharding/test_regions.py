@@ -20,7 +20,7 @@ from ddtree_jax.sharding.regions import context_mesh, fit_specs, shard_call
 from ddtree_jax.sharding.rules import MODEL, shard_params
 from ddtree_jax.tree import build_tree
 from ddtree_jax.verify import verify_step
-from tests.models.impl_parity import unpack_tree_mask
+from tests.models.impl_parity import mla_kernel_twin
 from tests.sharding.tiny_k2 import CONFIG, prefill_verify
 
 
@@ -166,28 +166,14 @@ def test_mla_head_kernels_per_shard_equal_unsharded(params, mesh, unsharded, mon
     here, with the same arguments); equal to the unsharded model."""
     import importlib
 
-    from ddtree_kernels.mla_attention_mgpu import mla_tree_attention_reference
-
     attention_module = importlib.import_module("ddtree_jax.models.attention")
     shapes = []
 
     def twin(q_latent, q_rope, latent, rope_key, mask, *, scale, layer=None, packed_mask=None, **kwargs):
-        weight, up_layer = kwargs.pop("up_weight"), kwargs.pop("up_layer")
-        offset, width = kwargs.pop("up_offset"), kwargs.pop("up_width")
-        shapes.append((q_latent.shape[2], weight.shape))
-        if layer is not None:
-            latent, rope_key = latent[layer], rope_key[layer]
-        seen = unpack_tree_mask(packed_mask, mask.shape[1], mask.shape[2])
-        return mla_tree_attention_reference(
-            q_latent,
-            q_rope,
-            latent,
-            rope_key,
-            seen,
-            scale=scale,
-            up_weight=weight[up_layer],
-            up_offset=offset,
-            up_width=width,
+        up = {name: kwargs.pop(name) for name in ("up_weight", "up_layer", "up_offset", "up_width")}
+        shapes.append((q_latent.shape[2], up["up_weight"].shape))
+        return mla_kernel_twin(
+            q_latent, q_rope, latent, rope_key, mask, scale=scale, layer=layer, packed_mask=packed_mask, **up
         )
 
     monkeypatch.setattr(attention_module, "mla_tree_attention", twin)
